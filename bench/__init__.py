@@ -1,0 +1,1 @@
+"""tritonmoe's microbenchmark harness: ``python -m bench``."""

@@ -1,0 +1,12 @@
+"""Triton kernels and their thin launchers (installed as ``tritonmoe.kernels``).
+
+Each public op file (``routing.py``, ``permute.py``, ...) holds launchers with the same signature
+as the op's reference in :mod:`tritonmoe.reference`; the ``@triton.jit`` kernels live in private
+``_*_kernels.py`` files beside them. This package never imports :mod:`tritonmoe.comm`.
+
+:data:`KERNEL_OPS` maps an op name to the (module, attribute) of its launcher. The backend
+selection in :mod:`tritonmoe._settings` imports a launcher only when it is used, so importing
+tritonmoe never imports triton.
+"""
+
+KERNEL_OPS: dict[str, tuple[str, str]] = {}

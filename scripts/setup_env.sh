@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Creates the project's virtual environment (default .venv) on a fresh machine and installs
+# tritonmoe into it in editable mode with its test dependencies.
+#
+# * torch and triton already importable by $PYTHON (e.g. the GPU machine, which has no network):
+#   the venv sees them through --system-site-packages and nothing is downloaded for them.
+# * an NVIDIA GPU (nvidia-smi answers): the default CUDA build of torch from the package index.
+# * otherwise: a CPU build of torch (pinned, never the multi-GB CUDA wheels) and triton, whose
+#   interpreter runs the kernels' tests on CPU. Override with TRITONMOE_TORCH_SPEC /
+#   TRITONMOE_TRITON_SPEC; a CPU torch may need PIP_EXTRA_INDEX_URL pointing at a CPU wheel index.
+set -euo pipefail
+VENV=${1:-.venv}
+PYTHON=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+
+quiet_pip() {
+  # pip warns once per package about unreadable extra indexes configured on some machines.
+  "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
+if "$PYTHON" -c "import torch, triton" >/dev/null 2>&1; then
+  echo "setup: using the torch and triton already installed for $PYTHON"
+  "$PYTHON" -m venv --system-site-packages "$VENV"
+  if "$VENV/bin/python" -c "import setuptools" >/dev/null 2>&1; then
+    quiet_pip install -q --no-deps --no-build-isolation -e .
+  else
+    quiet_pip install -q --no-deps -e .
+  fi
+  # Test and telemetry dependencies: install what is missing (skipped offline if present).
+  missing=$("$VENV/bin/python" - <<'PY'
+import importlib.util
+need = {"pytest": "pytest>=7", "hypothesis": "hypothesis>=6.80", "numpy": "numpy", "pynvml": "nvidia-ml-py"}
+print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+  if [ -n "$missing" ]; then
+    quiet_pip install -q $missing
+  fi
+else
+  "$PYTHON" -m venv "$VENV"
+  quiet_pip install -q --upgrade "pip>=23" setuptools wheel
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found, installing the CUDA build of torch"
+    quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch}"
+  else
+    echo "setup: no NVIDIA GPU, installing a CPU build of torch and triton (for its interpreter)"
+    quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch==2.13.0+cpu}" "${TRITONMOE_TRITON_SPEC:-triton==3.9.0}"
+  fi
+  quiet_pip install -q -e ".[test]"
+fi
+"$VENV/bin/python" -c "import torch, tritonmoe; print(f'setup: tritonmoe {tritonmoe.__version__}, torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
+touch "$VENV/.tritonmoe-setup"

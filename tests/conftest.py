@@ -1,0 +1,42 @@
+"""Test configuration.
+
+Without a CUDA device the Triton kernels run in Triton's interpreter, which must be switched on
+before anything imports triton (and so before tritonmoe); with one, kernels run on the GPU and
+the ``gpu`` tests run too.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", deadline=None, max_examples=50)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def devices():
+    """Devices to run device-generic tests on: CPU, and CUDA when present."""
+    return ["cpu", "cuda"] if HAS_CUDA else ["cpu"]

@@ -1,0 +1,52 @@
+"""tritonmoe: fast Mixture-of-Experts layers.
+
+Fused Triton kernels for routing, token permutation and the grouped expert FFN
+(:mod:`tritonmoe.kernels`), communication building blocks for expert parallelism on
+torch.distributed (:mod:`tritonmoe.comm`), plain-PyTorch references of every op
+(:mod:`tritonmoe.reference`) and a drop-in :class:`MoELayer`.
+"""
+
+from ._settings import (
+    get_backend,
+    set_backend,
+    set_validation,
+    use_backend,
+    validation,
+    validation_enabled,
+)
+from .config import MoEConfig
+from .functional import (
+    grouped_ffn,
+    grouped_gemm,
+    load_balancing_loss,
+    permute,
+    route,
+    unpermute,
+    z_loss,
+)
+from .layer import MoELayer
+from .types import PermuteInfo, Routing
+from . import reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MoEConfig",
+    "MoELayer",
+    "PermuteInfo",
+    "Routing",
+    "get_backend",
+    "grouped_ffn",
+    "grouped_gemm",
+    "load_balancing_loss",
+    "permute",
+    "reference",
+    "route",
+    "set_backend",
+    "set_validation",
+    "unpermute",
+    "use_backend",
+    "validation",
+    "validation_enabled",
+    "z_loss",
+]

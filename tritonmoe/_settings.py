@@ -1,0 +1,166 @@
+"""Process-wide settings: the default backend and whether value checks run.
+
+Both are read from the environment once at import (``TRITONMOE_BACKEND``, ``TRITONMOE_VALIDATE``)
+and can be changed with :func:`set_backend` / :func:`set_validation`, or for a block of code with
+the :func:`use_backend` / :func:`validation` context managers (which tests should prefer, so a
+failing test cannot leak a setting into the next one).
+
+Backends:
+
+* ``"torch"``  - :mod:`tritonmoe.reference`, plain PyTorch on any device.
+* ``"triton"`` - the Triton kernels; on CPU tensors they run in Triton's interpreter, which must be
+  switched on (``TRITON_INTERPRET=1``) before tritonmoe is imported.
+* ``"auto"``   - Triton kernels for CUDA tensors when the op has one, the reference otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Callable, Iterator
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+#: Whether Triton's interpreter was switched on when tritonmoe was imported.  Triton reads the
+#: variable when a kernel is first defined, so turning it on later has no effect; we remember it
+#: here to give a clear error instead of a confusing one from deep inside Triton.
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _parse_backend(value: str, source: str) -> str:
+    v = value.strip().lower()
+    if v not in BACKENDS:
+        raise ValueError(f"{source}={value!r} is not a backend; use one of {', '.join(BACKENDS)}")
+    return v
+
+
+def _parse_bool(value: str, source: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{source}={value!r} is not a boolean; use 1 or 0")
+
+
+_state = {
+    "backend": _parse_backend(os.environ.get("TRITONMOE_BACKEND", "auto"), "TRITONMOE_BACKEND"),
+    "validate": _parse_bool(os.environ.get("TRITONMOE_VALIDATE", "1"), "TRITONMOE_VALIDATE"),
+}
+
+
+def set_backend(backend: str) -> str:
+    """Set the process default backend ("auto", "triton" or "torch"); returns the previous one."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    prev = _state["backend"]
+    _state["backend"] = _parse_backend(backend, "backend")
+    return prev
+
+
+def get_backend() -> str:
+    """The process default backend."""
+    return _state["backend"]
+
+
+@contextlib.contextmanager
+def use_backend(backend: str) -> Iterator[None]:
+    """Run a block with another default backend."""
+    prev = set_backend(backend)
+    try:
+        yield
+    finally:
+        _state["backend"] = prev
+
+
+def set_validation(enabled: bool) -> bool:
+    """Switch the value checks of the public functional ops on or off; returns the previous value.
+
+    Shape, dtype and device checks always run.  The value checks (id ranges, offsets monotone and
+    ending at R, finite logits) read tensor contents and so synchronize with the device; switch
+    them off once a pipeline is known to produce valid metadata.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_validation expects a bool, got {type(enabled).__name__}")
+    prev = _state["validate"]
+    _state["validate"] = enabled
+    return prev
+
+
+def validation_enabled() -> bool:
+    return _state["validate"]
+
+
+@contextlib.contextmanager
+def validation(enabled: bool) -> Iterator[None]:
+    """Run a block with value checks switched on or off."""
+    prev = set_validation(enabled)
+    try:
+        yield
+    finally:
+        _state["validate"] = prev
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend resolution
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_backend(backend: str | None) -> str:
+    if backend is None:
+        return _state["backend"]
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    return _parse_backend(backend, "backend")
+
+
+def select_impl(op: str, backend: str | None, device: torch.device) -> Callable:
+    """Return the implementation of ``op`` for tensors on ``device``.
+
+    The reference implementation lives in :mod:`tritonmoe.reference` under the op's name; the
+    kernel implementation is looked up in :data:`tritonmoe.kernels.KERNEL_OPS`.
+    """
+    b = resolve_backend(backend)
+    from . import reference
+
+    if b == "torch":
+        return getattr(reference, op)
+    kernel = _kernel_impl(op)
+    if b == "auto":
+        if device.type == "cuda" and kernel is not None:
+            return kernel
+        return getattr(reference, op)
+    # b == "triton"
+    if kernel is None:
+        raise NotImplementedError(
+            f"tritonmoe has no Triton kernel for '{op}' yet; use backend='torch' or 'auto'"
+        )
+    if device.type == "cpu" and not TRITON_INTERPRET:
+        raise RuntimeError(
+            f"backend='triton' for '{op}' on CPU tensors needs Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before importing tritonmoe, or use backend='torch'"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"backend='triton' for '{op}' supports CPU (interpreter) and CUDA tensors, got {device}")
+    return kernel
+
+
+def _kernel_impl(op: str) -> Callable | None:
+    try:
+        from . import kernels
+    except ImportError:  # pragma: no cover - the package always ships kernels/
+        return None
+    spec = kernels.KERNEL_OPS.get(op)
+    if spec is None:
+        return None
+    module_name, attr = spec
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:  # triton missing (e.g. macOS): the kernels are unavailable
+        if "triton" in str(exc):
+            return None
+        raise
+    return getattr(module, attr)

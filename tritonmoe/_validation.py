@@ -1,0 +1,239 @@
+"""Argument checks for the public entry points.
+
+Every check raises before any kernel launch or collective: TypeError for a wrong type or dtype,
+ValueError for a wrong shape or value, IndexError for an id or row index out of range. Messages
+name the offending value and say what would be accepted.
+
+``check_*`` functions always run shape/dtype/device checks; the ``*_values`` functions read tensor
+contents (a device synchronization) and run only while validation is enabled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+SCORE_FUNCS = ("softmax", "sigmoid")
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def tensor(name: str, t, ndim: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def float_tensor(name: str, t, ndim: int | None = None) -> torch.Tensor:
+    tensor(name, t, ndim)
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; use float16, bfloat16, float32 or float64")
+    return t
+
+
+def int_tensor(name: str, t, ndim: int | None = None) -> torch.Tensor:
+    tensor(name, t, ndim)
+    if t.dtype not in INT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; it holds indices, use an integer dtype (int32 or int64)")
+    return t
+
+
+def same_device(**tensors: torch.Tensor) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    dev0 = items[0][1].device
+    for n, t in items[1:]:
+        if t.device != dev0:
+            raise ValueError(
+                f"{n} is on {t.device} but {items[0][0]} is on {dev0}; move them to one device"
+            )
+
+
+def positive_int(name: str, v, minimum: int = 1) -> int:
+    if not is_int(v):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if v < minimum:
+        raise ValueError(f"{name}={v} must be >= {minimum}")
+    return v
+
+
+def choice(name: str, v, options: tuple[str, ...]) -> str:
+    if v not in options:
+        raise ValueError(f"{name}={v!r} is not supported; use one of {', '.join(map(repr, options))}")
+    return v
+
+
+def routing_options(
+    num_experts: int,
+    top_k,
+    score_func,
+    renormalize,
+    n_groups,
+    topk_groups,
+    capacity=None,
+) -> None:
+    """Checks shared by route() and MoEConfig."""
+    E = num_experts
+    if not is_int(top_k):
+        raise TypeError(f"top_k must be an int, got {type(top_k).__name__} {top_k!r}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={E}]")
+    choice("score_func", score_func, SCORE_FUNCS)
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    if n_groups is None:
+        if topk_groups is not None:
+            raise ValueError(f"topk_groups={topk_groups} needs n_groups; give both or neither")
+    else:
+        positive_int("n_groups", n_groups)
+        if E % n_groups:
+            raise ValueError(f"num_experts={E} is not divisible by n_groups={n_groups}; pick a divisor of {E}")
+        if topk_groups is None:
+            raise ValueError(f"n_groups={n_groups} needs topk_groups (how many groups to keep), in [1, {n_groups}]")
+        positive_int("topk_groups", topk_groups)
+        if topk_groups > n_groups:
+            raise ValueError(f"topk_groups={topk_groups} exceeds n_groups={n_groups}")
+        if topk_groups * (E // n_groups) < top_k:
+            raise ValueError(
+                f"top_k={top_k} exceeds the {topk_groups * (E // n_groups)} experts in the "
+                f"topk_groups={topk_groups} kept groups of {E // n_groups}; raise topk_groups"
+            )
+    if capacity is not None:
+        if not is_int(capacity):
+            raise TypeError(f"capacity must be an int or None, got {type(capacity).__name__} {capacity!r}")
+        if capacity < 0:
+            raise ValueError(f"capacity={capacity} must be >= 0 (or None for dropless)")
+
+
+def route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux) -> None:
+    float_tensor("logits", logits, 2)
+    E = logits.shape[1]
+    if E == 0:
+        raise ValueError("logits has 0 experts (shape [T, 0]); need at least one expert column")
+    routing_options(E, top_k, score_func, renormalize, n_groups, topk_groups, capacity)
+    if expert_bias is not None:
+        float_tensor("expert_bias", expert_bias, 1)
+        if expert_bias.shape[0] != E:
+            raise ValueError(f"expert_bias has shape {tuple(expert_bias.shape)}; expected [{E}] (one per expert)")
+        same_device(logits=logits, expert_bias=expert_bias)
+    if not isinstance(with_aux, bool):
+        raise TypeError(f"with_aux must be a bool, got {type(with_aux).__name__}")
+
+
+def route_values(logits: torch.Tensor, score_func: str, expert_bias) -> None:
+    lf = logits.detach()
+    bad = torch.isnan(lf)
+    if score_func == "softmax":
+        pos_inf = torch.isposinf(lf)
+        all_neg_inf = torch.isneginf(lf).all(dim=-1)
+    n_nan = int(bad.sum())  # host sync: value validation (switch off with set_validation(False))
+    if n_nan:
+        t = int(bad.any(dim=-1).nonzero()[0, 0])
+        raise ValueError(
+            f"logits contain {n_nan} NaN value(s) (first in token {t}); NaN scores cannot be ranked. "
+            "Fix the router input, or call set_validation(False) to rank NaN as -inf (weights NaN)"
+        )
+    if score_func == "softmax":
+        if bool(pos_inf.any()):
+            t = int(pos_inf.any(dim=-1).nonzero()[0, 0])
+            raise ValueError(f"logits contain +inf (first in token {t}); softmax of +inf is NaN. Clamp the logits")
+        if bool(all_neg_inf.any()):
+            t = int(all_neg_inf.nonzero()[0, 0])
+            raise ValueError(
+                f"token {t} has all logits -inf; its softmax is NaN. Leave at least one expert finite"
+            )
+    if expert_bias is not None and not bool(torch.isfinite(expert_bias).all()):
+        raise ValueError("expert_bias contains non-finite values; it must be finite")
+
+
+def permute_args(x, topk_ids, num_experts, pad_to) -> None:
+    tensor("x", x, 2)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; use float16, bfloat16, float32 or float64")
+    int_tensor("topk_ids", topk_ids, 2)
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} tokens; one row of ids per token"
+        )
+    same_device(x=x, topk_ids=topk_ids)
+    positive_int("num_experts", num_experts)
+    positive_int("pad_to", pad_to)
+
+
+def ids_values(topk_ids: torch.Tensor, num_experts: int) -> None:
+    if topk_ids.numel() == 0:
+        return
+    # Range check in the ids' own dtype, before any narrowing cast (2**40 must not wrap to 0).
+    lo, hi = torch.aminmax(topk_ids)
+    lo, hi = int(lo), int(hi)  # host sync: value validation (switch off with set_validation(False))
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise IndexError(
+            f"topk_ids contains {bad}, outside [-1, num_experts={num_experts}); "
+            "ids must be expert indices, or -1 for a slot that is not routed"
+        )
+
+
+def offsets_args(name: str, offsets, num_experts: int | None = None) -> None:
+    int_tensor(name, offsets, 1)
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} has dtype {offsets.dtype}; use int32 or int64")
+    if offsets.shape[0] < 2:
+        raise ValueError(f"{name} has {offsets.shape[0]} entries; it needs E+1 >= 2 (segment starts and the end)")
+    if num_experts is not None and offsets.shape[0] != num_experts + 1:
+        raise ValueError(
+            f"{name} has {offsets.shape[0]} entries but the weights hold {num_experts} experts; "
+            f"expected {num_experts + 1} (E+1)"
+        )
+
+
+def offsets_values(name: str, offsets: torch.Tensor, num_rows: int) -> None:
+    o = offsets.detach().long()
+    first, last = int(o[0]), int(o[-1])  # host sync: value validation
+    if first != 0:
+        raise ValueError(f"{name}[0]={first}; segments start at row 0")
+    diffs = o[1:] - o[:-1]
+    if bool((diffs < 0).any()):
+        e = int((diffs < 0).nonzero()[0, 0])
+        raise ValueError(f"{name} is not monotone: {name}[{e}]={int(o[e])} > {name}[{e + 1}]={int(o[e + 1])}")
+    if last != num_rows:
+        raise ValueError(f"{name}[E]={last} but the input has {num_rows} rows; the last offset must equal R")
+
+
+def gemm_args(x, expert_offsets, w, *, x_name="x", w_name="w") -> None:
+    float_tensor(x_name, x, 2)
+    float_tensor(w_name, w, 3)
+    offsets_args("expert_offsets", expert_offsets, w.shape[0])
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"{x_name} has {x.shape[1]} columns but {w_name} is {tuple(w.shape)} (K={w.shape[1]}); "
+            f"the inner dimensions must match"
+        )
+    if x.dtype != w.dtype:
+        raise TypeError(f"{x_name} is {x.dtype} but {w_name} is {w.dtype}; cast them to one dtype")
+    same_device(**{x_name: x, "expert_offsets": expert_offsets, w_name: w})
+
+
+def ffn_args(x, expert_offsets, w1, w2, activation) -> None:
+    choice("activation", activation, ACTIVATIONS)
+    gemm_args(x, expert_offsets, w1, w_name="w1")
+    float_tensor("w2", w2, 3)
+    if w2.shape[0] != w1.shape[0]:
+        raise ValueError(f"w1 holds {w1.shape[0]} experts but w2 holds {w2.shape[0]}; they must match")
+    f = w2.shape[1]
+    n1 = 2 * f if activation == "swiglu" else f
+    if w1.shape[2] != n1:
+        raise ValueError(
+            f"w1 is {tuple(w1.shape)} but w2 is {tuple(w2.shape)} (d_ffn={f}); with activation={activation!r} "
+            f"w1 needs {n1} output columns" + (" (gate then up)" if activation == "swiglu" else "")
+        )
+    if w2.shape[2] != x.shape[1]:
+        raise ValueError(f"w2 is {tuple(w2.shape)} but x has d={x.shape[1]}; w2 must be [E, d_ffn, {x.shape[1]}]")
+    if w2.dtype != x.dtype:
+        raise TypeError(f"x is {x.dtype} but w2 is {w2.dtype}; cast them to one dtype")
+    same_device(x=x, w2=w2)

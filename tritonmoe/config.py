@@ -1,0 +1,88 @@
+"""MoEConfig: the validated description of a MoE layer."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from dataclasses import dataclass
+from typing import Optional
+
+from . import _validation as V
+from ._settings import BACKENDS
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Configuration of a :class:`tritonmoe.MoELayer`.
+
+    Attributes:
+        d_model, d_ffn: model and expert hidden widths.
+        num_experts: E, the global number of experts.
+        top_k: experts per token.
+        activation: "swiglu" (w1 holds gate then up, 2*d_ffn columns), "gelu" (exact) or "relu".
+        score_func: "softmax" or "sigmoid".
+        renormalize: renormalize the k weights to sum to 1.
+        n_groups, topk_groups: group-limited routing (both or neither).
+        capacity_factor: None for dropless; otherwise capacity = ceil(cf * T * k / E) for a batch
+            of T tokens.
+        aux_loss_coef, z_loss_coef: weights of the load-balancing and z losses in ``aux_loss``.
+        expert_bias: keep an fp32 [E] selection bias buffer (auxiliary-loss-free balancing, as in
+            DeepSeek-V3); the layer never updates it, the training loop does.
+        pipeline_degree: micro-batches for expert-parallel pipelining (1 = none).
+        backend: backend of the layer's ops, or None for the process default.
+    """
+
+    d_model: int
+    d_ffn: int
+    num_experts: int
+    top_k: int
+    activation: str = "swiglu"
+    score_func: str = "softmax"
+    renormalize: bool = True
+    n_groups: Optional[int] = None
+    topk_groups: Optional[int] = None
+    capacity_factor: Optional[float] = None
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    expert_bias: bool = False
+    pipeline_degree: int = 1
+    backend: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        V.positive_int("d_model", self.d_model)
+        V.positive_int("d_ffn", self.d_ffn)
+        V.positive_int("num_experts", self.num_experts)
+        V.choice("activation", self.activation, V.ACTIVATIONS)
+        V.routing_options(
+            self.num_experts, self.top_k, self.score_func, self.renormalize, self.n_groups, self.topk_groups
+        )
+        if self.capacity_factor is not None:
+            cf = self.capacity_factor
+            if isinstance(cf, bool) or not isinstance(cf, (int, float)):
+                raise TypeError(f"capacity_factor must be a number or None, got {type(cf).__name__}")
+            if not (math.isfinite(cf) and cf > 0):
+                raise ValueError(f"capacity_factor={cf} must be a finite number > 0 (or None for dropless)")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}={v} must be finite and >= 0")
+        if not isinstance(self.expert_bias, bool):
+            raise TypeError(f"expert_bias must be a bool, got {type(self.expert_bias).__name__}")
+        V.positive_int("pipeline_degree", self.pipeline_degree)
+        if self.backend is not None:
+            V.choice("backend", self.backend, BACKENDS)
+
+    @property
+    def n1(self) -> int:
+        """Output columns of w1: 2*d_ffn for swiglu (gate then up), d_ffn otherwise."""
+        return 2 * self.d_ffn if self.activation == "swiglu" else self.d_ffn
+
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        """Per-expert capacity for a batch of ``num_tokens`` tokens (None when dropless)."""
+        if self.capacity_factor is None:
+            return None
+        # Exact decimal arithmetic: capacity_factor=1.1 with T*k/E = 10 gives 11, not 12.
+        cf = Fraction(repr(float(self.capacity_factor)))
+        return math.ceil(cf * num_tokens * self.top_k / self.num_experts)

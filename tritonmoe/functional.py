@@ -1,0 +1,190 @@
+"""The public functional ops: validate at the boundary, then dispatch to a backend.
+
+Each op takes ``backend="auto"|"triton"|"torch"`` (None = the process default, see
+:mod:`tritonmoe._settings`). Shapes use the letters of :mod:`tritonmoe.types`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validation as V
+from . import reference
+from ._settings import select_impl, validation_enabled
+from .types import PermuteInfo, Routing
+
+__all__ = [
+    "route",
+    "load_balancing_loss",
+    "z_loss",
+    "permute",
+    "unpermute",
+    "grouped_gemm",
+    "grouped_ffn",
+]
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    score_func: str = "softmax",
+    renormalize: bool = True,
+    expert_bias: torch.Tensor | None = None,
+    n_groups: int | None = None,
+    topk_groups: int | None = None,
+    capacity: int | None = None,
+    with_aux: bool = False,
+    backend: str | None = None,
+) -> Routing:
+    """Choose top_k experts per token.
+
+    Args:
+        logits: [T, E] router logits (fp16/bf16/fp32/fp64).
+        top_k: experts per token, in [1, E].
+        score_func: "softmax" or "sigmoid", computed in fp32.
+        renormalize: divide the k weights by their sum (floored at 1e-20).
+        expert_bias: fp32 [E] added to the scores for selection only (auxiliary-loss-free
+            balancing); the weights stay unbiased.
+        n_groups, topk_groups: group-limited routing: E splits into n_groups groups, a group's
+            score is the sum of its top-2 selection scores (its max if it has one expert), and
+            only experts of the topk_groups best groups (ties: lower group) can be selected.
+        capacity: kept slots per expert, or None (dropless). Slots are considered slot j first,
+            then token t; a slot whose expert is full gets id -1 and weight 0.
+        with_aux: also return the per-expert score sums and per-token logsumexp that
+            :func:`load_balancing_loss` and :func:`z_loss` use, from the same pass.
+
+    Returns: :class:`Routing` (ids int32 [T, k] in descending score, ties to the lower expert id;
+    weights fp32 [T, k], differentiable w.r.t. the logits; counts int32 [E]).
+    """
+    V.route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux)
+    if validation_enabled():
+        V.route_values(logits, score_func, expert_bias)
+    impl = select_impl("route", backend, logits.device)
+    return impl(
+        logits,
+        top_k,
+        score_func=score_func,
+        renormalize=renormalize,
+        expert_bias=expert_bias,
+        n_groups=n_groups,
+        topk_groups=topk_groups,
+        capacity=capacity,
+        with_aux=with_aux,
+    )
+
+
+def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Switch-style auxiliary loss E * sum_e f_e * P_e (fp32 scalar, differentiable via P_e)."""
+    V.float_tensor("logits", logits, 2)
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a tritonmoe.Routing, got {type(routing).__name__}")
+    if tuple(logits.shape) != (routing.num_tokens, routing.num_experts):
+        raise ValueError(
+            f"logits are {tuple(logits.shape)} but routing is for T={routing.num_tokens}, "
+            f"E={routing.num_experts}; pass the logits the routing was computed from"
+        )
+    return reference.load_balancing_loss(logits, routing)
+
+
+def z_loss(logits: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+    """Router z-loss mean_t logsumexp(logits_t)^2 (fp32 scalar). Reuses ``routing.logsumexp`` when
+    the routing was computed ``with_aux``."""
+    V.float_tensor("logits", logits, 2)
+    if routing is not None:
+        if not isinstance(routing, Routing):
+            raise TypeError(f"routing must be a tritonmoe.Routing or None, got {type(routing).__name__}")
+        if routing.logsumexp is not None and routing.logsumexp.shape[0] != logits.shape[0]:
+            raise ValueError(
+                f"routing.logsumexp has {routing.logsumexp.shape[0]} tokens but logits have {logits.shape[0]}"
+            )
+    return reference.z_loss(logits, routing)
+
+
+def permute(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    pad_to: int = 1,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, PermuteInfo]:
+    """Gather token rows into a buffer grouped by expert.
+
+    Args:
+        x: [T, d] tokens.
+        topk_ids: [T, k] integer expert ids; -1 means "not routed" and is skipped.
+        num_experts: E.
+        pad_to: each expert's segment is padded with zero rows up to a multiple of this.
+
+    Returns: ``x_perm`` [R, d] with rows grouped by expert, inside an expert ordered by token,
+    then slot; and :class:`PermuteInfo` (``expert_offsets`` int64 [E+1], ``slot_rows`` int64
+    [T, k], ``counts`` int32 [E]). ``x_perm[slot_rows[t, j]] == x[t]`` exactly.
+    """
+    V.permute_args(x, topk_ids, num_experts, pad_to)
+    if validation_enabled():
+        V.ids_values(topk_ids, num_experts)
+    impl = select_impl("permute", backend, x.device)
+    return impl(x, topk_ids, num_experts, pad_to=pad_to)
+
+
+def unpermute(
+    y_perm: torch.Tensor,
+    info: PermuteInfo,
+    topk_weights: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Weighted combine: out[t] = sum over routed j of topk_weights[t, j] * y_perm[slot_rows[t, j]],
+    accumulated per token in fp32 (no atomics); [T, d] in y_perm's dtype."""
+    V.float_tensor("y_perm", y_perm, 2)
+    if not isinstance(info, PermuteInfo):
+        raise TypeError(f"info must be the tritonmoe.PermuteInfo from permute(), got {type(info).__name__}")
+    V.float_tensor("topk_weights", topk_weights, 2)
+    if tuple(topk_weights.shape) != tuple(info.slot_rows.shape):
+        raise ValueError(
+            f"topk_weights has shape {tuple(topk_weights.shape)} but the permutation is for "
+            f"[T, k] = {tuple(info.slot_rows.shape)}"
+        )
+    V.same_device(y_perm=y_perm, topk_weights=topk_weights, slot_rows=info.slot_rows)
+    if validation_enabled():
+        V.offsets_values("info.expert_offsets", info.expert_offsets, y_perm.shape[0])
+    impl = select_impl("unpermute", backend, y_perm.device)
+    return impl(y_perm, info, topk_weights)
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Ragged per-expert matmul: rows [offsets[e], offsets[e+1]) of x [R, K] times w[e] ([E, K, N]);
+    fp32 accumulation, output [R, N] in x's dtype."""
+    V.gemm_args(x, expert_offsets, w)
+    if validation_enabled():
+        V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
+    impl = select_impl("grouped_gemm", backend, x.device)
+    return impl(x, expert_offsets, w)
+
+
+def grouped_ffn(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str = "swiglu",
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Expert FFN over a permuted buffer: grouped_gemm(act(grouped_gemm(x, w1)), w2).
+
+    w1 is [E, d, 2f] for swiglu (columns [:f] gate, [f:] up; act = silu(gate) * up) and [E, d, f]
+    for "gelu" (exact erf) and "relu"; w2 is [E, f, d].
+    """
+    V.ffn_args(x, expert_offsets, w1, w2, activation)
+    if validation_enabled():
+        V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
+    impl = select_impl("grouped_ffn", backend, x.device)
+    return impl(x, expert_offsets, w1, w2, activation)

@@ -1,0 +1,141 @@
+"""MoELayer: a drop-in replacement for a transformer FFN."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import reference
+from ._settings import select_impl
+from .config import MoEConfig
+from .types import Routing
+
+__all__ = ["MoELayer"]
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts FFN: ``forward(x[..., d_model]) -> [..., d_model]``.
+
+    Parameters: ``router`` (nn.Linear(d_model, E, bias=False)), ``w1`` [E_local, d_model, n1]
+    (n1 = 2*d_ffn for swiglu, gate columns first) and ``w2`` [E_local, d_ffn, d_model], each
+    expert initialized like an nn.Linear. With ``config.expert_bias`` a buffer ``expert_bias``
+    (fp32 [E], zeros) biases selection only.
+
+    After each forward, ``aux_loss`` holds ``aux_loss_coef * load_balancing_loss +
+    z_loss_coef * z_loss`` (a zero tensor when both coefficients are 0) and ``last_routing`` the
+    :class:`Routing` of that batch.
+
+    The layer produces its own routing metadata, so its internal op calls skip the value checks
+    of the public functional API (no validation syncs on the hot path).
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        ep_group=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
+        if ep_group is not None:
+            raise NotImplementedError(
+                "MoELayer(ep_group=...) (expert parallelism) is not implemented yet; use ep_group=None"
+            )
+        if config.pipeline_degree != 1:
+            raise NotImplementedError(
+                f"pipeline_degree={config.pipeline_degree} needs expert parallelism, which is not "
+                "implemented yet; use pipeline_degree=1"
+            )
+        self.config = config
+        self.ep_group = ep_group
+        self.num_local_experts = config.num_experts
+        self.expert_start = 0
+        factory = {"device": device, "dtype": dtype}
+        E, d, f = config.num_experts, config.d_model, config.d_ffn
+        self.router = nn.Linear(d, E, bias=False, **factory)
+        self.w1 = nn.Parameter(torch.empty(self.num_local_experts, d, config.n1, **factory))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, f, d, **factory))
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.aux_loss: torch.Tensor = torch.zeros((), device=device)
+        self.last_routing: Routing | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        self.router.reset_parameters()
+        with torch.no_grad():
+            b1 = 1.0 / math.sqrt(self.config.d_model)
+            b2 = 1.0 / math.sqrt(self.config.d_ffn)
+            self.w1.uniform_(-b1, b1)
+            self.w2.uniform_(-b2, b2)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"d_model={c.d_model}, d_ffn={c.d_ffn}, num_experts={c.num_experts}, top_k={c.top_k}, "
+            f"activation={c.activation}, score_func={c.score_func}"
+        )
+
+    # -- the steps of a forward, separate so that expert parallelism can interleave them --------
+
+    def _impl(self, op: str, device: torch.device):
+        return select_impl(op, self.config.backend, device)
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """Router logits and routing for flattened tokens."""
+        c = self.config
+        logits_TE = self.router(x_TD)
+        need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+        routing = self._impl("route", x_TD.device)(
+            logits_TE,
+            c.top_k,
+            score_func=c.score_func,
+            renormalize=c.renormalize,
+            expert_bias=self.expert_bias,
+            n_groups=c.n_groups,
+            topk_groups=c.topk_groups,
+            capacity=c.capacity(x_TD.shape[0]),
+            with_aux=need_aux,
+        )
+        return logits_TE, routing
+
+    def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
+        c = self.config
+        loss = torch.zeros((), device=logits_TE.device, dtype=torch.float32)
+        if c.aux_loss_coef > 0:
+            loss = loss + c.aux_loss_coef * reference.load_balancing_loss(logits_TE, routing)
+        if c.z_loss_coef > 0:
+            loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing)
+        return loss
+
+    def local_experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Permute, expert FFN and weighted combine, all experts on this device."""
+        dev = x_TD.device
+        x_perm, info = self._impl("permute", dev)(x_TD, routing.topk_ids, self.config.num_experts)
+        y_perm = self._impl("grouped_ffn", dev)(x_perm, info.expert_offsets, self.w1, self.w2, self.config.activation)
+        return self._impl("unpermute", dev)(y_perm, info, routing.topk_weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != c.d_model:
+            raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
+        if x.dtype != self.w1.dtype:
+            raise TypeError(f"x is {x.dtype} but the layer's parameters are {self.w1.dtype}; cast one of them")
+        if x.device != self.w1.device:
+            raise ValueError(f"x is on {x.device} but the layer is on {self.w1.device}; move one of them")
+        x_TD = x.reshape(-1, c.d_model)
+        logits_TE, routing = self.route(x_TD)
+        self.aux_loss = self.compute_aux_loss(logits_TE, routing)
+        self.last_routing = routing
+        out_TD = self.local_experts(x_TD, routing)
+        return out_TD.view(x.shape)

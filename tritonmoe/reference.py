@@ -1,0 +1,277 @@
+"""Plain-PyTorch implementations of every tritonmoe op.
+
+These are the ground truth for the kernels' tests, the default on CPU and a baseline in the
+benchmark harness. They are written to be read: vectorized over tokens, a Python loop only over
+experts where a GEMM per expert is the clearest statement. They take already-validated
+arguments; the public, validating entry points are in :mod:`tritonmoe.functional`.
+
+Precision: scores, weights and every accumulation are fp32 (fp64 when the inputs are fp64);
+outputs have the input dtype unless stated.
+
+Non-finite logits (identical on every backend; see DESIGN.md):
+
+* A NaN selection score ranks as -inf: it is chosen only after every finite score, lower expert
+  id first, and its weight is NaN (so the output is NaN, loudly, rather than silently wrong).
+* ``-inf`` logits are a valid mask: softmax gives score 0, sigmoid gives 0.
+* With ``renormalize``, the weights are divided by ``max(sum, 1e-20)``, so a token whose selected
+  scores are all 0 gets zero weights instead of 0/0.
+* The public entry point rejects NaN logits, +inf logits under softmax and rows that are all
+  -inf under softmax (NaN scores) while validation is on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .types import PermuteInfo, Routing
+
+__all__ = [
+    "scores",
+    "route",
+    "load_balancing_loss",
+    "z_loss",
+    "permute",
+    "unpermute",
+    "grouped_gemm",
+    "grouped_ffn",
+    "apply_activation",
+    "RENORM_EPS",
+]
+
+#: Floor of the renormalization denominator (a token whose selected scores are all zero).
+RENORM_EPS = 1e-20
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def scores(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """fp32 (fp64 for fp64 logits) router scores."""
+    lf = logits_TE.to(_acc_dtype(logits_TE.dtype))
+    if score_func == "softmax":
+        return torch.softmax(lf, dim=-1)
+    return torch.sigmoid(lf)
+
+
+def _scatter_count(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 [E] histogram of ids in [-1, E); -1 is not counted. No host sync (unlike bincount)."""
+    flat = ids.reshape(-1).long() + 1
+    out = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    out.scatter_add_(0, flat, torch.ones_like(flat))
+    return out[1:].to(torch.int32)
+
+
+def route(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    score_func: str = "softmax",
+    renormalize: bool = True,
+    expert_bias: torch.Tensor | None = None,
+    n_groups: int | None = None,
+    topk_groups: int | None = None,
+    capacity: int | None = None,
+    with_aux: bool = False,
+) -> Routing:
+    """Top-k routing; see :func:`tritonmoe.route` for the contract."""
+    T, E = logits_TE.shape
+    s_TE = scores(logits_TE, score_func)
+
+    # Selection score: scores plus the bias, never differentiated; NaN ranks as -inf.
+    sel_TE = s_TE.detach().float()
+    if expert_bias is not None:
+        sel_TE = sel_TE + expert_bias.float()
+    sel_TE = torch.where(torch.isnan(sel_TE), torch.full_like(sel_TE, float("-inf")), sel_TE)
+
+    order_TE = torch.sort(sel_TE, dim=-1, descending=True, stable=True).indices
+    if n_groups is not None and n_groups > 1:
+        G = n_groups
+        sel_TGe = sel_TE.view(T, G, E // G)
+        if E // G == 1:
+            gscore_TG = sel_TGe[..., 0]
+        else:
+            gscore_TG = sel_TGe.topk(2, dim=-1).values.sum(-1)
+        # Best topk_groups groups, ties to the lower group index (stable sort).
+        gorder_TG = torch.sort(gscore_TG, dim=-1, descending=True, stable=True).indices
+        keep_TG = torch.zeros(T, G, dtype=torch.bool, device=logits_TE.device)
+        keep_TG.scatter_(1, gorder_TG[:, :topk_groups], True)
+        allowed_TE = keep_TG.repeat_interleave(E // G, dim=1)
+        # Allowed experts first, each part still in descending score / ascending id order: a
+        # stable sort by "allowed" of the score order (an -inf score inside a kept group must
+        # still beat every expert of a dropped group).
+        allowed_sorted = allowed_TE.gather(1, order_TE).to(torch.int8)
+        order_TE = order_TE.gather(1, torch.sort(allowed_sorted, dim=-1, descending=True, stable=True).indices)
+    ids_TK = order_TE[:, :top_k]
+
+    w_TK = s_TE.gather(1, ids_TK)
+    if renormalize:
+        w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True).clamp_min(RENORM_EPS)
+    w_TK = w_TK.float() if w_TK.dtype != torch.float64 else w_TK
+
+    selected_counts_E = _scatter_count(ids_TK, E)
+    if capacity is not None:
+        keep_TK = _capacity_keep(ids_TK, selected_counts_E, capacity)
+        ids_TK = torch.where(keep_TK, ids_TK, torch.full_like(ids_TK, -1))
+        w_TK = torch.where(keep_TK, w_TK, torch.zeros_like(w_TK))
+        counts_E = _scatter_count(ids_TK, E)
+    else:
+        counts_E = selected_counts_E
+
+    routing = Routing(
+        topk_ids=ids_TK.to(torch.int32),
+        topk_weights=w_TK,
+        counts=counts_E,
+        selected_counts=selected_counts_E,
+        score_func=score_func,
+    )
+    if with_aux:
+        routing.score_sum = s_TE.sum(dim=0)
+        routing.logsumexp = torch.logsumexp(logits_TE.to(s_TE.dtype), dim=-1)
+    return routing
+
+
+def _capacity_keep(ids_TK: torch.Tensor, counts_E: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Which slots survive capacity: slots in priority order (slot j, then token t), each expert
+    keeps its first ``capacity``."""
+    T, K = ids_TK.shape
+    flat = ids_TK.t().reshape(-1).long()  # priority order: j-major, then t
+    order = torch.argsort(flat, stable=True)  # grouped by expert, priority order inside
+    starts = torch.cumsum(counts_E.long(), 0) - counts_E.long()  # exclusive
+    rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    rank = torch.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    return (rank < capacity).view(K, T).t()
+
+
+def load_balancing_loss(logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """E * sum_e f_e * P_e (Switch Transformer).
+
+    f_e = selected slots of e before capacity dropping / (T*k), P_e = mean over tokens of the
+    scores of e. Differentiable through P_e only. Zero for T = 0.
+    """
+    T, E = logits_TE.shape
+    k = routing.top_k
+    if routing.score_sum is not None:
+        score_sum_E = routing.score_sum
+    else:
+        score_sum_E = scores(logits_TE, routing.score_func).sum(dim=0)
+    if T == 0:
+        return score_sum_E.sum() * 0.0
+    f_E = routing.selected_counts.to(score_sum_E.dtype) / float(T * k)
+    return E * (f_E * score_sum_E).sum() / T
+
+
+def z_loss(logits_TE: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+    """mean_t logsumexp(logits_t)^2 (ST-MoE), fp32; uses ``routing.logsumexp`` when present.
+    Zero for T = 0."""
+    if routing is not None and routing.logsumexp is not None:
+        lse_T = routing.logsumexp
+    else:
+        lse_T = torch.logsumexp(logits_TE.to(_acc_dtype(logits_TE.dtype)), dim=-1)
+    if lse_T.numel() == 0:
+        return lse_T.sum() * 0.0
+    return lse_T.square().mean()
+
+
+def permute(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1
+) -> tuple[torch.Tensor, PermuteInfo]:
+    """Gather token rows into expert-grouped order; see :func:`tritonmoe.permute`."""
+    T, K = topk_ids_TK.shape
+    E = num_experts
+    dev = topk_ids_TK.device
+    flat = topk_ids_TK.reshape(-1).long()  # token-major: (t, j) -> t*K + j
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, E))  # unrouted slots sort last
+    order = torch.argsort(key, stable=True)  # by expert, then token, then slot
+    key_sorted = key[order]
+
+    counts_E = _scatter_count(topk_ids_TK, E)
+    c = counts_E.long()
+    padded_E = (c + pad_to - 1) // pad_to * pad_to
+    offsets = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(padded_E, 0)
+    starts_E = torch.cumsum(c, 0) - c  # unpadded exclusive starts in the sorted order
+
+    routed = key_sorted < E
+    e_sorted = key_sorted.clamp(max=E - 1)
+    pos = torch.arange(flat.numel(), device=dev)
+    row_sorted = torch.where(routed, offsets[e_sorted] + pos - starts_E[e_sorted], torch.full_like(pos, -1))
+    slot_rows = torch.empty_like(row_sorted)
+    slot_rows[order] = row_sorted
+
+    R = int(offsets[-1])  # host sync: the output's row count depends on the routing
+    # Source token of each row; padding rows read a zero row appended at index T.
+    src_ext = torch.full((R + 1,), T, dtype=torch.int64, device=dev)
+    src_ext[torch.where(routed, row_sorted, torch.full_like(row_sorted, R))] = order // K
+    src_R = src_ext[:R]
+    x_ext = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])], dim=0)
+    x_perm = x_ext[src_R]
+    info = PermuteInfo(
+        expert_offsets=offsets, slot_rows=slot_rows.view(T, K), counts=counts_E, num_tokens=T, pad_to=pad_to
+    )
+    return x_perm, info
+
+
+def unpermute(y_perm_RD: torch.Tensor, info: PermuteInfo, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum over routed j of w[t,j] * y_perm[slot_rows[t,j]], accumulated in fp32."""
+    R, D = y_perm_RD.shape
+    acc = _acc_dtype(y_perm_RD.dtype)
+    rows_TK = info.slot_rows
+    routed_TK = rows_TK >= 0
+    y_ext = torch.cat([y_perm_RD.to(acc), y_perm_RD.new_zeros(1, D, dtype=acc)], dim=0)
+    g_TKD = y_ext[torch.where(routed_TK, rows_TK, torch.full_like(rows_TK, R))]
+    w_TK = torch.where(routed_TK, topk_weights_TK.to(acc), torch.zeros((), dtype=acc, device=y_perm_RD.device))
+    out = (g_TKD * w_TK.unsqueeze(-1)).sum(dim=1)
+    return out.to(y_perm_RD.dtype)
+
+
+def _grouped_gemm_acc(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
+    """grouped_gemm in the accumulation dtype (not rounded to the input dtype)."""
+    R = x_RK.shape[0]
+    E, _, N = w_EKN.shape
+    acc = _acc_dtype(x_RK.dtype)
+    offs = expert_offsets.tolist()  # host sync: the reference slices the rows per expert
+    pieces = []
+    for e in range(E):
+        a, b = offs[e], offs[e + 1]
+        if b > a:
+            pieces.append(x_RK[a:b].to(acc) @ w_EKN[e].to(acc))
+    if R > offs[E]:
+        pieces.append(x_RK.new_zeros(R - offs[E], N, dtype=acc))
+    if not pieces:
+        return x_RK.new_zeros(R, N, dtype=acc)
+    return torch.cat(pieces, dim=0)
+
+
+def grouped_gemm(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
+    """Rows in [offsets[e], offsets[e+1]) times w[e]; rows at or past offsets[E] are zero."""
+    return _grouped_gemm_acc(x_RK, expert_offsets, w_EKN).to(x_RK.dtype)
+
+
+def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The expert activation on a pre-activation h ([R, 2F] for swiglu: gate, then up)."""
+    if activation == "swiglu":
+        f = h.shape[-1] // 2
+        return F.silu(h[..., :f]) * h[..., f:]
+    if activation == "gelu":
+        return F.gelu(h)  # exact erf form
+    if activation == "relu":
+        return F.relu(h)
+    raise ValueError(f"activation={activation!r}; use 'swiglu', 'gelu' or 'relu'")
+
+
+def grouped_ffn(
+    x_RD: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w1_EDN: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """grouped_gemm(act(grouped_gemm(x, w1)), w2), the activation applied to the fp32 accumulator
+    and rounded to the input dtype once (as a fused epilogue does)."""
+    h = _grouped_gemm_acc(x_RD, expert_offsets, w1_EDN)
+    a = apply_activation(h, activation).to(x_RD.dtype)
+    return grouped_gemm(a, expert_offsets, w2_EFD)
