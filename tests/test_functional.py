@@ -1,0 +1,181 @@
+"""The public functional API: validation at the boundary, backend selection, gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritonmoe as tm
+from tritonmoe import _settings
+from tritonmoe import reference as ref
+
+
+def _ids(*rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+X = torch.randn(4, 8)
+LOGITS = torch.randn(4, 6)
+IDS = _ids([0, 1], [2, 3], [4, 5], [0, 5])
+OFFS = torch.tensor([0, 2, 4])
+W = torch.randn(2, 8, 3)
+W1 = torch.randn(2, 8, 6)
+W2 = torch.randn(2, 3, 8)
+
+# (name, call, expected error type, a fragment the message must contain)
+BAD_INPUTS = [
+    ("top_k > E", lambda: tm.route(LOGITS, 7), ValueError, "top_k=7"),
+    ("top_k = 0", lambda: tm.route(LOGITS, 0), ValueError, "top_k=0"),
+    ("top_k float", lambda: tm.route(LOGITS, 2.0), TypeError, "top_k"),
+    ("logits 3-D", lambda: tm.route(LOGITS.unsqueeze(0), 2), ValueError, "2-D"),
+    ("logits int", lambda: tm.route(LOGITS.long(), 2), TypeError, "int64"),
+    ("E not divisible by n_groups", lambda: tm.route(LOGITS, 2, n_groups=4, topk_groups=2), ValueError, "n_groups=4"),
+    ("topk_groups > n_groups", lambda: tm.route(LOGITS, 2, n_groups=3, topk_groups=4), ValueError, "topk_groups=4"),
+    ("topk_groups without n_groups", lambda: tm.route(LOGITS, 2, topk_groups=1), ValueError, "topk_groups=1"),
+    ("groups too few for k", lambda: tm.route(LOGITS, 4, n_groups=3, topk_groups=1), ValueError, "top_k=4"),
+    ("bad score_func", lambda: tm.route(LOGITS, 2, score_func="tanh"), ValueError, "tanh"),
+    ("bias wrong shape", lambda: tm.route(LOGITS, 2, expert_bias=torch.zeros(5)), ValueError, "[6]"),
+    ("negative capacity", lambda: tm.route(LOGITS, 2, capacity=-1), ValueError, "capacity=-1"),
+    ("NaN logits", lambda: tm.route(torch.tensor([[0.0, float("nan")]]), 1), ValueError, "NaN"),
+    ("+inf logits under softmax", lambda: tm.route(torch.tensor([[0.0, float("inf")]]), 1), ValueError, "+inf"),
+    ("all -inf row under softmax", lambda: tm.route(torch.full((2, 3), float("-inf")), 1), ValueError, "token 0"),
+    ("unknown backend", lambda: tm.route(LOGITS, 2, backend="cuda"), ValueError, "cuda"),
+    ("id == E", lambda: tm.permute(X, _ids([0, 6], [1, 2], [3, 4], [5, 0]), 6), IndexError, "6"),
+    ("id == -2", lambda: tm.permute(X, _ids([0, -2], [1, 2], [3, 4], [5, 0]), 6), IndexError, "-2"),
+    ("id 2**40 (no wrap)", lambda: tm.permute(X, _ids([0, 2**40], [1, 2], [3, 4], [5, 0]), 6), IndexError, str(2**40)),
+    ("float ids", lambda: tm.permute(X, IDS.float(), 6), TypeError, "float32"),
+    ("ids rows != tokens", lambda: tm.permute(X, IDS[:3], 6), ValueError, "3 rows"),
+    ("pad_to = 0", lambda: tm.permute(X, IDS, 6, pad_to=0), ValueError, "pad_to=0"),
+    ("weights shape", lambda: tm.unpermute(*_perm_and(torch.rand(4, 3))), ValueError, "[T, k]"),
+    ("offsets not monotone", lambda: tm.grouped_gemm(X, torch.tensor([0, 3, 2]), W), ValueError, "not monotone"),
+    ("offsets[E] != R", lambda: tm.grouped_gemm(X, torch.tensor([0, 2, 3]), W), ValueError, "offsets[E]=3"),
+    ("offsets float", lambda: tm.grouped_gemm(X, OFFS.float(), W), TypeError, "float32"),
+    ("offsets count != E+1", lambda: tm.grouped_gemm(X, torch.tensor([0, 4]), W), ValueError, "expected 3"),
+    ("K mismatch", lambda: tm.grouped_gemm(X, OFFS, torch.randn(2, 7, 3)), ValueError, "K=7"),
+    ("dtype mix", lambda: tm.grouped_gemm(X, OFFS, W.double()), TypeError, "float64"),
+    ("w1/w2 expert counts", lambda: tm.grouped_ffn(X, OFFS, W1, torch.randn(3, 3, 8)), ValueError, "3"),
+    ("swiglu w1 width", lambda: tm.grouped_ffn(X, OFFS, W1, torch.randn(2, 6, 8)), ValueError, "12"),
+    ("bad activation", lambda: tm.grouped_ffn(X, OFFS, W1, W2, "tanh"), ValueError, "tanh"),
+    ("config top_k > E", lambda: tm.MoEConfig(8, 16, 4, 5), ValueError, "top_k=5"),
+    ("config capacity_factor <= 0", lambda: tm.MoEConfig(8, 16, 4, 2, capacity_factor=0.0), ValueError, "capacity_factor"),
+    ("config d_model float", lambda: tm.MoEConfig(8.0, 16, 4, 2), TypeError, "d_model"),
+    ("config negative aux coef", lambda: tm.MoEConfig(8, 16, 4, 2, aux_loss_coef=-1.0), ValueError, "aux_loss_coef"),
+    ("layer input width", lambda: tm.MoELayer(tm.MoEConfig(8, 16, 4, 2))(torch.randn(3, 7)), ValueError, "d_model=8"),
+    ("layer input dtype", lambda: tm.MoELayer(tm.MoEConfig(8, 16, 4, 2))(torch.randn(3, 8).double()), TypeError, "float64"),
+]
+
+
+def _perm_and(weights):
+    x_perm, info = tm.permute(X, IDS, 6)
+    return x_perm, info, weights
+
+
+@pytest.mark.parametrize("name,call,exc,fragment", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_raise_typed_errors(name, call, exc, fragment):
+    with pytest.raises(exc) as info:
+        call()
+    assert fragment in str(info.value), str(info.value)
+
+
+def test_value_checks_can_be_switched_off():
+    bad = _ids([0, 1], [2, 3], [4, 5], [0, 7])
+    with pytest.raises(IndexError):
+        tm.permute(X, bad, 8 - 2)
+    nan_logits = torch.tensor([[0.0, float("nan"), 1.0]])
+    with tm.validation(False):
+        assert not tm.validation_enabled()
+        r = tm.route(nan_logits, 1, score_func="sigmoid")  # NaN ranks as -inf: expert 2 wins
+        assert r.topk_ids.tolist() == [[2]]
+        # under softmax one NaN logit makes the whole row NaN: every score ranks as -inf, the
+        # lowest id wins and the weight is NaN (loud, not silently wrong)
+        r = tm.route(nan_logits, 1, renormalize=False)
+        assert r.topk_ids.tolist() == [[0]] and bool(torch.isnan(r.topk_weights).all())
+        # shape and dtype checks still run
+        with pytest.raises(TypeError):
+            tm.permute(X, IDS.float(), 6)
+    assert tm.validation_enabled()
+
+
+def test_backend_selection():
+    with tm.use_backend("torch"):
+        assert tm.get_backend() == "torch"
+        assert _settings.select_impl("route", None, torch.device("cpu")) is ref.route
+    # auto on CPU tensors uses the reference
+    assert _settings.select_impl("permute", "auto", torch.device("cpu")) is ref.permute
+    prev = tm.set_backend("auto")
+    assert tm.set_backend(prev) == "auto"
+    with pytest.raises(ValueError, match="not a backend"):
+        tm.set_backend("cudnn")
+    with pytest.raises(TypeError):
+        tm.set_validation(1)
+
+
+def test_triton_backend_errors_are_clear(monkeypatch):
+    """Without a kernel for the op the error names the op; on CPU without the interpreter it
+    names TRITON_INTERPRET."""
+    from tritonmoe import kernels
+
+    monkeypatch.setattr(kernels, "KERNEL_OPS", {})
+    with pytest.raises(NotImplementedError, match="'route'"):
+        tm.route(LOGITS, 2, backend="triton")
+    monkeypatch.setattr(kernels, "KERNEL_OPS", {"route": ("tritonmoe.reference", "route")})
+    monkeypatch.setattr(_settings, "TRITON_INTERPRET", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        tm.route(LOGITS, 2, backend="triton")
+
+
+def test_env_var_parsing():
+    assert _settings._parse_backend(" Torch ", "X") == "torch"
+    with pytest.raises(ValueError, match="TRITONMOE_BACKEND"):
+        _settings._parse_backend("gpu", "TRITONMOE_BACKEND")
+    assert _settings._parse_bool("0", "X") is False
+    with pytest.raises(ValueError):
+        _settings._parse_bool("maybe", "TRITONMOE_VALIDATE")
+
+
+def test_offsets_may_be_int32_or_int64():
+    for dt in (torch.int32, torch.int64):
+        out = tm.grouped_gemm(X, OFFS.to(dt), W)
+        torch.testing.assert_close(out, torch.cat([X[:2] @ W[0], X[2:] @ W[1]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# fp64 gradcheck of every op
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gradcheck_route(score_func, renormalize):
+    logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+
+    def f(lg):
+        r = tm.route(lg, 2, score_func=score_func, renormalize=renormalize, capacity=2, with_aux=True)
+        return r.topk_weights, tm.load_balancing_loss(lg, r), tm.z_loss(lg, r)
+
+    assert torch.autograd.gradcheck(f, (logits,))
+
+
+def test_gradcheck_permute_unpermute():
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    ids = _ids([0, 2], [1, -1], [2, 0], [0, 1], [-1, -1])
+    w = torch.rand(5, 2, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w):
+        x_perm, info = tm.permute(x, ids, 3, pad_to=4)
+        return tm.unpermute(x_perm * 1.5, info, w)
+
+    assert torch.autograd.gradcheck(f, (x, w))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
+def test_gradcheck_grouped_ffn(activation):
+    g = torch.Generator().manual_seed(1)
+    offs = torch.tensor([0, 3, 3, 7])
+    f = 3
+    n1 = 2 * f if activation == "swiglu" else f
+    x = torch.randn(7, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w1 = torch.randn(3, 4, n1, dtype=torch.float64, generator=g, requires_grad=True)
+    w2 = torch.randn(3, f, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: tm.grouped_ffn(*a[:1], offs, *a[1:], activation), (x, w1, w2))
+    assert torch.autograd.gradcheck(lambda a, b: tm.grouped_gemm(a, offs, b), (x, w1))
