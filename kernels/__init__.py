@@ -9,4 +9,7 @@ selection in :mod:`tritonmoe._settings` imports a launcher only when it is used,
 tritonmoe never imports triton.
 """
 
-KERNEL_OPS: dict[str, tuple[str, str]] = {}
+KERNEL_OPS: dict[str, tuple[str, str]] = {
+    "permute": ("tritonmoe.kernels.permute", "permute"),
+    "unpermute": ("tritonmoe.kernels.permute", "unpermute"),
+}

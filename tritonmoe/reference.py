@@ -33,6 +33,7 @@ __all__ = [
     "z_loss",
     "permute",
     "unpermute",
+    "ep_splits",
     "grouped_gemm",
     "grouped_ffn",
     "apply_activation",
@@ -226,6 +227,16 @@ def unpermute(y_perm_RD: torch.Tensor, info: PermuteInfo, topk_weights_TK: torch
     w_TK = torch.where(routed_TK, topk_weights_TK.to(acc), torch.zeros((), dtype=acc, device=y_perm_RD.device))
     out = (g_TKD * w_TK.unsqueeze(-1)).sum(dim=1)
     return out.to(y_perm_RD.dtype)
+
+
+def ep_splits(expert_offsets: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a permuted buffer per destination rank when E experts are split evenly over P ranks
+    (rank r owns experts [r*E/P, (r+1)*E/P)): int64 ``(rank_counts [P], rank_offsets [P+1])``,
+    rank r's rows being [rank_offsets[r], rank_offsets[r+1]) (padding rows included)."""
+    E = expert_offsets.shape[0] - 1
+    per_rank = E // num_ranks
+    rank_offsets = torch.stack([expert_offsets[r * per_rank].long() for r in range(num_ranks + 1)])
+    return rank_offsets[1:] - rank_offsets[:-1], rank_offsets
 
 
 def _grouped_gemm_acc(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
