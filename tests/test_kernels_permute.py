@@ -1,0 +1,571 @@
+"""Triton permute / unpermute (kernels/permute.py) against tritonmoe.reference.
+
+On CPU the kernels run in Triton's interpreter (conftest switches it on), on CUDA when present.
+Metadata (counts, offsets, slot rows) and permuted rows are compared exactly (atol = 0); the fp32
+weighted combine with per-dtype tolerances of about one output ulp, far below what a wrong row or
+weight would give. Shapes are small: the interpreter runs one program at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tritonmoe as tm
+from tritonmoe import reference as ref
+from tritonmoe.kernels import KERNEL_OPS
+from tritonmoe.kernels import permute as kp
+from tritonmoe.kernels._permute_kernels import row_offset
+from tritonmoe.types import PermuteInfo
+
+from strategies import permute_cases
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# (rtol, atol) of the fp32-accumulated combine after rounding to the output dtype: ~1 ulp.
+TOL = {
+    torch.float16: (2e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 8e-3),
+    torch.float32: (1e-5, 1e-6),
+    torch.float64: (1e-12, 1e-12),
+}
+
+# Config variants: the defaults, and small tiles that force every loop and split to run: the
+# three-kernel block metadata with several blocks and expert chunks, d done in several chunks by
+# several programs per row, tail programs a few rows wide.
+CONFIGS = {
+    "default": {},
+    "blocks": dict(
+        metadata={"fused": False, "block_s": 8, "block_e": 4, "block_b": 2},
+        scatter={"block_d": 4, "nsplit": 2, "tail_rows": 4},
+        gather={"block_d": 4, "nsplit": 2},
+    ),
+    "fused-tiny": dict(
+        metadata={"fused": True, "block_s": 4, "block_e": 2},
+        scatter={"block_d": 8, "nsplit": 1, "tail_rows": 3},
+        gather={"block_d": 8, "nsplit": 3},
+    ),
+}
+
+
+def _ids(rows, dtype=torch.int64):
+    return torch.tensor(rows, dtype=dtype, device=DEV).reshape(len(rows), -1)
+
+
+def _x(T, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, d, generator=g).to(dtype).to(DEV)
+
+
+def check_metadata(info: PermuteInfo, rinfo: PermuteInfo) -> None:
+    assert info.counts.dtype == torch.int32 and info.expert_offsets.dtype == torch.int64
+    assert info.slot_rows.dtype == torch.int64
+    assert torch.equal(info.counts, rinfo.counts), (info.counts, rinfo.counts)
+    assert torch.equal(info.expert_offsets, rinfo.expert_offsets), (info.expert_offsets, rinfo.expert_offsets)
+    assert torch.equal(info.slot_rows, rinfo.slot_rows), (info.slot_rows, rinfo.slot_rows)
+    assert info.num_tokens == rinfo.num_tokens and info.pad_to == rinfo.pad_to
+
+
+def check_invariants(x, ids, E, pad_to, x_perm, info) -> None:
+    """The contract's properties, independent of the reference."""
+    T, K = ids.shape
+    counts = info.counts.long().cpu()
+    offs = info.expert_offsets.cpu()
+    rows = info.slot_rows.cpu()
+    ids_c = ids.long().cpu()
+    R = int(offs[-1])
+    assert x_perm.shape == (R, x.shape[1])
+    padded = (counts + pad_to - 1) // pad_to * pad_to
+    assert int(offs[0]) == 0 and torch.equal(offs[1:] - offs[:-1], padded)  # diffs == padded counts
+    assert int(counts.sum()) == int((ids_c >= 0).sum())  # counts sum to the routed slots
+    assert torch.equal(rows < 0, ids_c < 0)  # -1 exactly for unrouted slots
+    routed = rows[rows >= 0]
+    assert routed.unique().numel() == routed.numel()  # every row owned by at most one slot
+    # each slot's row lies in its expert's unpadded segment, in token-then-slot order
+    for e in range(E):
+        mine = rows[ids_c == e]  # row-major: token, then slot
+        expect = torch.arange(int(offs[e]), int(offs[e]) + int(counts[e]))
+        assert torch.equal(mine, expect)
+    xp = x_perm.cpu()
+    xc = x.cpu()
+    for t in range(T):
+        for j in range(K):
+            if rows[t, j] >= 0:
+                assert torch.equal(xp[rows[t, j]], xc[t])  # exact copy
+    owned = torch.zeros(R, dtype=torch.bool)
+    owned[routed] = True
+    assert not xp[~owned].any()  # padding rows are zero (and not NaN)
+
+
+def run_both(x, ids, E, pad_to=1, config="default"):
+    with kp.config_override(**CONFIGS[config]):
+        xp, info = tm.permute(x, ids, E, pad_to=pad_to, backend="triton")
+    rxp, rinfo = ref.permute(x, ids, E, pad_to=pad_to)
+    return xp, info, rxp, rinfo
+
+
+def check_unpermute(y, info, w, config="default"):
+    with kp.config_override(**CONFIGS[config]):
+        out = tm.unpermute(y, info, w, backend="triton")
+    expect = ref.unpermute(y, info, w)
+    assert out.dtype == y.dtype and out.shape == expect.shape
+    rtol, atol = TOL[y.dtype]
+    torch.testing.assert_close(out, expect, rtol=rtol, atol=atol)
+    return out
+
+
+def test_registered():
+    assert KERNEL_OPS["permute"] == ("tritonmoe.kernels.permute", "permute")
+    assert KERNEL_OPS["unpermute"] == ("tritonmoe.kernels.permute", "unpermute")
+    from tritonmoe._settings import select_impl
+
+    assert select_impl("permute", "triton", DEV) is kp.permute
+    assert select_impl("unpermute", "triton", DEV) is kp.unpermute
+    assert select_impl("permute", "auto", torch.device("cuda")) is kp.permute  # CUDA -> kernels
+
+
+# --------------------------------------------------------------------------------------------
+# Named edge cases
+# --------------------------------------------------------------------------------------------
+
+# name -> (ids rows, E, pad_to, d, why the case exists)
+CASES = {
+    "docstring": ([[1, 0], [1, 2], [-1, 1]], 3, 1, 5, "the worked example of PermuteInfo"),
+    "T=0": ([], 4, 16, 3, "no tokens: empty buffer, zero offsets, no launch of the movers"),
+    "T=1": ([[2, 0, 1]], 4, 1, 6, "one token"),
+    "k=E": ([[0, 1, 2], [2, 1, 0], [1, 0, 2]], 3, 1, 4, "every expert in every token"),
+    "all -1": ([[-1, -1], [-1, -1], [-1, -1]], 3, 16, 4, "nothing routed: R = 0"),
+    "empty expert": ([[0, 2], [2, 0], [0, 4], [4, 2]], 5, 1, 3, "experts 1 and 3 get no rows"),
+    "one expert": ([[3], [3], [3], [3], [3], [3]], 5, 1, 7, "all tokens on one expert"),
+    "pad 16": ([[0, 1], [1, 2], [2, 0], [1, -1]], 3, 16, 5, "padding rows in every segment"),
+    "pad 128": ([[0, 4], [4, 5], [6, -1]], 7, 128, 3, "wide padding, prime E, empty experts padded to 0"),
+    "duplicate ids": ([[1, 1], [0, 1]], 2, 2, 3, "an expert twice in one token: slot order breaks the tie"),
+    "wide d": ([[0, 1], [1, 0], [1, -1]], 2, 1, 37, "d not a power of two, several d chunks"),
+    "prime E": ([[6, 0, 3], [2, 5, 6], [1, 3, 4], [0, 6, 5]], 7, 4, 3, "prime E with padding"),
+}
+
+
+@pytest.mark.parametrize("config", ["default", "blocks", "fused-tiny"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cases_match_reference(case, config):
+    rows, E, pad_to, d, _why = CASES[case]
+    K = len(rows[0]) if rows else 2
+    ids = torch.tensor(rows, dtype=torch.int64, device=DEV).reshape(len(rows), K)
+    x = _x(len(rows), d)
+    xp, info, rxp, rinfo = run_both(x, ids, E, pad_to, config)
+    check_metadata(info, rinfo)
+    assert torch.equal(xp, rxp)
+    check_invariants(x, ids, E, pad_to, xp, info)
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)).to(DEV)
+    check_unpermute(_x(xp.shape[0], d, seed=2), info, w, config)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+def test_id_dtypes(ids_dtype):
+    ids = _ids([[1, 0], [2, 1], [0, 2]], ids_dtype)
+    x = _x(3, 4)
+    xp, info, rxp, rinfo = run_both(x, ids, 3, 2)
+    check_metadata(info, rinfo)
+    assert torch.equal(xp, rxp)
+
+
+def test_non_contiguous_inputs():
+    base = _x(6, 20)
+    x = base[:, 1::3]  # strided columns
+    xt = _x(7, 6).t()  # [6, 7] with stride (1, 6)
+    ids = _ids([[0, 2], [1, 2], [2, 0], [1, 0], [2, 1], [0, 1]]).t().contiguous().t()  # [6, 2], strides (1, 6)
+    assert not x.is_contiguous() and not xt.is_contiguous() and not ids.is_contiguous()
+    for xx in (x, xt):
+        for config in ("default", "blocks"):
+            xp, info, rxp, rinfo = run_both(xx, ids, 3, 4, config)
+            check_metadata(info, rinfo)
+            assert torch.equal(xp, rxp)
+            y = _x(xp.shape[0] * 2, xx.shape[1])[::2]  # strided rows
+            w = torch.rand(6, 4, device=DEV)[:, ::2]  # strided weights
+            check_unpermute(y, info, w, config)
+
+
+def test_deterministic():
+    ids = _ids([[1, 0, 2], [0, 2, 1], [2, 2, 0], [1, -1, 0]])
+    x = _x(4, 9)
+    w = torch.rand(4, 3, device=DEV)
+    with kp.config_override(**CONFIGS["blocks"]):
+        a, ia = kp.permute(x, ids, 3, pad_to=4)
+        b, ib = kp.permute(x, ids, 3, pad_to=4)
+        assert torch.equal(a, b) and torch.equal(ia.slot_rows, ib.slot_rows)
+        assert torch.equal(kp.unpermute(a, ia, w), kp.unpermute(b, ib, w))
+
+
+# --------------------------------------------------------------------------------------------
+# Properties (hypothesis): 120 + 80 examples
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=120)
+@given(case=permute_cases(max_tokens=12, max_d=9), config=st.sampled_from(list(CONFIGS)), dup=st.booleans())
+def test_permute_properties(case, config, dup):
+    ids = case.ids
+    if dup and ids.shape[0] and ids.shape[1] > 1:
+        ids = ids.clone()
+        ids[:, 1] = ids[:, 0]  # repeated experts inside a token (allowed by the contract)
+    x, ids = case.x.to(DEV), ids.to(DEV)
+    xp, info, rxp, rinfo = run_both(x, ids, case.num_experts, case.pad_to, config)
+    check_metadata(info, rinfo)
+    assert torch.equal(xp, rxp)
+    check_invariants(x, ids, case.num_experts, case.pad_to, xp, info)
+
+
+@settings(max_examples=80)
+@given(
+    case=permute_cases(max_tokens=10, max_d=11),
+    config=st.sampled_from(list(CONFIGS)),
+    dtype=st.sampled_from([torch.float16, torch.float32, torch.float64]),
+)
+def test_unpermute_properties(case, config, dtype):
+    _, rinfo = ref.permute(case.x, case.ids, case.num_experts, pad_to=case.pad_to)
+    info = PermuteInfo(**{f: (getattr(rinfo, f).to(DEV) if torch.is_tensor(getattr(rinfo, f)) else getattr(rinfo, f))
+                          for f in ("expert_offsets", "slot_rows", "counts", "num_tokens", "pad_to")})
+    R = int(rinfo.expert_offsets[-1])
+    y = _x(R, case.x.shape[1], dtype, seed=R)
+    owned = torch.zeros(R, dtype=torch.bool, device=DEV)
+    owned[info.slot_rows[info.slot_rows >= 0]] = True
+    y[~owned] = float("nan")  # padding rows poisoned: the combine must never read them
+    out = check_unpermute(y, info, case.weights.to(DEV), config)
+    assert not out.isnan().any()
+
+
+# --------------------------------------------------------------------------------------------
+# Poisoned buffers: every row of the outputs is written
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["default", "blocks"])
+def test_poisoned_outputs_are_fully_written(config):
+    ids = _ids([[0, 2], [2, -1], [0, 4], [4, 2], [-1, -1]])
+    E, pad_to, d = 5, 4, 6
+    x = _x(5, d)
+    w = torch.rand(5, 2, device=DEV)
+    rxp, rinfo = ref.permute(x, ids, E, pad_to=pad_to)
+    with kp.config_override(**CONFIGS[config]):
+        info = kp.permute_metadata(ids, E, pad_to)
+        check_metadata(info, rinfo)
+        R = rxp.shape[0]
+        # permute forward: padding rows must be written as zeros
+        out = torch.full((R, d), float("nan"), device=DEV)
+        assert kp.scatter_rows(x, info, out=out) is out
+        assert torch.equal(out, rxp)
+        # rows past R (a buffer of the static bound) are zeros too
+        big = torch.full((kp.max_permuted_rows(5, 2, E, pad_to), d), float("nan"), device=DEV)
+        kp.scatter_rows(x, info, out=big)
+        assert torch.equal(big[:R], rxp) and not big[R:].any() and not big.isnan().any()
+        # unpermute backward's d(y_perm) (the weighted scatter): w * d(out) on slot rows, 0 elsewhere
+        g = _x(5, d, seed=3)
+        y = _x(R, d, seed=4).requires_grad_()
+        (expect,) = torch.autograd.grad(ref.unpermute(y, rinfo, w), y, g)
+        dy = torch.full((R, d), float("nan"), device=DEV)
+        kp.scatter_rows(g, info, w, out=dy)
+        torch.testing.assert_close(dy, expect, rtol=1e-6, atol=0)
+        # the combine writes every token row, unrouted tokens as zeros
+        o = torch.full((5, d), float("nan"), device=DEV)
+        kp.gather_rows(rxp, info, w, out=o)
+        torch.testing.assert_close(o, ref.unpermute(rxp, rinfo, w), rtol=1e-5, atol=1e-6)
+        assert not o[4].any()
+
+
+def test_out_buffer_checks():
+    ids = _ids([[0], [1]])
+    info = kp.permute_metadata(ids, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        kp.scatter_rows(_x(2, 4), info, out=torch.zeros(4, 2, device=DEV).t())
+    with pytest.raises(ValueError, match=r"\[2, 4\]"):
+        kp.gather_rows(_x(2, 4), info, out=torch.zeros(3, 4, device=DEV))
+
+
+# --------------------------------------------------------------------------------------------
+# The sync-free path: permute_metadata + permute_rows(num_rows=static bound)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pad_to", [1, 3])
+def test_static_rows(pad_to):
+    ids = _ids([[0, 1], [1, -1], [2, 1]])
+    x = _x(3, 5).requires_grad_()
+    bound = kp.max_permuted_rows(3, 2, 3, pad_to)
+    info = kp.permute_metadata(ids, 3, pad_to)
+    xp = kp.permute_rows(x, info, num_rows=bound)
+    rxp, rinfo = ref.permute(x, ids, 3, pad_to=pad_to)
+    R = rxp.shape[0]
+    assert xp.shape[0] == bound > R
+    assert torch.equal(xp[:R], rxp) and not xp[R:].any()
+    g = _x(bound, 5, seed=5)
+    (dx,) = torch.autograd.grad(xp, x, g)
+    (rdx,) = torch.autograd.grad(rxp, x, g[:R])
+    torch.testing.assert_close(dx, rdx, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="max_permuted_rows"):
+        kp.permute_rows(x, info, num_rows=bound - 1)
+    assert torch.equal(kp.permute_rows(x, info), rxp)  # default: exactly R rows
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["default", "blocks"])
+def test_backward_matches_reference(config):
+    ids = _ids([[1, 0], [1, 2], [-1, 1], [2, 2]])
+    x = _x(4, 7).requires_grad_()
+    w = torch.rand(4, 2, device=DEV, requires_grad=True)
+    with kp.config_override(**CONFIGS[config]):
+        xp, info = kp.permute(x, ids, 3, pad_to=2)
+        y = (xp * 1.5).detach().requires_grad_()
+        out = kp.unpermute(y, info, w)
+        g = _x(4, 7, seed=7)
+        dx, = torch.autograd.grad(xp, x, _x(xp.shape[0], 7, seed=8))
+        dy, dw = torch.autograd.grad(out, (y, w), g)
+        dw_only, = torch.autograd.grad(kp.unpermute(y, info, w), w, g)  # the d(w)-only kernel variant
+        dy_only, = torch.autograd.grad(kp.unpermute(y, info, w), y, g)
+    rxp, rinfo = ref.permute(x, ids, 3, pad_to=2)
+    rdx, = torch.autograd.grad(rxp, x, _x(rxp.shape[0], 7, seed=8))
+    rdy, rdw = torch.autograd.grad(ref.unpermute(y, rinfo, w), (y, w), g)
+    torch.testing.assert_close(dx, rdx, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dy, rdy, rtol=1e-6, atol=0)
+    torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-6)
+    assert torch.equal(dw, dw_only) and torch.equal(dy, dy_only)
+    assert dw.dtype == torch.float32 and dy.dtype == y.dtype
+
+
+@pytest.mark.parametrize("config", ["default", "blocks"])
+def test_gradcheck_fp64(config):
+    ids = _ids([[1, 0], [-1, 1], [2, 1]])
+    x = _x(3, 3, torch.float64).requires_grad_()
+    w = torch.rand(3, 2, dtype=torch.float64, device=DEV, requires_grad=True)
+    with kp.config_override(**CONFIGS[config]):
+        assert torch.autograd.gradcheck(lambda x: kp.permute(x, ids, 3, pad_to=2)[0], (x,), fast_mode=True)
+        info = kp.permute_metadata(ids, 3, 2)
+        y = _x(int(info.expert_offsets[-1]), 3, torch.float64, seed=1).requires_grad_()
+        assert torch.autograd.gradcheck(lambda y, w: kp.unpermute(y, info, w), (y, w), fast_mode=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad ids
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, exc",
+    [(3, IndexError), (-2, IndexError), (2**40, IndexError), ("float", TypeError)],
+    ids=["E", "-2", "2**40", "float"],
+)
+def test_bad_ids_raise_before_launch(bad, exc, monkeypatch):
+    def launched(*args, **kwargs):
+        raise AssertionError("the kernels were reached with invalid ids")
+
+    monkeypatch.setattr(kp, "permute_metadata", launched)
+    x = _x(2, 4)
+    ids = _ids([[0, 1], [2, 0]]).float() if bad == "float" else _ids([[0, 1], [bad, 0]])
+    with pytest.raises(exc):
+        tm.permute(x, ids, 3, backend="triton")
+
+
+@pytest.mark.parametrize("config", ["default", "blocks"])
+def test_out_of_range_ids_are_skipped_without_validation(config):
+    """With validation off, ids outside [-1, E) must not be read out of bounds: the metadata
+    treats them like -1 (documented in permute_metadata)."""
+    ids = _ids([[0, 7], [-5, 1], [2**40, 2]])
+    with kp.config_override(**CONFIGS[config]):
+        info = kp.permute_metadata(ids, 3)
+    expect = ref.permute(_x(3, 1), torch.where((ids >= 0) & (ids < 3), ids, -1), 3)[1]
+    check_metadata(info, expect)
+
+
+# --------------------------------------------------------------------------------------------
+# int64 index math
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_offset_probe(rows_ptr, out_ptr, stride, N: tl.constexpr):
+    r = tl.load(rows_ptr + tl.arange(0, N))  # int32 rows
+    tl.store(out_ptr + tl.arange(0, N), row_offset(r, stride))
+
+
+def test_row_offset_is_int64():
+    """row * stride of an int32 row near 2^31 / stride must not wrap."""
+    stride = 16384
+    rows = torch.tensor([2**31 // stride - 1, 2**31 // stride, 2**31 // stride + 7, 2**31 - 1], dtype=torch.int32, device=DEV)
+    out = torch.zeros(4, dtype=torch.int64, device=DEV)
+    _row_offset_probe[(1,)](rows, out, stride, N=4)
+    assert out.tolist() == [int(r) * stride for r in rows.tolist()]
+    assert max(out.tolist()) > 2**31
+
+
+@pytest.mark.parametrize("config", ["default", "blocks"])
+def test_offsets_past_2_31(config):
+    """Offsets and rows past 2^31 (huge pad_to) stay exact in int64, in both metadata paths."""
+    ids = _ids([[0, 2], [2, -1], [1, 2]])
+    pad_to = 2**30 + 3
+    with kp.config_override(**CONFIGS[config]):
+        info = kp.permute_metadata(ids, 4, pad_to)
+    small = ref.permute(_x(3, 1), ids, 4)[1]
+    counts = small.counts.long()
+    padded = (counts + pad_to - 1) // pad_to * pad_to
+    offs = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+    assert torch.equal(info.expert_offsets, offs) and int(offs[-1]) > 2**31
+    e = ids.clamp(min=0)
+    rows = torch.where(ids >= 0, offs[e] + small.slot_rows - small.expert_offsets[e], -1)
+    assert torch.equal(info.slot_rows, rows) and int(rows.max()) > 2**31
+    assert torch.equal(info.counts, small.counts)
+
+
+# --------------------------------------------------------------------------------------------
+# Expert-parallel split metadata
+# --------------------------------------------------------------------------------------------
+
+
+def test_ep_split_metadata():
+    ids = _ids([[0, 5], [2, 3], [5, 4], [1, -1], [0, 3]])
+    info = kp.permute_metadata(ids, 6, 4)
+    rinfo = ref.permute(_x(5, 1), ids, 6, pad_to=4)[1]
+    for P in (1, 2, 3, 6):
+        counts, offs = kp.ep_split_metadata(info, P)
+        rc, ro = ref.ep_splits(rinfo.expert_offsets, P)
+        assert counts.dtype == offs.dtype == torch.int64 and counts.shape == (P,) and offs.shape == (P + 1,)
+        assert torch.equal(counts, rc) and torch.equal(offs, ro)
+        o = info.expert_offsets
+        assert torch.equal(offs, torch.stack([o[r * 6 // P] for r in range(P + 1)]))
+        assert torch.equal(counts, offs[1:] - offs[:-1]) and int(offs[-1]) == int(o[-1])
+    c32, o32 = kp.ep_split_metadata(info.expert_offsets.int(), 2)  # int32 offsets accepted
+    assert o32.dtype == torch.int64 and torch.equal(o32, kp.ep_split_metadata(info, 2)[1])
+    with pytest.raises(ValueError, match="num_ranks=4"):
+        kp.ep_split_metadata(info, 4)
+    with pytest.raises(ValueError, match="num_ranks=0"):
+        kp.ep_split_metadata(info, 0)
+    with pytest.raises(TypeError, match="float32"):
+        kp.ep_split_metadata(info.expert_offsets.float(), 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Config policy
+# --------------------------------------------------------------------------------------------
+
+
+def test_config_policy():
+    cuda = torch.device("cuda")
+    for d in (1, 7, 128, 4096, 7168, 16384, 16385):
+        for es in (2, 4, 8):
+            s = kp.rows_config("scatter", 4096, 8, d, es, torch.device("cpu"))
+            g = kp.rows_config("gather", 4096, 8, d, es, torch.device("cpu"))
+            for c in (s, g):
+                assert c.block_d & (c.block_d - 1) == 0 and 1 <= c.num_warps <= 8 and c.nsplit >= 1
+            assert s.block_d * es <= 4096 or s.block_d == 16
+            assert 8 * g.block_d <= 8192
+    assert kp.metadata_config(64, 8, torch.device("cpu")).fused
+    with kp.config_override(metadata={"fused": False, "block_s": 8}):
+        c = kp.metadata_config(64, 8, torch.device("cpu"))
+        assert not c.fused and c.block_s == 8
+    assert kp.metadata_config(64, 8, torch.device("cpu")).fused  # scoped to the block
+    with pytest.raises(ValueError, match="block_q"):
+        with kp.config_override(metadata={"block_q": 1}):
+            pass
+    if HAS_CUDA:
+        assert not kp.metadata_config(4096 * 8, 256, cuda).fused
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_realistic_shapes(dtype):
+    torch.manual_seed(0)
+    T, K, E, d = 4096, 8, 64, 7168
+    logits = torch.randn(T, E, device="cuda")
+    routing = tm.route(logits, K, capacity=T * K // E)  # drops some slots: ids -1
+    x = torch.randn(T, d, device="cuda", dtype=dtype)
+    for pad_to in (1, 128):
+        xp, info = tm.permute(x, routing.topk_ids, E, pad_to=pad_to, backend="triton")
+        rxp, rinfo = ref.permute(x, routing.topk_ids, E, pad_to=pad_to)
+        check_metadata(info, rinfo)
+        assert torch.equal(xp, rxp)
+        y = torch.randn_like(xp)
+        out = tm.unpermute(y, info, routing.topk_weights, backend="triton")
+        rtol, atol = TOL[dtype]
+        torch.testing.assert_close(out, ref.unpermute(y, rinfo, routing.topk_weights), rtol=rtol, atol=atol)
+        out2 = tm.unpermute(y, info, routing.topk_weights, backend="triton")
+        assert torch.equal(out, out2)  # deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_large_index_math():
+    """T * k * d just above 2^31 elements: every row offset past 2^31 must be exact."""
+    T, K, E, d = 32769, 8, 16, 8192  # T*K*d = 2^31 + 2^16
+    assert T * K * d > 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(1)]).repeat(T, 1)
+    ids = (ids + torch.arange(T, device="cuda")[:, None]) % E
+    x = (torch.arange(T, device="cuda", dtype=torch.float32)[:, None] + torch.zeros(1, d, device="cuda")).half()
+    x[:, -1] = torch.arange(T, device="cuda").remainder(2048).half()
+    xp, info = tm.permute(x, ids, E, backend="triton")
+    rinfo = ref.permute(x[:, :1], ids, E)[1]
+    check_metadata(info, rinfo)
+    # the last slots land past row 2^31 / d: check their rows directly
+    rows = info.slot_rows[-4:].reshape(-1)
+    assert int(rows.max()) * d > 2**31 - d
+    assert torch.equal(xp[rows], x[-4:].repeat_interleave(K, 0))
+    src = torch.empty(xp.shape[0], dtype=torch.int64, device="cuda")
+    src[info.slot_rows.reshape(-1)] = torch.arange(T, device="cuda").repeat_interleave(K)
+    assert torch.equal(xp[:, -1], x[src, -1])
+    w = torch.full((T, K), 1.0 / K, device="cuda")
+    out = tm.unpermute(xp, info, w, backend="triton")
+    torch.testing.assert_close(out[-8:], x[-8:], rtol=2e-3, atol=0)
+    del xp, out
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_sync_free_path():
+    """permute_metadata + permute_rows(num_rows=bound) + unpermute (and its backward) never
+    synchronize with the host."""
+    T, K, E, d = 512, 4, 16, 256
+    ids = torch.randint(-1, E, (T, K), device="cuda")
+    x = torch.randn(T, d, device="cuda", requires_grad=True)
+    w = torch.rand(T, K, device="cuda", requires_grad=True)
+    bound = kp.max_permuted_rows(T, K, E, 16)
+    kp.permute_rows(x, kp.permute_metadata(ids, E, 16), num_rows=bound)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        info = kp.permute_metadata(ids, E, 16)
+        xp = kp.permute_rows(x, info, num_rows=bound)
+        out = kp.unpermute(xp * 2, info, w)
+        out.sum().backward()
+        kp.ep_split_metadata(info, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    rxp, rinfo = ref.permute(x.detach(), ids, E, pad_to=16)
+    assert torch.equal(xp[: rxp.shape[0]], rxp) and not xp[rxp.shape[0]:].any()
+
+
+@pytest.mark.gpu
+def test_gpu_layer_uses_kernels(monkeypatch):
+    """backend="auto" on CUDA routes MoELayer's permute / unpermute through the kernels."""
+    torch.manual_seed(0)
+    calls = []
+    for name in ("permute", "unpermute"):
+        fn = getattr(kp, name)
+        monkeypatch.setattr(kp, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n), _fn(*a, **k))[1])
+    layer = tm.MoELayer(tm.MoEConfig(64, 128, 8, 2, backend="auto"), device="cuda")
+    ref_layer = tm.MoELayer(tm.MoEConfig(64, 128, 8, 2, backend="torch"), device="cuda")
+    ref_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(3, 17, 64, device="cuda")
+    out = layer(x)
+    assert calls == ["permute", "unpermute"]
+    torch.testing.assert_close(out, ref_layer(x), rtol=1e-5, atol=1e-5)
