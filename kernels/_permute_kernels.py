@@ -10,8 +10,9 @@ results:
 
 * :func:`_metadata_fused_kernel`: one program does everything (small S * E; one launch).
 * :func:`_block_hist_kernel` -> :func:`_block_scan_kernel` -> :func:`_block_rank_kernel`: slots are
-  cut into blocks of BLOCK_S; per-block per-expert histograms, one fixed-order scan over blocks and
-  experts, then every block ranks its slots. Deterministic (no atomics), stable, no host sync.
+  cut into blocks of BLOCK_S; per-block per-expert histograms, a fixed-order scan over the blocks
+  (one program per chunk of experts), then every block ranks its slots, each program deriving its
+  experts' padded offsets from the counts. Deterministic (no atomics), stable, no host sync.
 
 Data movement:
 
@@ -94,20 +95,19 @@ def _metadata_fused_kernel(
         tl.store(counts_ptr + e, cnt, mask=e < E)
         tl.store(offsets_ptr + e, start, mask=e < E)
         total += tl.sum(padded, axis=0)
-        tl.debug_barrier()  # the offsets just stored are read back by other threads below
         # pass 2: rows, in slot order
         run = tl.zeros([BLOCK_E], dtype=tl.int32)  # slots of each expert seen so far
         for s0 in range(0, S, BLOCK_S):
             s = s0 + s_base
             ids = _load_ids(ids_ptr, s, S, E)
-            hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [BLOCK_S, BLOCK_E]
-            before = tl.cumsum(hit, axis=0) - hit + run[None, :]  # exclusive rank inside the expert
-            rank = tl.sum(before * hit, axis=1)  # [BLOCK_S], the rank under the slot's own expert
+            hit = ids[:, None] == e[None, :]  # [BLOCK_S, BLOCK_E]
+            hit32 = hit.to(tl.int32)
+            before = tl.cumsum(hit32, axis=0) - hit32 + run[None, :]  # exclusive rank inside the expert
+            # each slot hits at most one expert: the sum selects start[e] + rank under its expert
+            row = tl.sum(tl.where(hit, start[None, :] + before, 0), axis=1)  # [BLOCK_S] int64
             mine = (ids >= e0) & (ids < e0 + BLOCK_E)
-            e_safe = tl.where(mine, ids, 0)
-            seg = tl.load(offsets_ptr + e_safe, mask=mine, other=0)
-            tl.store(rows_ptr + s, seg + rank.to(tl.int64), mask=mine)
-            run += tl.sum(hit, axis=0)
+            tl.store(rows_ptr + s, row, mask=mine)
+            run += tl.sum(hit32, axis=0)
     for s0 in range(0, S, BLOCK_S):
         s = s0 + s_base
         ids = _load_ids(ids_ptr, s, S, E)
@@ -140,71 +140,83 @@ def _block_hist_kernel(
 def _block_scan_kernel(
     hist_ptr,  # in int32 [NB, E] block counts; out: exclusive prefix over blocks, per expert
     counts_ptr,  # out int32 [E]
-    offsets_ptr,  # out int64 [E+1]
     NB,
     E,
-    pad_to,
     BLOCK_B: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """Fixed-order scan of the block histograms.
+    """Fixed-order scan of the block histograms over the blocks.
 
-    Grid: (1,). For each chunk of BLOCK_E experts the program scans the blocks in order, BLOCK_B at
-    a time, replacing hist[b, e] by the number of slots of e in blocks before b; the totals are the
-    counts, which are padded to a multiple of pad_to and scanned across experts (int64) into the
-    segment offsets. Example: hist = [[2, 1], [0, 3]], pad_to = 4 -> hist [[0, 0], [2, 1]],
-    counts [2, 4], offsets [0, 4, 8].
+    Grid: (cdiv(E, BLOCK_E),). Program c walks the blocks in order, BLOCK_B at a time, replacing
+    hist[b, e] (e in chunk c) by the number of slots of e in blocks before b; the totals are the
+    counts. Example: hist = [[2, 1], [0, 3]] -> hist [[0, 0], [2, 1]], counts [2, 4].
     """
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     b_base = tl.arange(0, BLOCK_B)
-    total = tl.zeros([1], dtype=tl.int64)
-    for e0 in range(0, E, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        run = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for b0 in range(0, NB, BLOCK_B):
-            b = (b0 + b_base).to(tl.int64)
-            ptrs = hist_ptr + b[:, None] * E + e[None, :]
-            m = (b[:, None] < NB) & (e[None, :] < E)
-            h = tl.load(ptrs, mask=m, other=0)  # [BLOCK_B, BLOCK_E]
-            tl.store(ptrs, tl.cumsum(h, axis=0) - h + run[None, :], mask=m)
-            run += tl.sum(h, axis=0)
-        padded = (run.to(tl.int64) + pad_to - 1) // pad_to * pad_to
-        tl.store(counts_ptr + e, run, mask=e < E)
-        tl.store(offsets_ptr + e, total + tl.cumsum(padded, axis=0) - padded, mask=e < E)
-        total += tl.sum(padded, axis=0)
-    tl.store(offsets_ptr + E + tl.arange(0, 1), total)
+    run = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for b0 in range(0, NB, BLOCK_B):
+        b = (b0 + b_base).to(tl.int64)
+        ptrs = hist_ptr + b[:, None] * E + e[None, :]
+        m = (b[:, None] < NB) & (e[None, :] < E)
+        h = tl.load(ptrs, mask=m, other=0)  # [BLOCK_B, BLOCK_E]
+        tl.store(ptrs, tl.cumsum(h, axis=0) - h + run[None, :], mask=m)
+        run += tl.sum(h, axis=0)
+    tl.store(counts_ptr + e, run, mask=e < E)
 
 
 @triton.jit
 def _block_rank_kernel(
     ids_ptr,  # [S] integer ids
     prefix_ptr,  # int32 [NB, E]: slots of e in earlier blocks (from _block_scan_kernel)
-    offsets_ptr,  # int64 [E+1]
+    counts_ptr,  # int32 [E] (from _block_scan_kernel)
+    offsets_ptr,  # out int64 [E+1]
     rows_ptr,  # out int64 [S]
     S,
     E,
+    pad_to,
     BLOCK_S: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    SCAN_E: tl.constexpr,
 ):
-    """Row of every slot: offsets[e] + prefix[b, e] + rank of the slot among e's slots in block b.
+    """Padded offsets, and the row of every slot: offsets[e] + prefix[b, e] + its rank among e's
+    slots inside block b.
 
-    Grid: (NB, cdiv(E, BLOCK_E)). Program (b, c) ranks the slots of block b whose expert lies in
-    chunk c (an exclusive cumsum of the one-hot [BLOCK_S, BLOCK_E] tile) and writes their rows;
-    program (b, 0) also writes -1 for the block's unrouted slots. Each slot is written by exactly
-    one program.
+    Grid: (NB, cdiv(E, BLOCK_E)). Program (b, c) first derives the padded segment starts of chunk
+    c's experts from the counts (padded counts of all earlier experts, summed SCAN_E at a time in
+    a fixed order, then an exclusive scan inside the chunk; programs (0, c) store them, and (0,
+    last) stores offsets[E] = R). It then ranks the slots of block b whose expert lies in chunk c
+    (an exclusive cumsum of the one-hot [BLOCK_S, BLOCK_E] tile) and writes their rows; programs
+    (b, 0) also write -1 for the block's unrouted slots. Each slot is written by one program.
     """
-    b = tl.program_id(0).to(tl.int64)
-    e0 = tl.program_id(1) * BLOCK_E
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    e0 = pid_c * BLOCK_E
     e = e0 + tl.arange(0, BLOCK_E)
-    s = b * BLOCK_S + tl.arange(0, BLOCK_S)
+    # padded segment starts of this chunk's experts
+    done = tl.zeros([1], dtype=tl.int64)  # padded rows of experts [0, e0)
+    for e1 in range(0, e0, SCAN_E):
+        ee = e1 + tl.arange(0, SCAN_E)
+        c = tl.load(counts_ptr + ee, mask=ee < e0, other=0).to(tl.int64)
+        done += tl.sum((c + pad_to - 1) // pad_to * pad_to, axis=0)
+    cnt = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.int64)
+    padded = (cnt + pad_to - 1) // pad_to * pad_to
+    start = done + tl.cumsum(padded, axis=0) - padded  # [BLOCK_E]
+    tl.store(offsets_ptr + e, start, mask=e < tl.where(pid_b == 0, E, 0))
+    last = (pid_b == 0) & (pid_c == tl.num_programs(1) - 1)
+    one = tl.arange(0, 1)
+    tl.store(offsets_ptr + E + one, done + tl.sum(padded, axis=0), mask=one < tl.where(last, 1, 0))
+    # rows of this block's slots of this chunk
+    s = pid_b.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     ids = _load_ids(ids_ptr, s, S, E)
-    hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [BLOCK_S, BLOCK_E]
-    rank = tl.sum((tl.cumsum(hit, axis=0) - hit) * hit, axis=1)  # [BLOCK_S]
+    hit = ids[:, None] == e[None, :]  # [BLOCK_S, BLOCK_E]
+    hit32 = hit.to(tl.int32)
+    before = tl.cumsum(hit32, axis=0) - hit32  # exclusive rank inside the block
+    prefix = tl.load(prefix_ptr + pid_b.to(tl.int64) * E + e, mask=e < E, other=0)
+    base = start + prefix.to(tl.int64)  # [BLOCK_E]
+    row = tl.sum(tl.where(hit, base[None, :] + before, 0), axis=1)  # [BLOCK_S] int64, one hit per slot
     mine = (ids >= e0) & (ids < e0 + BLOCK_E)
-    e_safe = tl.where(mine, ids, 0)
-    seg = tl.load(offsets_ptr + e_safe, mask=mine, other=0)
-    before = tl.load(prefix_ptr + b * E + e_safe, mask=mine, other=0)
-    tl.store(rows_ptr + s, seg + before.to(tl.int64) + rank.to(tl.int64), mask=mine)
-    unrouted = (s < tl.where(tl.program_id(1) == 0, S, 0)) & (ids < 0)  # only programs (b, 0)
+    tl.store(rows_ptr + s, row, mask=mine)
+    unrouted = (s < tl.where(pid_c == 0, S, 0)) & (ids < 0)  # only programs (b, 0)
     tl.store(rows_ptr + s, tl.full([BLOCK_S], -1, tl.int64), mask=unrouted)
 
 

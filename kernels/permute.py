@@ -84,6 +84,7 @@ class MetadataConfig:
     block_s: slots per block (per loop step when fused).
     block_e: experts per tile (the one-hot tiles are [block_s, block_e]).
     block_b: blocks per step of the scan over the block histograms.
+    scan_e: counts per step when a rank program sums the padded counts of earlier experts.
     num_warps: warps of every metadata program.
     """
 
@@ -92,6 +93,7 @@ class MetadataConfig:
     block_e: int
     block_b: int
     num_warps: int
+    scan_e: int = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,24 +151,25 @@ def _sms(device: torch.device) -> int:
 def metadata_config(num_slots: int, num_experts: int, device: torch.device) -> MetadataConfig:
     """Metadata launch parameters for S = T * k slots and E experts.
 
-    The one-hot [block_s, block_e] int32 tiles are 8K elements (32 per thread at 8 warps... 4
-    warps: 64 registers), small enough not to spill. The fused single program walks S twice per
-    chunk of experts, so it only wins while S * E is small (launch latency, ~2-3 us per kernel on
-    an H200, dominates there): up to 2^15 slot-experts, e.g. T = 128, k = 4, E = 64. Above that the
-    block kernels spread S over cdiv(S, 256) * cdiv(E, 64) programs and the one serial scan reads
-    only the [NB, E] histograms (T = 4096, k = 8, E = 256: 128 x 256 int32).
+    GPU: the fused single program walks S twice per chunk of experts, so it only wins while S * E
+    is small and launch latency (~2-3 us per kernel) dominates: up to 2^15 slot-experts (e.g.
+    T = 128, k = 4, E = 64), with [128, 32] one-hot tiles at 4 warps. Above that the three block
+    kernels spread the work over cdiv(S, 256) * cdiv(E, 32) programs with [256, 32] tiles at 8
+    warps (32 int32 per thread, no spills); the scan runs one program per 32 experts over
+    [block_b, 32] tiles of the [NB, E] histograms (T = 4096, k = 8, E = 256: 128 blocks, one step).
+    Interpreter: whole-tile numpy ops are cheap and programs run one at a time, so one fused
+    program with large tiles.
     """
     E_pow2 = triton.next_power_of_2(max(num_experts, 1))
+    nb_pow2 = triton.next_power_of_2(triton.cdiv(max(num_slots, 1), 256))
     if device.type == "cuda":
-        fused = num_slots * num_experts <= 1 << 15
-        block_s = 128 if fused else 256
-        block_e = min(64 if not fused else 32, E_pow2)
-        nb = triton.cdiv(max(num_slots, 1), block_s)
-        cfg = MetadataConfig(fused, block_s, block_e, min(64, triton.next_power_of_2(nb)), 4)
+        if num_slots * num_experts <= 1 << 15:
+            cfg = MetadataConfig(True, 128, min(32, E_pow2), 16, 4)
+        else:
+            cfg = MetadataConfig(False, 256, min(32, E_pow2), min(256, nb_pow2), 8)
     else:
-        # Interpreter: numpy ops on whole tiles are cheap, per-program overhead is not.
         block_s = min(256, triton.next_power_of_2(max(num_slots, 1)))
-        cfg = MetadataConfig(True, block_s, min(64, E_pow2), 16, 4)
+        cfg = MetadataConfig(True, block_s, min(64, E_pow2), min(256, nb_pow2), 4)
     over = _OVERRIDE.get().get("metadata")
     return dataclasses.replace(cfg, **over) if over else cfg
 
@@ -279,12 +282,12 @@ def permute_metadata(topk_ids: torch.Tensor, num_experts: int, pad_to: int = 1) 
             _block_hist_kernel[(nb, n_ec)](
                 ids, hist, S, E, BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, num_warps=cfg.num_warps
             )
-            _block_scan_kernel[(1,)](
-                hist, counts, offsets, nb, E, pad_to,
-                BLOCK_B=cfg.block_b, BLOCK_E=cfg.block_e, num_warps=cfg.num_warps,
+            _block_scan_kernel[(n_ec,)](
+                hist, counts, nb, E, BLOCK_B=cfg.block_b, BLOCK_E=cfg.block_e, num_warps=cfg.num_warps
             )
             _block_rank_kernel[(nb, n_ec)](
-                ids, hist, offsets, rows, S, E, BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, num_warps=cfg.num_warps
+                ids, hist, counts, offsets, rows, S, E, pad_to,
+                BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, SCAN_E=cfg.scan_e, num_warps=cfg.num_warps,
             )
     return PermuteInfo(expert_offsets=offsets, slot_rows=rows, counts=counts, num_tokens=T, pad_to=pad_to)
 

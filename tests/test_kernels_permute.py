@@ -41,7 +41,7 @@ TOL = {
 CONFIGS = {
     "default": {},
     "blocks": dict(
-        metadata={"fused": False, "block_s": 8, "block_e": 4, "block_b": 2},
+        metadata={"fused": False, "block_s": 8, "block_e": 4, "block_b": 2, "scan_e": 4},
         scatter={"block_d": 4, "nsplit": 2, "tail_rows": 4},
         gather={"block_d": 4, "nsplit": 2},
     ),
