@@ -6,10 +6,10 @@ permuted rows bit-exact, the weighted combine accumulated per token in fp32, fp6
 are registered in :data:`tritonmoe.kernels.KERNEL_OPS`. They assume validated arguments (the
 public :func:`tritonmoe.permute` / :func:`tritonmoe.unpermute` check them).
 
-Building blocks, usable on their own (the expert-parallel and pipelining code use them):
+Building blocks, usable on their own (meant for the expert-parallel and pipelining code):
 
 * :func:`permute_metadata` - ids -> :class:`PermuteInfo` on the device, deterministic, no host sync.
-* :func:`permute_rows` - the autograd-capable gather of x into a buffer of a given row count;
+* :func:`permute_rows` - the autograd-capable permutation of x into a buffer of a given row count;
   with ``num_rows`` given (e.g. the static bound :func:`max_permuted_rows`) permutation needs no
   host synchronization at all.
 * :func:`scatter_rows` / :func:`gather_rows` - the raw (not autograd) row movers, with ``out=``.
@@ -18,10 +18,11 @@ Building blocks, usable on their own (the expert-parallel and pipelining code us
 The one host synchronization: :func:`permute` must return x_perm with exactly R =
 ``expert_offsets[E]`` rows, and R depends on the ids (slots with id -1 and the padding), so it reads
 R back once after the metadata kernels (see :func:`_read_num_rows`). Nothing else synchronizes.
-Callers that can live with a buffer of the static worst-case size (rows past R are zero, which
-:func:`tritonmoe.reference.grouped_gemm` accepts) use ``permute_metadata`` + ``permute_rows(x,
-info, num_rows=max_permuted_rows(...))`` instead; with ``pad_to == 1`` and no id -1 that bound is
-exactly R = T * k.
+Callers that can live with a buffer of the static worst-case size use ``permute_metadata`` +
+``permute_rows(x, info, num_rows=max_permuted_rows(...))`` instead: rows past R are zero (the
+grouped GEMM contract treats rows at or past offsets[E] as zero, though the public ops' value
+validation, when on, insists on exactly R rows) and :func:`unpermute` accepts such a buffer; with
+``pad_to == 1`` and no id -1 the bound is exactly R = T * k.
 
 Config: every tile size, warp count and grid split is chosen in :func:`metadata_config` and
 :func:`rows_config` below; tests override them with :func:`config_override`. These kernels are
@@ -156,7 +157,8 @@ def metadata_config(num_slots: int, num_experts: int, device: torch.device) -> M
     T = 128, k = 4, E = 64), with [128, 32] one-hot tiles at 4 warps. Above that the three block
     kernels spread the work over cdiv(S, 256) * cdiv(E, 32) programs with [256, 32] tiles at 8
     warps (32 int32 per thread, no spills); the scan runs one program per 32 experts over
-    [block_b, 32] tiles of the [NB, E] histograms (T = 4096, k = 8, E = 256: 128 blocks, one step).
+    [block_b <= 128, 32] tiles of the [NB, E] histograms (T = 4096, k = 8, E = 256: 128 blocks, one
+    step).
     Interpreter: whole-tile numpy ops are cheap and programs run one at a time, so one fused
     program with large tiles.
     """
@@ -166,7 +168,7 @@ def metadata_config(num_slots: int, num_experts: int, device: torch.device) -> M
         if num_slots * num_experts <= 1 << 15:
             cfg = MetadataConfig(True, 128, min(32, E_pow2), 16, 4)
         else:
-            cfg = MetadataConfig(False, 256, min(32, E_pow2), min(256, nb_pow2), 8)
+            cfg = MetadataConfig(False, 256, min(32, E_pow2), min(128, nb_pow2), 8)
     else:
         block_s = min(256, triton.next_power_of_2(max(num_slots, 1)))
         cfg = MetadataConfig(True, block_s, min(64, E_pow2), min(256, nb_pow2), 4)
@@ -209,10 +211,6 @@ def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, 
 def _acc_tl(dtype: torch.dtype):
     """Accumulation dtype of the kernels: fp64 for fp64 data, fp32 otherwise."""
     return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _acc_torch(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _device_ctx(device: torch.device):
@@ -307,7 +305,7 @@ def ep_split_metadata(expert_offsets, num_ranks: int) -> tuple[torch.Tensor, tor
     Returns: ``(rank_counts, rank_offsets)``: int64 [P] rows to send to each rank (the
     all-to-all's input split sizes) and int64 [P+1] their start rows in the buffer
     (``rank_offsets[P] == R``). Both stay on the device: ``rank_offsets`` is a strided view of the
-    offsets (no copy) and ``rank_counts`` one subtraction, so there is no host sync; call
+    offsets for int64 offsets (no copy; do not modify it in place) and ``rank_counts`` one subtraction, so there is no host sync; call
     ``.tolist()`` where a collective needs host split sizes. Matches
     :func:`tritonmoe.reference.ep_splits`. The per-(rank, local expert) unpadded counts that a
     receiver needs are ``info.counts.view(P, E // P)``.
