@@ -1,0 +1,783 @@
+"""The benchmark suites: what is measured, at which shapes, against what.
+
+Every suite measures tritonmoe through its public API (``tritonmoe.route``, ``permute``,
+``unpermute``, ``grouped_ffn``, ``moe_ffn`` when present, ``MoELayer``) once per backend asked
+for (``triton``: the kernels, ``torch``: the reference path, ``auto``), beside the baselines of
+:mod:`bench.baselines` on the same inputs in the same process.
+
+A suite plans a list of :class:`Case` (one problem: shape, token count, routing) whose inputs
+are built only when the case runs; each case holds :class:`Entry` items (one mode and one
+implementation). ``fwd`` is an inference forward (under ``torch.no_grad()``); ``fwd+bwd`` is a
+forward and ``torch.autograd.grad`` of the outputs, with a fixed random output gradient, with
+respect to every differentiable input (no gradient accumulation into ``.grad``). Value checks
+of the public API are switched off while timing (``tritonmoe.validation(False)``), as a
+training loop would.
+
+An implementation that cannot run here (``backend="triton"`` for an op without a kernel yet,
+``torch._grouped_mm`` missing or not supporting the dtype) is recorded as "unavailable" with
+the reason; a failure of any other kind is recorded as "error"; neither stops the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import tritonmoe as tm
+from tritonmoe import reference
+
+from . import baselines as B
+from . import work as W
+from .harness import (
+    Timer,
+    Unavailable,
+    Work,
+    attach_speedups,
+    fill_timing,
+    first_line,
+    free_memory,
+    is_oom,
+    new_row,
+)
+from .presets import PRESETS, Preset, RoutingSpec, parse_routing
+
+MODES = ("fwd", "fwd+bwd")
+
+#: The issue's router grid (GPU default of the route suite when no preset is chosen).
+ROUTE_GRID_TOKENS = (4096, 16384, 65536)
+ROUTE_GRID_EXPERTS = (8, 64, 128, 256)
+ROUTE_GRID_TOPK = (2, 6, 8)
+
+
+@dataclass
+class Context:
+    """Everything a suite needs to plan and run its cases."""
+
+    device: torch.device
+    dtype: torch.dtype
+    presets: list[Preset]
+    presets_chosen: bool = False
+    tokens: tuple[int, ...] | None = None
+    routings: list[RoutingSpec] | None = None
+    backends: tuple[str, ...] = ("torch",)
+    baselines: tuple[str, ...] = ("loop", "grouped_mm")
+    seed: int = 0
+    timer: Timer | None = None
+    roofs: dict = field(default_factory=dict)
+    log: Callable[[str], None] = print
+    ep_world_sizes: tuple[int, ...] = (2, 4)
+    ep_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    ep_timeout_s: float = 60.0
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def tokens_for(self, preset: Preset) -> tuple[int, ...]:
+        return self.tokens or preset.tokens(self.device)
+
+    def routings_for(self, suite: str) -> list[RoutingSpec]:
+        if self.routings:
+            return list(self.routings)
+        if suite == "ffn" and self.is_cuda:
+            return [parse_routing("uniform"), parse_routing("zipf:1.2")]
+        return [parse_routing("uniform")]
+
+    def generator(self, salt: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + salt)
+
+    def randn(self, *shape, salt: int, dtype: torch.dtype | None = None, scale: float = 1.0) -> torch.Tensor:
+        t = torch.randn(*shape, generator=self.generator(salt), device=self.device, dtype=torch.float32)
+        if scale != 1.0:
+            t.mul_(scale)
+        return t.to(dtype or self.dtype)
+
+
+@dataclass
+class Entry:
+    """One implementation in one mode; ``make(state)`` returns the timed callable and its work.
+    ``make`` may raise :class:`Unavailable`."""
+
+    mode: str
+    impl: str
+    make: Callable[[Any], tuple[Callable[[], Any], Work]]
+
+
+@dataclass
+class Case:
+    suite: str
+    label: str
+    params: dict
+    build: Callable[[], Any]
+    entries: list[Entry]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def require_backend(ctx: Context, backend: str) -> None:
+    """Triton on CPU tensors runs in Triton's interpreter: only when it was switched on before
+    tritonmoe was imported, and it is no performance path; say so instead of failing."""
+    if backend == "triton" and not ctx.is_cuda:
+        from tritonmoe import _settings
+
+        if not _settings.TRITON_INTERPRET:
+            raise Unavailable("backend='triton' on CPU needs TRITON_INTERPRET=1 set before import (interpreter)")
+
+
+def grad_fn(forward: Callable[[], Any], inputs: list[torch.Tensor], grad_out: torch.Tensor) -> Callable[[], Any]:
+    """forward, then d(output)/d(inputs) for a fixed output gradient."""
+
+    def fn():
+        out = forward()
+        return torch.autograd.grad(out, inputs, grad_out)
+
+    return fn
+
+
+def no_grad_fn(forward: Callable[[], Any]) -> Callable[[], Any]:
+    def fn():
+        with torch.no_grad():
+            return forward()
+
+    return fn
+
+
+def make_routing(ctx: Context, T: int, preset: Preset, spec: RoutingSpec, *, salt: int):
+    """Logits drawn from the routing distribution and the reference router's decision for them."""
+    logits = spec.logits(T, preset.num_experts, seed=ctx.seed * 7919 + salt, device=ctx.device, dtype=torch.float32)
+    bias = None
+    if preset.expert_bias:
+        bias = ctx.randn(preset.num_experts, salt=salt + 1, dtype=torch.float32, scale=0.01)
+    r = reference.route(logits, preset.top_k, expert_bias=bias, **preset.route_kwargs())
+    return logits, bias, r
+
+
+def active_experts(counts: torch.Tensor) -> int:
+    return int((counts > 0).sum())  # setup only (not timed): work accounting needs the count
+
+
+def ffn_weights(ctx: Context, preset: Preset, *, salt: int, requires_grad: bool):
+    E, d, f, n1 = preset.num_experts, preset.d_model, preset.d_ffn, preset.n1
+    w1 = ctx.randn(E, d, n1, salt=salt, scale=d**-0.5).requires_grad_(requires_grad)
+    w2 = ctx.randn(E, f, d, salt=salt + 1, scale=f**-0.5).requires_grad_(requires_grad)
+    return w1, w2
+
+
+def case_params(ctx: Context, preset: Preset | None, T: int, spec: RoutingSpec | None, **more) -> dict:
+    p = preset.params() if preset is not None else {}
+    p.update(T=T, routing=spec.label if spec is not None else None, dtype=ctx.dtype_name)
+    p.update(more)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# route
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    E: int
+    k: int
+    score_func: str = "softmax"
+    expert_bias: bool = False
+    n_groups: int | None = None
+    topk_groups: int | None = None
+    preset: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.preset:
+            return self.preset
+        s = f"E={self.E} k={self.k} {self.score_func}"
+        if self.expert_bias:
+            s += "+bias"
+        if self.n_groups:
+            s += f" groups={self.n_groups}/{self.topk_groups}"
+        return s
+
+    def kwargs(self) -> dict:
+        return dict(score_func=self.score_func, n_groups=self.n_groups, topk_groups=self.topk_groups)
+
+
+def _deepseek_route(E: int = 256, k: int = 8) -> RouteShape:
+    return RouteShape(E, k, "sigmoid", True, 8, 4)
+
+
+def route_shapes(ctx: Context) -> list[tuple[RouteShape, tuple[int, ...]]]:
+    if ctx.presets_chosen:
+        return [
+            (
+                RouteShape(p.num_experts, p.top_k, p.score_func, p.expert_bias, p.n_groups, p.topk_groups, p.name),
+                ctx.tokens_for(p),
+            )
+            for p in ctx.presets
+        ]
+    if ctx.is_cuda:
+        grid = [RouteShape(E, k) for E in ROUTE_GRID_EXPERTS for k in ROUTE_GRID_TOPK if k <= E]
+        grid.append(_deepseek_route())
+        return [(s, ctx.tokens or ROUTE_GRID_TOKENS) for s in grid]
+    small = PRESETS["small"]
+    shapes = [RouteShape(small.num_experts, small.top_k), RouteShape(64, 6), _deepseek_route(64, 8)]
+    return [(s, ctx.tokens or small.tokens_cpu) for s in shapes]
+
+
+def plan_route(ctx: Context) -> list[Case]:
+    cases = []
+    for shape, tokens in route_shapes(ctx):
+        for spec in ctx.routings_for("route"):
+            for T in tokens:
+                cases.append(_route_case(ctx, shape, T, spec))
+    return cases
+
+
+def _route_case(ctx: Context, shape: RouteShape, T: int, spec: RoutingSpec) -> Case:
+    E, k = shape.E, shape.k
+    salt = (E * 131 + k * 17 + T) & 0xFFFF
+
+    def build():
+        logits = spec.logits(T, E, seed=ctx.seed * 7919 + salt, device=ctx.device, dtype=ctx.dtype)
+        bias = ctx.randn(E, salt=salt + 1, dtype=torch.float32, scale=0.01) if shape.expert_bias else None
+        return dict(
+            logits=logits,
+            logits_g=logits.detach().clone().requires_grad_(True),
+            bias=bias,
+            grad_w=ctx.randn(T, k, salt=salt + 2, dtype=torch.float32),
+        )
+
+    entries = []
+    for b in ctx.backends:
+        for mode in MODES:
+
+            def make(st, b=b, mode=mode):
+                require_backend(ctx, b)
+                kw = dict(expert_bias=st["bias"], backend=b, **shape.kwargs())
+                if mode == "fwd":
+                    fn = no_grad_fn(lambda: tm.route(st["logits"], k, **kw))
+                else:
+                    fn = grad_fn(lambda: tm.route(st["logits_g"], k, **kw).topk_weights, [st["logits_g"]], st["grad_w"])
+                return fn, W.route(T, E, k, ctx.itemsize, backward=mode != "fwd")
+
+            entries.append(Entry(mode, b, make))
+    params = dict(
+        preset=shape.preset, E=E, k=k, score_func=shape.score_func, expert_bias=shape.expert_bias,
+        n_groups=shape.n_groups, topk_groups=shape.topk_groups, T=T, routing=spec.label, dtype=ctx.dtype_name,
+    )
+    return Case("route", f"{shape.label} T={T} {spec.label}", params, build, entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# permute / unpermute
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_permute(ctx: Context) -> list[Case]:
+    cases = []
+    for p in ctx.presets:
+        for spec in ctx.routings_for("permute"):
+            for T in ctx.tokens_for(p):
+                cases.append(_permute_case(ctx, p, T, spec))
+                cases.append(_unpermute_case(ctx, p, T, spec))
+    return cases
+
+
+def _permute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+    E, d, k = p.num_experts, p.d_model, p.top_k
+
+    def build():
+        _, _, r = make_routing(ctx, T, p, spec, salt=T)
+        x = ctx.randn(T, d, salt=T + 10)
+        R = T * k  # dropless routing, pad_to=1
+        return dict(ids=r.topk_ids, x=x, x_g=x.detach().clone().requires_grad_(True), R=R,
+                    grad_perm=ctx.randn(R, d, salt=T + 11))
+
+    entries = []
+    for b in ctx.backends:
+        for mode in MODES:
+
+            def make(st, b=b, mode=mode):
+                require_backend(ctx, b)
+                work = W.permute(T, k, d, st["R"], E, ctx.itemsize, backward=mode != "fwd")
+                if mode == "fwd":
+                    return no_grad_fn(lambda: tm.permute(st["x"], st["ids"], E, backend=b)), work
+                fwd = lambda: tm.permute(st["x_g"], st["ids"], E, backend=b)[0]  # noqa: E731
+                return grad_fn(fwd, [st["x_g"]], st["grad_perm"]), work
+
+            entries.append(Entry(mode, b, make))
+    return Case("permute", f"permute {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="permute"),
+                build, entries)
+
+
+def _unpermute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+    E, d, k = p.num_experts, p.d_model, p.top_k
+
+    def build():
+        _, _, r = make_routing(ctx, T, p, spec, salt=T)
+        x = ctx.randn(T, d, salt=T + 10)
+        _, info = reference.permute(x, r.topk_ids, E)
+        R = int(info.expert_offsets[-1])
+        y = ctx.randn(R, d, salt=T + 12)
+        w = r.topk_weights.detach()
+        return dict(info=info, y=y, w=w, R=R, y_g=y.detach().clone().requires_grad_(True),
+                    w_g=w.clone().requires_grad_(True), grad_out=ctx.randn(T, d, salt=T + 13))
+
+    entries = []
+    for b in ctx.backends:
+        for mode in MODES:
+
+            def make(st, b=b, mode=mode):
+                require_backend(ctx, b)
+                work = W.unpermute(T, k, d, st["R"], ctx.itemsize, backward=mode != "fwd")
+                if mode == "fwd":
+                    return no_grad_fn(lambda: tm.unpermute(st["y"], st["info"], st["w"], backend=b)), work
+                fwd = lambda: tm.unpermute(st["y_g"], st["info"], st["w_g"], backend=b)  # noqa: E731
+                return grad_fn(fwd, [st["y_g"], st["w_g"]], st["grad_out"]), work
+
+            entries.append(Entry(mode, b, make))
+    return Case("permute", f"unpermute {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="unpermute"),
+                build, entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# ffn: grouped_ffn over a permuted buffer, and the routed FFN x -> out (moe_ffn)
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_ffn(ctx: Context) -> list[Case]:
+    """grouped_ffn cases, and moe_ffn cases when a backend other than the reference is measured:
+    the routed FFN compares tritonmoe's fused op and its permute + grouped_ffn + unpermute
+    pipeline against the baselines' pipelines. The reference pipeline is left out there: it is
+    the grouped_ffn reference plus the permutations (both measured on their own, and the whole
+    layer in the layer suite) and would add minutes of fp32 GEMMs at the large presets."""
+    routed = any(b != "torch" for b in ctx.backends)
+    cases = []
+    for p in ctx.presets:
+        for spec in ctx.routings_for("ffn"):
+            for T in ctx.tokens_for(p):
+                cases.append(_grouped_ffn_case(ctx, p, T, spec))
+                if routed:
+                    cases.append(_moe_ffn_case(ctx, p, T, spec))
+    return cases
+
+
+def _grouped_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+    d, f, n1, act = p.d_model, p.d_ffn, p.n1, p.activation
+
+    def build():
+        _, _, r = make_routing(ctx, T, p, spec, salt=T)
+        counts = r.counts.long()
+        offsets = torch.zeros(p.num_experts + 1, dtype=torch.int64, device=ctx.device)
+        offsets[1:] = torch.cumsum(counts, 0)
+        R = int(offsets[-1])
+        x = ctx.randn(R, d, salt=T + 20)
+        w1, w2 = ffn_weights(ctx, p, salt=T + 21, requires_grad=True)
+        return dict(x=x, x_g=x.detach().clone().requires_grad_(True), offsets=offsets,
+                    offs32=B.grouped_mm_offsets(offsets), w1=w1, w2=w2, R=R, Ea=active_experts(counts),
+                    grad_y=ctx.randn(R, d, salt=T + 22))
+
+    def work(st, mode):
+        return W.grouped_ffn(st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=mode != "fwd")
+
+    def entry(impl, mode, forward_of, check=None):
+        def make(st):
+            if check is not None:
+                check(mode)
+            if mode == "fwd":
+                return no_grad_fn(lambda: forward_of(st, st["x"])), work(st, mode)
+            return grad_fn(lambda: forward_of(st, st["x_g"]), [st["x_g"], st["w1"], st["w2"]], st["grad_y"]), work(st, mode)
+
+        return Entry(mode, impl, make)
+
+    entries = []
+    for mode in MODES:
+        for b in ctx.backends:
+            entries.append(entry(
+                b, mode,
+                lambda st, x, b=b: tm.grouped_ffn(x, st["offsets"], st["w1"], st["w2"], act, backend=b),
+                check=lambda mode, b=b: require_backend(ctx, b),
+            ))
+        if "grouped_mm" in ctx.baselines:
+            entries.append(entry(
+                "grouped_mm", mode,
+                lambda st, x: B.grouped_mm_ffn(x, st["offs32"], st["w1"], st["w2"], act),
+                check=lambda mode: B.require_grouped_mm(ctx.device, ctx.dtype, backward=mode != "fwd"),
+            ))
+        if "loop" in ctx.baselines:
+            entries.append(entry("loop", mode, lambda st, x: B.loop_grouped_ffn(x, st["offsets"], st["w1"], st["w2"], act)))
+    return Case("ffn", f"grouped_ffn {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="grouped_ffn"),
+                build, entries)
+
+
+def _moe_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+    E, d, f, n1, k, act = p.num_experts, p.d_model, p.d_ffn, p.n1, p.top_k, p.activation
+
+    def build():
+        _, _, r = make_routing(ctx, T, p, spec, salt=T)
+        x = ctx.randn(T, d, salt=T + 30)
+        w1, w2 = ffn_weights(ctx, p, salt=T + 31, requires_grad=True)
+        w_g = r.topk_weights.detach().clone().requires_grad_(True)
+        return dict(
+            x=x, x_g=x.detach().clone().requires_grad_(True), ids=r.topk_ids, w=r.topk_weights.detach(), w_g=w_g,
+            routing=r, routing_g=dataclasses.replace(r, topk_weights=w_g), w1=w1, w2=w2,
+            R=T * k, Ea=active_experts(r.counts), grad_out=ctx.randn(T, d, salt=T + 32),
+        )
+
+    def work(st, mode):
+        return W.moe_ffn(T, k, st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=mode != "fwd")
+
+    def pipeline(st, x, routing, b):
+        x_perm, info = tm.permute(x, routing.topk_ids, E, backend=b)
+        y_perm = tm.grouped_ffn(x_perm, info.expert_offsets, st["w1"], st["w2"], act, backend=b)
+        return tm.unpermute(y_perm, info, routing.topk_weights, backend=b)
+
+    def fused(st, x, routing, b):
+        moe_ffn = getattr(tm, "moe_ffn", None)
+        if moe_ffn is None:
+            raise Unavailable("tritonmoe.moe_ffn (the fused gather/FFN/scatter op) is not in this build")
+        return moe_ffn(x, routing, st["w1"], st["w2"], act, backend=b)
+
+    def entry(impl, mode, forward_of, check=None):
+        def make(st):
+            if check is not None:
+                check(mode)
+            if mode == "fwd":
+                return no_grad_fn(lambda: forward_of(st, st["x"], st["routing"])), work(st, mode)
+            inputs = [st["x_g"], st["w1"], st["w2"], st["w_g"]]
+            return grad_fn(lambda: forward_of(st, st["x_g"], st["routing_g"]), inputs, st["grad_out"]), work(st, mode)
+
+        return Entry(mode, impl, make)
+
+    entries = []
+    for mode in MODES:
+        for b in ctx.backends:
+            if b == "torch":
+                continue
+            chk = lambda mode, b=b: require_backend(ctx, b)  # noqa: E731
+            entries.append(entry(f"{b}-fused", mode, lambda st, x, r, b=b: fused(st, x, r, b), chk))
+            entries.append(entry(b, mode, lambda st, x, r, b=b: pipeline(st, x, r, b), chk))
+        if "grouped_mm" in ctx.baselines:
+            entries.append(entry(
+                "grouped_mm", mode,
+                lambda st, x, r: B.grouped_mm_moe_ffn(x, r.topk_ids, r.topk_weights, st["w1"], st["w2"], act),
+                check=lambda mode: B.require_grouped_mm(ctx.device, ctx.dtype, backward=mode != "fwd"),
+            ))
+        if "loop" in ctx.baselines:
+            entries.append(entry(
+                "loop", mode, lambda st, x, r: B.loop_moe_ffn(x, r.topk_ids, r.topk_weights, st["w1"], st["w2"], act)
+            ))
+    return Case("ffn", f"moe_ffn {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="moe_ffn"),
+                build, entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# layer
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_layer(ctx: Context) -> list[Case]:
+    return [
+        _layer_case(ctx, p, T, spec)
+        for p in ctx.presets
+        for spec in ctx.routings_for("layer")
+        for T in ctx.tokens_for(p)
+    ]
+
+
+def skew_router(layer: "tm.MoELayer", x_TD: torch.Tensor, spec: RoutingSpec) -> None:
+    """Make the layer's router prefer experts by ``spec``'s popularity: the last input feature
+    is set to 1 and the router's last column to log(popularity), so every token's logits get
+    log p_e added (a no-op for uniform routing)."""
+    if spec.kind == "uniform":
+        return
+    with torch.no_grad():
+        x_TD[:, -1] = 1.0
+        logp = spec.popularity(layer.config.num_experts).log()
+        layer.router.weight[:, -1] = logp.to(layer.router.weight)
+
+
+def _layer_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+    E, d, f, n1, k = p.num_experts, p.d_model, p.d_ffn, p.n1, p.top_k
+    cfg = tm.MoEConfig(
+        d, f, E, k, activation=p.activation, score_func=p.score_func, renormalize=p.renormalize,
+        n_groups=p.n_groups, topk_groups=p.topk_groups, expert_bias=p.expert_bias,
+    )
+
+    def build():
+        torch.manual_seed(ctx.seed + T)
+        layer = tm.MoELayer(cfg, device=ctx.device, dtype=ctx.dtype)
+        if layer.expert_bias is not None:
+            layer.expert_bias.copy_(ctx.randn(E, salt=T + 40, dtype=torch.float32, scale=0.01))
+        x = ctx.randn(T, d, salt=T + 41)
+        skew_router(layer, x, spec)
+        with torch.no_grad():  # the routing this input gets, for the work accounting
+            r = reference.route(layer.router(x), k, expert_bias=layer.expert_bias, **p.route_kwargs())
+        return dict(layer=layer, x=x, x_g=x.detach().clone().requires_grad_(True),
+                    params=[q for q in layer.parameters() if q.requires_grad],
+                    Ea=active_experts(r.counts), R=int(r.counts.sum()), grad_out=ctx.randn(T, d, salt=T + 42))
+
+    def work(st, mode):
+        return W.layer(T, E, k, st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=mode != "fwd")
+
+    def entry(impl, mode, forward_of, check=None):
+        def make(st):
+            if check is not None:
+                check(mode)
+            call = forward_of(st)
+            if mode == "fwd":
+                return no_grad_fn(lambda: call(st["x"])), work(st, mode)
+            return grad_fn(lambda: call(st["x_g"]), [st["x_g"], *st["params"]], st["grad_out"]), work(st, mode)
+
+        return Entry(mode, impl, make)
+
+    def layer_with_backend(st, b):
+        lb = copy.copy(st["layer"])  # shares parameters and buffers; own config
+        lb.config = dataclasses.replace(cfg, backend=b)
+        return lb
+
+    def loop_layer(st):
+        L = st["layer"]
+        return lambda x: B.per_expert_loop_moe(
+            x, L.router.weight, L.w1, L.w2, k, p.activation, score_func=p.score_func, renormalize=p.renormalize,
+            expert_bias=L.expert_bias, n_groups=p.n_groups, topk_groups=p.topk_groups,
+        )
+
+    entries = []
+    for mode in MODES:
+        for b in ctx.backends:
+            entries.append(entry(b, mode, lambda st, b=b: layer_with_backend(st, b),
+                                 check=lambda mode, b=b: require_backend(ctx, b)))
+        if "loop" in ctx.baselines:
+            entries.append(entry("loop", mode, loop_layer))
+    return Case("layer", f"{p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="MoELayer"), build, entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running cases
+# ---------------------------------------------------------------------------------------------
+
+
+def run_case(ctx: Context, case: Case, progress=None) -> list[dict]:
+    """Build the case's inputs once, measure each entry, attach speedups per mode."""
+    rows: list[dict] = []
+    state = None
+    build_error: str | None = None
+    try:
+        with tm.validation(False):
+            state = case.build()
+    except Exception as exc:  # e.g. out of memory for the inputs: every entry records it
+        build_error = ("out of memory building the inputs: " if is_oom(exc) else "building the inputs: ") + first_line(exc)
+    for e in case.entries:
+        if progress is not None:
+            progress.step(f"{case.suite} {case.label} {e.mode} {e.impl}")
+        row = new_row(suite=case.suite, case=case.label, mode=e.mode, impl=e.impl, params=case.params)
+        if build_error is not None:
+            row["status"], row["note"] = "error", build_error
+        else:
+            _run_entry(ctx, e, state, row)
+        rows.append(row)
+    del state
+    free_memory()
+    for mode in {r["mode"] for r in rows}:
+        attach_speedups([r for r in rows if r["mode"] == mode])
+    return rows
+
+
+def _run_entry(ctx: Context, e: Entry, state, row: dict) -> None:
+    fn = None
+    try:
+        with tm.validation(False):
+            fn, work = e.make(state)
+            m = ctx.timer.measure(fn)
+    except (Unavailable, NotImplementedError) as exc:
+        row["status"], row["note"] = "unavailable", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return
+    except Exception as exc:  # any failure is recorded on its row; the run goes on
+        row["status"] = "error"
+        row["note"] = ("out of memory: " if is_oom(exc) else "") + first_line(exc)
+        return
+    finally:
+        del fn
+        free_memory()
+    fill_timing(row, m.times_s, work, ctx.roofs)
+    mem = row["memory"]
+    mem["peak_bytes"], mem["peak_extra_bytes"] = m.peak_bytes, m.peak_extra_bytes
+    if m.peak_bytes is not None and mem["analytic_min_bytes"]:
+        mem["ratio"] = m.peak_bytes / mem["analytic_min_bytes"]
+    row["telemetry"] = m.telemetry
+
+
+# ---------------------------------------------------------------------------------------------
+# ep: expert parallelism over torch.distributed (bench/ep.py, from the expert-parallel issue)
+# ---------------------------------------------------------------------------------------------
+
+
+def load_ep():
+    """bench.ep, imported when the ep suite runs; raises ImportError while it does not exist."""
+    return importlib.import_module("bench.ep")
+
+
+def run_ep_suite(ctx: Context, progress=None) -> list[dict]:
+    """Run ``bench.ep.run_ep`` for each preset and token count and turn its dicts into rows."""
+    try:
+        ep = load_ep()
+    except ImportError as exc:
+        note = f"bench/ep.py (the expert-parallel issue) is not importable: {first_line(exc)}"
+        ctx.log(f"ep: unavailable ({note})")
+        row = new_row(suite="ep", case="expert parallelism", mode="fwd+bwd", impl="ep", params={})
+        row["status"], row["note"] = "unavailable", note
+        return [row]
+    dtype = ctx.dtype if ctx.is_cuda else torch.float32
+    rows: list[dict] = []
+    for p in ctx.presets:
+        for T in ctx.tokens_for(p):
+            if progress is not None:
+                progress.step(f"ep {p.name} T/rank={T} (world sizes {ctx.ep_world_sizes})")
+            try:
+                results = ep.run_ep(
+                    world_sizes=tuple(ctx.ep_world_sizes), degrees=tuple(ctx.ep_degrees), tokens=T,
+                    d_model=p.d_model, d_ffn=p.d_ffn, num_experts=p.num_experts, top_k=p.top_k, dtype=dtype,
+                    reps=ctx.timer.reps, warmup=ctx.timer.warmup, timeout_s=ctx.ep_timeout_s,
+                )
+            except Exception as exc:  # a failed spawn, a timeout: one error row, the run goes on
+                row = new_row(suite="ep", case=f"{p.name} T/rank={T}", mode="fwd+bwd", impl="ep",
+                              params=dict(preset=p.name, T=T))
+                row["status"], row["note"] = "error", first_line(exc)
+                rows.append(row)
+                continue
+            rows.extend(ep_rows(results, preset=p.name))
+    return rows
+
+
+def _ep_row(d: dict, preset: str | None, mode: str, impl: str, times, work: Work, extra: dict) -> dict:
+    ws, n = d.get("world_size"), d.get("pipeline_degree")
+    params = {
+        "preset": preset,
+        "world_size": ws,
+        "pipeline_degree": n,
+        "T": d.get("tokens_per_rank"),
+        "d": d.get("d_model"),
+        "f": d.get("d_ffn"),
+        "E": d.get("num_experts"),
+        "k": d.get("top_k"),
+        "dtype": str(d.get("dtype")).replace("torch.", ""),
+    }
+    case = f"{d.get('name', preset)} P={ws} n={n} T/rank={params['T']}"
+    row = new_row(suite="ep", case=case, mode=mode, impl=impl, params=params)
+    row["extra"] = {k: v for k, v in extra.items() if v is not None}
+    times = [float(t) for t in (times or [])]
+    if not times:
+        row["status"], row["note"] = "error", f"run_ep returned no {mode} times"
+        return row
+    fill_timing(row, times, work, None)
+    return row
+
+
+def ep_rows(results: list[dict], preset: str | None = None) -> list[dict]:
+    """Rows from ``run_ep`` dicts: the layer's forward+backward per (world size, pipeline
+    degree) with its pipelining efficiency, partition overhead and speedup over degree 1, and
+    the dispatch and combine all-to-alls with bytes/s (algbw and busbw per nccl-tests)."""
+    rows = []
+    for d in results:
+        nbytes = d.get("dispatch_bytes")
+        layer = _ep_row(d, preset, "fwd+bwd", "ep-layer", d.get("layer_fwd_bwd_s"), Work(), {
+            "pipeline_efficiency": d.get("pipeline_efficiency"),
+            "partition_overhead_frac": d.get("partition_overhead_frac"),
+        })
+        rows.append(layer)
+        comm = {"algbw_GBps": d.get("algbw_GBps"), "busbw_GBps": d.get("busbw_GBps")}
+        rows.append(_ep_row(d, preset, "dispatch", "all-to-all", d.get("dispatch_s"), Work(bytes=nbytes), comm))
+        rows.append(_ep_row(d, preset, "combine", "all-to-all", d.get("combine_s"), Work(bytes=nbytes), comm))
+    # Speedup of pipelining: the degree-1 layer time over each degree's, per world size and case.
+    base = {}
+    for r in rows:
+        if r["impl"] == "ep-layer" and r["status"] == "ok" and r["params"]["pipeline_degree"] == 1:
+            base[_ep_key(r)] = r["time_s"]["median"]
+    for r in rows:
+        if r["impl"] == "ep-layer" and r["status"] == "ok" and _ep_key(r) in base:
+            r["extra"]["speedup_vs_degree1"] = base[_ep_key(r)] / r["time_s"]["median"]
+    return rows
+
+
+def _ep_key(r: dict):
+    p = r["params"]
+    return (p["preset"], p["world_size"], p["T"], p["d"], p["f"], p["E"], p["k"], p["dtype"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    about: str
+    metric: str  # "TFLOP/s" or "GB/s": what the plot shows
+    plan: Callable[[Context], list[Case]] | None = None
+    run: Callable[..., list[dict]] | None = None
+
+
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in [
+        Suite("route", "router: scores, (grouped) top-k, weights, counts; forward and forward+backward",
+              "GB/s", plan=plan_route),
+        Suite("permute", "token permutation and weighted unpermutation; forward and forward+backward",
+              "GB/s", plan=plan_permute),
+        Suite("ffn", "grouped expert FFN over a permuted buffer (grouped_ffn); with a non-reference backend also "
+              "the routed FFN x -> out (fused moe_ffn vs permute + grouped_ffn + unpermute)", "TFLOP/s", plan=plan_ffn),
+        Suite("layer", "MoELayer forward (inference) and forward+backward", "TFLOP/s", plan=plan_layer),
+        Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
+              "and the layer per world size and pipeline degree", "GB/s", run=run_ep_suite),
+    ]
+}
+
+SUITE_ORDER = tuple(SUITES)
+
+
+def plan(ctx: Context, suite: str) -> list[Case]:
+    s = SUITES[suite]
+    return s.plan(ctx) if s.plan is not None else []
+
+
+def run_suite(ctx: Context, suite: str, cases: list[Case] | None = None, progress=None) -> list[dict]:
+    s = SUITES[suite]
+    if s.run is not None:
+        return s.run(ctx, progress)
+    rows: list[dict] = []
+    for case in cases if cases is not None else plan(ctx, suite):
+        rows.extend(run_case(ctx, case, progress))
+    return rows
+
+
+def count_entries(cases: list[Case]) -> int:
+    return sum(len(c.entries) for c in cases)
+
+
+__all__ = [
+    "Case",
+    "Context",
+    "Entry",
+    "SUITES",
+    "SUITE_ORDER",
+    "ep_rows",
+    "plan",
+    "run_case",
+    "run_suite",
+]
