@@ -4,7 +4,7 @@
   python -m bench compare A.json B.json     per-entry ratios of two result files
   python -m bench report A.json [--markdown M] [--plot P]   re-render a result file
 
-Suites: route, permute, ffn, layer, ep, all. Each suite measures tritonmoe through its public API
+Each suite (listed below) measures tritonmoe through its public API
 (backend "triton": the kernels; "torch": the reference path) beside baselines run in the same
 process (a per-expert torch.matmul loop, torch._grouped_mm where this torch has it), and reports
 time (median, p20-p80 of >= 20 reps after warm-up, L2 flushed between reps on GPU), TFLOP/s or
@@ -13,7 +13,7 @@ GB/s, the fraction of the roofs measured at the start of the run (dense bf16 819
 
 With no arguments it runs the default set for the machine: on a GPU every suite at the four model
 presets with backends triton and torch; on CPU ("CPU MODE") the reference path and the torch
-baselines at the small preset plus the ep suite over gloo, in well under two minutes.
+baselines at the small preset plus the ep suite over gloo, in under two minutes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .presets import (
     with_overrides,
 )
 from .roofs import describe, dtype_name, measure_roofs
-from .suites import SUITE_ORDER, SUITES, Context, count_entries, plan, run_suite
+from .suites import SUITE_ORDER, SUITES, Context, count_entries, ep_cases, plan, run_suite
 from .telemetry import Telemetry
 
 DTYPES = {
@@ -157,22 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{', ' + p.score_func if p.score_func != 'softmax' else ''}"
                              f"{', groups ' + str(p.n_groups) + '/' + str(p.topk_groups) if p.n_groups else ''}"
                              f"{', ' + p.activation if p.activation != 'swiglu' else ''})" for p in PRESETS.values())
+    suites_text = "\n".join(f"  {s.name:8} {s.about}" for s in SUITES.values())
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description=__doc__,
+        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (the default)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=report.__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("suites", nargs="*", type=suite_name, metavar="SUITE",
-                   help="suites to run: " + "; ".join(f"{s.name}: {s.about}" for s in SUITES.values())
-                   + "; all: every suite (the default)")
+                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: all; see Suites above)")
     g = p.add_argument_group("shapes")
     g.add_argument("--preset", type=preset_list, action="extend", metavar="NAMES",
                    help=f"comma-separated presets ('all' = the four model presets): {presets_help}. "
                    "Default: the four model presets on GPU, small on CPU")
     g.add_argument("--tokens", type=token_list, metavar="T1,T2,...",
                    help="token counts to sweep, replacing each preset's list (GPU: 64,4096,16384 and 32768 for "
-                   "qwen3; CPU: 256,1024; route grid on GPU: 4096,16384,65536)")
+                   "qwen3; CPU: 128,512; route grid on GPU: 4096,16384,65536)")
     g.add_argument("--routing", type=routing_list, metavar="DIST,...",
                    help="expert popularity of the routing: uniform, or zipf:S (expert e drawn in proportion to "
                    "1/(e+1)^S); comma-separated to run several. Default uniform (plus zipf:1.2 for ffn on GPU)")
@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-telemetry", action="store_true", help="do not sample NVML telemetry")
     g.add_argument("--seed", type=int, default=0, help="seed of inputs and routing (default 0)")
     g.add_argument("--threads", type=int_at_least(1), metavar="N",
-                   help="torch intra-op CPU threads (default: torch's own choice)")
+                   help="torch intra-op CPU threads (default: 1 in CPU mode, so CPU numbers are comparable across "
+                   "machines and robust to a shared machine; torch's own choice in GPU mode)")
     g.add_argument("--ep-world-sizes", type=int_list_at_least(1), default=(2, 4), metavar="P,...",
                    help="ep suite: ranks per run (default 2,4)")
     g.add_argument("--ep-degrees", type=int_list_at_least(1), default=(1, 2, 4, 8), metavar="N,...",
@@ -309,11 +310,12 @@ def new_doc(env: dict, config: dict, roofs: dict, notes: list[str]) -> dict:
 
 def run(args, parser, argv: list[str]) -> int:
     t0 = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    threads = args.threads or (None if use_cuda else 1)
+    if threads:
+        torch.set_num_threads(threads)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = args.dtype or (torch.bfloat16 if use_cuda else torch.float32)
     presets, chosen = resolve_presets(args, parser, device)
@@ -336,7 +338,10 @@ def run(args, parser, argv: list[str]) -> int:
     if args.list:
         for s in suites:
             if SUITES[s].run is not None:
-                print(f"{s}: runs bench.ep.run_ep for each preset and token count")
+                runs, dt, where = ep_cases(ctx)
+                for pr, T in runs:
+                    print(f"{s}/{pr.name} T/rank={T} world sizes {ctx.ep_world_sizes} degrees {ctx.ep_degrees} "
+                          f"[bench.ep.run_ep, {dtype_name(dt)}, {where}]")
             for c in plans[s]:
                 for e in c.entries:
                     print(f"{s}/{c.label}/{e.mode} [{e.impl}]")
@@ -384,7 +389,7 @@ def run(args, parser, argv: list[str]) -> int:
     }
     doc = new_doc(env, config, ctx.roofs, notes)
     total = sum(count_entries(c) for c in plans.values())
-    total += sum(len(ctx.tokens_for(p)) for p in presets) * sum(1 for s in suites if SUITES[s].run)
+    total += len(ep_cases(ctx)[0]) * sum(1 for s in suites if SUITES[s].run)
     progress_on = args.progress if args.progress is not None else (sys.stdout.isatty() and sys.stderr.isatty())
     progress = Progress(total, progress_on)
 

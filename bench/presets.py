@@ -30,7 +30,7 @@ class Preset:
     n_groups: int | None = None
     topk_groups: int | None = None
     tokens_gpu: tuple[int, ...] = (64, 4096, 16384)
-    tokens_cpu: tuple[int, ...] = (256, 1024)
+    tokens_cpu: tuple[int, ...] = (128, 512)
     about: str = ""
 
     @property
@@ -90,6 +90,11 @@ PRESETS: dict[str, Preset] = {
             "small", 8, 256, 512, 2,
             tokens_gpu=(1024, 4096),
             about="a small layer for CPU runs and smoke tests",
+        ),
+        Preset(
+            "medium", 16, 1024, 2048, 2,
+            tokens_gpu=(4096, 16384), tokens_cpu=(4096,),
+            about="a medium layer (the expert-parallel issue's gloo target: python -m bench ep --preset medium)",
         ),
     ]
 }

@@ -13,7 +13,7 @@ Table columns (stdout and markdown; a column with nothing to show is left out):
 * ``x torch``, ``x loop``, ``x gmm``: speedup over each baseline (its median / this median).
 * ``peak``: peak GPU memory allocated during one call (inputs and weights included); ``/min``:
   peak over the analytic minimum (layer suite).
-* ``util``, ``W``, ``SM MHz``: mean GPU utilization, power and SM clock sampled by NVML.
+* ``util%``, ``W``, ``SM MHz``: mean GPU utilization, power and SM clock sampled by NVML.
 * ``note``: why an entry is unavailable or failed, or suite-specific figures.
 """
 
@@ -358,6 +358,10 @@ def compare_docs(a: dict, b: dict, *, threshold: float = 0.05) -> tuple[str, dic
 # ---------------------------------------------------------------------------------------------
 
 
+#: Line style per implementation: tritonmoe solid, baselines broken.
+_LINESTYLE = {"torch": ":", "loop": "-.", "grouped_mm": "--"}
+
+
 def plot(doc: dict, path: str | os.PathLike) -> str | None:
     """Throughput against tokens, one panel per (suite, mode): one line per case family and
     implementation, the roof as a dashed line. Returns a note instead when matplotlib is not
@@ -380,7 +384,7 @@ def plot(doc: dict, path: str | os.PathLike) -> str | None:
             continue
         family = r["case"].replace(f"T={T}", "").replace(f"T/rank={T}", "").replace("  ", " ").strip()
         series = panels.setdefault((r["suite"], r["mode"]), {"metric": metric, "lines": {}})["lines"]
-        series.setdefault(f"{family} [{r['impl']}]", []).append((T, y))
+        series.setdefault((family, r["impl"]), []).append((T, y))
     if not panels:
         return "plot: no result with a token count to plot"
     n = len(panels)
@@ -390,16 +394,20 @@ def plot(doc: dict, path: str | os.PathLike) -> str | None:
     roofs = doc.get("roofs") or {}
     for ax, ((suite, mode), panel) in zip(axes.flat, panels.items()):
         metric = panel["metric"]
-        for label, pts in panel["lines"].items():
+        families = list(dict.fromkeys(f for f, _ in panel["lines"]))
+        colors = plt.get_cmap("tab10" if len(families) <= 10 else "tab20")
+        for (family, impl), pts in panel["lines"].items():
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls=_LINESTYLE.get(impl, "-"),
+                    color=colors(families.index(family) % colors.N), label=f"{family} [{impl}]")
         if metric == "tflops":
             mm = roofs.get(f"matmul_{doc['config']['dtype']}") or roofs.get("matmul_bfloat16") or roofs.get("matmul_float32")
             if mm:
-                ax.axhline(mm["tflops"], ls="--", c="k", label=f"matmul roof {mm['tflops']:.0f}")
+                ax.axhline(mm["tflops"], ls="--", c="k", lw=2, label=f"matmul roof {mm['tflops']:.3g} TFLOP/s")
         elif roofs.get("copy"):
-            ax.axhline(roofs["copy"]["gbps"], ls="--", c="k", label=f"copy roof {roofs['copy']['gbps']:.0f}")
+            ax.axhline(roofs["copy"]["gbps"], ls="--", c="k", lw=2, label=f"copy roof {roofs['copy']['gbps']:.3g} GB/s")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("tokens")
         ax.set_ylabel("TFLOP/s" if metric == "tflops" else "GB/s")
         ax.set_title(f"{suite} {mode}")
@@ -409,7 +417,7 @@ def plot(doc: dict, path: str | os.PathLike) -> str | None:
         ax.axis("off")
     env = doc["env"]
     fig.suptitle(f"tritonmoe bench: {env['gpu_name'] or 'CPU'}, {env['date_utc']}, {env['git_commit'] or ''}"[:120])
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

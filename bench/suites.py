@@ -100,10 +100,11 @@ class Context:
         return torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + salt)
 
     def randn(self, *shape, salt: int, dtype: torch.dtype | None = None, scale: float = 1.0) -> torch.Tensor:
-        t = torch.randn(*shape, generator=self.generator(salt), device=self.device, dtype=torch.float32)
+        # Drawn in the target dtype: an fp32 draw of DeepSeek-like weights would take 30 GB more.
+        t = torch.randn(*shape, generator=self.generator(salt), device=self.device, dtype=dtype or self.dtype)
         if scale != 1.0:
             t.mul_(scale)
-        return t.to(dtype or self.dtype)
+        return t
 
 
 @dataclass
@@ -632,6 +633,24 @@ def load_ep():
     return importlib.import_module("bench.ep")
 
 
+def ep_cases(ctx: Context) -> tuple[list[tuple[Preset, int]], torch.dtype, str]:
+    """The (preset, tokens per rank) runs of the ep suite, their dtype, and where they run.
+
+    With a GPU per rank, ranks run on NCCL at the run's presets and dtype. Otherwise ranks are
+    CPU processes over gloo, in fp32, at the small preset unless presets were chosen (a model
+    preset's expert FFN on CPU would take minutes per call). Each token count spawns every
+    world size's processes again, so without --tokens only the preset's largest count runs.
+    """
+    gpus = torch.cuda.device_count() if ctx.is_cuda else 0
+    if gpus >= max(ctx.ep_world_sizes):
+        presets, dev, dtype, where = ctx.presets, ctx.device, ctx.dtype, f"NCCL on {gpus} GPUs"
+    else:
+        presets = ctx.presets if ctx.presets_chosen else [PRESETS["small"]]
+        dev, dtype, where = torch.device("cpu"), torch.float32, "gloo on CPU processes"
+    runs = [(p, T) for p in presets for T in (ctx.tokens or (max(p.tokens(dev)),))]
+    return runs, dtype, where
+
+
 def run_ep_suite(ctx: Context, progress=None) -> list[dict]:
     """Run ``bench.ep.run_ep`` for each preset and token count and turn its dicts into rows."""
     try:
@@ -642,25 +661,26 @@ def run_ep_suite(ctx: Context, progress=None) -> list[dict]:
         row = new_row(suite="ep", case="expert parallelism", mode="fwd+bwd", impl="ep", params={})
         row["status"], row["note"] = "unavailable", note
         return [row]
-    dtype = ctx.dtype if ctx.is_cuda else torch.float32
+    runs, dtype, where = ep_cases(ctx)
+    ctx.log(f"ep: world sizes {','.join(map(str, ctx.ep_world_sizes))}, pipeline degrees "
+            f"{','.join(map(str, ctx.ep_degrees))}, {where}")
     rows: list[dict] = []
-    for p in ctx.presets:
-        for T in ctx.tokens_for(p):
-            if progress is not None:
-                progress.step(f"ep {p.name} T/rank={T} (world sizes {ctx.ep_world_sizes})")
-            try:
-                results = ep.run_ep(
-                    world_sizes=tuple(ctx.ep_world_sizes), degrees=tuple(ctx.ep_degrees), tokens=T,
-                    d_model=p.d_model, d_ffn=p.d_ffn, num_experts=p.num_experts, top_k=p.top_k, dtype=dtype,
-                    reps=ctx.timer.reps, warmup=ctx.timer.warmup, timeout_s=ctx.ep_timeout_s,
-                )
-            except Exception as exc:  # a failed spawn, a timeout: one error row, the run goes on
-                row = new_row(suite="ep", case=f"{p.name} T/rank={T}", mode="fwd+bwd", impl="ep",
-                              params=dict(preset=p.name, T=T))
-                row["status"], row["note"] = "error", first_line(exc)
-                rows.append(row)
-                continue
-            rows.extend(ep_rows(results, preset=p.name))
+    for p, T in runs:
+        if progress is not None:
+            progress.step(f"ep {p.name} T/rank={T}")
+        try:
+            results = ep.run_ep(
+                world_sizes=tuple(ctx.ep_world_sizes), degrees=tuple(ctx.ep_degrees), tokens=T,
+                d_model=p.d_model, d_ffn=p.d_ffn, num_experts=p.num_experts, top_k=p.top_k, dtype=dtype,
+                reps=ctx.timer.reps, warmup=ctx.timer.warmup, timeout_s=ctx.ep_timeout_s,
+            )
+        except Exception as exc:  # a failed spawn, a timeout: one error row, the run goes on
+            row = new_row(suite="ep", case=f"{p.name} T/rank={T}", mode="fwd+bwd", impl="ep",
+                          params=dict(preset=p.name, T=T))
+            row["status"], row["note"] = "error", first_line(exc)
+            rows.append(row)
+            continue
+        rows.extend(ep_rows(results, preset=p.name))
     return rows
 
 
