@@ -257,7 +257,8 @@ def test_cpu_timer_and_roofs_degrade_cleanly(monkeypatch):
 
 
 def _ctx(**kw):
-    ctx = suites.Context(device=torch.device("cpu"), dtype=torch.float32, presets=[PRESETS["small"]], **kw)
+    kw.setdefault("presets", [PRESETS["small"]])
+    ctx = suites.Context(device=torch.device("cpu"), dtype=torch.float32, **kw)
     ctx.timer = Timer(ctx.device, reps=3, warmup=0)
     return ctx
 
