@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -217,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "rewritten after each suite so an interrupted run keeps what it measured")
     g.add_argument("--markdown", metavar="PATH", help="write the results as markdown tables (for the README)")
     g.add_argument("--plot", metavar="PATH", help="write a PNG of throughput vs tokens per suite (needs matplotlib)")
+    g.add_argument("--results-dir", metavar="DIR",
+                   help="write <gpu>-<date>.json, .md and .png (plot if matplotlib is installed) into DIR, e.g. "
+                   "bench/results; --json/--markdown/--plot given explicitly take precedence")
     g.add_argument("--list", action="store_true", help="list the entries the run would measure and exit")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: when stdout is a terminal)")
@@ -238,9 +243,12 @@ def build_compare_parser() -> argparse.ArgumentParser:
 
 
 def build_report_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench report",
-                                description="Print a result file's tables; optionally write markdown or a plot.")
-    p.add_argument("path", metavar="RESULTS.json")
+    p = argparse.ArgumentParser(
+        prog="python -m bench report",
+        description="Print the tables of one or more result files (several are merged, e.g. suites run by "
+        "separate commands); optionally write markdown or a plot.",
+    )
+    p.add_argument("paths", nargs="+", metavar="RESULTS.json")
     p.add_argument("--markdown", metavar="PATH", help="write markdown tables to PATH")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot to PATH (needs matplotlib)")
     return p
@@ -293,6 +301,11 @@ def resolve_presets(args, parser, device):
         presets.append(pr)
     chosen = bool(args.preset) or any(v is not None for v in overrides.values())
     return presets, chosen
+
+
+def slug(text: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200' (for result file names)."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
 def new_doc(env: dict, config: dict, roofs: dict, notes: list[str]) -> dict:
@@ -349,6 +362,11 @@ def run(args, parser, argv: list[str]) -> int:
         return 0
 
     env = environment(argv, device)
+    if args.results_dir:
+        stem = Path(args.results_dir) / f"{slug(env['gpu_name'] or 'cpu')}-{env['date_utc'][:10]}"
+        args.json = args.json or f"{stem}.json"
+        args.markdown = args.markdown or f"{stem}.md"
+        args.plot = args.plot or f"{stem}.png"
     if use_cuda:
         log(f"GPU MODE: {env['gpu_name']} (driver {env['driver']}, CUDA {env['cuda']}), torch {env['torch']}, "
             f"triton {env['triton']}")
@@ -447,11 +465,14 @@ def compare_main(argv: list[str]) -> int:
 
 def report_main(argv: list[str]) -> int:
     args = build_report_parser().parse_args(argv)
-    try:
-        doc = report.load_json(args.path)
-    except (OSError, ValueError) as exc:
-        print(f"report: {args.path}: {first_line(exc)}", file=sys.stderr)
-        return 2
+    docs = []
+    for path in args.paths:
+        try:
+            docs.append(report.load_json(path))
+        except (OSError, ValueError) as exc:  # unreadable, not JSON, or not matching the schema
+            print(f"report: {path}: {first_line(exc)}", file=sys.stderr)
+            return 2
+    doc = report.merge_docs(docs)
     for line in report.header_lines(doc):
         print(line)
     suites = list(dict.fromkeys(r["suite"] for r in doc["results"]))

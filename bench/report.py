@@ -292,6 +292,21 @@ def load_json(path: str | os.PathLike) -> dict:
     return doc
 
 
+def merge_docs(docs: list[dict]) -> dict:
+    """One document from several runs (suites measured by separate commands): the first run's
+    environment, config and roofs, every run's results, and each command in ``notes``. The
+    merged document is for rendering; each file keeps its own roofs and environment."""
+    if len(docs) == 1:
+        return docs[0]
+    merged = json.loads(json.dumps(docs[0]))
+    merged["results"] = [r for d in docs for r in d["results"]]
+    merged["notes"] = [f"merged run {i + 1}: {d['env']['command']} ({d['env']['date_utc']})" for i, d in enumerate(docs)]
+    merged["complete"] = all(d["complete"] for d in docs)
+    merged["wall_time_s"] = sum(d["wall_time_s"] for d in docs)
+    merged["env"]["command"] = " ; ".join(d["env"]["command"] for d in docs)
+    return merged
+
+
 # ---------------------------------------------------------------------------------------------
 # compare
 # ---------------------------------------------------------------------------------------------
@@ -314,8 +329,15 @@ def compare_docs(a: dict, b: dict, *, threshold: float = 0.05) -> tuple[str, dic
     lines = [
         f"A: {a['env']['command']}  [{a['env']['gpu_name'] or 'CPU'}, {a['env']['git_commit'] or '?'}, {a['env']['date_utc']}]",
         f"B: {b['env']['command']}  [{b['env']['gpu_name'] or 'CPU'}, {b['env']['git_commit'] or '?'}, {b['env']['date_utc']}]",
-        "",
     ]
+    for what, va, vb in (
+        ("mode", a["env"]["mode"], b["env"]["mode"]),
+        ("GPU", a["env"]["gpu_name"], b["env"]["gpu_name"]),
+        ("dtype", a["config"]["dtype"], b["config"]["dtype"]),
+    ):
+        if va != vb:
+            lines.append(f"note: the runs differ in {what} (A {va}, B {vb})")
+    lines.append("")
     table = []
     logs = []
     for key in [k for k in rows_a if k in rows_b]:

@@ -25,7 +25,7 @@ class Telemetry:
     """Background NVML sampler for one GPU. Use :meth:`create`; ``start()`` / ``stop()`` bracket
     one benchmark."""
 
-    def __init__(self, nvml=None, handle=None, *, interval_s: float = 0.01, reason: str | None = None) -> None:
+    def __init__(self, nvml=None, handle=None, *, interval_s: float = 0.02, reason: str | None = None) -> None:
         self.nvml = nvml
         self.handle = handle
         self.interval_s = interval_s
@@ -50,7 +50,7 @@ class Telemetry:
         cls,
         device: torch.device,
         *,
-        interval_s: float = 0.01,
+        interval_s: float = 0.02,
         log: Callable[[str], None] = print,
         nvml=None,
     ) -> "Telemetry":

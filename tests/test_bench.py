@@ -144,11 +144,24 @@ def test_compare_rejects_unreadable_file(tmp_path, capsys):
     assert "missing required field" in capsys.readouterr().err
 
 
-def test_report_rerenders_markdown(smoke_doc, tmp_path, capsys):
+def test_report_rerenders_and_merges(smoke_doc, tmp_path, capsys):
     md = tmp_path / "r.md"
     assert cli.main(["report", str(smoke_doc), "--markdown", str(md)]) == 0
     assert "## layer" in md.read_text()
     assert "roof matmul_float32" in capsys.readouterr().out
+    doc = report.load_json(smoke_doc)
+    merged = report.merge_docs([doc, doc])
+    schema.validate(merged)
+    assert len(merged["results"]) == 2 * len(doc["results"]) and len(merged["notes"]) == 2
+
+
+def test_results_dir_names_files_by_device_and_date(tmp_path, capsys):
+    assert cli.main(["route", "--preset", "small", "--tokens", "16", *QUICK, "--results-dir", str(tmp_path)]) == 0
+    names = sorted(p.suffix for p in tmp_path.iterdir())
+    assert ".json" in names and ".md" in names
+    stem = next(tmp_path.glob("*.json")).stem
+    assert stem.startswith("nvidia" if torch.cuda.is_available() else "cpu-20")
+    assert cli.slug("NVIDIA H200 NVL") == "nvidia-h200-nvl"
 
 
 def test_plot_without_matplotlib_is_one_note(smoke_doc, tmp_path, monkeypatch):
