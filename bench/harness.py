@@ -25,9 +25,8 @@ import os
 import platform
 import shlex
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -373,8 +372,3 @@ def environment(argv: list[str], device: torch.device) -> dict:
             driver=nvml_driver_version(),
         )
     return env
-
-
-def argv_of_process() -> list[str]:
-    """The arguments after ``python -m bench`` (for the environment record)."""
-    return list(sys.argv[1:])

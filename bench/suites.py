@@ -141,6 +141,58 @@ def require_backend(ctx: Context, backend: str) -> None:
             raise Unavailable("backend='triton' on CPU needs TRITON_INTERPRET=1 set before import (interpreter)")
 
 
+#: One implementation of a case: (impl name, forward(state) -> output, check(backward) or None).
+#: ``check`` raises :class:`Unavailable` when the implementation cannot run here.
+Impl = tuple[str, Callable[[dict], torch.Tensor], Callable[[bool], None] | None]
+
+
+def make_entries(
+    impls: list[Impl],
+    *,
+    inputs: Callable[[dict], list[torch.Tensor]],
+    out_grad: Callable[[dict], torch.Tensor],
+    work: Callable[[dict, bool], Work],
+) -> list[Entry]:
+    """Every implementation in both modes, forward-only entries first.
+
+    ``fwd`` runs ``forward(state)`` under ``torch.no_grad()``. ``fwd+bwd`` runs it and
+    ``torch.autograd.grad`` of the output for ``inputs(state)`` (the differentiable leaves, the
+    same tensors in both modes); the output gradient is drawn by ``out_grad(state)`` on the first
+    backward entry, so forward-only entries do not count it in their peak memory.
+    """
+    entries = []
+    for mode in MODES:
+        backward = mode != "fwd"
+        for impl, forward, check in impls:
+
+            def make(st, forward=forward, check=check, backward=backward):
+                if check is not None:
+                    check(backward)
+                if not backward:
+                    return no_grad_fn(lambda: forward(st)), work(st, False)
+                if "grad_out" not in st:
+                    st["grad_out"] = out_grad(st)
+                return grad_fn(lambda: forward(st), inputs(st), st["grad_out"]), work(st, True)
+
+            entries.append(Entry(mode, impl, make))
+    return entries
+
+
+def backend_impls(ctx: Context, forward_of: Callable[[dict, str], torch.Tensor], *, skip_torch: bool = False,
+                  suffix: str = "") -> list[Impl]:
+    """One Impl per tritonmoe backend of the run (``forward_of(state, backend)``), named after
+    the backend (plus ``suffix``)."""
+    return [
+        (b + suffix, lambda st, b=b: forward_of(st, b), lambda backward, b=b: require_backend(ctx, b))
+        for b in ctx.backends
+        if not (skip_torch and b == "torch")
+    ]
+
+
+def grouped_mm_check(ctx: Context) -> Callable[[bool], None]:
+    return lambda backward: B.require_grouped_mm(ctx.device, ctx.dtype, backward=backward)
+
+
 def grad_fn(forward: Callable[[], Any], inputs: list[torch.Tensor], grad_out: torch.Tensor) -> Callable[[], Any]:
     """forward, then d(output)/d(inputs) for a fixed output gradient."""
 
@@ -159,25 +211,30 @@ def no_grad_fn(forward: Callable[[], Any]) -> Callable[[], Any]:
     return fn
 
 
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    """An input of the benchmark: a leaf that requires grad (ignored under no_grad)."""
+    return t.detach().requires_grad_(True)
+
+
 def make_routing(ctx: Context, T: int, preset: Preset, spec: RoutingSpec, *, salt: int):
-    """Logits drawn from the routing distribution and the reference router's decision for them."""
+    """The reference router's decision for logits drawn from the routing distribution."""
     logits = spec.logits(T, preset.num_experts, seed=ctx.seed * 7919 + salt, device=ctx.device, dtype=torch.float32)
     bias = None
     if preset.expert_bias:
         bias = ctx.randn(preset.num_experts, salt=salt + 1, dtype=torch.float32, scale=0.01)
-    r = reference.route(logits, preset.top_k, expert_bias=bias, **preset.route_kwargs())
-    return logits, bias, r
+    return reference.route(logits, preset.top_k, expert_bias=bias, **preset.route_kwargs())
 
 
 def active_experts(counts: torch.Tensor) -> int:
-    return int((counts > 0).sum())  # setup only (not timed): work accounting needs the count
+    return int((counts > 0).sum())  # setup only (not timed): the work accounting needs the count
 
 
-def ffn_weights(ctx: Context, preset: Preset, *, salt: int, requires_grad: bool):
+def ffn_weights(ctx: Context, preset: Preset, *, salt: int):
+    """w1 [E, d, n1] and w2 [E, f, d], scaled like an nn.Linear init, requiring grad."""
     E, d, f, n1 = preset.num_experts, preset.d_model, preset.d_ffn, preset.n1
-    w1 = ctx.randn(E, d, n1, salt=salt, scale=d**-0.5).requires_grad_(requires_grad)
-    w2 = ctx.randn(E, f, d, salt=salt + 1, scale=f**-0.5).requires_grad_(requires_grad)
-    return w1, w2
+    w1_EDN = leaf(ctx.randn(E, d, n1, salt=salt, scale=d**-0.5))
+    w2_EFD = leaf(ctx.randn(E, f, d, salt=salt + 1, scale=f**-0.5))
+    return w1_EDN, w2_EFD
 
 
 def case_params(ctx: Context, preset: Preset | None, T: int, spec: RoutingSpec | None, **more) -> dict:
@@ -222,6 +279,8 @@ def _deepseek_route(E: int = 256, k: int = 8) -> RouteShape:
 
 
 def route_shapes(ctx: Context) -> list[tuple[RouteShape, tuple[int, ...]]]:
+    """The presets' routers when presets were chosen; else on GPU the issue's grid (T x E x k plus
+    DeepSeek-V3-like sigmoid + bias + 8 groups / 4 kept), on CPU three small routers."""
     if ctx.presets_chosen:
         return [
             (
@@ -240,12 +299,12 @@ def route_shapes(ctx: Context) -> list[tuple[RouteShape, tuple[int, ...]]]:
 
 
 def plan_route(ctx: Context) -> list[Case]:
-    cases = []
-    for shape, tokens in route_shapes(ctx):
-        for spec in ctx.routings_for("route"):
-            for T in tokens:
-                cases.append(_route_case(ctx, shape, T, spec))
-    return cases
+    return [
+        _route_case(ctx, shape, T, spec)
+        for shape, tokens in route_shapes(ctx)
+        for spec in ctx.routings_for("route")
+        for T in tokens
+    ]
 
 
 def _route_case(ctx: Context, shape: RouteShape, T: int, spec: RoutingSpec) -> Case:
@@ -253,29 +312,19 @@ def _route_case(ctx: Context, shape: RouteShape, T: int, spec: RoutingSpec) -> C
     salt = (E * 131 + k * 17 + T) & 0xFFFF
 
     def build():
-        logits = spec.logits(T, E, seed=ctx.seed * 7919 + salt, device=ctx.device, dtype=ctx.dtype)
-        bias = ctx.randn(E, salt=salt + 1, dtype=torch.float32, scale=0.01) if shape.expert_bias else None
-        return dict(
-            logits=logits,
-            logits_g=logits.detach().clone().requires_grad_(True),
-            bias=bias,
-            grad_w=ctx.randn(T, k, salt=salt + 2, dtype=torch.float32),
-        )
+        logits_TE = spec.logits(T, E, seed=ctx.seed * 7919 + salt, device=ctx.device, dtype=ctx.dtype)
+        bias_E = ctx.randn(E, salt=salt + 1, dtype=torch.float32, scale=0.01) if shape.expert_bias else None
+        return dict(logits=leaf(logits_TE), bias=bias_E)
 
-    entries = []
-    for b in ctx.backends:
-        for mode in MODES:
+    def forward_of(st, b):
+        return tm.route(st["logits"], k, expert_bias=st["bias"], backend=b, **shape.kwargs()).topk_weights
 
-            def make(st, b=b, mode=mode):
-                require_backend(ctx, b)
-                kw = dict(expert_bias=st["bias"], backend=b, **shape.kwargs())
-                if mode == "fwd":
-                    fn = no_grad_fn(lambda: tm.route(st["logits"], k, **kw))
-                else:
-                    fn = grad_fn(lambda: tm.route(st["logits_g"], k, **kw).topk_weights, [st["logits_g"]], st["grad_w"])
-                return fn, W.route(T, E, k, ctx.itemsize, backward=mode != "fwd")
-
-            entries.append(Entry(mode, b, make))
+    entries = make_entries(
+        backend_impls(ctx, forward_of),
+        inputs=lambda st: [st["logits"]],
+        out_grad=lambda st: ctx.randn(T, k, salt=salt + 2, dtype=torch.float32),  # d(topk_weights)
+        work=lambda st, backward: W.route(T, E, k, ctx.itemsize, backward=backward),
+    )
     params = dict(
         preset=shape.preset, E=E, k=k, score_func=shape.score_func, expert_bias=shape.expert_bias,
         n_groups=shape.n_groups, topk_groups=shape.topk_groups, T=T, routing=spec.label, dtype=ctx.dtype_name,
@@ -300,57 +349,37 @@ def plan_permute(ctx: Context) -> list[Case]:
 
 def _permute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     E, d, k = p.num_experts, p.d_model, p.top_k
+    R = T * k  # dropless routing, pad_to=1
 
     def build():
-        _, _, r = make_routing(ctx, T, p, spec, salt=T)
-        x = ctx.randn(T, d, salt=T + 10)
-        R = T * k  # dropless routing, pad_to=1
-        return dict(ids=r.topk_ids, x=x, x_g=x.detach().clone().requires_grad_(True), R=R,
-                    grad_perm=ctx.randn(R, d, salt=T + 11))
+        r = make_routing(ctx, T, p, spec, salt=T)
+        return dict(x=leaf(ctx.randn(T, d, salt=T + 10)), ids=r.topk_ids)
 
-    entries = []
-    for b in ctx.backends:
-        for mode in MODES:
-
-            def make(st, b=b, mode=mode):
-                require_backend(ctx, b)
-                work = W.permute(T, k, d, st["R"], E, ctx.itemsize, backward=mode != "fwd")
-                if mode == "fwd":
-                    return no_grad_fn(lambda: tm.permute(st["x"], st["ids"], E, backend=b)), work
-                fwd = lambda: tm.permute(st["x_g"], st["ids"], E, backend=b)[0]  # noqa: E731
-                return grad_fn(fwd, [st["x_g"]], st["grad_perm"]), work
-
-            entries.append(Entry(mode, b, make))
+    entries = make_entries(
+        backend_impls(ctx, lambda st, b: tm.permute(st["x"], st["ids"], E, backend=b)[0]),
+        inputs=lambda st: [st["x"]],
+        out_grad=lambda st: ctx.randn(R, d, salt=T + 11),  # d(x_perm)
+        work=lambda st, backward: W.permute(T, k, d, R, E, ctx.itemsize, backward=backward),
+    )
     return Case("permute", f"permute {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="permute"),
                 build, entries)
 
 
 def _unpermute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     E, d, k = p.num_experts, p.d_model, p.top_k
+    R = T * k
 
     def build():
-        _, _, r = make_routing(ctx, T, p, spec, salt=T)
-        x = ctx.randn(T, d, salt=T + 10)
-        _, info = reference.permute(x, r.topk_ids, E)
-        R = int(info.expert_offsets[-1])
-        y = ctx.randn(R, d, salt=T + 12)
-        w = r.topk_weights.detach()
-        return dict(info=info, y=y, w=w, R=R, y_g=y.detach().clone().requires_grad_(True),
-                    w_g=w.clone().requires_grad_(True), grad_out=ctx.randn(T, d, salt=T + 13))
+        r = make_routing(ctx, T, p, spec, salt=T)
+        _, info = reference.permute(torch.empty(T, 0, device=ctx.device), r.topk_ids, E)  # metadata only
+        return dict(y=leaf(ctx.randn(R, d, salt=T + 12)), info=info, w=leaf(r.topk_weights))
 
-    entries = []
-    for b in ctx.backends:
-        for mode in MODES:
-
-            def make(st, b=b, mode=mode):
-                require_backend(ctx, b)
-                work = W.unpermute(T, k, d, st["R"], ctx.itemsize, backward=mode != "fwd")
-                if mode == "fwd":
-                    return no_grad_fn(lambda: tm.unpermute(st["y"], st["info"], st["w"], backend=b)), work
-                fwd = lambda: tm.unpermute(st["y_g"], st["info"], st["w_g"], backend=b)  # noqa: E731
-                return grad_fn(fwd, [st["y_g"], st["w_g"]], st["grad_out"]), work
-
-            entries.append(Entry(mode, b, make))
+    entries = make_entries(
+        backend_impls(ctx, lambda st, b: tm.unpermute(st["y"], st["info"], st["w"], backend=b)),
+        inputs=lambda st: [st["y"], st["w"]],
+        out_grad=lambda st: ctx.randn(T, d, salt=T + 13),  # d(out)
+        work=lambda st, backward: W.unpermute(T, k, d, R, ctx.itemsize, backward=backward),
+    )
     return Case("permute", f"unpermute {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="unpermute"),
                 build, entries)
 
@@ -381,46 +410,26 @@ def _grouped_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Cas
     d, f, n1, act = p.d_model, p.d_ffn, p.n1, p.activation
 
     def build():
-        _, _, r = make_routing(ctx, T, p, spec, salt=T)
-        counts = r.counts.long()
+        counts_E = make_routing(ctx, T, p, spec, salt=T).counts.long()
         offsets = torch.zeros(p.num_experts + 1, dtype=torch.int64, device=ctx.device)
-        offsets[1:] = torch.cumsum(counts, 0)
-        R = int(offsets[-1])
-        x = ctx.randn(R, d, salt=T + 20)
-        w1, w2 = ffn_weights(ctx, p, salt=T + 21, requires_grad=True)
-        return dict(x=x, x_g=x.detach().clone().requires_grad_(True), offsets=offsets,
-                    offs32=B.grouped_mm_offsets(offsets), w1=w1, w2=w2, R=R, Ea=active_experts(counts),
-                    grad_y=ctx.randn(R, d, salt=T + 22))
+        offsets[1:] = torch.cumsum(counts_E, 0)
+        R = int(offsets[-1])  # setup only
+        w1, w2 = ffn_weights(ctx, p, salt=T + 21)
+        return dict(x=leaf(ctx.randn(R, d, salt=T + 20)), offsets=offsets, offs32=B.grouped_mm_offsets(offsets),
+                    w1=w1, w2=w2, R=R, Ea=active_experts(counts_E))
 
-    def work(st, mode):
-        return W.grouped_ffn(st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=mode != "fwd")
-
-    def entry(impl, mode, forward_of, check=None):
-        def make(st):
-            if check is not None:
-                check(mode)
-            if mode == "fwd":
-                return no_grad_fn(lambda: forward_of(st, st["x"])), work(st, mode)
-            return grad_fn(lambda: forward_of(st, st["x_g"]), [st["x_g"], st["w1"], st["w2"]], st["grad_y"]), work(st, mode)
-
-        return Entry(mode, impl, make)
-
-    entries = []
-    for mode in MODES:
-        for b in ctx.backends:
-            entries.append(entry(
-                b, mode,
-                lambda st, x, b=b: tm.grouped_ffn(x, st["offsets"], st["w1"], st["w2"], act, backend=b),
-                check=lambda mode, b=b: require_backend(ctx, b),
-            ))
-        if "grouped_mm" in ctx.baselines:
-            entries.append(entry(
-                "grouped_mm", mode,
-                lambda st, x: B.grouped_mm_ffn(x, st["offs32"], st["w1"], st["w2"], act),
-                check=lambda mode: B.require_grouped_mm(ctx.device, ctx.dtype, backward=mode != "fwd"),
-            ))
-        if "loop" in ctx.baselines:
-            entries.append(entry("loop", mode, lambda st, x: B.loop_grouped_ffn(x, st["offsets"], st["w1"], st["w2"], act)))
+    impls = backend_impls(ctx, lambda st, b: tm.grouped_ffn(st["x"], st["offsets"], st["w1"], st["w2"], act, backend=b))
+    if "grouped_mm" in ctx.baselines:
+        impls.append(("grouped_mm", lambda st: B.grouped_mm_ffn(st["x"], st["offs32"], st["w1"], st["w2"], act),
+                      grouped_mm_check(ctx)))
+    if "loop" in ctx.baselines:
+        impls.append(("loop", lambda st: B.loop_grouped_ffn(st["x"], st["offsets"], st["w1"], st["w2"], act), None))
+    entries = make_entries(
+        impls,
+        inputs=lambda st: [st["x"], st["w1"], st["w2"]],
+        out_grad=lambda st: ctx.randn(st["R"], d, salt=T + 22),  # d(y)
+        work=lambda st, backward: W.grouped_ffn(st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=backward),
+    )
     return Case("ffn", f"grouped_ffn {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="grouped_ffn"),
                 build, entries)
 
@@ -429,59 +438,40 @@ def _moe_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     E, d, f, n1, k, act = p.num_experts, p.d_model, p.d_ffn, p.n1, p.top_k, p.activation
 
     def build():
-        _, _, r = make_routing(ctx, T, p, spec, salt=T)
-        x = ctx.randn(T, d, salt=T + 30)
-        w1, w2 = ffn_weights(ctx, p, salt=T + 31, requires_grad=True)
-        w_g = r.topk_weights.detach().clone().requires_grad_(True)
-        return dict(
-            x=x, x_g=x.detach().clone().requires_grad_(True), ids=r.topk_ids, w=r.topk_weights.detach(), w_g=w_g,
-            routing=r, routing_g=dataclasses.replace(r, topk_weights=w_g), w1=w1, w2=w2,
-            R=T * k, Ea=active_experts(r.counts), grad_out=ctx.randn(T, d, salt=T + 32),
-        )
+        r = make_routing(ctx, T, p, spec, salt=T)
+        w1, w2 = ffn_weights(ctx, p, salt=T + 31)
+        w_TK = leaf(r.topk_weights)  # the gate weights are differentiable inputs too
+        return dict(x=leaf(ctx.randn(T, d, salt=T + 30)), routing=dataclasses.replace(r, topk_weights=w_TK),
+                    w=w_TK, w1=w1, w2=w2, R=T * k, Ea=active_experts(r.counts))
 
-    def work(st, mode):
-        return W.moe_ffn(T, k, st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=mode != "fwd")
-
-    def pipeline(st, x, routing, b):
-        x_perm, info = tm.permute(x, routing.topk_ids, E, backend=b)
+    def pipeline(st, b):
+        r = st["routing"]
+        x_perm, info = tm.permute(st["x"], r.topk_ids, E, backend=b)
         y_perm = tm.grouped_ffn(x_perm, info.expert_offsets, st["w1"], st["w2"], act, backend=b)
-        return tm.unpermute(y_perm, info, routing.topk_weights, backend=b)
+        return tm.unpermute(y_perm, info, r.topk_weights, backend=b)
 
-    def fused(st, x, routing, b):
+    def fused(st, b):
         moe_ffn = getattr(tm, "moe_ffn", None)
         if moe_ffn is None:
             raise Unavailable("tritonmoe.moe_ffn (the fused gather/FFN/scatter op) is not in this build")
-        return moe_ffn(x, routing, st["w1"], st["w2"], act, backend=b)
+        return moe_ffn(st["x"], st["routing"], st["w1"], st["w2"], act, backend=b)
 
-    def entry(impl, mode, forward_of, check=None):
-        def make(st):
-            if check is not None:
-                check(mode)
-            if mode == "fwd":
-                return no_grad_fn(lambda: forward_of(st, st["x"], st["routing"])), work(st, mode)
-            inputs = [st["x_g"], st["w1"], st["w2"], st["w_g"]]
-            return grad_fn(lambda: forward_of(st, st["x_g"], st["routing_g"]), inputs, st["grad_out"]), work(st, mode)
-
-        return Entry(mode, impl, make)
-
-    entries = []
-    for mode in MODES:
-        for b in ctx.backends:
-            if b == "torch":
-                continue
-            chk = lambda mode, b=b: require_backend(ctx, b)  # noqa: E731
-            entries.append(entry(f"{b}-fused", mode, lambda st, x, r, b=b: fused(st, x, r, b), chk))
-            entries.append(entry(b, mode, lambda st, x, r, b=b: pipeline(st, x, r, b), chk))
-        if "grouped_mm" in ctx.baselines:
-            entries.append(entry(
-                "grouped_mm", mode,
-                lambda st, x, r: B.grouped_mm_moe_ffn(x, r.topk_ids, r.topk_weights, st["w1"], st["w2"], act),
-                check=lambda mode: B.require_grouped_mm(ctx.device, ctx.dtype, backward=mode != "fwd"),
-            ))
-        if "loop" in ctx.baselines:
-            entries.append(entry(
-                "loop", mode, lambda st, x, r: B.loop_moe_ffn(x, r.topk_ids, r.topk_weights, st["w1"], st["w2"], act)
-            ))
+    impls = []
+    for pair in zip(backend_impls(ctx, fused, skip_torch=True, suffix="-fused"),
+                    backend_impls(ctx, pipeline, skip_torch=True)):
+        impls.extend(pair)
+    if "grouped_mm" in ctx.baselines:
+        impls.append(("grouped_mm", lambda st: B.grouped_mm_moe_ffn(
+            st["x"], st["routing"].topk_ids, st["w"], st["w1"], st["w2"], act), grouped_mm_check(ctx)))
+    if "loop" in ctx.baselines:
+        impls.append(("loop", lambda st: B.loop_moe_ffn(
+            st["x"], st["routing"].topk_ids, st["w"], st["w1"], st["w2"], act), None))
+    entries = make_entries(
+        impls,
+        inputs=lambda st: [st["x"], st["w1"], st["w2"], st["w"]],
+        out_grad=lambda st: ctx.randn(T, d, salt=T + 32),  # d(out)
+        work=lambda st, backward: W.moe_ffn(T, k, st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=backward),
+    )
     return Case("ffn", f"moe_ffn {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="moe_ffn"),
                 build, entries)
 
@@ -524,47 +514,33 @@ def _layer_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
         layer = tm.MoELayer(cfg, device=ctx.device, dtype=ctx.dtype)
         if layer.expert_bias is not None:
             layer.expert_bias.copy_(ctx.randn(E, salt=T + 40, dtype=torch.float32, scale=0.01))
-        x = ctx.randn(T, d, salt=T + 41)
-        skew_router(layer, x, spec)
+        x_TD = ctx.randn(T, d, salt=T + 41)
+        skew_router(layer, x_TD, spec)
         with torch.no_grad():  # the routing this input gets, for the work accounting
-            r = reference.route(layer.router(x), k, expert_bias=layer.expert_bias, **p.route_kwargs())
-        return dict(layer=layer, x=x, x_g=x.detach().clone().requires_grad_(True),
-                    params=[q for q in layer.parameters() if q.requires_grad],
-                    Ea=active_experts(r.counts), R=int(r.counts.sum()), grad_out=ctx.randn(T, d, salt=T + 42))
+            r = reference.route(layer.router(x_TD), k, expert_bias=layer.expert_bias, **p.route_kwargs())
+        layers = {}
+        for b in ctx.backends:  # shallow copies share parameters and buffers, each with its backend
+            layers[b] = copy.copy(layer)
+            layers[b].config = dataclasses.replace(cfg, backend=b)
+        return dict(layer=layer, layers=layers, x=leaf(x_TD), params=[q for q in layer.parameters() if q.requires_grad],
+                    Ea=active_experts(r.counts), R=int(r.counts.sum()))
 
-    def work(st, mode):
-        return W.layer(T, E, k, st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=mode != "fwd")
-
-    def entry(impl, mode, forward_of, check=None):
-        def make(st):
-            if check is not None:
-                check(mode)
-            call = forward_of(st)
-            if mode == "fwd":
-                return no_grad_fn(lambda: call(st["x"])), work(st, mode)
-            return grad_fn(lambda: call(st["x_g"]), [st["x_g"], *st["params"]], st["grad_out"]), work(st, mode)
-
-        return Entry(mode, impl, make)
-
-    def layer_with_backend(st, b):
-        lb = copy.copy(st["layer"])  # shares parameters and buffers; own config
-        lb.config = dataclasses.replace(cfg, backend=b)
-        return lb
-
-    def loop_layer(st):
+    def loop(st):
         L = st["layer"]
-        return lambda x: B.per_expert_loop_moe(
-            x, L.router.weight, L.w1, L.w2, k, p.activation, score_func=p.score_func, renormalize=p.renormalize,
-            expert_bias=L.expert_bias, n_groups=p.n_groups, topk_groups=p.topk_groups,
+        return B.per_expert_loop_moe(
+            st["x"], L.router.weight, L.w1, L.w2, k, p.activation, score_func=p.score_func,
+            renormalize=p.renormalize, expert_bias=L.expert_bias, n_groups=p.n_groups, topk_groups=p.topk_groups,
         )
 
-    entries = []
-    for mode in MODES:
-        for b in ctx.backends:
-            entries.append(entry(b, mode, lambda st, b=b: layer_with_backend(st, b),
-                                 check=lambda mode, b=b: require_backend(ctx, b)))
-        if "loop" in ctx.baselines:
-            entries.append(entry("loop", mode, loop_layer))
+    impls = backend_impls(ctx, lambda st, b: st["layers"][b](st["x"]))
+    if "loop" in ctx.baselines:
+        impls.append(("loop", loop, None))
+    entries = make_entries(
+        impls,
+        inputs=lambda st: [st["x"], *st["params"]],
+        out_grad=lambda st: ctx.randn(T, d, salt=T + 42),  # d(out)
+        work=lambda st, backward: W.layer(T, E, k, st["R"], d, f, n1, st["Ea"], ctx.itemsize, backward=backward),
+    )
     return Case("layer", f"{p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="MoELayer"), build, entries)
 
 
