@@ -361,6 +361,9 @@ def environment(argv: list[str], device: torch.device) -> dict:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        # Settings that change what is measured: backend, autotuning, interpreter.
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRITONMOE_") or k == "TRITON_INTERPRET"},
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -191,20 +191,24 @@ def _rich_console(file: TextIO):
 
 
 def print_suite(rows: list[dict], title: str, file: TextIO | None = None) -> None:
-    """Print one suite's table: with rich when installed and writing to a terminal, else plain."""
+    """Print one suite's table: with rich when it is installed, the output is a terminal and the
+    table fits its width (rich would otherwise cut cells short); else as plain text."""
     file = file or sys.stdout
     console = _rich_console(file)
     if console is not None and rows:
         from rich.table import Table
 
         cols = columns(rows)
-        table = Table(title=title, title_justify="left")
-        for c in cols:
-            table.add_column(c.header, justify="right" if c.right else "left")
-        for vals in _cells(rows, cols):
-            table.add_row(*vals)
-        console.print(table)
-        return
+        cells = _cells(rows, cols)
+        needed = sum(max(len(c.header), *(len(v[i]) for v in cells)) + 3 for i, c in enumerate(cols)) + 1
+        if needed <= console.width:
+            table = Table(title=title, title_justify="left")
+            for c in cols:
+                table.add_column(c.header, justify="right" if c.right else "left", no_wrap=True)
+            for vals in cells:
+                table.add_row(*vals)
+            console.print(table)
+            return
     print(f"\n== {title}", file=file)
     print(render_text(rows), file=file)
 

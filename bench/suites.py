@@ -724,7 +724,6 @@ def _ep_key(r: dict):
 class Suite:
     name: str
     about: str
-    metric: str  # "TFLOP/s" or "GB/s": what the plot shows
     plan: Callable[[Context], list[Case]] | None = None
     run: Callable[..., list[dict]] | None = None
 
@@ -732,15 +731,13 @@ class Suite:
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in [
-        Suite("route", "router: scores, (grouped) top-k, weights, counts; forward and forward+backward",
-              "GB/s", plan=plan_route),
-        Suite("permute", "token permutation and weighted unpermutation; forward and forward+backward",
-              "GB/s", plan=plan_permute),
+        Suite("route", "router: scores, (grouped) top-k, weights, counts; forward and forward+backward", plan=plan_route),
+        Suite("permute", "token permutation and weighted unpermutation; forward and forward+backward", plan=plan_permute),
         Suite("ffn", "grouped expert FFN over a permuted buffer (grouped_ffn); with a non-reference backend also "
-              "the routed FFN x -> out (fused moe_ffn vs permute + grouped_ffn + unpermute)", "TFLOP/s", plan=plan_ffn),
-        Suite("layer", "MoELayer forward (inference) and forward+backward", "TFLOP/s", plan=plan_layer),
+              "the routed FFN x -> out (fused moe_ffn vs permute + grouped_ffn + unpermute)", plan=plan_ffn),
+        Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
         Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
-              "and the layer per world size and pipeline degree", "GB/s", run=run_ep_suite),
+              "and the layer per world size and pipeline degree", run=run_ep_suite),
     ]
 }
 
