@@ -371,9 +371,10 @@ def run(args, parser, argv: list[str]) -> int:
         log(f"GPU MODE: {env['gpu_name']} (driver {env['driver']}, CUDA {env['cuda']}), torch {env['torch']}, "
             f"triton {env['triton']}")
     else:
-        log("CPU MODE: no CUDA device in use. Measuring tritonmoe's reference path (backend 'torch') and the "
-            "plain-PyTorch baselines at the small preset, and the ep suite over gloo. CPU wall-clock times say "
-            "nothing about GPU kernel speed.")
+        log("CPU MODE: no CUDA device in use; CPU wall-clock times say nothing about GPU kernel speed.")
+        if not argv:
+            log("default CPU set: tritonmoe's reference path (backend 'torch') and the plain-PyTorch baselines at "
+                "the small preset, and the ep suite over gloo")
         log(f"torch {env['torch']}, triton {env['triton']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch threads")
     log(f"suites {','.join(suites)}; presets {','.join(p.name for p in presets)}; dtype {dtype_name(dtype)}; "
         f"backends {','.join(backends)}; baselines {','.join(baselines) or 'none'}; reps {args.reps}, warm-up {args.warmup}")
@@ -411,21 +412,25 @@ def run(args, parser, argv: list[str]) -> int:
     progress_on = args.progress if args.progress is not None else (sys.stdout.isatty() and sys.stderr.isatty())
     progress = Progress(total, progress_on)
 
+    def checkpoint() -> None:  # after every case: an interrupted or killed run keeps what it measured
+        doc["wall_time_s"] = time.perf_counter() - t0
+        if args.json:
+            report.write_json(doc, args.json)
+
     for s in suites:
         ts = time.perf_counter()
+        first = len(doc["results"])
         try:
-            rows = run_suite(ctx, s, plans[s], progress)
+            run_suite(ctx, s, plans[s], progress, sink=doc["results"], checkpoint=checkpoint)
         except KeyboardInterrupt:
             progress.clear()
             log(f"interrupted during suite {s}")
             break
         progress.clear()
+        rows = doc["results"][first:]
         if not (SUITES[s].run and len(rows) == 1 and rows[0]["status"] == "unavailable"):  # else said in one line
             report.print_suite(rows, f"{s}: {SUITES[s].about}  [{time.perf_counter() - ts:.1f} s]")
-        doc["results"].extend(rows)
-        doc["wall_time_s"] = time.perf_counter() - t0
-        if args.json:
-            report.write_json(doc, args.json)
+        checkpoint()
     else:
         doc["complete"] = True
     telemetry.close()

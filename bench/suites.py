@@ -722,6 +722,9 @@ def _ep_key(r: dict):
 
 @dataclass(frozen=True)
 class Suite:
+    """A suite either plans cases (run entry by entry by :func:`run_case`) or runs itself
+    (``run(ctx, progress) -> rows``, for the ep suite whose ranks are separate processes)."""
+
     name: str
     about: str
     plan: Callable[[Context], list[Case]] | None = None
@@ -749,14 +752,29 @@ def plan(ctx: Context, suite: str) -> list[Case]:
     return s.plan(ctx) if s.plan is not None else []
 
 
-def run_suite(ctx: Context, suite: str, cases: list[Case] | None = None, progress=None) -> list[dict]:
+def run_suite(
+    ctx: Context,
+    suite: str,
+    cases: list[Case] | None = None,
+    progress=None,
+    *,
+    sink: list[dict] | None = None,
+    checkpoint: Callable[[], None] | None = None,
+) -> list[dict]:
+    """Run a suite's cases (planned now unless given). Rows are appended to ``sink`` case by case
+    and ``checkpoint()`` is called after each case, so an interrupted run keeps what it measured;
+    the suite's rows are also returned."""
+    rows: list[dict] = [] if sink is None else sink
+    first = len(rows)
     s = SUITES[suite]
     if s.run is not None:
-        return s.run(ctx, progress)
-    rows: list[dict] = []
-    for case in cases if cases is not None else plan(ctx, suite):
-        rows.extend(run_case(ctx, case, progress))
-    return rows
+        rows.extend(s.run(ctx, progress))
+    else:
+        for case in cases if cases is not None else plan(ctx, suite):
+            rows.extend(run_case(ctx, case, progress))
+            if checkpoint is not None:
+                checkpoint()
+    return rows[first:]
 
 
 def count_entries(cases: list[Case]) -> int:

@@ -8,6 +8,7 @@ fakes here and for real under the ``gpu`` marker.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 import threading
@@ -302,14 +303,8 @@ def test_entry_failures_are_recorded_not_raised():
     def no_inputs():
         raise RuntimeError("CUDA out of memory. Tried to allocate 20 GiB")
 
-    rows = suites.run_case(_ctx(), dataclass_replace(case, build=no_inputs))
+    rows = suites.run_case(_ctx(), dataclasses.replace(case, build=no_inputs))
     assert all(r["status"] == "error" and "out of memory" in r["note"] for r in rows)
-
-
-def dataclass_replace(obj, **kw):
-    import dataclasses
-
-    return dataclasses.replace(obj, **kw)
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_unavailable(monkeypatch):
