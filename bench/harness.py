@@ -163,7 +163,6 @@ class Timer:
         allocated by the call itself). (None, None) on CPU."""
         if not self.is_cuda:
             return None, None
-        gc.collect()
         self._sync()
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

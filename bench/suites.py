@@ -576,27 +576,34 @@ def run_case(ctx: Context, case: Case, progress=None) -> list[dict]:
 
 
 def _run_entry(ctx: Context, e: Entry, state, row: dict) -> None:
-    fn = None
+    """Measure one entry into its row. Tensors of a finished entry go by reference counting
+    (a full garbage collection takes tens of ms, so it runs once per case, and after a failure,
+    whose traceback may hold the failed call's tensors)."""
     try:
         with tm.validation(False):
             fn, work = e.make(state)
             m = ctx.timer.measure(fn)
+        del fn
     except (Unavailable, NotImplementedError) as exc:
-        row["status"], row["note"] = "unavailable", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        row["status"], row["note"] = "unavailable", _one_line(exc)
         return
     except Exception as exc:  # any failure is recorded on its row; the run goes on
         row["status"] = "error"
         row["note"] = ("out of memory: " if is_oom(exc) else "") + first_line(exc)
+    if row["status"] == "error":
+        free_memory()  # outside the except block, whose traceback holds the failed call's frames
         return
-    finally:
-        del fn
-        free_memory()
     fill_timing(row, m.times_s, work, ctx.roofs)
     mem = row["memory"]
     mem["peak_bytes"], mem["peak_extra_bytes"] = m.peak_bytes, m.peak_extra_bytes
     if m.peak_bytes is not None and mem["analytic_min_bytes"]:
         mem["ratio"] = m.peak_bytes / mem["analytic_min_bytes"]
     row["telemetry"] = m.telemetry
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------
