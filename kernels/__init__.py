@@ -9,4 +9,8 @@ selection in :mod:`tritonmoe._settings` imports a launcher only when it is used,
 tritonmoe never imports triton.
 """
 
-KERNEL_OPS: dict[str, tuple[str, str]] = {}
+KERNEL_OPS: dict[str, tuple[str, str]] = {
+    "grouped_gemm": ("tritonmoe.kernels.grouped_gemm", "grouped_gemm"),
+    "grouped_ffn": ("tritonmoe.kernels.grouped_gemm", "grouped_ffn"),
+    "moe_ffn": ("tritonmoe.kernels.grouped_gemm", "moe_ffn"),
+}
