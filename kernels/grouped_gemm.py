@@ -336,7 +336,10 @@ class _MoEFFNFn(torch.autograd.Function):
         act = _ACT[activation]
         rows = T * k
         offsets, row_map = route_rows(topk_ids_TK, E)
-        w_flat = topk_weights_TK.reshape(-1).to(torch.float32).contiguous()
+        # Gate weights per slot; unrouted slots weigh 0 whatever their stored weight (as in unpermute).
+        ids_S = topk_ids_TK.reshape(-1)
+        routed_S = (ids_S >= 0) & (ids_S < E)
+        w_flat = torch.where(routed_S, topk_weights_TK.reshape(-1).to(torch.float32), 0.0)
         save = needs_grad and C.ffn_preact_mode() == "save"
         gather = dict(row_map=row_map, topk=k, gather_a=True)
         a_RF, h_RN = _ffn_first(x_TD, offsets, w1_EDN, act, rows, save, **gather)
