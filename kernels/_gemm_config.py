@@ -6,40 +6,49 @@ pick numbers themselves.
 
 Kinds:
 
-* ``"mm"``      - ``[rows, K] @ w[e] [K, N]`` with an optional GELU/ReLU/scale epilogue (forward
-  GEMMs, the grad-input GEMM ``dH @ w1^T``).
-* ``"swiglu"``  - the first FFN GEMM with SwiGLU: each program keeps two accumulators (gate and
-  up, ``BN`` columns each), so its tile is effectively ``BM x 2*BN``.
-* ``"dact"``    - ``dY @ w2^T`` with the activation's backward in the epilogue (it reads the
-  pre-activation tile(s), and the fused path also reduces the gate-weight gradient there).
-* ``"wgrad"``   - per-expert ``X_e^T @ dY_e`` (the weight gradients): output ``[M, N]`` per expert,
-  the reduction runs over the expert's rows.
+* ``"mm"``          - ``[rows, K] @ w[e] [K, N]``, plain or scaled epilogue (the second FFN GEMM,
+  grad-input GEMMs).
+* ``"mm_act"``      - the first FFN GEMM with GELU or ReLU in the epilogue.
+* ``"swiglu"``      - the first FFN GEMM with SwiGLU: two accumulators (gate and up, ``BN``
+  columns each), so the tile is effectively ``BM x 2*BN``.
+* ``"dact"``        - ``dY @ w2^T`` with the GELU/ReLU backward in the epilogue (reads the
+  pre-activation tile; the fused path also reduces the gate-weight gradient there).
+* ``"dact_swiglu"`` - the same for SwiGLU (two pre-activation tiles in, two gradient tiles out).
+* ``"wgrad"``       - per-expert ``X_e^T @ dY_e`` (weight gradients): output ``[M, N]`` per
+  expert, the reduction runs over the expert's rows.
 
-Policy (``select``), keyed by the device, the dtype, N and K and the average rows per expert
-(``rows / E``, known from shapes, so choosing never synchronizes with the device):
+Policy (:func:`select`), keyed by the device, the dtype, the kind and the average rows per expert
+(``rows / E``, known from shapes, so choosing never synchronizes with the device), then clamped to
+N, K and the rows per expert:
 
-* Triton interpreter (CPU tensors): one small config (16x16x16), so tests exercise multiple
+* Triton interpreter (CPU tensors): one small config (16x16x16), so that tests exercise multiple
   tiles, partial tiles and the K remainder on tiny shapes.
-* sm90 (H100/H200): the large-M point of the Hopper matmul design space for wgmma: 128x256x64
-  tiles (128x(2x128) for SwiGLU), 8 warps, 3 stages (~144 KiB of shared memory of the 227 KiB),
-  grouped tile ordering (GROUP_M=8) so that consecutive programs reuse the same weight panels and
-  row tiles from L2. Fewer rows per expert shrink BM (64, then 16/32 for decode, where the kernel
-  streams weights and BM only has to cover an expert's few rows) and use 4 warps with 4 stages.
-  fp32 with IEEE precision (no tensor cores) uses 64-wide K and 128x128 tiles.
-* other CUDA GPUs (sm80 and the rest): the classic Ampere config, 128x128x32, 4 warps, 4 stages;
-  64x64x32 with 2 stages before sm80.
+* sm90 (H100/H200), 16-bit inputs, >= 256 rows per expert (prefill/training): the large point of
+  the Hopper Triton matmul space, 128x256x64 tiles, 8 warps (two warpgroups of wgmma), 3 stages
+  (144 KiB of the 227 KiB shared memory), grouped tile ordering (GROUP_M=8) so that programs
+  running together reuse weight panels and row tiles from L2; 128x128 / 128x64 for the kinds whose
+  epilogues hold more live tiles (see ``_SM90_LARGE``). 64..255 rows: BM=64, 4 stages (8 warps
+  for the kinds with heavy epilogues).
+  Fewer (decode): BM 16/32/64 to cover an expert's few rows, 64x128 weight panels streamed with
+  4 stages. TF32 halves BK; IEEE fp32 (no tensor cores) uses 64-wide N tiles.
+* sm80 and other CUDA GPUs: 128x128x32 tiles (128x64 for the two-accumulator kinds), 8 warps
+  (4 spill with these pointer-based loads and epilogues), 4 stages; 64x64x32 with 2 stages
+  before sm80.
 
-All of these numbers are provisional: they come from the published Hopper/Ampere Triton matmul
-configurations, not from measurements of these kernels (no GPU was available when they were
-written). Re-derive them with the benchmark harness on an H200.
+Evidence: every sm90 variant was compiled offline for sm_90a with Triton 3.9 and ptxas (no GPU
+was available): all use wgmma except decode tiles (mma.sync), both operands go through cp.async
+pipelines when N and K are multiples of 16 (Triton then specializes them; otherwise the masked
+weight loads cannot be vectorized and stay synchronous), and none spills in the main loop (the
+SwiGLU forward epilogue spills 32 bytes; the IEEE-fp32 FMA fallback a few bytes). The speed of these choices is NOT measured: re-derive
+them with the benchmark harness on an H200.
 
-Autotuning: on CUDA, unless ``TRITONMOE_AUTOTUNE=0``, each launch autotunes over *schedule*
-variations of the chosen tile (warps and stages only). The tile shape (BM, BN, BK) never varies,
-so every candidate computes each output element with the same sequence of MMAs in K order: the
-results are bitwise identical whichever candidate wins, and the kernels stay deterministic run to
-run. Every kernel here writes each output element exactly once (no read-modify-write, no atomics),
-so trial runs cannot accumulate into the outputs and no ``reset_to_zero`` is needed.
-``TRITONMOE_AUTOTUNE=0`` launches the policy's config directly (no benchmarking on first call).
+Autotuning: on CUDA, unless ``TRITONMOE_AUTOTUNE=0``, a launch autotunes over the *pipeline
+depth* of the chosen config only (num_stages; tile shape, warps and ordering fixed). Pipelining
+does not change the sequence of MMAs that produce an output element, so whichever candidate wins
+the results are the same bits: the kernels stay deterministic run to run. Every kernel here
+writes each output element exactly once (no read-modify-write, no atomics), so trial runs cannot
+accumulate into outputs and no ``reset_to_zero`` is needed. ``TRITONMOE_AUTOTUNE=0`` launches the
+policy's config directly (no benchmarking on a shape's first call).
 
 Tests override the policy with :func:`override`, a context manager scoped with ``contextvars``
 (no module-level state flipped by tests).
@@ -59,7 +68,7 @@ import triton
 
 __all__ = ["TileConfig", "select", "override", "autotune_enabled", "launch", "KINDS"]
 
-KINDS = ("mm", "swiglu", "dact", "wgrad")
+KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
 
 
 @dataclass(frozen=True)
@@ -131,30 +140,63 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _policy(kind: str, avg_rows: float, dtype: torch.dtype, tf32: bool, device: torch.device) -> TileConfig:
+def _arch(device: torch.device) -> tuple[int, int] | None:
     if _interpreting(device):
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# sm90 tiles for 16-bit inputs, by kind and by average rows per expert (>= 256, >= 64, fewer).
+# Chosen so that every variant compiles to wgmma (BM >= 64) with multi-stage cp.async pipelines
+# and no register spills in the main loop (checked offline with ptxas for sm_90a, Triton 3.9,
+# 8 warps): 128x256 for plain epilogues; 128x128 where the epilogue holds more live tiles
+# (GELU: erf; SwiGLU: two accumulators); 128x64 for the SwiGLU backward epilogue, which reads
+# two pre-activation tiles and writes two gradient tiles.
+_SM90_LARGE = {
+    "mm": TileConfig(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "mm_act": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "swiglu": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "dact": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "dact_swiglu": TileConfig(BM=128, BN=64, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "wgrad": TileConfig(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+}
+_SM90_MID = {
+    "mm": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "mm_act": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "swiglu": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "dact": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "dact_swiglu": TileConfig(BM=64, BN=64, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+}
+
+
+def _policy(kind: str, avg_rows: float, dtype: torch.dtype, tf32: bool, arch: tuple[int, int] | None) -> TileConfig:
+    """The policy's config before clamping; ``arch`` is the CUDA capability, None in the
+    interpreter."""
+    if arch is None:
         return INTERPRETER_CONFIG
-    major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    fp32_ieee = dtype == torch.float32 and not tf32
+    major = arch[0]
     if major >= 9:
-        if fp32_ieee:
-            return TileConfig(BM=128 if avg_rows >= 128 else 64, BN=128 if kind != "swiglu" else 64, BK=32,
+        if dtype == torch.float32 and not tf32:  # IEEE fp32: FMA, no tensor cores
+            return TileConfig(BM=128 if avg_rows >= 128 or kind == "wgrad" else 64, BN=64, BK=32,
                               GROUP_M=8, num_warps=8, num_stages=3)
-        wide = 4 if dtype == torch.float32 else 2  # bytes per element: tf32 tiles take twice the smem
-        if kind == "wgrad":
-            # M, N are weight dimensions (large); the reduction runs over the expert's rows.
-            return TileConfig(BM=128, BN=256 // (wide // 2), BK=64 // (wide // 2), GROUP_M=8, num_warps=8, num_stages=3)
-        if avg_rows >= 256:
-            bn = 128 if kind in ("swiglu", "dact") else 256
-            return TileConfig(BM=128, BN=bn // (wide // 2), BK=64 // (wide // 2), GROUP_M=8, num_warps=8, num_stages=3)
-        if avg_rows >= 64:
-            return TileConfig(BM=64, BN=128, BK=64 // (wide // 2), GROUP_M=8, num_warps=4, num_stages=4)
-        # Decode-like: an expert holds a few rows; the GEMM streams its weights.
-        bm = 16 if avg_rows <= 16 else (32 if avg_rows <= 32 else 64)
-        return TileConfig(BM=bm, BN=64, BK=128 // (wide // 2), GROUP_M=4, num_warps=4, num_stages=4)
+        if kind == "wgrad" or avg_rows >= 256:
+            cfg = _SM90_LARGE[kind]
+        elif avg_rows >= 64:
+            cfg = _SM90_MID[kind]
+        else:
+            # Decode-like: an expert holds a few rows and the GEMM streams its weights; BM only
+            # has to cover them (mma.sync below 64 rows), K steps are long.
+            bm = 16 if avg_rows <= 16 else (32 if avg_rows <= 32 else 64)
+            cfg = TileConfig(BM=bm, BN=64, BK=128, GROUP_M=4, num_warps=4, num_stages=4)
+        if dtype == torch.float32:  # TF32: 4-byte operands, halve the K step to keep the smem
+            cfg = replace(cfg, BK=cfg.BK // 2)
+            if kind == "dact" and cfg.BM == 128:  # fp32 pre-activation tiles: 128x128 spills
+                cfg = replace(cfg, BN=64)
+        return cfg
     if major >= 8:
-        return TileConfig(BM=128 if avg_rows >= 64 else 64, BN=128 if kind != "swiglu" else 64, BK=32,
-                          GROUP_M=8, num_warps=4, num_stages=4 if dtype != torch.float32 else 3)
+        dual = kind in ("swiglu", "dact_swiglu")
+        return TileConfig(BM=128 if avg_rows >= 64 else 64, BN=64 if dual else 128, BK=32,
+                          GROUP_M=8, num_warps=8, num_stages=4 if dtype != torch.float32 else 3)
     return TileConfig(BM=64, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=2)
 
 
@@ -182,7 +224,7 @@ def select(
     table = _override.get()
     cfg = table.get(kind) if table else None
     if cfg is None:
-        cfg = _policy(kind, avg_rows, dtype, tf32, device)
+        cfg = _policy(kind, avg_rows, dtype, tf32, _arch(device))
     if kind == "wgrad":
         # BM tiles the output rows (k here), BN its columns, BK the expert's rows.
         return replace(cfg, BM=min(cfg.BM, _pow2_at_least(k)), BN=min(cfg.BN, _pow2_at_least(n)),
@@ -202,29 +244,33 @@ def _smem_bytes(cfg: TileConfig, stages: int, elem: int, dual: bool) -> int:
     return stages * (cfg.BM * cfg.BK + b_tiles * cfg.BK * cfg.BN) * elem
 
 
-def _candidates(cfg: TileConfig, elem: int, dual: bool) -> tuple[tuple[int, int], ...]:
-    """(num_warps, num_stages) variations of ``cfg`` worth timing: the policy's own first."""
-    out = [(cfg.num_warps, cfg.num_stages)]
-    big = cfg.BM * cfg.BN * (2 if dual else 1) >= 128 * 256
-    warps = (8,) if big else (4, 8)
-    for w in warps:
-        for s in (3, 4, 5):
-            if (w, s) not in out and _smem_bytes(cfg, s, elem, dual) <= 200 * 1024:
-                out.append((w, s))
-    return tuple(out[:4])
+#: Shared memory a candidate's operand buffers may take (of 227 KiB on sm90, leaving room for
+#: the epilogue's layout conversions).
+_SMEM_BUDGET = 200 * 1024
+
+
+def _candidates(cfg: TileConfig, elem: int, dual: bool) -> tuple[int, ...]:
+    """num_stages values worth timing for ``cfg``: the policy's own first, then one more and one
+    fewer stage where the operand buffers fit."""
+    out = [cfg.num_stages]
+    for s in (cfg.num_stages + 1, cfg.num_stages - 1):
+        if s >= 2 and _smem_bytes(cfg, s, elem, dual) <= _SMEM_BUDGET:
+            out.append(s)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
 def _tuner(kernel, key: tuple[str, ...], cfg: TileConfig, elem: int, dual: bool):
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in _candidates(cfg, elem, dual)]
+    configs = [triton.Config({}, num_warps=cfg.num_warps, num_stages=s) for s in _candidates(cfg, elem, dual)]
     return triton.autotune(configs=configs, key=list(key))(kernel)
 
 
 def launch(kernel, grid: tuple[int, ...], cfg: TileConfig, key: tuple[str, ...], device: torch.device,
            elem_size: int, dual: bool, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, BM=.., BN=.., BK=.., GROUP_M=.., **kwargs)`` with ``cfg``'s
-    warps and stages, or through an autotuner over its schedule variations (see the module
-    docstring); ``key`` names the kernel arguments the tuning is cached by."""
+    warps and stages, or through an autotuner over its pipeline depth (see the module
+    docstring); ``key`` names the kernel arguments the tuning is cached by (the autotuner adds
+    the tensor dtypes)."""
     tiles = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M)
     if autotune_enabled(device):
         _tuner(kernel, key, cfg, elem_size, dual)[grid](*args, **tiles, **kwargs)

@@ -26,13 +26,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Activation codes: host ints for the launchers, constexpr twins for the kernels (jit code may
+# only read globals that are tl.constexpr).
 ACT_NONE = 0
 ACT_SWIGLU = 1
 ACT_GELU = 2
 ACT_RELU = 3
+_SWIGLU = tl.constexpr(ACT_SWIGLU)
+_GELU = tl.constexpr(ACT_GELU)
+_RELU = tl.constexpr(ACT_RELU)
 
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit
@@ -130,7 +135,7 @@ def _grouped_mm_kernel(
         tl.store(c_ptrs, tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=out_mask)
         if STORE_H:
             tl.store(h_ptrs, tl.zeros((BM, BN), dtype=h_ptr.dtype.element_ty), mask=out_mask)
-            if ACT == ACT_SWIGLU:
+            if ACT == _SWIGLU:
                 tl.store(h_ptrs + N * stride_hn, tl.zeros((BM, BN), dtype=h_ptr.dtype.element_ty), mask=out_mask)
         return
 
@@ -152,7 +157,7 @@ def _grouped_mm_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)  # [BM, BK] @ [BK, BN]
-        if ACT == ACT_SWIGLU:
+        if ACT == _SWIGLU:
             if EVEN_K:
                 b_up = tl.load(b_ptrs + N * stride_bn, mask=col_ok[None, :], other=0.0)
             else:
@@ -163,13 +168,13 @@ def _grouped_mm_kernel(
 
     if STORE_H:
         tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
-        if ACT == ACT_SWIGLU:
+        if ACT == _SWIGLU:
             tl.store(h_ptrs + N * stride_hn, acc_up.to(h_ptr.dtype.element_ty), mask=out_mask)
-    if ACT == ACT_SWIGLU:
+    if ACT == _SWIGLU:
         out = acc * _sigmoid(acc) * acc_up
-    elif ACT == ACT_GELU:
+    elif ACT == _GELU:
         out = _gelu(acc)
-    elif ACT == ACT_RELU:
+    elif ACT == _RELU:
         out = tl.maximum(acc, 0.0)
     else:
         out = acc
@@ -230,7 +235,7 @@ def _grouped_mm_dact_kernel(
     if seg == E:
         zero = tl.zeros((BM, BN), dtype=dh_ptr.dtype.element_ty)
         tl.store(dh_ptrs, zero, mask=out_mask)
-        if ACT == ACT_SWIGLU:
+        if ACT == _SWIGLU:
             tl.store(dh_ptrs + N * stride_dn, zero, mask=out_mask)
         if DGATE:
             tl.store(part_ptr + slot * stride_pm + pid_n, tl.zeros((BM,), dtype=tl.float32), mask=row_ok)
@@ -262,7 +267,7 @@ def _grouped_mm_dact_kernel(
         w = tl.load(scale_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
         d_a = (d_a * w[:, None]).to(dt).to(tl.float32)
     h = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    if ACT == ACT_SWIGLU:
+    if ACT == _SWIGLU:
         up = tl.load(h_ptrs + N * stride_hn, mask=out_mask, other=0.0).to(tl.float32)
         sg = _sigmoid(h)
         silu = h * sg
@@ -271,7 +276,7 @@ def _grouped_mm_dact_kernel(
         tl.store(dh_ptrs, d_gate.to(dh_ptr.dtype.element_ty), mask=out_mask)
         tl.store(dh_ptrs + N * stride_dn, d_up.to(dh_ptr.dtype.element_ty), mask=out_mask)
         act = silu * up
-    elif ACT == ACT_GELU:
+    elif ACT == _GELU:
         cdf = 0.5 * (1.0 + tl.math.erf(h * _SQRT1_2))
         pdf = tl.exp(-0.5 * h * h) * _INV_SQRT_2PI
         tl.store(dh_ptrs, (d_a * (cdf + h * pdf)).to(dh_ptr.dtype.element_ty), mask=out_mask)

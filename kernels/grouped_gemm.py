@@ -107,8 +107,8 @@ def _mm(
     if rows == 0 or N == 0:
         return
     dev = a.device
-    cfg = C.select("swiglu" if dual else "mm", rows=rows, n=N, k=K, num_experts=E, dtype=a.dtype,
-                   tf32=_tf32(a.dtype), device=dev)
+    kind = "swiglu" if dual else ("mm" if act == ACT_NONE else "mm_act")
+    cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
     num_pid_m = triton.cdiv(rows, cfg.BM) + E
     grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
     d = _Dummies(dev)
@@ -146,7 +146,8 @@ def _dact(
     N1 = h.shape[1]
     dev = g.device
     dh = torch.empty(rows, N1, device=dev, dtype=g.dtype)
-    cfg = C.select("dact", rows=rows, n=F, k=D, num_experts=E, dtype=g.dtype, tf32=_tf32(g.dtype), device=dev)
+    kind = "dact_swiglu" if act == ACT_SWIGLU else "dact"
+    cfg = C.select(kind, rows=rows, n=F, k=D, num_experts=E, dtype=g.dtype, tf32=_tf32(g.dtype), device=dev)
     n_tiles = triton.cdiv(F, cfg.BN)
     part = torch.empty(rows, n_tiles, device=dev, dtype=torch.float32) if dgate else None
     if rows == 0 or F == 0:
