@@ -63,7 +63,7 @@ def _locate_tile(pid_m, offs_ptr, E, R, BM: tl.constexpr, SEG: tl.constexpr):
     end = tl.where(idx < E, end, R)  # the tail segment E ends at R; segments past it are empty
     tiles = (end - start + BM - 1) // BM
     cum = tl.cumsum(tiles, 0)  # inclusive prefix sum of tiles per segment
-    seg = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    seg = tl.sum((cum <= pid_m).to(tl.int64), 0)  # int64: seg * stride_be can pass 2**31
     here = idx == seg
     tile0 = tl.sum(tl.where(here, cum - tiles, 0), 0)
     row0 = tl.sum(tl.where(here, start, 0), 0) + (pid_m - tile0) * BM
@@ -112,6 +112,7 @@ def _grouped_mm_kernel(
     offsets=[0, 2, 2]: rows 0..1 use B[0], expert 1 is empty (no tile), row 2 is tail (zeros).
     """
     pid = tl.program_id(0).to(tl.int64)
+    n_up = pid * 0 + N  # N as int64 (column offset of the up / second half; N may be a constexpr)
     num_pid_n = tl.cdiv(N, BN)
     pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
     seg, row0, row_end = _locate_tile(pid_m, offs_ptr, E, R, BM, SEG)
@@ -136,7 +137,7 @@ def _grouped_mm_kernel(
         if STORE_H:
             tl.store(h_ptrs, tl.zeros((BM, BN), dtype=h_ptr.dtype.element_ty), mask=out_mask)
             if ACT == _SWIGLU:
-                tl.store(h_ptrs + N * stride_hn, tl.zeros((BM, BN), dtype=h_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(h_ptrs + n_up * stride_hn, tl.zeros((BM, BN), dtype=h_ptr.dtype.element_ty), mask=out_mask)
         return
 
     if GATHER_A:
@@ -159,9 +160,9 @@ def _grouped_mm_kernel(
         acc = tl.dot(a, b, acc, input_precision=PREC)  # [BM, BK] @ [BK, BN]
         if ACT == _SWIGLU:
             if EVEN_K:
-                b_up = tl.load(b_ptrs + N * stride_bn, mask=col_ok[None, :], other=0.0)
+                b_up = tl.load(b_ptrs + n_up * stride_bn, mask=col_ok[None, :], other=0.0)
             else:
-                b_up = tl.load(b_ptrs + N * stride_bn, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
+                b_up = tl.load(b_ptrs + n_up * stride_bn, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=PREC)  # [BM, BK] @ [BK, BN]
         a_ptrs += BK * stride_ak
         b_ptrs += BK * stride_bk
@@ -169,7 +170,7 @@ def _grouped_mm_kernel(
     if STORE_H:
         tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=out_mask)
         if ACT == _SWIGLU:
-            tl.store(h_ptrs + N * stride_hn, acc_up.to(h_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(h_ptrs + n_up * stride_hn, acc_up.to(h_ptr.dtype.element_ty), mask=out_mask)
     if ACT == _SWIGLU:
         out = acc * _sigmoid(acc) * acc_up
     elif ACT == _GELU:
@@ -217,6 +218,7 @@ def _grouped_mm_dact_kernel(
     Tail programs store zero dH (and zero partials).
     """
     pid = tl.program_id(0).to(tl.int64)
+    n_up = pid * 0 + N  # N as int64 (column offset of the up / second half; N may be a constexpr)
     num_pid_n = tl.cdiv(N, BN)
     pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
     seg, row0, row_end = _locate_tile(pid_m, offs_ptr, E, R, BM, SEG)
@@ -236,7 +238,7 @@ def _grouped_mm_dact_kernel(
         zero = tl.zeros((BM, BN), dtype=dh_ptr.dtype.element_ty)
         tl.store(dh_ptrs, zero, mask=out_mask)
         if ACT == _SWIGLU:
-            tl.store(dh_ptrs + N * stride_dn, zero, mask=out_mask)
+            tl.store(dh_ptrs + n_up * stride_dn, zero, mask=out_mask)
         if DGATE:
             tl.store(part_ptr + slot * stride_pm + pid_n, tl.zeros((BM,), dtype=tl.float32), mask=row_ok)
         return
@@ -268,13 +270,13 @@ def _grouped_mm_dact_kernel(
         d_a = (d_a * w[:, None]).to(dt).to(tl.float32)
     h = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
     if ACT == _SWIGLU:
-        up = tl.load(h_ptrs + N * stride_hn, mask=out_mask, other=0.0).to(tl.float32)
+        up = tl.load(h_ptrs + n_up * stride_hn, mask=out_mask, other=0.0).to(tl.float32)
         sg = _sigmoid(h)
         silu = h * sg
         d_gate = d_a * up * (sg * (1.0 + h * (1.0 - sg)))
         d_up = d_a * silu
         tl.store(dh_ptrs, d_gate.to(dh_ptr.dtype.element_ty), mask=out_mask)
-        tl.store(dh_ptrs + N * stride_dn, d_up.to(dh_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(dh_ptrs + n_up * stride_dn, d_up.to(dh_ptr.dtype.element_ty), mask=out_mask)
         act = silu * up
     elif ACT == _GELU:
         cdf = 0.5 * (1.0 + tl.math.erf(h * _SQRT1_2))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch.autograd.function import once_differentiable
 
 from .. import reference
 from ..types import Routing
@@ -70,14 +71,6 @@ def _seg(E: int) -> int:
     return triton.next_power_of_2(E + 1)
 
 
-class _Dummies:
-    """Placeholder pointers for kernel arguments that a flag switches off (never dereferenced)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.f32 = torch.empty(1, device=device, dtype=torch.float32)
-        self.i64 = torch.empty(1, device=device, dtype=torch.int64)
-
-
 # ---------------------------------------------------------------------------------------------
 # Launch helpers (inputs validated by the public API; they write every output element once)
 # ---------------------------------------------------------------------------------------------
@@ -111,16 +104,16 @@ def _mm(
     cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
     num_pid_m = triton.cdiv(rows, cfg.BM) + E
     grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
-    d = _Dummies(dev)
-    hh = h if h is not None else d.f32
+    # Arguments a flag switches off are never dereferenced: any tensor stands in for them.
+    hh = h if h is not None else out
     C.launch(
         _grouped_mm_kernel, grid, cfg, ("N", "K", "ROWS_HINT"), dev, a.element_size(), dual,
-        a, b_EKN, out, hh, offsets, row_map if row_map is not None else d.i64, scale if scale is not None else d.f32,
+        a, b_EKN, out, hh, offsets, row_map if row_map is not None else offsets, scale if scale is not None else out,
         rows, N, K, E, topk, num_pid_m, C.rows_hint(rows, E),
         a.stride(0), a.stride(1),
         b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
         out.stride(0), out.stride(1),
-        hh.stride(0) if h is not None else 0, hh.stride(1) if h is not None else 0,
+        hh.stride(0), hh.stride(1),
         ACT=act, STORE_H=h is not None, GATHER_A=gather_a, SCATTER_C=scatter, SCALE=scale is not None,
         PREC=_prec(a.dtype), EVEN_K=K % cfg.BK == 0, SEG=_seg(E),
     )
@@ -156,12 +149,10 @@ def _dact(
         return dh, None
     num_pid_m = triton.cdiv(rows, cfg.BM) + E
     grid = (num_pid_m * n_tiles,)
-    d = _Dummies(dev)
-    pp = part if part is not None else d.f32
     C.launch(
         _grouped_mm_dact_kernel, grid, cfg, ("N", "K", "ROWS_HINT"), dev, g.element_size(), False,
-        g, w2t_EDF, h, dh, offsets, row_map if row_map is not None else d.i64,
-        scale if scale is not None else d.f32, pp,
+        g, w2t_EDF, h, dh, offsets, row_map if row_map is not None else offsets,
+        scale if scale is not None else dh, part if part is not None else dh,
         rows, F, D, E, topk, num_pid_m, C.rows_hint(rows, E),
         g.stride(0), g.stride(1),
         w2t_EDF.stride(0), w2t_EDF.stride(1), w2t_EDF.stride(2),
@@ -198,10 +189,9 @@ def _wgrad(
     rows = row_map.shape[0] if row_map is not None else a.shape[0]  # size of the row space
     cfg = C.select("wgrad", rows=rows, n=N, k=M, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), E)
-    d = _Dummies(dev)
     C.launch(
         _grouped_wgrad_kernel, grid, cfg, ("M", "N", "ROWS_HINT"), dev, a.element_size(), False,
-        a, b, out, offsets, row_map if row_map is not None else d.i64, scale_b if scale_b is not None else d.f32,
+        a, b, out, offsets, row_map if row_map is not None else offsets, scale_b if scale_b is not None else out,
         M, N, topk, C.rows_hint(rows, E),
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
@@ -265,6 +255,7 @@ class _GroupedGemmFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy_RN):
         x_RK, offsets, w_EKN = ctx.saved_tensors
         R = x_RK.shape[0]
@@ -305,6 +296,7 @@ class _GroupedFFNFn(torch.autograd.Function):
         return y_RD
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy_RD):
         saved = ctx.saved_tensors
         x_RD, offsets, w1_EDN, w2_EFD = saved[:4]
@@ -360,6 +352,7 @@ class _MoEFFNFn(torch.autograd.Function):
         return out_TD
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout_TD):
         saved = ctx.saved_tensors
         x_TD, topk_weights_TK, w1_EDN, w2_EFD, offsets, row_map, w_flat = saved[:7]
