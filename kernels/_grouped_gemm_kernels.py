@@ -61,6 +61,10 @@ def _locate_tile(pid_m, offs_ptr, E, R, BM: tl.constexpr, SEG: tl.constexpr):
     start = tl.where(idx <= E, start, R)
     end = tl.load(offs_ptr + idx + 1, mask=idx < E, other=0).to(tl.int64)
     end = tl.where(idx < E, end, R)  # the tail segment E ends at R; segments past it are empty
+    # Valid offsets are monotone in [0, R]; clamping costs nothing and keeps even invalid ones
+    # (validation switched off) from sending a program outside the row space.
+    start = tl.minimum(tl.maximum(start, 0), R)
+    end = tl.minimum(tl.maximum(end, start), R)
     tiles = (end - start + BM - 1) // BM
     cum = tl.cumsum(tiles, 0)  # inclusive prefix sum of tiles per segment
     seg = tl.sum((cum <= pid_m).to(tl.int64), 0)  # int64: seg * stride_be can pass 2**31
@@ -295,7 +299,7 @@ def _grouped_mm_dact_kernel(
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr, row_map_ptr, scale_ptr,
-    M, N, TOPK, ROWS_HINT,
+    R, M, N, TOPK, ROWS_HINT,
     stride_ar, stride_ac,
     stride_br, stride_bc,
     stride_ce, stride_cm, stride_cn,
@@ -305,7 +309,7 @@ def _grouped_wgrad_kernel(
     """Per-expert transpose GEMM ``C[e] = A_e^T @ B_e`` (weight gradients), fp32 accumulation.
 
     Grid: ``(cdiv(M, BM) * cdiv(N, BN), E)``. One program owns one ``BM x BN`` tile of expert
-    e's ``[M, N]`` output and loops over the rows [offsets[e], offsets[e+1]) of the segment in
+    e's ``[M, N]`` output and loops over the rows [offsets[e], offsets[e+1]) (of the R-row space) in
     ``BK`` steps: ``acc += A[rows, m]^T @ B[rows, n]`` (``[BM, BK] @ [BK, BN]``), then stores it
     once, so the reduction order is fixed (deterministic, no atomics). An empty expert stores
     zeros. ``GATHER_A`` / ``GATHER_B`` read row ``row_map[r] // TOPK`` of A / B (token rows of the
@@ -318,8 +322,8 @@ def _grouped_wgrad_kernel(
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
-    seg_start = tl.load(offs_ptr + e).to(tl.int64)
-    seg_end = tl.load(offs_ptr + e + 1).to(tl.int64)
+    seg_start = tl.minimum(tl.maximum(tl.load(offs_ptr + e).to(tl.int64), 0), R)  # clamped like _locate_tile
+    seg_end = tl.minimum(tl.maximum(tl.load(offs_ptr + e + 1).to(tl.int64), seg_start), R)
     cols_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
     cols_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
     m_ok = cols_m < M

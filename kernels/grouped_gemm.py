@@ -27,8 +27,20 @@ Paths:
   order), scatters dx rows to slot order and combines them like the forward.
 
 Nothing here reads device values on the host: tile maps are built on the device from the offsets
-(see ``_grouped_gemm_kernels``), grids are sized from shapes. fp64 inputs, which have no tensor-core
-path, run :mod:`tritonmoe.reference` instead.
+(see ``_grouped_gemm_kernels``), grids are sized from shapes. Every output element is written by
+exactly one program and every reduction runs in a fixed order, so results are deterministic run
+to run.
+
+Precision: fp32 accumulation everywhere; fp16/bf16 operands use the tensor cores; fp32 operands
+use IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, then TF32 (read at each
+call, like torch's own matmuls). fp64 inputs, which have no tensor-core path, run
+:mod:`tritonmoe.reference` instead.
+
+Backward and the pre-activation: saved by default (one extra [rows, N1] write in forward),
+recomputed by rerunning GEMM1 with ``TRITONMOE_FFN_PREACT=recompute`` or
+``_gemm_config.preact_mode("recompute")``; both give the same bits (see
+:func:`tritonmoe.kernels._gemm_config.ffn_preact_mode` for the reasoning). The activation A is
+written by the forward anyway (GEMM2 reads it) and is kept for dw2 in "save" mode.
 """
 
 from __future__ import annotations
@@ -192,7 +204,7 @@ def _wgrad(
     C.launch(
         _grouped_wgrad_kernel, grid, cfg, ("M", "N", "ROWS_HINT"), dev, a.element_size(), False,
         a, b, out, offsets, row_map if row_map is not None else offsets, scale_b if scale_b is not None else out,
-        M, N, topk, C.rows_hint(rows, E),
+        rows, M, N, topk, C.rows_hint(rows, E),
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
