@@ -85,7 +85,13 @@ def _gelu(x):
     return 0.5 * x * (1.0 + tl.math.erf(x * _SQRT1_2))
 
 
-@triton.jit
+# Row counts and grid sizes change with every batch; specializing on them (divisibility by 16,
+# equality to 1) would only recompile. N, K and the strides stay specialized: their divisibility
+# is what lets the masked tile loads vectorize into cp.async copies.
+_ROW_ARGS = ["R", "E", "num_pid_m", "ROWS_HINT"]
+
+
+@triton.jit(do_not_specialize=_ROW_ARGS)
 def _grouped_mm_kernel(
     a_ptr, b_ptr, c_ptr, h_ptr, offs_ptr, row_map_ptr, scale_ptr,
     R, N, K, E, TOPK, num_pid_m, ROWS_HINT,
@@ -189,7 +195,7 @@ def _grouped_mm_kernel(
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ROW_ARGS)
 def _grouped_mm_dact_kernel(
     a_ptr, b_ptr, h_ptr, dh_ptr, offs_ptr, row_map_ptr, scale_ptr, part_ptr,
     R, N, K, E, TOPK, num_pid_m, ROWS_HINT,
@@ -296,7 +302,7 @@ def _grouped_mm_dact_kernel(
         tl.store(part_ptr + slot * stride_pm + pid_n, part, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "ROWS_HINT"])
 def _grouped_wgrad_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr, row_map_ptr, scale_ptr,
     R, M, N, TOPK, ROWS_HINT,
@@ -356,7 +362,7 @@ def _grouped_wgrad_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _combine_kernel(
     buf_ptr, w_ptr, out_ptr,
     T, D,

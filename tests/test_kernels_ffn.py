@@ -66,25 +66,29 @@ def _randn(shape, dtype, gen, scale=1.0):
 
 
 def _weights(E, d, f, activation, dtype, gen, layout="contiguous"):
-    """w1 [E, d, n1], w2 [E, f, d] scaled like nn.Linear, in one of several memory layouts."""
+    """w1 [E, d, n1], w2 [E, f, d] scaled like nn.Linear, in one of several memory layouts
+    (built in ``dtype``: a dtype cast would make them contiguous again)."""
     n1 = 2 * f if activation == "swiglu" else f
-    w1 = _randn((E, d, n1), torch.float32, gen, d**-0.5)
-    w2 = _randn((E, f, d), torch.float32, gen, f**-0.5)
+    w1 = _randn((E, d, n1), dtype, gen, d**-0.5)
+    w2 = _randn((E, f, d), dtype, gen, f**-0.5)
     if layout == "transposed":  # [E, n1, d] storage viewed as [E, d, n1]
         w1 = w1.transpose(1, 2).contiguous().transpose(1, 2)
         w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
-    elif layout == "sliced":  # every other expert / column of a bigger tensor
-        big1 = torch.full((2 * E, d, n1 + 3), float("nan"), device=DEV)
+    elif layout == "sliced":  # every other expert / a column window of bigger NaN-filled tensors
+        big1 = torch.full((2 * E, d, n1 + 3), float("nan"), device=DEV, dtype=dtype)
         big1[::2, :, 1 : n1 + 1] = w1
         w1 = big1[::2, :, 1 : n1 + 1]
-        big2 = torch.full((E, f + 5, 2 * d), float("nan"), device=DEV)
+        big2 = torch.full((E, f + 5, 2 * d), float("nan"), device=DEV, dtype=dtype)
         big2[:, 2 : f + 2, ::2] = w2
         w2 = big2[:, 2 : f + 2, ::2]
-    return w1.to(dtype), w2.to(dtype)
+    if layout != "contiguous" and d > 1 and n1 > 1:
+        assert not w1.is_contiguous()
+    return w1, w2
 
 
 def _leaf(t):
-    return t.detach().clone().requires_grad_(True) if t.is_contiguous() else t.detach().requires_grad_(True)
+    """A leaf that requires grad, with t's strides (the tests' tensors are fresh, nothing aliases)."""
+    return t.detach().requires_grad_(True)
 
 
 def _grad(out, inputs, g):
@@ -491,8 +495,19 @@ def _bad_gemm_cases():
     ]
 
 
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any kernel launch fails the test: errors must come from validation, before launching."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a kernel was launched for invalid inputs")
+
+    for name in ("_mm", "_dact", "_wgrad", "_combine"):
+        monkeypatch.setattr(K, name, boom)
+
+
 @pytest.mark.parametrize("case", _bad_gemm_cases(), ids=lambda c: c[0])
-def test_bad_inputs_raise_before_launch(case):
+def test_bad_inputs_raise_before_launch(case, no_launch):
     _, args, exc, match = case
     with pytest.raises(exc, match=match):
         tritonmoe.grouped_gemm(*args, backend="triton")
@@ -502,7 +517,7 @@ def test_bad_inputs_raise_before_launch(case):
         tritonmoe.grouped_ffn(x, offs, w, w2, "relu", backend="triton")
 
 
-def test_bad_moe_inputs_raise_before_launch():
+def test_bad_moe_inputs_raise_before_launch(no_launch):
     gen = torch.Generator().manual_seed(23)
     r = _routing(5, 4, 2, gen)
     x = torch.zeros(5, 8, device=DEV)
