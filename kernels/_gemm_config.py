@@ -66,7 +66,19 @@ from typing import Iterator, Optional
 import torch
 import triton
 
-__all__ = ["TileConfig", "select", "override", "autotune_enabled", "launch", "KINDS"]
+__all__ = [
+    "KINDS",
+    "PREACT_MODES",
+    "TileConfig",
+    "autotune_enabled",
+    "combine_config",
+    "ffn_preact_mode",
+    "launch",
+    "override",
+    "preact_mode",
+    "rows_hint",
+    "select",
+]
 
 KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
 

@@ -76,7 +76,7 @@ def _tf32(dtype: torch.dtype) -> bool:
 def _prec(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "tf32" if _tf32(dtype) else "ieee"
-    return "tf32"  # ignored for 16-bit inputs (the MMA is exact up to fp32 accumulation)
+    return "tf32"  # the setting only chooses TF32 vs IEEE for fp32 operands; 16-bit ones ignore it
 
 
 def _seg(E: int) -> int:
