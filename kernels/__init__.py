@@ -12,4 +12,7 @@ tritonmoe never imports triton.
 KERNEL_OPS: dict[str, tuple[str, str]] = {
     "permute": ("tritonmoe.kernels.permute", "permute"),
     "unpermute": ("tritonmoe.kernels.permute", "unpermute"),
+    "grouped_gemm": ("tritonmoe.kernels.grouped_gemm", "grouped_gemm"),
+    "grouped_ffn": ("tritonmoe.kernels.grouped_gemm", "grouped_ffn"),
+    "moe_ffn": ("tritonmoe.kernels.grouped_gemm", "moe_ffn"),
 }

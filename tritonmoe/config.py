@@ -10,6 +10,9 @@ from typing import Optional
 from . import _validation as V
 from ._settings import BACKENDS
 
+#: Values of MoEConfig.ffn_path.
+FFN_PATHS = ("auto", "fused", "unfused")
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -30,6 +33,10 @@ class MoEConfig:
             DeepSeek-V3); the layer never updates it, the training loop does.
         pipeline_degree: micro-batches for expert-parallel pipelining (1 = none).
         backend: backend of the layer's ops, or None for the process default.
+        ffn_path: how the layer runs its experts: "fused" (:func:`tritonmoe.moe_ffn`, token gather
+            and weighted combine fused into the expert GEMMs), "unfused" (permute ->
+            grouped_ffn -> unpermute) or "auto" (the layer picks per call and records the choice
+            in ``MoELayer.ffn_path_used``; see :meth:`MoELayer.choose_ffn_path`).
     """
 
     d_model: int
@@ -47,6 +54,7 @@ class MoEConfig:
     expert_bias: bool = False
     pipeline_degree: int = 1
     backend: Optional[str] = None
+    ffn_path: str = "auto"
 
     def __post_init__(self) -> None:
         V.positive_int("d_model", self.d_model)
@@ -73,6 +81,7 @@ class MoEConfig:
         V.positive_int("pipeline_degree", self.pipeline_degree)
         if self.backend is not None:
             V.choice("backend", self.backend, BACKENDS)
+        V.choice("ffn_path", self.ffn_path, FFN_PATHS)
 
     @property
     def n1(self) -> int:

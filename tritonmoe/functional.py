@@ -21,6 +21,7 @@ __all__ = [
     "unpermute",
     "grouped_gemm",
     "grouped_ffn",
+    "moe_ffn",
 ]
 
 
@@ -188,3 +189,76 @@ def grouped_ffn(
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
     impl = select_impl("grouped_ffn", backend, x.device)
     return impl(x, expert_offsets, w1, w2, activation)
+
+
+def moe_ffn(
+    x: torch.Tensor,
+    routing: Routing,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str = "swiglu",
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The expert path of a MoE layer in one op: permute -> grouped_ffn -> unpermute.
+
+    ``out[t] = sum over routed j of topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])`` with the
+    per-expert FFN of :func:`grouped_ffn` (fp32 accumulation; the activation's output and each
+    expert output rounded once to x's dtype; the k-way weighted sum in fp32). The Triton backend
+    fuses the token gather into the first GEMM and the weighted combine after the second, so no
+    expert-ordered copy of x or of the expert outputs is made; gradients flow to x, w1, w2 and
+    ``routing.topk_weights``.
+
+    Args:
+        x: [T, d] tokens.
+        routing: the :class:`Routing` of these tokens over E experts (ids -1 are skipped).
+        w1: [E, d, 2f] for swiglu (gate then up), [E, d, f] for gelu / relu.
+        w2: [E, f, d].
+        activation: "swiglu", "gelu" (exact erf) or "relu".
+    """
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a tritonmoe.Routing, got {type(routing).__name__}")
+    V.float_tensor("x", x, 2)
+    V.int_tensor("routing.topk_ids", routing.topk_ids, 2)
+    V.float_tensor("routing.topk_weights", routing.topk_weights, 2)
+    T = x.shape[0]
+    if routing.topk_ids.shape[0] != T:
+        raise ValueError(
+            f"routing is for {routing.topk_ids.shape[0]} tokens but x has {T}; route these tokens first"
+        )
+    if tuple(routing.topk_weights.shape) != tuple(routing.topk_ids.shape):
+        raise ValueError(
+            f"routing.topk_weights has shape {tuple(routing.topk_weights.shape)} but routing.topk_ids has "
+            f"{tuple(routing.topk_ids.shape)}; they must match ([T, k])"
+        )
+    E = routing.num_experts
+    V.float_tensor("w1", w1, 3)
+    if w1.shape[0] != E:
+        raise ValueError(
+            f"w1 holds {w1.shape[0]} experts but the routing is over num_experts={E}; pass the weights "
+            "of all routed experts"
+        )
+    V.choice("activation", activation, V.ACTIVATIONS)
+    if x.shape[1] != w1.shape[1]:
+        raise ValueError(f"x has d={x.shape[1]} but w1 is {tuple(w1.shape)}; w1 must be [E, {x.shape[1]}, n1]")
+    if x.dtype != w1.dtype:
+        raise TypeError(f"x is {x.dtype} but w1 is {w1.dtype}; cast them to one dtype")
+    V.float_tensor("w2", w2, 3)
+    if w2.shape[0] != E:
+        raise ValueError(f"w1 holds {w1.shape[0]} experts but w2 holds {w2.shape[0]}; they must match")
+    f = w2.shape[1]
+    n1 = 2 * f if activation == "swiglu" else f
+    if w1.shape[2] != n1:
+        raise ValueError(
+            f"w1 is {tuple(w1.shape)} but w2 is {tuple(w2.shape)} (d_ffn={f}); with activation={activation!r} "
+            f"w1 needs {n1} output columns" + (" (gate then up)" if activation == "swiglu" else "")
+        )
+    if w2.shape[2] != x.shape[1]:
+        raise ValueError(f"w2 is {tuple(w2.shape)} but x has d={x.shape[1]}; w2 must be [E, d_ffn, {x.shape[1]}]")
+    if w2.dtype != x.dtype:
+        raise TypeError(f"x is {x.dtype} but w2 is {w2.dtype}; cast them to one dtype")
+    V.same_device(x=x, topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, w1=w1, w2=w2)
+    if validation_enabled():
+        V.ids_values(routing.topk_ids, E)
+    impl = select_impl("moe_ffn", backend, x.device)
+    return impl(x, routing, w1, w2, activation)

@@ -23,7 +23,8 @@ class MoELayer(nn.Module):
     expert initialized like an nn.Linear. With ``config.expert_bias`` a buffer ``expert_bias``
     (fp32 [E], zeros) biases selection only.
 
-    After each forward, ``aux_loss`` holds ``aux_loss_coef * load_balancing_loss +
+    After each forward, ``ffn_path_used`` says which expert path ran (``config.ffn_path``), and
+    ``aux_loss`` holds ``aux_loss_coef * load_balancing_loss +
     z_loss_coef * z_loss`` (a zero tensor when both coefficients are 0) and ``last_routing`` the
     :class:`Routing` of that batch.
 
@@ -66,6 +67,8 @@ class MoELayer(nn.Module):
             self.expert_bias = None
         self.aux_loss: torch.Tensor = torch.zeros((), device=device)
         self.last_routing: Routing | None = None
+        #: The expert path ("fused" or "unfused") the last forward used (None before the first).
+        self.ffn_path_used: str | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -116,9 +119,30 @@ class MoELayer(nn.Module):
             loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing)
         return loss
 
+    def choose_ffn_path(self, x_TD: torch.Tensor) -> str:
+        """"fused" or "unfused" for this call, from ``config.ffn_path``.
+
+        The "auto" policy is provisional (no GPU measurement behind it yet): "fused" whenever the
+        expert FFN runs on the Triton kernels, since it skips the permuted copy of x and the
+        expert-ordered y (two [T*k, d] round trips through memory and two launches) and its GEMMs
+        are the unfused ones' with gathered row loads; "unfused" on the reference backend, where
+        both paths are the same plain-PyTorch composition. Replace with a per-shape rule once the
+        benchmark harness has measured both paths on a GPU.
+        """
+        c = self.config
+        if c.ffn_path != "auto":
+            return c.ffn_path
+        uses_kernel = self._impl("moe_ffn", x_TD.device) is not reference.moe_ffn
+        return "fused" if uses_kernel else "unfused"
+
     def local_experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Permute, expert FFN and weighted combine, all experts on this device."""
+        """Expert FFN and weighted combine, all experts on this device, on the path chosen by
+        :meth:`choose_ffn_path` (recorded in ``ffn_path_used``)."""
         dev = x_TD.device
+        path = self.choose_ffn_path(x_TD)
+        self.ffn_path_used = path
+        if path == "fused":
+            return self._impl("moe_ffn", dev)(x_TD, routing, self.w1, self.w2, self.config.activation)
         x_perm, info = self._impl("permute", dev)(x_TD, routing.topk_ids, self.config.num_experts)
         y_perm = self._impl("grouped_ffn", dev)(x_perm, info.expert_offsets, self.w1, self.w2, self.config.activation)
         return self._impl("unpermute", dev)(y_perm, info, routing.topk_weights)

@@ -36,6 +36,7 @@ __all__ = [
     "ep_splits",
     "grouped_gemm",
     "grouped_ffn",
+    "moe_ffn",
     "apply_activation",
     "RENORM_EPS",
 ]
@@ -286,3 +287,17 @@ def grouped_ffn(
     h = _grouped_gemm_acc(x_RD, expert_offsets, w1_EDN)
     a = apply_activation(h, activation).to(x_RD.dtype)
     return grouped_gemm(a, expert_offsets, w2_EFD)
+
+
+def moe_ffn(
+    x_TD: torch.Tensor,
+    routing: Routing,
+    w1_EDN: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """The whole expert path of a MoE layer: permute -> grouped_ffn -> unpermute (weighted by
+    ``routing.topk_weights``); [T, d] in x's dtype."""
+    x_perm, info = permute(x_TD, routing.topk_ids, routing.num_experts)
+    y_perm = grouped_ffn(x_perm, info.expert_offsets, w1_EDN, w2_EFD, activation)
+    return unpermute(y_perm, info, routing.topk_weights)

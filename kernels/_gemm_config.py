@@ -1,0 +1,341 @@
+"""Config policy of the grouped-GEMM kernels: tile shapes, warps, stages, autotuning.
+
+This is the one place where launch parameters are chosen. :func:`select` maps a GEMM *kind* and
+its shape to a :class:`TileConfig`; the launchers in :mod:`tritonmoe.kernels.grouped_gemm` never
+pick numbers themselves.
+
+Kinds:
+
+* ``"mm"``          - ``[rows, K] @ w[e] [K, N]``, plain or scaled epilogue (the second FFN GEMM,
+  grad-input GEMMs).
+* ``"mm_act"``      - the first FFN GEMM with GELU or ReLU in the epilogue.
+* ``"swiglu"``      - the first FFN GEMM with SwiGLU: two accumulators (gate and up, ``BN``
+  columns each), so the tile is effectively ``BM x 2*BN``.
+* ``"dact"``        - ``dY @ w2^T`` with the GELU/ReLU backward in the epilogue (reads the
+  pre-activation tile; the fused path also reduces the gate-weight gradient there).
+* ``"dact_swiglu"`` - the same for SwiGLU (two pre-activation tiles in, two gradient tiles out).
+* ``"wgrad"``       - per-expert ``X_e^T @ dY_e`` (weight gradients): output ``[M, N]`` per
+  expert, the reduction runs over the expert's rows.
+
+Policy (:func:`select`), keyed by the device, the dtype, the kind and the average rows per expert
+(``rows / E``, known from shapes, so choosing never synchronizes with the device), then clamped to
+N, K and the rows per expert:
+
+* Triton interpreter (CPU tensors): one small config (16x16x16), so that tests exercise multiple
+  tiles, partial tiles and the K remainder on tiny shapes.
+* sm90 (H100/H200), 16-bit inputs, >= 256 rows per expert (prefill/training): the large point of
+  the Hopper Triton matmul space, 128x256x64 tiles, 8 warps (two warpgroups of wgmma), 3 stages
+  (144 KiB of the 227 KiB shared memory), grouped tile ordering (GROUP_M=8) so that programs
+  running together reuse weight panels and row tiles from L2; 128x128 / 128x64 for the kinds whose
+  epilogues hold more live tiles (see ``_SM90_LARGE``). 64..255 rows: BM=64, 4 stages (8 warps
+  for the kinds with heavy epilogues).
+  Fewer (decode): BM 16/32/64 to cover an expert's few rows, 64x128 weight panels streamed with
+  4 stages. TF32 halves BK; IEEE fp32 (no tensor cores) uses 64-wide N tiles.
+* sm80 and other CUDA GPUs: 128x128x32 tiles (128x64 for the two-accumulator kinds), 8 warps
+  (4 spill with these pointer-based loads and epilogues), 4 stages; 64x64x32 with 2 stages
+  before sm80.
+
+Evidence: every sm90 variant was compiled offline for sm_90a with Triton 3.9 and ptxas (no GPU
+was available): all use wgmma except decode tiles (mma.sync), both operands go through cp.async
+pipelines when N and K are multiples of 16 (Triton then specializes them; otherwise the masked
+weight loads cannot be vectorized and stay synchronous), and none spills in the main loop (the
+SwiGLU forward epilogue spills 32 bytes; the IEEE-fp32 FMA fallback a few bytes). The speed of these choices is NOT measured: re-derive
+them with the benchmark harness on an H200.
+
+Autotuning: on CUDA, unless ``TRITONMOE_AUTOTUNE=0``, a launch autotunes over the *pipeline
+depth* of the chosen config only (num_stages; tile shape, warps and ordering fixed). Pipelining
+does not change the sequence of MMAs that produce an output element, so whichever candidate wins
+the results are the same bits: the kernels stay deterministic run to run. Every kernel here
+writes each output element exactly once (no read-modify-write, no atomics), so trial runs cannot
+accumulate into outputs and no ``reset_to_zero`` is needed. ``TRITONMOE_AUTOTUNE=0`` launches the
+policy's config directly (no benchmarking on a shape's first call).
+
+Tests override the policy with :func:`override`, a context manager scoped with ``contextvars``
+(no module-level state flipped by tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+import torch
+import triton
+
+__all__ = [
+    "KINDS",
+    "PREACT_MODES",
+    "TileConfig",
+    "autotune_enabled",
+    "combine_config",
+    "ffn_preact_mode",
+    "launch",
+    "override",
+    "preact_mode",
+    "rows_hint",
+    "select",
+]
+
+KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of one GEMM: tile ``BM x BN`` (per accumulator), K step ``BK``, grouped
+    ordering width ``GROUP_M`` (in M tiles), warps and software-pipelining stages."""
+
+    BM: int
+    BN: int
+    BK: int
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("BM", "BN", "BK"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name}={v} must be a power of two >= 16 (tl.dot's minimum)")
+        if self.GROUP_M < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"TileConfig {self} needs GROUP_M, num_warps and num_stages >= 1")
+
+
+#: The interpreter's config: small enough that tiny test shapes span several tiles.
+INTERPRETER_CONFIG = TileConfig(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=1, num_stages=1)
+
+_override: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("tritonmoe_gemm_config", default=None)
+
+
+@contextlib.contextmanager
+def override(config: TileConfig | None = None, **per_kind: TileConfig) -> Iterator[None]:
+    """Use ``config`` for every kind (or ``per_kind`` configs, e.g. ``wgrad=TileConfig(...)``)
+    inside the block. Tile sizes are still clamped to the problem like the policy's."""
+    for kind in per_kind:
+        if kind not in KINDS:
+            raise ValueError(f"unknown GEMM kind {kind!r}; use one of {KINDS}")
+    table = {k: config for k in KINDS} if config is not None else {}
+    table.update(per_kind)
+    token = _override.set(table)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def _interpreting(device: torch.device) -> bool:
+    return device.type != "cuda"
+
+
+def autotune_enabled(device: torch.device) -> bool:
+    """Autotune schedule variations on CUDA unless TRITONMOE_AUTOTUNE=0 (never in the interpreter,
+    whose launcher cannot benchmark)."""
+    if _interpreting(device):
+        return False
+    v = os.environ.get("TRITONMOE_AUTOTUNE", "1").strip().lower()
+    if v in ("0", "false", "off", "no"):
+        return False
+    if v in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"TRITONMOE_AUTOTUNE={v!r} is not a boolean; use 1 or 0")
+
+
+def _pow2_at_least(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(1, n)))
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _arch(device: torch.device) -> tuple[int, int] | None:
+    if _interpreting(device):
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# sm90 tiles for 16-bit inputs, by kind and by average rows per expert (>= 256, >= 64, fewer).
+# Chosen so that every variant compiles to wgmma (BM >= 64) with multi-stage cp.async pipelines
+# and no register spills in the main loop (checked offline with ptxas for sm_90a, Triton 3.9,
+# 8 warps): 128x256 for plain epilogues; 128x128 where the epilogue holds more live tiles
+# (GELU: erf; SwiGLU: two accumulators); 128x64 for the SwiGLU backward epilogue, which reads
+# two pre-activation tiles and writes two gradient tiles.
+_SM90_LARGE = {
+    "mm": TileConfig(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "mm_act": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "swiglu": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "dact": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "dact_swiglu": TileConfig(BM=128, BN=64, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "wgrad": TileConfig(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+}
+_SM90_MID = {
+    "mm": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "mm_act": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "swiglu": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "dact": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "dact_swiglu": TileConfig(BM=64, BN=64, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+}
+
+
+def _policy(kind: str, avg_rows: float, dtype: torch.dtype, tf32: bool, arch: tuple[int, int] | None) -> TileConfig:
+    """The policy's config before clamping; ``arch`` is the CUDA capability, None in the
+    interpreter."""
+    if arch is None:
+        return INTERPRETER_CONFIG
+    major = arch[0]
+    if major >= 9:
+        if dtype == torch.float32 and not tf32:  # IEEE fp32: FMA, no tensor cores
+            return TileConfig(BM=128 if avg_rows >= 128 or kind == "wgrad" else 64, BN=64, BK=32,
+                              GROUP_M=8, num_warps=8, num_stages=3)
+        if kind == "wgrad" or avg_rows >= 256:
+            cfg = _SM90_LARGE[kind]
+        elif avg_rows >= 64:
+            cfg = _SM90_MID[kind]
+        else:
+            # Decode-like: an expert holds a few rows and the GEMM streams its weights; BM only
+            # has to cover them (mma.sync below 64 rows), K steps are long.
+            bm = 16 if avg_rows <= 16 else (32 if avg_rows <= 32 else 64)
+            cfg = TileConfig(BM=bm, BN=64, BK=128, GROUP_M=4, num_warps=4, num_stages=4)
+        if dtype == torch.float32:  # TF32: 4-byte operands, halve the K step to keep the smem
+            cfg = replace(cfg, BK=cfg.BK // 2)
+            if kind == "dact" and cfg.BM == 128:  # fp32 pre-activation tiles: 128x128 spills
+                cfg = replace(cfg, BN=64)
+        return cfg
+    if major >= 8:
+        dual = kind in ("swiglu", "dact_swiglu")
+        return TileConfig(BM=128 if avg_rows >= 64 else 64, BN=64 if dual else 128, BK=32,
+                          GROUP_M=8, num_warps=8, num_stages=4 if dtype != torch.float32 else 3)
+    return TileConfig(BM=64, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=2)
+
+
+def select(
+    kind: str,
+    *,
+    rows: int,
+    n: int,
+    k: int,
+    num_experts: int,
+    dtype: torch.dtype,
+    tf32: bool,
+    device: torch.device,
+) -> TileConfig:
+    """The config for one GEMM of ``kind`` (see the module docstring).
+
+    ``rows`` is the row count of the ragged operand (R); ``n`` and ``k`` are the output columns
+    and the reduction depth as the kernel sees them (for ``wgrad``: ``n`` = output columns, ``k``
+    = output rows M). Tile sizes are clamped to the problem (never wider than the next power of
+    two of N, K, or the average rows per expert), so tiny problems do not waste a 128-wide tile.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown GEMM kind {kind!r}; use one of {KINDS}")
+    avg_rows = rows / max(1, num_experts)
+    table = _override.get()
+    cfg = table.get(kind) if table else None
+    if cfg is None:
+        cfg = _policy(kind, avg_rows, dtype, tf32, _arch(device))
+    if kind == "wgrad":
+        # BM tiles the output rows (k here), BN its columns, BK the expert's rows.
+        return replace(cfg, BM=min(cfg.BM, _pow2_at_least(k)), BN=min(cfg.BN, _pow2_at_least(n)),
+                       BK=min(cfg.BK, _pow2_at_least(int(avg_rows))))
+    return replace(cfg, BM=min(cfg.BM, _pow2_at_least(int(avg_rows))), BN=min(cfg.BN, _pow2_at_least(n)),
+                   BK=min(cfg.BK, _pow2_at_least(k)))
+
+
+def rows_hint(rows: int, num_experts: int) -> int:
+    """Autotune key for the row dimension: average rows per expert, rounded up to a power of two
+    (so that a new batch size re-tunes only when its rows-per-expert bucket changes)."""
+    return triton.next_power_of_2(max(1, rows // max(1, num_experts)))
+
+
+def _smem_bytes(cfg: TileConfig, stages: int, elem: int, dual: bool) -> int:
+    b_tiles = 2 if dual else 1
+    return stages * (cfg.BM * cfg.BK + b_tiles * cfg.BK * cfg.BN) * elem
+
+
+#: Shared memory a candidate's operand buffers may take (of 227 KiB on sm90, leaving room for
+#: the epilogue's layout conversions).
+_SMEM_BUDGET = 200 * 1024
+
+
+def _candidates(cfg: TileConfig, elem: int, dual: bool) -> tuple[int, ...]:
+    """num_stages values worth timing for ``cfg``: the policy's own first, then one more and one
+    fewer stage where the operand buffers fit."""
+    out = [cfg.num_stages]
+    for s in (cfg.num_stages + 1, cfg.num_stages - 1):
+        if s >= 2 and _smem_bytes(cfg, s, elem, dual) <= _SMEM_BUDGET:
+            out.append(s)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuner(kernel, key: tuple[str, ...], cfg: TileConfig, elem: int, dual: bool):
+    configs = [triton.Config({}, num_warps=cfg.num_warps, num_stages=s) for s in _candidates(cfg, elem, dual)]
+    return triton.autotune(configs=configs, key=list(key))(kernel)
+
+
+def launch(kernel, grid: tuple[int, ...], cfg: TileConfig, key: tuple[str, ...], device: torch.device,
+           elem_size: int, dual: bool, *args, **kwargs) -> None:
+    """Launch ``kernel[grid](*args, BM=.., BN=.., BK=.., GROUP_M=.., **kwargs)`` with ``cfg``'s
+    warps and stages, or through an autotuner over its pipeline depth (see the module
+    docstring); ``key`` names the kernel arguments the tuning is cached by (the autotuner adds
+    the tensor dtypes)."""
+    tiles = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M)
+    if autotune_enabled(device):
+        _tuner(kernel, key, cfg, elem_size, dual)[grid](*args, **tiles, **kwargs)
+    else:
+        kernel[grid](*args, **tiles, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise combine and the FFN backward's pre-activation policy
+# ---------------------------------------------------------------------------------------------
+
+
+def combine_config(device: torch.device) -> tuple[int, int, int]:
+    """(BT, BD, num_warps) of the fixed-order k-way combine: a memory-bound sweep, 16-byte
+    accesses along d on GPUs; small blocks in the interpreter."""
+    if _interpreting(device):
+        return 16, 32, 1
+    return 4, 512, 4
+
+
+PREACT_MODES = ("save", "recompute")
+_preact: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tritonmoe_ffn_preact", default=None)
+
+
+@contextlib.contextmanager
+def preact_mode(mode: str) -> Iterator[None]:
+    """Inside the block, the FFN forward either saves its pre-activation for backward ("save")
+    or the backward recomputes it with the first GEMM ("recompute")."""
+    if mode not in PREACT_MODES:
+        raise ValueError(f"preact mode {mode!r}; use one of {PREACT_MODES}")
+    token = _preact.set(mode)
+    try:
+        yield
+    finally:
+        _preact.reset(token)
+
+
+def ffn_preact_mode() -> str:
+    """How the FFN backward gets the first GEMM's pre-activation H [rows, n1].
+
+    Default "save": the forward writes H (input dtype) beside the activation it writes anyway, and
+    the backward reads it: that costs one [rows, n1] write and read (about 2 GB of traffic for
+    Mixtral-like T=16384, under 1 ms at H200 bandwidth) and the memory of H until backward, where
+    recomputing costs the first GEMM again (2/3 of the forward FLOPs for SwiGLU, ~10 ms there).
+    "recompute" (``TRITONMOE_FFN_PREACT=recompute`` or :func:`preact_mode`) keeps only the
+    inputs and reruns the first GEMM in backward, for memory-bound training. Both produce
+    bitwise-identical gradients (the recompute uses the forward's kernel and config). This is a
+    reasoned default, not yet a measured one.
+    """
+    mode = _preact.get()
+    if mode is not None:
+        return mode
+    v = os.environ.get("TRITONMOE_FFN_PREACT", "save").strip().lower()
+    if v not in PREACT_MODES:
+        raise ValueError(f"TRITONMOE_FFN_PREACT={v!r}; use one of {PREACT_MODES}")
+    return v
