@@ -49,27 +49,31 @@ class RouteConfig:
     """Launch parameters of the routing kernels.
 
     block_t / num_warps: tokens per program and warps of the forward kernel (and of the capacity
-    keep pass, which must use the same token blocks). bwd_block_t / bwd_num_warps: the same for
-    the backward kernel. scan_block_b / scan_block_e: the tile of the capacity scan (blocks x
-    experts).
+    keep pass, which works on the same token blocks). bwd_block_t / bwd_num_warps: the same for
+    the backward kernel. Capacity scan: scan_block_r x scan_block_e tiles (rows of the [K*NB, E]
+    histograms x experts); scan_split_slots runs one program per slot j (parallel; the forward
+    then also keeps per-slot totals with integer atomics) instead of one program down all slots.
     """
 
     block_t: int
     num_warps: int
     bwd_block_t: int
     bwd_num_warps: int
-    scan_block_b: int = 128
+    scan_block_r: int = 128
     scan_block_e: int = 32
+    scan_split_slots: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("block_t", "bwd_block_t", "scan_block_b", "scan_block_e"):
+        for name in ("block_t", "bwd_block_t", "scan_block_r", "scan_block_e"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1 or v & (v - 1):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
                 raise ValueError(f"RouteConfig.{name}={v!r} must be a power of two >= 1")
         for name in ("num_warps", "bwd_num_warps"):
             v = getattr(self, name)
             if v not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"RouteConfig.{name}={v!r} must be a power of two in [1, 32]")
+        if not isinstance(self.scan_split_slots, bool):
+            raise TypeError(f"RouteConfig.scan_split_slots={self.scan_split_slots!r} must be a bool")
 
 
 _override: contextvars.ContextVar[Optional[RouteConfig]] = contextvars.ContextVar(
@@ -101,7 +105,8 @@ def route_config(lanes: int, interpret: bool = False) -> RouteConfig:
     """
     if interpret:
         bt = max(1, min(16, 4096 // lanes))
-        return RouteConfig(block_t=bt, num_warps=4, bwd_block_t=bt, bwd_num_warps=4)
+        return RouteConfig(block_t=bt, num_warps=4, bwd_block_t=bt, bwd_num_warps=4, scan_block_r=256,
+                           scan_block_e=max(16, min(128, lanes)), scan_split_slots=False)
     bt = max(1, min(64, 2048 // lanes))
     warps = max(4, min(16, bt * lanes // 512))
     return RouteConfig(block_t=bt, num_warps=warps, bwd_block_t=bt, bwd_num_warps=warps)
@@ -154,8 +159,9 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
 
     NB = triton.cdiv(T, cfg.block_t)
     dummy_i32 = counts_E
-    slot_hist = torch.empty(NB, K, E, dtype=torch.int32, device=dev) if has_cap else dummy_i32
-    slot_tot = torch.zeros(K, E, dtype=torch.int32, device=dev) if has_cap else dummy_i32
+    split = cfg.scan_split_slots and K > 1
+    slot_hist = torch.empty(K, NB, E, dtype=torch.int32, device=dev) if has_cap else dummy_i32
+    slot_tot = torch.zeros(K, E, dtype=torch.int32, device=dev) if has_cap and split else dummy_i32
     if prob.with_aux:
         part_BE = torch.empty(NB, E, dtype=torch.float32, device=dev)
         lse_T = torch.empty(T, dtype=torch.float32, device=dev)
@@ -172,6 +178,7 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             part_BE if prob.with_aux else dummy_f32,
             lse_T if prob.with_aux else dummy_f32,
             T,
+            NB,
             logits_TE.stride(0),
             logits_TE.stride(1),
             G=prob.G,
@@ -182,6 +189,7 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             RENORMALIZE=prob.renormalize,
             HAS_BIAS=bias_E is not None,
             HAS_CAPACITY=has_cap,
+            SLOT_TOTALS=has_cap and split,
             WITH_AUX=prob.with_aux,
             BLOCK_T=cfg.block_t,
             BLOCK_G=prob.block_g,
@@ -191,7 +199,8 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
         )
         sel_ids_TK = ids_TK
         if has_cap:
-            _capacity_scan_kernel[(K, triton.cdiv(E, cfg.scan_block_e))](
+            slots_per_prog = 1 if split else K
+            _capacity_scan_kernel[(K // slots_per_prog, triton.cdiv(E, cfg.scan_block_e))](
                 slot_hist,
                 slot_tot,
                 counts_E,
@@ -200,8 +209,10 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
                 prob.capacity,
                 E,
                 K=K,
-                BLOCK_B=cfg.scan_block_b,
+                SLOTS_PER_PROG=slots_per_prog,
+                BLOCK_R=cfg.scan_block_r,
                 BLOCK_E=cfg.scan_block_e,
+                BLOCK_J=min(64, prob.block_k),
                 num_warps=4,
             )
             ids_TK = torch.empty_like(sel_ids_TK)
@@ -211,10 +222,12 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
                 ids_TK,
                 w_TK,
                 T,
+                NB,
                 prob.capacity,
                 E,
                 K=K,
                 BLOCK_T=cfg.block_t,
+                BLOCK_KC=max(1, min(prob.block_k, 8192 // (cfg.block_t * cfg.block_t))),
                 num_warps=cfg.num_warps,
             )
     if prob.with_aux:
