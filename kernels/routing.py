@@ -242,8 +242,7 @@ def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_
     if T == 0:
         return dlogits_TE
     cfg = prob.config
-    f32 = [g for g in (dw_TK, dss_E, dlse_T) if g is not None]
-    dummy = f32[0]
+    dummy = next(g for g in (dw_TK, dss_E, dlse_T) if g is not None)  # for pointers never read
     dw = dw_TK.float() if dw_TK is not None else dummy
     dss = dss_E.float() if dss_E is not None else dummy
     dlse = dlse_T.float() if dlse_T is not None else dummy
