@@ -10,6 +10,7 @@ tritonmoe never imports triton.
 """
 
 KERNEL_OPS: dict[str, tuple[str, str]] = {
+    "route": ("tritonmoe.kernels.routing", "route"),
     "permute": ("tritonmoe.kernels.permute", "permute"),
     "unpermute": ("tritonmoe.kernels.permute", "unpermute"),
     "grouped_gemm": ("tritonmoe.kernels.grouped_gemm", "grouped_gemm"),

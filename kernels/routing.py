@@ -1,0 +1,372 @@
+"""Fused Triton router: ``route`` with the signature and contract of :func:`tritonmoe.reference.route`.
+
+Forward (no host synchronization; launches in stream order):
+
+* dropless: ``_route_fwd_kernel`` (one read of the logits; ids, weights, integer-atomic counts,
+  and with ``with_aux`` per-block score sums + per-token logsumexp), then, with ``with_aux``, a
+  fixed-order sum of the per-block score sums.
+* with ``capacity``: the same kernel also writes per-block, per-slot expert histograms;
+  ``_capacity_scan_kernel`` turns them into exclusive offsets in priority order (slot j, then
+  token t); ``_capacity_keep_kernel`` drops the slots past capacity.
+
+Backward: ``_route_bwd_kernel`` maps d(topk_weights), d(score_sum) and d(logsumexp) to
+d(logits) in one pass (it re-reads the logits instead of saving the [T, E] scores).
+
+Tile and warp choices live in :func:`route_config` (keyed by the padded expert tile); tests
+override them with :func:`config_override`. There is no autotuning, so ``TRITONMOE_AUTOTUNE``
+does not apply here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import triton
+
+from tritonmoe import reference
+from tritonmoe.types import Routing
+
+from ._routing_kernels import (
+    _capacity_keep_kernel,
+    _capacity_scan_kernel,
+    _route_bwd_kernel,
+    _route_fwd_kernel,
+)
+
+__all__ = ["route", "RouteConfig", "route_config", "config_override", "MAX_TILE_LANES"]
+
+#: Largest register tile of expert lanes (next_pow2(n_groups) * next_pow2(E / n_groups)) one
+#: program holds. 8192 keeps a row's int64 keys in registers with 16 warps.
+MAX_TILE_LANES = 8192
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """Launch parameters of the routing kernels.
+
+    block_t / num_warps: tokens per program and warps of the forward kernel (and of the capacity
+    keep pass, which works on the same token blocks). bwd_block_t / bwd_num_warps: the same for
+    the backward kernel. Capacity scan: scan_block_r x scan_block_e tiles (rows of the [K*NB, E]
+    histograms x experts); scan_split_slots runs one program per slot j (parallel; the forward
+    then also keeps per-slot totals with integer atomics) instead of one program down all slots.
+    """
+
+    block_t: int
+    num_warps: int
+    bwd_block_t: int
+    bwd_num_warps: int
+    scan_block_r: int = 128
+    scan_block_e: int = 32
+    scan_split_slots: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_t", "bwd_block_t", "scan_block_r", "scan_block_e"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ValueError(f"RouteConfig.{name}={v!r} must be a power of two >= 1")
+        for name in ("num_warps", "bwd_num_warps"):
+            v = getattr(self, name)
+            if v not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"RouteConfig.{name}={v!r} must be a power of two in [1, 32]")
+        if not isinstance(self.scan_split_slots, bool):
+            raise TypeError(f"RouteConfig.scan_split_slots={self.scan_split_slots!r} must be a bool")
+
+
+_override: contextvars.ContextVar[Optional[RouteConfig]] = contextvars.ContextVar(
+    "tritonmoe_route_config_override", default=None
+)
+
+
+@contextlib.contextmanager
+def config_override(config: RouteConfig) -> Iterator[None]:
+    """Use ``config`` for every route launch in this block (tests use it to force several token
+    blocks, so the capacity scan crosses blocks, on small inputs)."""
+    if not isinstance(config, RouteConfig):
+        raise TypeError(f"config must be a RouteConfig, got {type(config).__name__}")
+    token = _override.set(config)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def route_config(lanes: int, interpret: bool = False) -> RouteConfig:
+    """Launch parameters for a tile of ``lanes`` padded expert lanes per token.
+
+    On the GPU a program holds about 2048 (token, expert) elements with 4 warps (16 per thread,
+    the int64 keys included, stay in registers): E=128 gives 16 tokens per program, so T=4096
+    makes 256 programs, about two per SM of an H100/H200. Wider rows get one token and more
+    warps. In the interpreter programs run one after another and each op is vectorized, so fewer,
+    larger programs are faster.
+    """
+    if interpret:
+        bt = max(1, min(16, 4096 // lanes))
+        return RouteConfig(block_t=bt, num_warps=4, bwd_block_t=bt, bwd_num_warps=4, scan_block_r=256,
+                           scan_block_e=max(16, min(128, lanes)), scan_split_slots=False)
+    bt = max(1, min(64, 2048 // lanes))
+    warps = max(4, min(16, bt * lanes // 512))
+    return RouteConfig(block_t=bt, num_warps=warps, bwd_block_t=bt, bwd_num_warps=warps)
+
+
+def _config(lanes: int, device: torch.device) -> RouteConfig:
+    cfg = _override.get()
+    return cfg if cfg is not None else route_config(lanes, interpret=device.type != "cuda")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Static description of one route call (what the kernels are specialized on)."""
+
+    T: int
+    E: int
+    K: int
+    G: int
+    S: int
+    topk_groups: int
+    softmax: bool
+    renormalize: bool
+    capacity: Optional[int]
+    with_aux: bool
+    block_g: int
+    block_s: int
+    block_k: int
+    config: RouteConfig
+
+
+def _device_ctx(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor]):
+    T, E, K = prob.T, prob.E, prob.K
+    dev = logits_TE.device
+    cfg = prob.config
+    ids_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
+    w_TK = torch.empty(T, K, dtype=torch.float32, device=dev)
+    counts_E = torch.zeros(E, dtype=torch.int32, device=dev)
+    has_cap = prob.capacity is not None
+    selected_E = torch.zeros(E, dtype=torch.int32, device=dev) if has_cap else counts_E
+    score_sum_E = lse_T = None
+    if T == 0:  # nothing to launch; empty outputs of the right shapes
+        if prob.with_aux:
+            score_sum_E = torch.zeros(E, dtype=torch.float32, device=dev)
+            lse_T = torch.empty(0, dtype=torch.float32, device=dev)
+        return ids_TK, w_TK, counts_E, selected_E, score_sum_E, lse_T, ids_TK
+
+    NB = triton.cdiv(T, cfg.block_t)
+    dummy_i32 = counts_E
+    split = cfg.scan_split_slots and K > 1
+    slot_hist = torch.empty(K, NB, E, dtype=torch.int32, device=dev) if has_cap else dummy_i32
+    slot_tot = torch.zeros(K, E, dtype=torch.int32, device=dev) if has_cap and split else dummy_i32
+    if prob.with_aux:
+        part_BE = torch.empty(NB, E, dtype=torch.float32, device=dev)
+        lse_T = torch.empty(T, dtype=torch.float32, device=dev)
+    dummy_f32 = w_TK  # placeholder for pointers a specialization never reads
+    with _device_ctx(logits_TE):
+        _route_fwd_kernel[(NB,)](
+            logits_TE,
+            bias_E if bias_E is not None else dummy_f32,
+            ids_TK,
+            w_TK,
+            counts_E,
+            slot_hist,
+            slot_tot,
+            part_BE if prob.with_aux else dummy_f32,
+            lse_T if prob.with_aux else dummy_f32,
+            T,
+            NB,
+            logits_TE.stride(0),
+            logits_TE.stride(1),
+            G=prob.G,
+            S=prob.S,
+            TOPK_GROUPS=prob.topk_groups,
+            K=K,
+            SOFTMAX=prob.softmax,
+            RENORMALIZE=prob.renormalize,
+            HAS_BIAS=bias_E is not None,
+            HAS_CAPACITY=has_cap,
+            SLOT_TOTALS=has_cap and split,
+            WITH_AUX=prob.with_aux,
+            BLOCK_T=cfg.block_t,
+            BLOCK_G=prob.block_g,
+            BLOCK_S=prob.block_s,
+            BLOCK_K=prob.block_k,
+            num_warps=cfg.num_warps,
+        )
+        sel_ids_TK = ids_TK
+        if has_cap:
+            slots_per_prog = 1 if split else K
+            _capacity_scan_kernel[(K // slots_per_prog, triton.cdiv(E, cfg.scan_block_e))](
+                slot_hist,
+                slot_tot,
+                counts_E,
+                selected_E,
+                NB,
+                prob.capacity,
+                E,
+                K=K,
+                SLOTS_PER_PROG=slots_per_prog,
+                BLOCK_R=cfg.scan_block_r,
+                BLOCK_E=cfg.scan_block_e,
+                BLOCK_J=min(64, prob.block_k),
+                num_warps=4,
+            )
+            ids_TK = torch.empty_like(sel_ids_TK)
+            _capacity_keep_kernel[(NB,)](
+                sel_ids_TK,
+                slot_hist,
+                ids_TK,
+                w_TK,
+                T,
+                NB,
+                prob.capacity,
+                E,
+                K=K,
+                BLOCK_T=cfg.block_t,
+                BLOCK_KC=max(1, min(prob.block_k, 8192 // (cfg.block_t * cfg.block_t))),
+                num_warps=cfg.num_warps,
+            )
+    if prob.with_aux:
+        # fixed-order reduction of the per-block partial sums (deterministic; no float atomics)
+        score_sum_E = part_BE.sum(dim=0)
+    return ids_TK, w_TK, counts_E, selected_E, score_sum_E, lse_T, sel_ids_TK
+
+
+def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_T) -> torch.Tensor:
+    T = prob.T
+    dlogits_TE = torch.empty(T, prob.E, dtype=logits_TE.dtype, device=logits_TE.device)
+    if T == 0:
+        return dlogits_TE
+    cfg = prob.config
+    dummy = next(g for g in (dw_TK, dss_E, dlse_T) if g is not None)  # for pointers never read
+    dw = dw_TK.float() if dw_TK is not None else dummy
+    dss = dss_E.float() if dss_E is not None else dummy
+    dlse = dlse_T.float() if dlse_T is not None else dummy
+    with _device_ctx(logits_TE):
+        _route_bwd_kernel[(triton.cdiv(T, cfg.bwd_block_t),)](
+            logits_TE,
+            sel_ids_TK,
+            ids_TK,
+            dw,
+            dss,
+            dlse,
+            dlogits_TE,
+            T,
+            logits_TE.stride(0),
+            logits_TE.stride(1),
+            dw.stride(0) if dw_TK is not None else 0,
+            dw.stride(1) if dw_TK is not None else 0,
+            dss.stride(0) if dss_E is not None else 0,
+            dlse.stride(0) if dlse_T is not None else 0,
+            G=prob.G,
+            S=prob.S,
+            K=prob.K,
+            SOFTMAX=prob.softmax,
+            RENORMALIZE=prob.renormalize,
+            HAS_CAPACITY=prob.capacity is not None,
+            HAS_DW=dw_TK is not None,
+            HAS_DSS=dss_E is not None,
+            HAS_DLSE=dlse_T is not None,
+            BLOCK_T=cfg.bwd_block_t,
+            BLOCK_G=prob.block_g,
+            BLOCK_S=prob.block_s,
+            BLOCK_K=prob.block_k,
+            num_warps=cfg.bwd_num_warps,
+        )
+    return dlogits_TE
+
+
+class _RouteFn(torch.autograd.Function):
+    """Autograd wrapper: outputs (ids, weights, counts, selected_counts, score_sum, logsumexp);
+    weights, score_sum and logsumexp are differentiable w.r.t. the logits."""
+
+    @staticmethod
+    def forward(ctx, logits_TE, bias_E, prob: _Problem):
+        ids, w, counts, selected, score_sum, lse, sel_ids = _forward(prob, logits_TE, bias_E)
+        ctx.prob = prob
+        ctx.save_for_backward(logits_TE, sel_ids, ids)
+        ctx.mark_non_differentiable(ids, counts, selected)
+        ctx.set_materialize_grads(False)
+        return ids, w, counts, selected, score_sum, lse
+
+    @staticmethod
+    def backward(ctx, _d_ids, dw_TK, _d_counts, _d_selected, dss_E, dlse_T):
+        logits_TE, sel_ids, ids = ctx.saved_tensors
+        if dw_TK is None and dss_E is None and dlse_T is None:
+            return None, None, None
+        dlogits = _backward(ctx.prob, logits_TE, sel_ids, ids, dw_TK, dss_E, dlse_T)
+        return dlogits, None, None
+
+
+def route(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    score_func: str = "softmax",
+    renormalize: bool = True,
+    expert_bias: torch.Tensor | None = None,
+    n_groups: int | None = None,
+    topk_groups: int | None = None,
+    capacity: int | None = None,
+    with_aux: bool = False,
+) -> Routing:
+    """Top-k routing with the fused Triton kernels; the contract of :func:`tritonmoe.route`
+    (arguments already validated there).
+
+    fp64 logits are routed by :func:`tritonmoe.reference.route`: the kernels compute in fp32,
+    which would not meet the fp64 contract (fp64 scores, weights and aux tensors).
+    """
+    if logits_TE.dtype == torch.float64:
+        return reference.route(
+            logits_TE,
+            top_k,
+            score_func=score_func,
+            renormalize=renormalize,
+            expert_bias=expert_bias,
+            n_groups=n_groups,
+            topk_groups=topk_groups,
+            capacity=capacity,
+            with_aux=with_aux,
+        )
+    T, E = logits_TE.shape
+    G = n_groups if n_groups is not None and n_groups > 1 else 1
+    S = E // G
+    block_g = triton.next_power_of_2(G)
+    block_s = triton.next_power_of_2(S)
+    lanes = block_g * block_s
+    if lanes > MAX_TILE_LANES:
+        raise ValueError(
+            f"num_experts={E} (n_groups={n_groups}) needs a tile of {lanes} expert lanes, above the "
+            f"Triton router's limit of {MAX_TILE_LANES}; use backend='torch' for this router"
+        )
+    prob = _Problem(
+        T=T,
+        E=E,
+        K=top_k,
+        G=G,
+        S=S,
+        topk_groups=topk_groups if G > 1 else 1,
+        softmax=score_func == "softmax",
+        renormalize=renormalize,
+        capacity=capacity,
+        with_aux=with_aux,
+        block_g=block_g,
+        block_s=block_s,
+        block_k=triton.next_power_of_2(top_k),
+        config=_config(lanes, logits_TE.device),
+    )
+    bias_E = expert_bias.detach().float().contiguous() if expert_bias is not None else None
+    ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob)
+    return Routing(
+        topk_ids=ids,
+        topk_weights=w,
+        counts=counts,
+        selected_counts=selected,
+        score_func=score_func,
+        score_sum=score_sum,
+        logsumexp=lse,
+    )
