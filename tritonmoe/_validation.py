@@ -219,12 +219,22 @@ def gemm_args(x, expert_offsets, w, *, x_name="x", w_name="w") -> None:
     same_device(**{x_name: x, "expert_offsets": expert_offsets, w_name: w})
 
 
-def ffn_args(x, expert_offsets, w1, w2, activation) -> None:
+def expert_weights_args(x, w1, w2, activation, num_experts: int, experts_from: str) -> None:
+    """w1 [E, d, n1] and w2 [E, f, d] of E = num_experts experts for tokens x [*, d]."""
     choice("activation", activation, ACTIVATIONS)
-    gemm_args(x, expert_offsets, w1, w_name="w1")
+    float_tensor("w1", w1, 3)
     float_tensor("w2", w2, 3)
+    if w1.shape[0] != num_experts:
+        raise ValueError(
+            f"w1 holds {w1.shape[0]} experts but {experts_from}={num_experts}; pass the weights of all {num_experts}"
+        )
     if w2.shape[0] != w1.shape[0]:
         raise ValueError(f"w1 holds {w1.shape[0]} experts but w2 holds {w2.shape[0]}; they must match")
+    if x.shape[1] != w1.shape[1]:
+        raise ValueError(
+            f"x has d={x.shape[1]} columns but w1 is {tuple(w1.shape)} (K={w1.shape[1]}); "
+            f"the inner dimensions must match (w1 must be [E, {x.shape[1]}, n1])"
+        )
     f = w2.shape[1]
     n1 = 2 * f if activation == "swiglu" else f
     if w1.shape[2] != n1:
@@ -234,6 +244,15 @@ def ffn_args(x, expert_offsets, w1, w2, activation) -> None:
         )
     if w2.shape[2] != x.shape[1]:
         raise ValueError(f"w2 is {tuple(w2.shape)} but x has d={x.shape[1]}; w2 must be [E, d_ffn, {x.shape[1]}]")
-    if w2.dtype != x.dtype:
-        raise TypeError(f"x is {x.dtype} but w2 is {w2.dtype}; cast them to one dtype")
-    same_device(x=x, w2=w2)
+    for name, w in (("w1", w1), ("w2", w2)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"x is {x.dtype} but {name} is {w.dtype}; cast them to one dtype")
+    same_device(x=x, w1=w1, w2=w2)
+
+
+def ffn_args(x, expert_offsets, w1, w2, activation) -> None:
+    float_tensor("x", x, 2)
+    float_tensor("w1", w1, 3)
+    offsets_args("expert_offsets", expert_offsets, w1.shape[0])
+    expert_weights_args(x, w1, w2, activation, expert_offsets.shape[0] - 1, "expert_offsets' E")
+    same_device(x=x, expert_offsets=expert_offsets)

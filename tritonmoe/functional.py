@@ -232,32 +232,8 @@ def moe_ffn(
             f"{tuple(routing.topk_ids.shape)}; they must match ([T, k])"
         )
     E = routing.num_experts
-    V.float_tensor("w1", w1, 3)
-    if w1.shape[0] != E:
-        raise ValueError(
-            f"w1 holds {w1.shape[0]} experts but the routing is over num_experts={E}; pass the weights "
-            "of all routed experts"
-        )
-    V.choice("activation", activation, V.ACTIVATIONS)
-    if x.shape[1] != w1.shape[1]:
-        raise ValueError(f"x has d={x.shape[1]} but w1 is {tuple(w1.shape)}; w1 must be [E, {x.shape[1]}, n1]")
-    if x.dtype != w1.dtype:
-        raise TypeError(f"x is {x.dtype} but w1 is {w1.dtype}; cast them to one dtype")
-    V.float_tensor("w2", w2, 3)
-    if w2.shape[0] != E:
-        raise ValueError(f"w1 holds {w1.shape[0]} experts but w2 holds {w2.shape[0]}; they must match")
-    f = w2.shape[1]
-    n1 = 2 * f if activation == "swiglu" else f
-    if w1.shape[2] != n1:
-        raise ValueError(
-            f"w1 is {tuple(w1.shape)} but w2 is {tuple(w2.shape)} (d_ffn={f}); with activation={activation!r} "
-            f"w1 needs {n1} output columns" + (" (gate then up)" if activation == "swiglu" else "")
-        )
-    if w2.shape[2] != x.shape[1]:
-        raise ValueError(f"w2 is {tuple(w2.shape)} but x has d={x.shape[1]}; w2 must be [E, d_ffn, {x.shape[1]}]")
-    if w2.dtype != x.dtype:
-        raise TypeError(f"x is {x.dtype} but w2 is {w2.dtype}; cast them to one dtype")
-    V.same_device(x=x, topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, w1=w1, w2=w2)
+    V.expert_weights_args(x, w1, w2, activation, E, "the routing's num_experts")
+    V.same_device(x=x, topk_ids=routing.topk_ids, topk_weights=routing.topk_weights)
     if validation_enabled():
         V.ids_values(routing.topk_ids, E)
     impl = select_impl("moe_ffn", backend, x.device)
