@@ -9,4 +9,6 @@ selection in :mod:`tritonmoe._settings` imports a launcher only when it is used,
 tritonmoe never imports triton.
 """
 
-KERNEL_OPS: dict[str, tuple[str, str]] = {}
+KERNEL_OPS: dict[str, tuple[str, str]] = {
+    "copy_segments": ("tritonmoe.kernels.partition", "copy_segments"),
+}
