@@ -66,6 +66,8 @@ class _Pending:
 
     out: torch.Tensor
     work: object
+    kind: str
+    micro_op: int
     done: Optional["torch.cuda.Event"] = None
 
 
@@ -88,7 +90,7 @@ class _Executor:
             out, work = all_to_all_raw(x, send, recv, self.group, async_op=True)
             if rec is not None:
                 tl.stop_when_done(rec, work.get_future())
-            return _Pending(out, work)
+            return _Pending(out, work, kind, i)
         ready = torch.cuda.Event()
         ready.record(self.compute_stream)
         with torch.cuda.stream(self.comm_stream):
@@ -101,11 +103,16 @@ class _Executor:
             done = torch.cuda.Event()
             done.record(self.comm_stream)
         x.record_stream(self.comm_stream)  # produced on the compute stream, read on the comm stream
-        return _Pending(out, work, done)
+        return _Pending(out, work, kind, i, done)
 
     def finish(self, p: _Pending) -> torch.Tensor:
         if not self.cuda:
-            p.work.wait()
+            try:
+                p.work.wait()
+            except RuntimeError as e:  # a peer died or timed out: say which step of which pass
+                raise RuntimeError(
+                    f"expert-parallel {p.kind} of micro-op {p.micro_op} ({self.phase}) failed: {e}"
+                ) from e
             return p.out
         self.compute_stream.wait_event(p.done)
         p.out.record_stream(self.compute_stream)  # allocated on the comm stream
