@@ -21,6 +21,7 @@ from .pipeline import ExpertFn, run_pipelined
 from .splits import (
     DispatchPlan,
     SplitMismatchError,
+    check_agreement,
     check_splits,
     exchange_counts,
     exchange_splits,
@@ -35,6 +36,7 @@ __all__ = [
     "SplitMismatchError",
     "Timeline",
     "all_to_all",
+    "check_agreement",
     "check_splits",
     "chunk_transpose_segments",
     "copy_segments",

@@ -28,6 +28,7 @@ __all__ = [
     "SplitMismatchError",
     "DispatchPlan",
     "check_splits",
+    "check_agreement",
     "exchange_splits",
     "exchange_counts",
     "group_rank_size",
@@ -194,6 +195,24 @@ def exchange_splits(input_split_sizes: Sequence[int], *, group=None, input_rows:
             bad,
         )
     return [table[s][1 + rank] for s in range(P)]
+
+
+def check_agreement(values: dict[str, int], *, group=None, what: str = "settings") -> None:
+    """Check that every rank passes the same integer ``values``; raise the same ValueError on
+    every rank otherwise, naming each differing setting and the ranks' values. Collective (one
+    small all-to-all and a host sync): use it once at construction, e.g. for the settings that
+    fix the sizes of later collectives (a disagreement there would abort gloo)."""
+    _, P = group_rank_size(group)
+    names = list(values)
+    vec = torch.tensor([int(values[k]) for k in names], dtype=torch.int64, device=comm_device(group))
+    table = _exchange_rows(vec, group).tolist()  # host sync: the verdict is a host decision
+    diffs = [
+        f"{name}: " + ", ".join(f"rank {r}={table[r][j]}" for r in range(P))
+        for j, name in enumerate(names)
+        if len({table[r][j] for r in range(P)}) > 1
+    ]
+    if diffs:
+        raise ValueError(f"the ranks of the group disagree on {what}: " + "; ".join(diffs) + "; use the same on every rank")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,6 +138,8 @@ class Timeline:
             if not rec.done.wait(_CALLBACK_WAIT_S):
                 continue  # never closed (the step raised); not a span
             if isinstance(rec.start, torch.cuda.Event):
+                self._cuda_base.synchronize()
+                rec.start.synchronize()
                 rec.end.synchronize()
                 start = self._cuda_base.elapsed_time(rec.start) * 1e-3
                 end = self._cuda_base.elapsed_time(rec.end) * 1e-3

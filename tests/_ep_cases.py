@@ -203,4 +203,9 @@ def layer_errors(rank: int, P: int) -> list[str]:
         tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 2 * P + 1, 1), ep_group=dist.group.WORLD)
     except ValueError as e:
         msgs.append(str(e))
+    try:  # rank 1 uses another pipeline degree: the same error on every rank, at construction
+        n = 3 if rank == 1 else 2
+        tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, 1, pipeline_degree=n), ep_group=dist.group.WORLD)
+    except ValueError as e:
+        msgs.append(str(e))
     return msgs

@@ -23,9 +23,13 @@ def test_ep_layer_matches_single_process(world_size):
     failures = [f"rank {r}: {f}" for r, v in enumerate(values) for f in v["failures"]]
     assert not failures, "\n".join(failures[:20])
     assert all(v["num_cases"] == 24 for v in values)
-    # E not divisible by P is rejected at construction on every rank, naming both numbers.
+    # E not divisible by P, and ranks that disagree on the pipeline degree, are rejected at
+    # construction with the same message on every rank.
     for v in values:
-        assert len(v["errors"]) == 1 and f"num_experts={2 * world_size + 1}" in v["errors"][0]
+        assert len(v["errors"]) == 2, v["errors"]
+        assert f"num_experts={2 * world_size + 1}" in v["errors"][0]
+        assert "pipeline_degree: rank 0=2, rank 1=3" in v["errors"][1]
+    assert len({v["errors"][1] for v in values}) == 1
 
 
 def test_peer_exit_mid_forward_raises_on_survivors():
@@ -56,3 +60,24 @@ def test_pipeline_degree_needs_ep_group():
 )
 def test_micro_batch_bounds(T, n, want):
     assert _micro_batch_bounds(T, n) == want
+
+
+def test_bench_run_ep_contract():
+    """bench.ep.run_ep (driven by the harness) returns one dict per (world size, degree) with the
+    agreed keys; a tiny shape, 2 ranks."""
+    from bench.ep import run_ep
+
+    results = run_ep(
+        world_sizes=(2,), degrees=(1, 2), tokens=16, d_model=8, d_ffn=8, num_experts=4, top_k=2, reps=2, warmup=1
+    )
+    assert [r["name"] for r in results] == ["ep/P2/n1", "ep/P2/n2"]
+    keys = {
+        "name", "world_size", "pipeline_degree", "tokens_per_rank", "d_model", "d_ffn", "num_experts", "top_k",
+        "dtype", "layer_fwd_bwd_s", "dispatch_s", "combine_s", "dispatch_bytes", "algbw_GBps", "busbw_GBps",
+        "pipeline_efficiency", "partition_overhead_frac",
+    }
+    for r in results:
+        assert keys <= set(r)
+        assert len(r["layer_fwd_bwd_s"]) == 2 and all(t > 0 for t in r["layer_fwd_bwd_s"])
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] / 2)
+        assert r["dispatch_bytes"] > 0

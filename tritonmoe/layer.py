@@ -64,7 +64,7 @@ class MoELayer(nn.Module):
         self.dispatcher = None
         self.timeline = None
         if ep_group is not None:
-            self._init_expert_parallel(ep_group)
+            self._init_expert_parallel(ep_group, dtype if dtype is not None else torch.get_default_dtype())
         elif config.pipeline_degree != 1:
             raise ValueError(
                 f"pipeline_degree={config.pipeline_degree} overlaps expert-parallel communication with "
@@ -141,11 +141,21 @@ class MoELayer(nn.Module):
 
     # -- expert parallelism (the communication steps live in tritonmoe.comm) -------------------
 
-    def _init_expert_parallel(self, ep_group) -> None:
+    def _init_expert_parallel(self, ep_group, dtype) -> None:
         """Own the experts [r*E/P, (r+1)*E/P) of this rank r of the group (P ranks)."""
-        from .comm import AllToAllDispatcher
+        from .comm import AllToAllDispatcher, check_agreement
 
-        self.dispatcher = AllToAllDispatcher(self.config.num_experts, ep_group, backend=self.config.backend)
+        c = self.config
+        # The sizes of every later collective follow from these; a rank that disagrees would
+        # make gloo abort mid-forward, so compare them once here (one small collective), before
+        # any check that could fail on some ranks only.
+        dtype_code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+        check_agreement(
+            dict(num_experts=c.num_experts, d_model=c.d_model, pipeline_degree=c.pipeline_degree, dtype=dtype_code),
+            group=ep_group,
+            what="the expert-parallel MoEConfig",
+        )
+        self.dispatcher = AllToAllDispatcher(c.num_experts, ep_group, backend=c.backend)
         self.num_local_experts = self.dispatcher.num_local_experts
         self.expert_start = self.dispatcher.local_expert_start
 
@@ -203,6 +213,10 @@ class MoELayer(nn.Module):
         else:
             out_TD = self.expert_parallel(x_TD, routing)
         return out_TD.view(x.shape)
+
+
+#: dtypes as small ints for the cross-rank agreement check.
+_DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
 def _micro_batch_bounds(num_tokens: int, n: int) -> list[tuple[int, int]]:
