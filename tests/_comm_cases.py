@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from tritonmoe import reference
 from tritonmoe.comm import (
@@ -260,6 +261,29 @@ def pipeline_checks(rank: int, P: int, failures: list[str]) -> dict:
     return effs
 
 
+def subgroup_checks(rank: int, P: int, failures: list[str]) -> None:
+    """A process group that is not the world: ranks {0, P-1}; group ranks, not global ranks,
+    index the splits and the expert ownership."""
+    members = [0, P - 1]
+    sub = dist.new_group(members)  # collective over the world: every rank calls it
+    if rank not in members:
+        return
+    me = members.index(rank)
+    send = [1, 2] if me == 0 else [3, 0]
+    x = _rows(rank, sum(send))
+    out = all_to_all(x, send, group=sub)  # output splits derived inside the sub-group
+    want_rows = [1, 3] if me == 0 else [2, 0]
+    _check(failures, "sub-group all_to_all rows", out.shape[0] == sum(want_rows))
+    disp = AllToAllDispatcher(4, sub)
+    _check(failures, "sub-group expert ownership", disp.local_expert_start == 2 * me)
+    xr, routing = _routed(rank, P, 6, 2, seed=700)
+    xr = xr[:, :4]
+    x_perm, info = reference.permute(xr, routing.topk_ids % 4, 4)
+    plan = disp.exchange_counts(info.counts)
+    back = disp.combine(disp.to_source_major(disp.to_expert_major(disp.dispatch(x_perm, plan), plan), plan), plan)
+    _check(failures, "sub-group round trip", torch.equal(back, x_perm))
+
+
 def comm_table(rank: int, P: int) -> dict:
     failures: list[str] = []
     all_to_all_checks(rank, P, failures)
@@ -268,4 +292,5 @@ def comm_table(rank: int, P: int) -> dict:
     round_trip_checks(rank, P, failures, backend="torch")
     round_trip_checks(rank, P, failures, backend="triton")  # copy_segments in Triton's interpreter
     effs = pipeline_checks(rank, P, failures)
+    subgroup_checks(rank, P, failures)
     return {"failures": failures, "mismatch": scenarios, "plan": plan, "efficiency": effs}
