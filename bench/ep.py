@@ -70,24 +70,28 @@ def _free_port() -> int:
 
 
 def _measure_rank(rank: int, P: int, spec: dict, device: torch.device, progress) -> list[dict]:
-    """This rank's per-rep measurements for every pipeline degree (collective: all ranks)."""
+    """This rank's per-rep measurements for every pipeline degree (collective: all ranks).
+
+    The degrees are measured round-robin inside each rep (rep 0 of every degree, then rep 1,
+    ...), so a machine whose load drifts during the run biases no degree against another."""
     import tritonmoe as tm
     from tritonmoe.comm import Timeline
 
     dtype = _DTYPES[spec["dtype"]]
-    out = []
+    g = torch.Generator(device="cpu").manual_seed(1 + rank)
+    x = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(device=device, dtype=dtype)
+    x.requires_grad_()
+    dy = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(device=device, dtype=dtype)
+    layers = {}
     for n in spec["degrees"]:
         cfg = tm.MoEConfig(spec["d_model"], spec["d_ffn"], spec["num_experts"], spec["top_k"], pipeline_degree=n)
-        torch.manual_seed(0)  # the replicated router must match on every rank
-        layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, device=device, dtype=dtype)
-        g = torch.Generator(device="cpu").manual_seed(1 + rank)
-        x = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(device=device, dtype=dtype)
-        x.requires_grad_()
-        dy = torch.randn(spec["tokens"], spec["d_model"], generator=g).to(device=device, dtype=dtype)
-        tl = Timeline()
-        layer.timeline = tl
-        reps = []
-        for it in range(spec["warmup"] + spec["reps"]):
+        torch.manual_seed(0)  # the replicated router must match on every rank (and across degrees)
+        layers[n] = tm.MoELayer(cfg, ep_group=dist.group.WORLD, device=device, dtype=dtype)
+        layers[n].timeline = Timeline()
+    reps: dict[int, list[dict]] = {n: [] for n in spec["degrees"]}
+    for it in range(spec["warmup"] + spec["reps"]):
+        for n, layer in layers.items():
+            tl = layer.timeline
             x.grad = None
             layer.zero_grad(set_to_none=True)
             tl.clear()
@@ -102,7 +106,7 @@ def _measure_rank(rank: int, P: int, spec: dict, device: torch.device, progress)
             if it < spec["warmup"]:
                 continue
             rows = int(layer.last_routing.counts.sum())  # kept slots = rows dispatched
-            reps.append(
+            reps[n].append(
                 {
                     "layer_s": elapsed,
                     "dispatch_s": tl.total("dispatch", "fwd"),
@@ -113,8 +117,7 @@ def _measure_rank(rank: int, P: int, spec: dict, device: torch.device, progress)
                 }
             )
             progress()
-        out.append({"pipeline_degree": n, "reps": reps})
-    return out
+    return [{"pipeline_degree": n, "reps": reps[n]} for n in spec["degrees"]]
 
 
 def _aggregate(per_rank: list[list[dict]], spec: dict, P: int, backend: str) -> list[dict]:
