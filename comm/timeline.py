@@ -64,6 +64,7 @@ class _Open:
     start: object = None
     end: object = None
     done: threading.Event = field(default_factory=threading.Event)
+    awaits_callback: bool = False  # closed by a communication future's callback
 
 
 class Timeline:
@@ -118,6 +119,7 @@ class Timeline:
             rec.end = time.perf_counter()
             rec.done.set()
 
+        rec.awaits_callback = True
         future.add_done_callback(_done)
 
     # -- reading ------------------------------------------------------------------------------
@@ -135,7 +137,7 @@ class Timeline:
         for rec in recs:
             if phase is not None and rec.phase != phase:
                 continue
-            if not rec.done.wait(_CALLBACK_WAIT_S):
+            if not rec.done.wait(_CALLBACK_WAIT_S if rec.awaits_callback else 0.0):
                 continue  # never closed (the step raised); not a span
             if isinstance(rec.start, torch.cuda.Event):
                 self._cuda_base.synchronize()
