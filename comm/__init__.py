@@ -1,2 +1,47 @@
 """Communication building blocks for expert parallelism on torch.distributed (installed as
-``tritonmoe.comm``). This package never imports the layer."""
+``tritonmoe.comm``). NCCL on CUDA tensors, gloo on CPU tensors; no custom extension. This
+package never imports the layer.
+
+* :func:`all_to_all` - differentiable all-to-all with uneven splits (backward: the reverse one).
+* :func:`exchange_counts` / :class:`DispatchPlan` - one small all-to-all of per-expert counts
+  from which every split derives; :func:`check_splits` / :class:`SplitMismatchError` - caller
+  splits compared across the group, the same error on every rank.
+* :class:`AllToAllDispatcher` - the expert-parallel communication steps (counts exchange,
+  dispatch, combine) apart from the layer's local work; :func:`run_pipelined` - micro-op
+  pipelining of dispatch / expert compute / combine, forward and backward.
+* :func:`copy_segments` / :func:`transpose_chunks` - the partition/concat op (a Triton kernel on
+  CUDA) that re-lays-out all-to-all buffers.
+* :class:`Timeline` - per-micro-op spans and the pipelining efficiency.
+"""
+
+from .all_to_all import all_to_all
+from .dispatcher import AllToAllDispatcher
+from .partition import chunk_transpose_segments, copy_segments, transpose_chunks
+from .pipeline import ExpertFn, run_pipelined
+from .splits import (
+    DispatchPlan,
+    SplitMismatchError,
+    check_agreement,
+    check_splits,
+    exchange_counts,
+    exchange_splits,
+)
+from .timeline import Span, Timeline
+
+__all__ = [
+    "AllToAllDispatcher",
+    "DispatchPlan",
+    "ExpertFn",
+    "Span",
+    "SplitMismatchError",
+    "Timeline",
+    "all_to_all",
+    "check_agreement",
+    "check_splits",
+    "chunk_transpose_segments",
+    "copy_segments",
+    "exchange_counts",
+    "exchange_splits",
+    "run_pipelined",
+    "transpose_chunks",
+]

@@ -16,4 +16,5 @@ KERNEL_OPS: dict[str, tuple[str, str]] = {
     "grouped_gemm": ("tritonmoe.kernels.grouped_gemm", "grouped_gemm"),
     "grouped_ffn": ("tritonmoe.kernels.grouped_gemm", "grouped_ffn"),
     "moe_ffn": ("tritonmoe.kernels.grouped_gemm", "moe_ffn"),
+    "copy_segments": ("tritonmoe.kernels.partition", "copy_segments"),
 }

@@ -30,6 +30,21 @@ class MoELayer(nn.Module):
 
     The layer produces its own routing metadata, so its internal op calls skip the value checks
     of the public functional API (no validation syncs on the hot path).
+
+    Expert parallelism (``ep_group``, a process group of P ranks; E divisible by P): rank r owns
+    the experts [r*E/P, (r+1)*E/P), so ``w1``/``w2`` hold E/P experts; communication goes through
+    ``self.dispatcher`` (:class:`tritonmoe.comm.AllToAllDispatcher`). Semantics:
+
+    * Each rank routes its own tokens, so capacity is computed from the local token count
+      (``config.capacity(T_local)``): the layer equals a single-process layer holding all E
+      experts applied to each rank's batch separately, not to the concatenated global batch.
+    * The router is replicated: initialize it identically on every rank; its gradient is this
+      rank's (a data-parallel wrapper averages it). ``aux_loss`` is this rank's batch's loss.
+    * ``config.pipeline_degree`` = n cuts the local tokens into n micro-batches whose dispatch,
+      expert FFN and combine are pipelined (:mod:`tritonmoe.comm.pipeline`); every rank of the
+      group must use the same n. Routing is decided once for the whole local batch, so n changes
+      the schedule, not the result (see that module for the bitwise statement).
+    * Set ``layer.timeline = tritonmoe.comm.Timeline()`` to record each micro-op's spans.
     """
 
     def __init__(
@@ -43,19 +58,20 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
-        if ep_group is not None:
-            raise NotImplementedError(
-                "MoELayer(ep_group=...) (expert parallelism) is not implemented yet; use ep_group=None"
-            )
-        if config.pipeline_degree != 1:
-            raise NotImplementedError(
-                f"pipeline_degree={config.pipeline_degree} needs expert parallelism, which is not "
-                "implemented yet; use pipeline_degree=1"
-            )
         self.config = config
         self.ep_group = ep_group
         self.num_local_experts = config.num_experts
         self.expert_start = 0
+        self.dispatcher = None
+        self.timeline = None
+        if ep_group is not None:
+            self._init_expert_parallel(ep_group, dtype if dtype is not None else torch.get_default_dtype())
+        elif config.pipeline_degree != 1:
+            raise ValueError(
+                f"pipeline_degree={config.pipeline_degree} overlaps expert-parallel communication with "
+                "expert compute and needs ep_group (a torch.distributed process group); use "
+                "pipeline_degree=1 without expert parallelism"
+            )
         factory = {"device": device, "dtype": dtype}
         E, d, f = config.num_experts, config.d_model, config.d_ffn
         self.router = nn.Linear(d, E, bias=False, **factory)
@@ -147,6 +163,61 @@ class MoELayer(nn.Module):
         y_perm = self._impl("grouped_ffn", dev)(x_perm, info.expert_offsets, self.w1, self.w2, self.config.activation)
         return self._impl("unpermute", dev)(y_perm, info, routing.topk_weights)
 
+    # -- expert parallelism (the communication steps live in tritonmoe.comm) -------------------
+
+    def _init_expert_parallel(self, ep_group, dtype) -> None:
+        """Own the experts [r*E/P, (r+1)*E/P) of this rank r of the group (P ranks)."""
+        from .comm import AllToAllDispatcher, check_agreement
+
+        c = self.config
+        # The sizes of every later collective follow from these; a rank that disagrees would
+        # make gloo abort mid-forward, so compare them once here (one small collective), before
+        # any check that could fail on some ranks only.
+        dtype_code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+        check_agreement(
+            dict(num_experts=c.num_experts, d_model=c.d_model, pipeline_degree=c.pipeline_degree, dtype=dtype_code),
+            group=ep_group,
+            what="the expert-parallel MoEConfig",
+        )
+        self.dispatcher = AllToAllDispatcher(c.num_experts, ep_group, backend=c.backend)
+        self.num_local_experts = self.dispatcher.num_local_experts
+        self.expert_start = self.dispatcher.local_expert_start
+
+    def expert_parallel(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts of the whole group over this rank's tokens.
+
+        Local steps here, communication in ``self.dispatcher``: permute each of the
+        ``pipeline_degree`` micro-batches (contiguous token ranges; routing and capacity were
+        decided once for the whole local batch), exchange the per-expert counts once, then
+        dispatch / expert FFN / combine per micro-op, pipelined (forward and backward), and
+        unpermute each micro-batch. The expert FFN runs on the expert-major re-layout of the
+        received rows: one grouped FFN per micro-op over the local experts.
+        """
+        c = self.config
+        dev = x_TD.device
+        disp = self.dispatcher
+        disp.timeline = self.timeline
+        bounds = _micro_batch_bounds(x_TD.shape[0], c.pipeline_degree)
+        permute = self._impl("permute", dev)
+        sends, infos = [], []
+        for a, b in bounds:
+            x_perm, info = permute(x_TD[a:b], routing.topk_ids[a:b], c.num_experts)
+            sends.append(x_perm)
+            infos.append(info)
+        plan = disp.exchange_counts(torch.stack([info.counts for info in infos]))
+        ffn = self._impl("grouped_ffn", dev)
+
+        def experts(i: int, recv_RD: torch.Tensor, params) -> torch.Tensor:
+            w1, w2 = params
+            x_RD = disp.to_expert_major(recv_RD, plan, i)
+            y_RD = ffn(x_RD, disp.expert_offsets(plan, i), w1, w2, c.activation)
+            return disp.to_source_major(y_RD, plan, i)
+
+        backs = disp.run_pipelined(sends, plan, experts, (self.w1, self.w2))
+        unpermute = self._impl("unpermute", dev)
+        outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if not isinstance(x, torch.Tensor):
@@ -161,5 +232,24 @@ class MoELayer(nn.Module):
         logits_TE, routing = self.route(x_TD)
         self.aux_loss = self.compute_aux_loss(logits_TE, routing)
         self.last_routing = routing
-        out_TD = self.local_experts(x_TD, routing)
+        if self.dispatcher is None:
+            out_TD = self.local_experts(x_TD, routing)
+        else:
+            out_TD = self.expert_parallel(x_TD, routing)
         return out_TD.view(x.shape)
+
+
+#: dtypes as small ints for the cross-rank agreement check.
+_DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _micro_batch_bounds(num_tokens: int, n: int) -> list[tuple[int, int]]:
+    """n contiguous token ranges covering [0, num_tokens), sizes differing by at most one (the
+    first num_tokens % n one longer); empty ranges when num_tokens < n."""
+    base, extra = divmod(num_tokens, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

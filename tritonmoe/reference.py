@@ -39,6 +39,7 @@ __all__ = [
     "moe_ffn",
     "apply_activation",
     "RENORM_EPS",
+    "copy_segments",
 ]
 
 #: Floor of the renormalization denominator (a token whose selected scores are all zero).
@@ -301,3 +302,25 @@ def moe_ffn(
     x_perm, info = permute(x_TD, routing.topk_ids, routing.num_experts)
     y_perm = grouped_ffn(x_perm, info.expert_offsets, w1_EDN, w2_EFD, activation)
     return unpermute(y_perm, info, routing.topk_weights)
+
+
+def copy_segments(
+    src_RD: torch.Tensor,
+    src_starts_C: torch.Tensor,
+    dst_starts_C: torch.Tensor,
+    lengths_C: torch.Tensor,
+    num_rows: int,
+) -> torch.Tensor:
+    """Copy C row segments into a new [num_rows, D] buffer (the partition/concat op).
+
+    out[dst_starts[c] + i] = src[src_starts[c] + i] for i < lengths[c]; rows no segment covers
+    are zero. Segments are disjoint in src and in out, in any order. Packing a micro-op's
+    per-destination chunks into one send buffer and unpacking a receive buffer are both this op;
+    its gradient is the same op with the starts swapped.
+    """
+    out = src_RD.new_zeros(num_rows, src_RD.shape[1])
+    # Host sync: the reference slices the rows per segment.
+    for s, d, n in zip(src_starts_C.tolist(), dst_starts_C.tolist(), lengths_C.tolist()):
+        if n > 0:
+            out[d : d + n] = src_RD[s : s + n]
+    return out

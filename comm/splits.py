@@ -1,0 +1,311 @@
+"""Split agreement for all-to-all: counts exchange, derived splits and caller-split checks.
+
+An all-to-all moves ``input_split_sizes[j]`` rows from this rank to rank j and expects
+``output_split_sizes[s]`` rows from rank s. The two must agree across the group: rank s's
+``input_split_sizes[d]`` must equal rank d's ``output_split_sizes[s]``. gloo answers a
+disagreement by aborting the process or, when the totals happen to match, by silently
+scrambling rows. Two ways to never get there:
+
+* :func:`exchange_counts` (the expert-parallel path): ranks exchange their per-expert row counts
+  with one small all-to-all and every split is derived from that one exchange, so input and
+  output splits cannot disagree.
+* :func:`check_splits` (caller-supplied splits): every rank's splits are exchanged and compared,
+  and a disagreement raises the same :class:`SplitMismatchError` (a ``ValueError``) on every rank,
+  naming the offending ranks, before any data moves.
+
+Shapes use the letters of :mod:`tritonmoe.types`; ``N`` is the number of micro-ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "SplitMismatchError",
+    "DispatchPlan",
+    "check_splits",
+    "check_agreement",
+    "exchange_splits",
+    "exchange_counts",
+    "group_rank_size",
+    "comm_device",
+]
+
+
+class SplitMismatchError(ValueError):
+    """All-to-all split sizes disagree across the group. Raised with the same message on every
+    rank; ``offending_ranks`` lists the ranks whose splits take part in a disagreement."""
+
+    def __init__(self, message: str, offending_ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.offending_ranks = tuple(offending_ranks)
+
+
+def group_rank_size(group) -> tuple[int, int]:
+    """(rank in group, group size); a clear error when torch.distributed is not initialized."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "expert parallelism needs torch.distributed: call torch.distributed.init_process_group() first"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def comm_device(group) -> torch.device:
+    """Device of the small metadata tensors a group exchanges: CUDA for NCCL, else CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Caller-supplied splits: exchange, compare, raise the same error everywhere
+# ---------------------------------------------------------------------------------------------
+
+# Layout of the vector each rank contributes to the check: header, then P input and P output splits.
+_N_IN, _N_OUT, _ROWS_IN, _ROWS_OUT, _HEADER = 0, 1, 2, 3, 4
+_NOT_INTS = -1  # header value: the splits were not a sequence of integers
+
+
+def _as_int_list(splits) -> Optional[list[int]]:
+    """The splits as a list of Python ints, or None when they are not integers."""
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype == torch.bool:
+            return None
+        return [int(v) for v in splits.tolist()]  # host sync: split sizes are host values
+    if not isinstance(splits, (list, tuple)):
+        return None
+    out = []
+    for v in splits:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return None
+        out.append(v)
+    return out
+
+
+def _encode(splits, world_size: int) -> tuple[int, list[int]]:
+    """(header length field, P entries) for one list of splits; bad lists get -1 entries."""
+    vals = _as_int_list(splits)
+    if vals is None:
+        return _NOT_INTS, [-1] * world_size
+    if len(vals) != world_size:
+        return len(vals), [-1] * world_size
+    return len(vals), vals
+
+
+def _exchange_rows(vec: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's copy of ``vec`` ([m] int64) as a [P, m] matrix: one all-to-all with equal
+    splits in which each rank sends its vector to every rank (gloo and NCCL both support it)."""
+    _, P = group_rank_size(group)
+    send = vec.repeat(P)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.view(P, -1)
+
+
+def check_splits(
+    input_split_sizes,
+    output_split_sizes,
+    *,
+    group=None,
+    input_rows: Optional[int] = None,
+    output_rows: Optional[int] = None,
+) -> None:
+    """Check that every rank's all-to-all splits agree; raise the same error on every rank if not.
+
+    Collective: every rank of ``group`` must call it. It exchanges each rank's input and output
+    split sizes (and, when given, the rows of its input and output buffers) with one small
+    all-to-all and evaluates the same checks on the same data everywhere, so either every rank
+    returns or every rank raises :class:`SplitMismatchError` with the same message.
+
+    Checks: each list has P non-negative integers; they sum to ``input_rows`` / ``output_rows``
+    when given; rank s's ``input_split_sizes[d]`` equals rank d's ``output_split_sizes[s]``.
+    Costs one collective of 4 + 2P integers and one host sync.
+    """
+    rank, P = group_rank_size(group)
+    n_in, ins = _encode(input_split_sizes, P)
+    n_out, outs = _encode(output_split_sizes, P)
+    rows_in = -1 if input_rows is None else int(input_rows)
+    rows_out = -1 if output_rows is None else int(output_rows)
+    vec = torch.tensor([n_in, n_out, rows_in, rows_out] + ins + outs, dtype=torch.int64, device=comm_device(group))
+    table = _exchange_rows(vec, group).tolist()  # host sync: the verdict is a host decision
+    problems: list[str] = []
+    offending: set[int] = set()
+    for r, row in enumerate(table):
+        for what, n, first, rows in (
+            ("input_split_sizes", row[_N_IN], _HEADER, row[_ROWS_IN]),
+            ("output_split_sizes", row[_N_OUT], _HEADER + P, row[_ROWS_OUT]),
+        ):
+            vals = row[first : first + P]
+            if n == _NOT_INTS:
+                problems.append(f"rank {r} passed {what} that are not a list of ints")
+            elif n != P:
+                problems.append(f"rank {r} passed {n} {what} for a group of {P} ranks")
+            elif any(v < 0 for v in vals):
+                problems.append(f"rank {r} passed negative {what} {vals}")
+            elif rows >= 0 and sum(vals) != rows:
+                problems.append(f"rank {r}'s {what} {vals} sum to {sum(vals)} but its buffer has {rows} rows")
+            else:
+                continue
+            offending.add(r)
+    for s in range(P):
+        for d in range(P):
+            if table[s][_N_IN] != P or table[d][_N_OUT] != P:
+                continue
+            sent = table[s][_HEADER + d]
+            expected = table[d][_HEADER + P + s]
+            if sent != expected:
+                problems.append(f"rank {s} sends {sent} rows to rank {d}, which expects {expected}")
+                offending.update((s, d))
+    if problems:
+        shown = problems[:8]
+        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        ranks = sorted(offending)
+        raise SplitMismatchError(
+            f"all-to-all split sizes disagree across the group (offending ranks {ranks}): "
+            + "; ".join(shown)
+            + more
+            + ". Derive splits from exchanged counts (tritonmoe.comm.exchange_counts) or pass "
+            "output_split_sizes=None to have them derived from the input splits.",
+            ranks,
+        )
+
+
+def exchange_splits(input_split_sizes: Sequence[int], *, group=None, input_rows: Optional[int] = None) -> list[int]:
+    """The output splits that match every rank's input splits: rank s's ``input_split_sizes[d]``
+    becomes rank d's ``output_split_sizes[s]``. Collective; one small all-to-all and a host sync.
+    Input splits that are not P non-negative ints (or do not sum to ``input_rows`` when given)
+    raise the same :class:`SplitMismatchError` on every rank."""
+    rank, P = group_rank_size(group)
+    n_in, ins = _encode(input_split_sizes, P)
+    ok = n_in == P and all(v >= 0 for v in ins) and (input_rows is None or sum(ins) == input_rows)
+    vec = torch.tensor([1 if ok else 0] + ins, dtype=torch.int64, device=comm_device(group))
+    table = _exchange_rows(vec, group).tolist()  # host sync: split sizes are host values
+    bad = [r for r in range(P) if table[r][0] == 0]
+    if bad:
+        raise SplitMismatchError(
+            f"input_split_sizes of ranks {bad} are not {P} non-negative ints summing to the rows of "
+            "their input (one split per rank of the group)",
+            bad,
+        )
+    return [table[s][1 + rank] for s in range(P)]
+
+
+def check_agreement(values: dict[str, int], *, group=None, what: str = "settings") -> None:
+    """Check that every rank passes the same integer ``values``; raise the same ValueError on
+    every rank otherwise, naming each differing setting and the ranks' values. Collective (one
+    small all-to-all and a host sync): use it once at construction, e.g. for the settings that
+    fix the sizes of later collectives (a disagreement there would abort gloo)."""
+    _, P = group_rank_size(group)
+    names = list(values)
+    vec = torch.tensor([int(values[k]) for k in names], dtype=torch.int64, device=comm_device(group))
+    table = _exchange_rows(vec, group).tolist()  # host sync: the verdict is a host decision
+    diffs = [
+        f"{name}: " + ", ".join(f"rank {r}={table[r][j]}" for r in range(P))
+        for j, name in enumerate(names)
+        if len({table[r][j] for r in range(P)}) > 1
+    ]
+    if diffs:
+        raise ValueError(f"the ranks of the group disagree on {what}: " + "; ".join(diffs) + "; use the same on every rank")
+
+
+# ---------------------------------------------------------------------------------------------
+# Counts exchange: the expert-parallel plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DispatchPlan:
+    """Who sends how many rows to whom, for the N micro-ops of one expert-parallel exchange.
+
+    Rank r of P owns the L = E/P experts [r*L, (r+1)*L). A micro-op's send buffer is its permuted
+    tokens (grouped by global expert, so destination-major); its receive buffer is grouped by
+    source rank, then local expert, then source order ("source-major").
+
+    Attributes:
+        rank, world_size: this rank and P.
+        num_experts: E (global).
+        send_counts: int64 [N, E] rows this rank sends per (micro-op, global expert).
+        recv_counts: int64 [N, P, L] rows this rank receives per (micro-op, source rank, local
+            expert), on the device of the counts.
+        send_splits: ``send_splits[i][j]`` rows micro-op i sends to rank j (host ints).
+        recv_splits: ``recv_splits[i][s]`` rows micro-op i receives from rank s (host ints).
+
+    Both split tables come from one exchange, so ``send_splits`` of rank s and ``recv_splits`` of
+    rank d agree by construction.
+    """
+
+    rank: int
+    world_size: int
+    num_experts: int
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    send_splits: list[list[int]]
+    recv_splits: list[list[int]]
+
+    @property
+    def num_micro_ops(self) -> int:
+        return len(self.send_splits)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    def send_rows(self, i: int) -> int:
+        """Rows micro-op i sends (its permuted buffer)."""
+        return sum(self.send_splits[i])
+
+    def recv_rows(self, i: int) -> int:
+        """Rows micro-op i receives."""
+        return sum(self.recv_splits[i])
+
+
+def exchange_counts(counts_NE: torch.Tensor, *, group=None) -> DispatchPlan:
+    """Exchange per-expert row counts and derive every micro-op's splits.
+
+    Args:
+        counts_NE: integer [N, E] (or [E] for one micro-op): rows this rank sends to each global
+            expert in each micro-op (``PermuteInfo.counts`` of each micro-batch, stacked).
+        group: the expert-parallel process group (None = the default group).
+
+    Collective: one all-to-all of N*E integers, then one host sync (the all-to-all split sizes
+    of the data exchanges must be Python ints; this is the only sync of the expert-parallel
+    forward besides the backend's own).
+    """
+    rank, P = group_rank_size(group)
+    if not isinstance(counts_NE, torch.Tensor):
+        raise TypeError(f"counts must be a torch.Tensor, got {type(counts_NE).__name__}")
+    if counts_NE.dim() == 1:
+        counts_NE = counts_NE.unsqueeze(0)
+    if counts_NE.dim() != 2 or counts_NE.dtype.is_floating_point or counts_NE.dtype == torch.bool:
+        raise ValueError(
+            f"counts must be an integer tensor of shape [micro_ops, num_experts], got {counts_NE.dtype} "
+            f"{tuple(counts_NE.shape)}"
+        )
+    N, E = counts_NE.shape
+    if E % P != 0:
+        raise ValueError(f"num_experts={E} is not divisible by the expert-parallel group size {P}")
+    L = E // P
+    c_NPL = counts_NE.to(torch.int64).reshape(N, P, L)
+    send_PNL = c_NPL.transpose(0, 1).contiguous()  # block j goes to rank j
+    recv_PNL = torch.empty_like(send_PNL)
+    dist.all_to_all_single(recv_PNL, send_PNL, group=group)
+    recv_NPL = recv_PNL.transpose(0, 1).contiguous()
+    splits = torch.cat([c_NPL.sum(-1), recv_NPL.sum(-1)], dim=0)  # [2N, P]
+    # Host sync (the one unavoidable one): all_to_all_single takes its split sizes as Python ints.
+    host = splits.tolist()
+    return DispatchPlan(
+        rank=rank,
+        world_size=P,
+        num_experts=E,
+        send_counts=c_NPL.reshape(N, E),
+        recv_counts=recv_NPL,
+        send_splits=host[:N],
+        recv_splits=host[N:],
+    )

@@ -1,0 +1,211 @@
+"""Per-rank bodies of the expert-parallel MoELayer tests (run by tests/test_ep.py in spawned
+gloo groups; see tests/_dist.py).
+
+Reference design: each rank routes its own batch (capacity from its own token count), so the
+expert-parallel layer on P ranks equals a single-process layer holding all E experts applied to
+each rank's batch separately. Every rank builds every rank's batch and the full weights from
+the same seeds, runs its expert-parallel forward+backward and the single-process reference on
+all P batches, and compares: its output, input gradient and router gradient against the
+reference on its own batch; its w1/w2 gradients against the reference's (summed over all
+batches) for its local experts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import tritonmoe as tm
+from tritonmoe.comm import Timeline
+
+D_MODEL, D_FFN, NUM_EXPERTS = 8, 12, 8
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
+
+# Per-rank token counts (ragged; a rank with zero tokens; tiny batches): case i uses pattern i % len.
+TOKEN_PATTERNS = {
+    2: [(6, 13), (0, 9), (7, 0), (3, 3), (1, 17)],
+    4: [(9, 0, 14, 5), (3, 8, 0, 11), (6, 6, 6, 6), (0, 1, 12, 2), (10, 4, 7, 0)],
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One expert-parallel equality case; ``why`` says what it covers beyond the grid."""
+
+    pipeline_degree: int
+    top_k: int
+    dtype: torch.dtype
+    capacity_factor: Optional[float]
+    activation: str
+    dead_expert: Optional[int]  # an expert the selection bias keeps empty
+    aux_loss_coef: float
+    tokens: tuple[int, ...]
+    seed: int
+    why: str = ""
+
+
+def cases(world_size: int) -> list[Case]:
+    """EP size x pipeline degree {1, 2, 4} x top_k {1, 2} x {fp64, fp32} x {dropless, capacity},
+    with activations, an empty expert, the aux loss and ragged / zero-token ranks rotated in."""
+    out = []
+    grid = itertools.product((1, 2, 4), (1, 2), (torch.float64, torch.float32), (None, 1.25))
+    patterns = TOKEN_PATTERNS[world_size]
+    for i, (n, k, dt, cf) in enumerate(grid):
+        tokens = patterns[i % len(patterns)]
+        dead = (3 * i) % NUM_EXPERTS if i % 3 == 0 else None
+        why = []
+        if 0 in tokens:
+            why.append("a rank with zero tokens")
+        if dead is not None:
+            why.append(f"expert {dead} receives nothing")
+        if max(tokens) < n:
+            why.append("empty micro-batches")
+        out.append(
+            Case(
+                pipeline_degree=n,
+                top_k=k,
+                dtype=dt,
+                capacity_factor=cf,
+                activation=ACTIVATIONS[i % 3],
+                dead_expert=dead,
+                aux_loss_coef=0.01 if i % 2 else 0.0,
+                tokens=tokens,
+                seed=1000 + i,
+                why=", ".join(why),
+            )
+        )
+    return out
+
+
+def _config(c: Case, pipeline_degree: int = 1) -> tm.MoEConfig:
+    return tm.MoEConfig(
+        D_MODEL,
+        D_FFN,
+        NUM_EXPERTS,
+        c.top_k,
+        activation=c.activation,
+        capacity_factor=c.capacity_factor,
+        aux_loss_coef=c.aux_loss_coef,
+        expert_bias=c.dead_expert is not None,
+        pipeline_degree=pipeline_degree,
+    )
+
+
+def _close(failures: list[str], label: str, got: torch.Tensor, want: torch.Tensor, dtype) -> None:
+    if got.shape != want.shape:
+        failures.append(f"{label}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+        return
+    try:
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    except AssertionError as e:
+        failures.append(f"{label}: {str(e).splitlines()[0]} / {' '.join(str(e).split()[-12:])}")
+
+
+def run_case(rank: int, P: int, c: Case) -> tuple[list[str], Optional[float]]:
+    """(failures, forward+backward pipelining efficiency) of one case on this rank."""
+    failures: list[str] = []
+    label = f"P={P} n={c.pipeline_degree} k={c.top_k} {c.dtype} cf={c.capacity_factor} {c.activation} ({c.why})"
+    torch.manual_seed(c.seed)
+    ref = tm.MoELayer(_config(c), dtype=c.dtype)
+    if c.dead_expert is not None:
+        ref.expert_bias[c.dead_expert] = -1e4  # selection only: scores stay in [0, 1]
+    ep = tm.MoELayer(_config(c, c.pipeline_degree), ep_group=dist.group.WORLD, dtype=c.dtype)
+    L = NUM_EXPERTS // P
+    mine = slice(rank * L, (rank + 1) * L)
+    with torch.no_grad():
+        ep.router.weight.copy_(ref.router.weight)
+        ep.w1.copy_(ref.w1[mine])
+        ep.w2.copy_(ref.w2[mine])
+        if c.dead_expert is not None:
+            ep.expert_bias.copy_(ref.expert_bias)
+    gen = torch.Generator().manual_seed(c.seed + 1)
+    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=c.dtype) for T in c.tokens]
+    grads = [torch.randn(T, D_MODEL, generator=gen, dtype=c.dtype) for T in c.tokens]
+
+    ep.timeline = Timeline()
+    x = xs[rank].clone().requires_grad_()
+    out = ep(x)
+    ((out * grads[rank]).sum() + ep.aux_loss).backward()
+
+    for r in range(P):
+        xr = xs[r].clone().requires_grad_()
+        ref.router.weight.grad = None
+        o = ref(xr)
+        ((o * grads[r]).sum() + ref.aux_loss).backward()
+        if r == rank:
+            want = (o.detach(), xr.grad, ref.router.weight.grad.clone(), ref.aux_loss.detach())
+    _close(failures, f"{label}: output", out.detach(), want[0], c.dtype)
+    _close(failures, f"{label}: x.grad", x.grad, want[1], c.dtype)
+    _close(failures, f"{label}: router.grad", ep.router.weight.grad, want[2], c.dtype)
+    _close(failures, f"{label}: aux_loss", ep.aux_loss.detach(), want[3], want[3].dtype)
+    _close(failures, f"{label}: w1.grad", ep.w1.grad, ref.w1.grad[mine], c.dtype)
+    _close(failures, f"{label}: w2.grad", ep.w2.grad, ref.w2.grad[mine], c.dtype)
+
+    spans = ep.timeline.spans()
+    n = c.pipeline_degree
+    for phase in ("fwd", "bwd"):
+        kinds = [s.kind for s in spans if s.phase == phase]
+        if kinds.count("dispatch") != n or kinds.count("combine") != n or kinds.count("expert") != n:
+            failures.append(f"{label}: timeline {phase} has {kinds}")
+    eff = ep.timeline.pipeline_efficiency()
+    if eff is None or not 0.0 <= eff <= 1.0:
+        failures.append(f"{label}: pipeline efficiency {eff}")
+    return failures, eff
+
+
+def layer_table(rank: int, P: int) -> dict:
+    """Every case of :func:`cases` on this rank: failures and efficiencies."""
+    failures, effs = [], {}
+    table = cases(P)
+    for c in table:
+        f, eff = run_case(rank, P, c)
+        failures += f
+        effs.setdefault(c.pipeline_degree, []).append(eff)
+    return {"failures": failures, "num_cases": len(table), "efficiency": effs, "errors": layer_errors(rank, P)}
+
+
+def peer_exit(rank: int, P: int, victim: int) -> dict:
+    """Rank ``victim`` dies inside the expert-parallel forward (after the counts exchange, before
+    its first dispatch); the others report how their forward ended and how long it took."""
+    torch.manual_seed(0)
+    cfg = tm.MoEConfig(D_MODEL, D_FFN, 2 * P, 2, pipeline_degree=2)
+    layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, dtype=torch.float64)
+    x = torch.randn(10, D_MODEL, dtype=torch.float64, requires_grad=True)
+    layer(x).sum().backward()  # a healthy step first
+    if rank == victim:
+        disp = layer.dispatcher
+        real = disp.run_pipelined
+
+        def die(*args, **kwargs):
+            os._exit(3)
+
+        disp.run_pipelined = die
+        del real
+    t0 = time.monotonic()
+    try:
+        layer(x).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the survivor's outcome is the result
+        return {"raised": type(e).__name__, "message": str(e)[:300], "elapsed": time.monotonic() - t0}
+    return {"raised": None, "elapsed": time.monotonic() - t0}
+
+
+def layer_errors(rank: int, P: int) -> list[str]:
+    """Construction errors that need a live group (returned as messages, for the parent)."""
+    msgs = []
+    try:
+        tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 2 * P + 1, 1), ep_group=dist.group.WORLD)
+    except ValueError as e:
+        msgs.append(str(e))
+    try:  # rank 1 uses another pipeline degree: the same error on every rank, at construction
+        n = 3 if rank == 1 else 2
+        tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, 1, pipeline_degree=n), ep_group=dist.group.WORLD)
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
