@@ -197,6 +197,9 @@ class MoELayer(nn.Module):
         dev = x_TD.device
         disp = self.dispatcher
         disp.timeline = self.timeline
+        # Received rows arrive already grouped, so the experts run the grouped FFN on them; the
+        # fused gather/scatter path applies to local experts only.
+        self.ffn_path_used = "unfused"
         bounds = _micro_batch_bounds(x_TD.shape[0], c.pipeline_degree)
         permute = self._impl("permute", dev)
         sends, infos = [], []
