@@ -27,11 +27,12 @@ from .functional import (
 )
 from .layer import MoELayer
 from .types import PermuteInfo, Routing
-from . import reference
+from . import comm, reference
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "comm",
     "MoEConfig",
     "MoELayer",
     "PermuteInfo",
