@@ -1,0 +1,255 @@
+"""Ahead-of-time compilation of Triton kernels for a CUDA target, without a GPU.
+
+Triton's interpreter runs a kernel's Python, not the compiler, so it accepts code the compiler
+rejects (loop-carried type changes, non-constexpr globals, shared memory over the limit) and says
+nothing about what the code becomes. This module compiles a ``@triton.jit`` kernel for a GPU
+target straight from its source (``triton.compile`` + ``GPUTarget``, Triton's bundled ptxas and
+cuobjdump; no driver, no device) and reports facts about the result::
+
+    from aot_compile import Ptr, compile_kernel
+    facts = compile_kernel(K._route_fwd_kernel, dict(logits_ptr=Ptr("bf16"), T=4096, ..., BLOCK_T=16),
+                           num_warps=4)
+    facts.registers, facts.stack_bytes, facts.loop_spills, facts.shared, facts.wgmma
+
+Arguments are given as at a launch (``Ptr(dtype)`` for a tensor, plain values otherwise) and
+specialized the way a launch specializes them (:func:`specialize`), so the compiled code is the
+code a launch with those values would run. The process must not have ``TRITON_INTERPRET`` set
+(tests run this in a subprocess: see ``tests/test_aot_compile.py``). Works with Triton 3.6 to 3.9
+(only ``triton.compile``, ``ASTSource``, ``GPUTarget``, ``triton.knobs.nvidia`` tool paths and the
+``asm`` / ``metadata`` of the compiled kernel are used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import subprocess
+import tempfile
+import time
+from typing import Any, Mapping, Optional
+
+__all__ = [
+    "SM90_MAX_SHARED",
+    "KernelFacts",
+    "Ptr",
+    "compile_kernel",
+    "find_tool",
+    "specialize",
+    "unavailable_reason",
+]
+
+#: Largest shared memory one block may use on sm90 (H100/H200): 227 KiB.
+SM90_MAX_SHARED = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Ptr:
+    """A tensor argument of element type ``dtype`` (Triton's names: "bf16", "fp16", "fp32",
+    "fp64", "i32", "i64"), 16-byte aligned like every tensor torch allocates."""
+
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype.startswith("*"):
+            raise ValueError(f"Ptr({self.dtype!r}): give the element type without '*', e.g. Ptr('bf16')")
+
+
+@functools.lru_cache(maxsize=None)
+def find_tool(name: str) -> Optional[str]:
+    """Path of Triton's CUDA tool ``name`` ("ptxas", "cuobjdump"): ``TRITON_<NAME>_PATH`` or the
+    binary bundled in the triton wheel (resolved by ``triton.knobs``); None when neither runs."""
+    try:
+        import triton
+
+        return getattr(triton.knobs.nvidia, name).path
+    except Exception:  # no CUDA backend in this triton, or the tool is missing or does not run
+        return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why kernels cannot be compiled for CUDA here (None if they can): no CUDA backend in this
+    triton, or no ptxas / cuobjdump."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError as exc:
+        return f"triton has no CUDA backend ({exc})"
+    for tool in ("ptxas", "cuobjdump"):
+        if find_tool(tool) is None:
+            return f"no {tool} (neither TRITON_{tool.upper()}_PATH nor the one bundled with triton runs)"
+    return None
+
+
+def specialize(fn, args: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ``ASTSource`` as a launch of ``fn`` with ``args`` would
+    produce them.
+
+    ``args`` maps every parameter of ``fn`` to its value (parameters with defaults may be left
+    out): ``Ptr`` for tensors, ints / floats / bools, and any value for ``tl.constexpr``
+    parameters. Like Triton's launcher: an int equal to 1 becomes the constant 1, an int that is
+    a multiple of 16 and every pointer are marked 16-divisible, ints pick i32 / i64 / u64 by
+    range, and parameters listed in ``do_not_specialize`` (``..._on_alignment``) are left
+    unspecialized (unaligned).
+    """
+    known = {p.name for p in fn.params}
+    extra = set(args) - known
+    if extra:
+        raise TypeError(f"{fn.__name__} has no parameters {sorted(extra)}; it takes {[p.name for p in fn.params]}")
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    for i, p in enumerate(fn.params):
+        if p.name in args:
+            v = args[p.name]
+        elif p.has_default:
+            v = p.default
+        else:
+            raise TypeError(f"{fn.__name__}: no value for parameter {p.name!r}")
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = v
+            continue
+        aligned = not p.do_not_specialize and not p.do_not_specialize_on_alignment
+        if isinstance(v, Ptr):
+            signature[p.name] = f"*{v.dtype}"
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+            continue
+        elif isinstance(v, int):
+            if v == 1 and not p.do_not_specialize:
+                signature[p.name] = "constexpr"
+                constexprs[p.name] = 1
+                continue
+            signature[p.name] = "i32" if -(2**31) <= v < 2**31 else ("i64" if -(2**63) <= v < 2**63 else "u64")
+            aligned = aligned and v % 16 == 0
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
+            continue
+        else:
+            raise TypeError(f"{fn.__name__}: {p.name}={v!r} is not a Ptr, int, float or bool (and not a constexpr)")
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+@dataclasses.dataclass
+class KernelFacts:
+    """What the compiler made of one kernel specialization.
+
+    registers: registers per thread (cuobjdump). stack_bytes: per-thread stack frame; register
+    spills land there (0 means no spills). spills: local-memory load/store instructions (LDL/STL)
+    in the SASS; loop_spills: those inside a loop (between a backward branch and its target),
+    i.e. in a kernel's main loop rather than its prologue or epilogue. shared: bytes of shared
+    memory the launch needs. wgmma / mma_sync: the PTX uses Hopper warpgroup MMAs / warp-level
+    MMAs. async_loads: distinct source loads the pipeliner turned into asynchronous global ->
+    shared copies (cp.async); 0 means every load is synchronous.
+    """
+
+    name: str
+    arch: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    stack_bytes: int
+    spills: int
+    loop_spills: int
+    shared: int
+    wgmma: bool
+    mma_sync: bool
+    async_loads: int
+    compile_s: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_RES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+_SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRA = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+_LOCAL_MEM = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
+
+
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
+    tool = find_tool("cuobjdump")
+    if tool is None:
+        raise RuntimeError("cuobjdump not found (set TRITON_CUOBJDUMP_PATH)")
+    fd, path = tempfile.mkstemp(suffix=".cubin")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([tool, *flags, path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+
+
+def _local_memory_ops(sass: str) -> tuple[int, int]:
+    """(LDL/STL instructions, those inside a loop) of a cuobjdump SASS listing. A loop is the
+    address range from a backward branch's target to the branch; ptxas lays loops out
+    contiguously for these kernels, and a block it moves out of line would only widen the range
+    (more instructions counted as in a loop, never fewer)."""
+    insts = []
+    loops = []
+    for m in _SASS.finditer(sass):
+        addr, text = int(m.group(1), 16), m.group(2).strip()
+        insts.append((addr, text))
+        b = _BRA.search(text)
+        if b is not None:
+            target = int(b.group(1), 16)
+            if target < addr:  # a backward branch closes a loop [target, addr]; a self-loop is the trap at the end
+                loops.append((target, addr))
+    local = [a for a, t in insts if _LOCAL_MEM.match(t)]
+    in_loop = [a for a in local if any(lo <= a <= hi for lo, hi in loops)]
+    return len(local), len(in_loop)
+
+
+def _async_loads(ttgir: str) -> int:
+    """Distinct source loads lowered to async global -> shared copies (the pipeliner emits one
+    copy per stage for each; their debug locations tell them apart)."""
+    ops = [line for line in ttgir.splitlines() if "async_copy_global_to_local" in line]
+    locs = {m.group(1) for line in ops if (m := re.search(r"loc\((#loc\d+)\)\s*$", line))}
+    return len(locs) if locs else len(ops)
+
+
+def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stages: int = 3, arch: int = 90,
+                   name: Optional[str] = None) -> KernelFacts:
+    """Compile ``fn`` for CUDA capability ``arch`` (90 = sm_90a) as a launch with ``args`` (see
+    :func:`specialize`), ``num_warps`` and ``num_stages`` would, and return its :class:`KernelFacts`.
+    Raises what the compiler raises (e.g. ``CompilationError``, ptxas errors)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("TRITON_INTERPRET is set: this process runs the interpreter, not the compiler; "
+                           "compile in a process without it")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs = specialize(fn, args)
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    t0 = time.perf_counter()
+    # enable_fp_fusion=True is the launch default; saying so silences triton 3.9's warning about it
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True})
+    res = _cuobjdump(kernel.asm["cubin"], "-res-usage")
+    m = _RES.search(res)
+    if m is None:
+        raise RuntimeError(f"cannot parse cuobjdump -res-usage output for {fn.__name__}:\n{res}")
+    registers, stack = int(m.group(2)), int(m.group(3))
+    spills = loop_spills = 0
+    if stack or int(m.group(5)):  # no stack frame and no local memory: nothing to disassemble
+        spills, loop_spills = _local_memory_ops(_cuobjdump(kernel.asm["cubin"], "-sass"))
+    ptx = kernel.asm["ptx"]
+    return KernelFacts(
+        name=name or fn.__name__,
+        arch=arch,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        registers=registers,
+        stack_bytes=stack,
+        spills=spills,
+        loop_spills=loop_spills,
+        shared=int(kernel.metadata.shared),
+        wgmma="wgmma.mma_async" in ptx,
+        mma_sync=re.search(r"\bmma\.sync\.", ptx) is not None,
+        async_loads=_async_loads(kernel.asm["ttgir"]),
+        compile_s=round(time.perf_counter() - t0, 2),
+    )

@@ -1,0 +1,552 @@
+"""Every Triton kernel variant the launchers use on an H100/H200, compiled for sm_90a without a GPU.
+
+The interpreter (which the rest of the suite runs on CPU) accepts code the compiler rejects and
+cannot see registers, spills, shared memory or which MMA instructions a kernel gets. This module
+lists each kernel specialization the launchers emit on sm90 (the flags, dtypes and pointer
+arguments of their launch sites, at the configs their own config functions choose for sm90:
+``route_config``, ``metadata_config`` / ``rows_config``, ``partition.select_config``,
+``_gemm_config.select`` and ``combine_config``, for shapes of real models), compiles them all in
+one subprocess without ``TRITON_INTERPRET`` through :mod:`aot_compile`, and checks per variant:
+
+* it compiles (front end, LLVM, ptxas), and its shared memory fits sm90 (227 KiB);
+* routing, permutation and partition kernels spill at most a couple of registers (their configs
+  are sized to keep their tiles in registers; see ``route_config``, ``metadata_config``,
+  ``rows_config``, ``partition.select_config``);
+* grouped GEMMs: tensor cores for 16-bit and TF32 operands, as wgmma for tiles of BM >= 64 and
+  mma.sync below (none for IEEE fp32); every ``tl.dot`` operand loaded through a cp.async pipeline
+  (real model shapes: N and K multiples of 16); epilogues may spill (SwiGLU holds two
+  accumulators), main loops may not. The autotuner's deepest pipeline of the large tiles too.
+
+Run by hand (prints one JSON line per variant; optional name filters)::
+
+    python tests/test_aot_compile.py [substring ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any, Iterator, Optional
+from unittest import mock
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import aot_compile as aot  # noqa: E402
+
+from tritonmoe.kernels import _gemm_config as C  # noqa: E402
+from tritonmoe.kernels import _grouped_gemm_kernels as GK  # noqa: E402
+from tritonmoe.kernels import _partition_kernels as XK  # noqa: E402
+from tritonmoe.kernels import _permute_kernels as PK  # noqa: E402
+from tritonmoe.kernels import _routing_kernels as RK  # noqa: E402
+from tritonmoe.kernels import grouped_gemm as gg  # noqa: E402
+from tritonmoe.kernels import partition as kx  # noqa: E402
+from tritonmoe.kernels import permute as kp  # noqa: E402
+from tritonmoe.kernels import routing as kr  # noqa: E402
+
+ARCH = 90
+KERNEL_MODULES = (RK, PK, XK, GK)
+H100_SMS = 132  # H100 SXM and H200 both have 132 SMs
+
+P = aot.Ptr
+
+#: Stack (spilled registers) allowed in the routing, permutation and partition kernels, whose
+#: configs are sized to keep their tiles in registers. ptxas may still park a couple of values on
+#: the stack: 8 bytes in _block_rank_kernel and the grouped-router backward with Triton 3.9, in
+#: _block_scan_kernel and the dw-only fp32 scatter (reloaded once per loop step) with Triton 3.6.
+#: These kernels are bandwidth-bound, so that costs nothing measurable; more than a few
+#: registers means a tile no longer fits.
+SMALL_KERNEL_STACK = 16
+_TL_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One kernel specialization and what it must satisfy once compiled.
+
+    max_stack_bytes: bound on the spilled bytes (None: unbounded); spill_free_loops: no spill
+    code inside a loop (the GEMMs' main loop). wgmma / mma_sync: required (True), forbidden
+    (False) or not checked (None). async_loads: at least this many distinct loads pipelined
+    through cp.async.
+    """
+
+    name: str
+    fn: Any
+    args: dict
+    num_warps: int
+    num_stages: int = 3  # Triton's launch default
+    max_stack_bytes: Optional[int] = SMALL_KERNEL_STACK
+    spill_free_loops: bool = False
+    wgmma: Optional[bool] = None
+    mma_sync: Optional[bool] = None
+    async_loads: int = 0
+
+
+@contextlib.contextmanager
+def sm90_device() -> Iterator[torch.device]:
+    """A CUDA device as the config functions see an H100/H200 (capability 9.0, 132 SMs), without
+    one: patches the two functions that would ask the driver."""
+    with mock.patch.object(C, "_capability", lambda index: (9, 0)), \
+            mock.patch.object(kp, "_num_sms", lambda index: H100_SMS):
+        yield torch.device("cuda", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing (kernels/routing.py: _forward, _backward)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Router:
+    name: str
+    E: int
+    k: int
+    G: int = 1
+    topk_groups: int = 1
+    softmax: bool = True
+    bias: bool = False
+    capacity: bool = False
+    aux: bool = False
+    renormalize: bool = True
+    dtype: str = "bf16"
+
+
+# Routers of real models, and the odd shapes the tests pin (prime-ish E, groups, no renorm).
+ROUTERS = [
+    _Router("mixtral_E8_k2", 8, 2),
+    _Router("qwen3_E128_k8_aux", 128, 8, aux=True),
+    _Router("qwen3_E128_k8", 128, 8),
+    _Router("deepseek_v3_E256_k8_g8", 256, 8, G=8, topk_groups=4, softmax=False, bias=True),
+    _Router("E64_k6_capacity", 64, 6, capacity=True),
+    _Router("E64_k1_capacity", 64, 1, capacity=True),
+    _Router("E8_k2_fp32_norenorm", 8, 2, dtype="fp32", renormalize=False),
+    _Router("E67_k5_fp16", 67, 5, dtype="fp16"),
+    _Router("E60_k4_g6_sigmoid_capacity_aux", 60, 4, G=6, topk_groups=3, softmax=False, capacity=True, aux=True),
+    _Router("E512_k8", 512, 8),
+    _Router("E8192_k8_max_lanes", 8192, 8),
+]
+
+
+def routing_variants(T: int = 4096) -> list[Variant]:
+    out = []
+    for r in ROUTERS:
+        S = r.E // r.G
+        block_g, block_s, block_k = triton.next_power_of_2(r.G), triton.next_power_of_2(S), triton.next_power_of_2(r.k)
+        cfg = kr.route_config(block_g * block_s)  # the GPU config (interpret=False)
+        NB = triton.cdiv(T, cfg.block_t)
+        split = cfg.scan_split_slots and r.k > 1
+        shape = dict(G=r.G, S=S, K=r.k, SOFTMAX=r.softmax, RENORMALIZE=r.renormalize, BLOCK_T=cfg.block_t,
+                     BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=block_k)
+        out.append(Variant(f"route_fwd[{r.name}]", RK._route_fwd_kernel, dict(
+            logits_ptr=P(r.dtype), bias_ptr=P("fp32"), ids_ptr=P("i32"), w_ptr=P("fp32"), counts_ptr=P("i32"),
+            slot_hist_ptr=P("i32"), slot_tot_ptr=P("i32"), score_part_ptr=P("fp32"), lse_ptr=P("fp32"),
+            T=T, NB=NB, stride_lt=r.E, stride_le=1, TOPK_GROUPS=r.topk_groups, HAS_BIAS=r.bias,
+            HAS_CAPACITY=r.capacity, SLOT_TOTALS=r.capacity and split, WITH_AUX=r.aux, **shape,
+        ), cfg.num_warps))
+        # backward: the weights' gradient always; the aux gradients when the router has them
+        for grads in [("dw",)] + ([("dw", "dss", "dlse"), ("dss",)] if r.aux else []):
+            shape_b = dict(shape, BLOCK_T=cfg.bwd_block_t)
+            out.append(Variant(f"route_bwd[{r.name},{'+'.join(grads)}]", RK._route_bwd_kernel, dict(
+                logits_ptr=P(r.dtype), sel_ids_ptr=P("i32"), ids_ptr=P("i32"), dw_ptr=P("fp32"), dss_ptr=P("fp32"),
+                dlse_ptr=P("fp32"), dlogits_ptr=P(r.dtype), T=T, stride_lt=r.E, stride_le=1,
+                stride_dwt=r.k if "dw" in grads else 0, stride_dwk=1 if "dw" in grads else 0,
+                stride_dss=1 if "dss" in grads else 0, stride_dlse=1 if "dlse" in grads else 0,
+                HAS_CAPACITY=r.capacity, HAS_DW="dw" in grads, HAS_DSS="dss" in grads, HAS_DLSE="dlse" in grads,
+                **shape_b,
+            ), cfg.bwd_num_warps))
+        if r.capacity:
+            slots_per_prog = 1 if split else r.k
+            out.append(Variant(f"capacity_scan[{r.name}]", RK._capacity_scan_kernel, dict(
+                slot_hist_ptr=P("i32"), slot_tot_ptr=P("i32"), counts_ptr=P("i32"), selected_ptr=P("i32"),
+                NB=NB, capacity=T * r.k // r.E, E=r.E, K=r.k, SLOTS_PER_PROG=slots_per_prog,
+                BLOCK_R=cfg.scan_block_r, BLOCK_E=cfg.scan_block_e, BLOCK_J=min(64, block_k),
+            ), 4))
+            # BLOCK_KC as kernels/routing.py::_forward computes it for the keep pass
+            block_kc = max(1, min(block_k, 8192 // (cfg.block_t * cfg.block_t)))
+            out.append(Variant(f"capacity_keep[{r.name}]", RK._capacity_keep_kernel, dict(
+                sel_ids_ptr=P("i32"), offsets_ptr=P("i32"), ids_ptr=P("i32"), w_ptr=P("fp32"), T=T, NB=NB,
+                capacity=T * r.k // r.E, E=r.E, K=r.k, BLOCK_T=cfg.block_t, BLOCK_KC=block_kc,
+            ), cfg.num_warps))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Permutation (kernels/permute.py: permute_metadata, _scatter, _gather)
+# ---------------------------------------------------------------------------------------------
+
+
+def permute_variants(dev: torch.device) -> list[Variant]:
+    out = []
+    # metadata: a decode-sized batch takes the fused single program, a prefill batch the block kernels
+    for label, T, k, E in (("decode_T128_k4_E64", 128, 4, 64), ("prefill_T4096_k8_E256", 4096, 8, 256)):
+        S = T * k
+        cfg = kp.metadata_config(S, E, dev)
+        for pad_to in (1, 128):
+            name = f"{label},pad{pad_to}"
+            if cfg.fused:
+                out.append(Variant(f"metadata_fused[{name}]", PK._metadata_fused_kernel, dict(
+                    ids_ptr=P("i32"), counts_ptr=P("i32"), offsets_ptr=P("i64"), rows_ptr=P("i64"), S=S, E=E,
+                    pad_to=pad_to, BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e), cfg.num_warps))
+                continue
+            if pad_to == 1:  # the histogram and the scan do not see pad_to
+                out.append(Variant(f"block_hist[{label}]", PK._block_hist_kernel, dict(
+                    ids_ptr=P("i32"), hist_ptr=P("i32"), S=S, E=E, BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e),
+                    cfg.num_warps))
+                out.append(Variant(f"block_scan[{label}]", PK._block_scan_kernel, dict(
+                    hist_ptr=P("i32"), counts_ptr=P("i32"), NB=triton.cdiv(S, cfg.block_s), E=E,
+                    BLOCK_B=cfg.block_b, BLOCK_E=cfg.block_e), cfg.num_warps))
+            out.append(Variant(f"block_rank[{name}]", PK._block_rank_kernel, dict(
+                ids_ptr=P("i32"), prefix_ptr=P("i32"), counts_ptr=P("i32"), offsets_ptr=P("i64"), rows_ptr=P("i64"),
+                S=S, E=E, pad_to=pad_to, BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, SCAN_E=cfg.scan_e),
+                cfg.num_warps))
+
+    # row movers: (launch site, HAS_W, HAS_DOT, WRITE_OUT) for the scatter; HAS_W for the gather
+    scatters = [("permute", False, False, True), ("unpermute_bwd", True, True, True),
+                ("unpermute_bwd_dw_only", False, True, False), ("unpermute_bwd_dy_only", True, False, True)]
+    gathers = [("unpermute", True), ("permute_bwd", False)]
+    E, k, D = 256, 8, 7168  # DeepSeek-V3 experts, top-k and d_model
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        dt, elem = _TL_NAME[dtype], dtype.itemsize
+        acc = tl.float64 if dtype == torch.float64 else tl.float32
+        acc_name = "fp64" if dtype == torch.float64 else "fp32"
+        # prefill (one program per row) and, for bf16, decode (rows split over grid axis 1)
+        for T in (4096, 16) if dtype == torch.bfloat16 else (4096,):
+            R = T * k
+            cfg = kp.rows_config("scatter", T, k, D, elem, dev)
+            for site, has_w, has_dot, write in scatters:
+                out.append(Variant(f"scatter_rows[{site},{dt},T{T}]", PK._scatter_rows_kernel, dict(
+                    src_ptr=P(dt), stride_st=D, stride_sd=1, rows_ptr=P("i64"), w_ptr=P("fp32" if has_w else "i64"),
+                    offsets_ptr=P("i64"), counts_ptr=P("i32"), out_ptr=P(dt), stride_o=D, dot_ptr=P(dt),
+                    stride_yr=D if has_dot else 0, stride_yd=1 if has_dot else 0,
+                    dw_ptr=P(acc_name if has_dot else dt), T=T, K=k, E=E, D=D, num_rows=R if write else 0,
+                    NSPLIT=cfg.nsplit, TAIL_ROWS=cfg.tail_rows, HAS_W=has_w, HAS_DOT=has_dot, WRITE_OUT=write,
+                    ACC=acc, BLOCK_K=triton.next_power_of_2(k), BLOCK_D=cfg.block_d), cfg.num_warps))
+            cfg = kp.rows_config("gather", T, k, D, elem, dev)
+            for site, has_w in gathers:
+                out.append(Variant(f"gather_rows[{site},{dt},T{T}]", PK._gather_rows_kernel, dict(
+                    src_ptr=P(dt), stride_sr=D, stride_sd=1, rows_ptr=P("i64"), w_ptr=P("fp32" if has_w else "i64"),
+                    out_ptr=P(dt), T=T, K=k, D=D, num_src_rows=R, NSPLIT=cfg.nsplit, HAS_W=has_w, ACC=acc,
+                    BLOCK_K=triton.next_power_of_2(k), BLOCK_D=cfg.block_d), cfg.num_warps))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Partition / concat (kernels/partition.py: _launch)
+# ---------------------------------------------------------------------------------------------
+
+
+def partition_variants() -> list[Variant]:
+    """copy_segments packing expert-parallel all-to-all buffers: one segment per destination rank
+    (EP8), one per (rank, local expert) (EP8 x 32 experts), in bf16 and fp32."""
+    out = []
+    for dtype, D, num_segments in ((torch.bfloat16, 7168, 8), (torch.bfloat16, 7168, 256), (torch.float32, 4096, 8)):
+        dt = _TL_NAME[dtype]
+        cfg = kx.select_config(D, dtype.itemsize)
+        top = 1 << (num_segments.bit_length() - 1)  # TOP_STEP and SEARCH_STEPS as _launch computes them
+        out.append(Variant(f"copy_segments[{dt},D{D},C{num_segments}]", XK._copy_segments_kernel, dict(
+            src_ptr=P(dt), out_ptr=P(dt), seg_key_ptr=P("i64"), seg_src_ptr=P("i64"), seg_len_ptr=P("i64"),
+            num_rows=32768, num_segments=num_segments, D=D, stride_src=D, stride_out=D, BLOCK_R=cfg.block_r,
+            BLOCK_D=cfg.block_d, TOP_STEP=top, SEARCH_STEPS=top.bit_length()), cfg.num_warps))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs (kernels/grouped_gemm.py: _mm, _dact, _wgrad, _combine)
+# ---------------------------------------------------------------------------------------------
+
+
+def _gemm_expect(cfg: C.TileConfig, dtype: torch.dtype, tf32: bool, n_operands: int) -> dict:
+    tensor_cores = dtype != torch.float32 or tf32
+    return dict(
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        max_stack_bytes=None,  # epilogues may spill (SwiGLU holds two accumulators)...
+        spill_free_loops=True,  # ...the main loop may not
+        wgmma=tensor_cores and cfg.BM >= 64,
+        mma_sync=tensor_cores and cfg.BM < 64,
+        async_loads=n_operands if cfg.num_stages > 1 else 0,
+    )
+
+
+def _mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=False, gather_a=False, scatter=False,
+        scale=False, topk=1, transposed_b=False, tf32=False) -> Variant:
+    """kernels/grouped_gemm.py::_mm: A [rows (or tokens), K] @ B[e] [K, N] (2N columns for SwiGLU)."""
+    dual = act == GK.ACT_SWIGLU
+    kind = "swiglu" if dual else ("mm" if act == GK.ACT_NONE else "mm_act")
+    cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=dtype, tf32=tf32, device=dev)
+    dt = _TL_NAME[dtype]
+    NB = 2 * N if dual else N
+    # B is w [E, K, NB] contiguous, or the strided view w^T of a contiguous [E, NB, K] (backward)
+    b_strides = (K * NB, 1, K) if transposed_b else (K * NB, NB, 1)
+    h_cols = NB if store_h else N  # h is the pre-activation [rows, N1], else the output stands in
+    args = dict(
+        a_ptr=P(dt), b_ptr=P(dt), c_ptr=P(dt), h_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"),
+        scale_ptr=P("fp32" if scale else dt), R=rows, N=N, K=K, E=E, TOPK=topk,
+        num_pid_m=triton.cdiv(rows, cfg.BM) + E, ROWS_HINT=C.rows_hint(rows, E), stride_am=K, stride_ak=1,
+        stride_be=b_strides[0], stride_bk=b_strides[1], stride_bn=b_strides[2], stride_cm=N, stride_cn=1,
+        stride_hm=h_cols, stride_hn=1, ACT=act, STORE_H=store_h, GATHER_A=gather_a, SCATTER_C=scatter,
+        SCALE=scale, PREC="tf32" if (dtype != torch.float32 or tf32) else "ieee", EVEN_K=K % cfg.BK == 0,
+        SEG=gg._seg(E), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    )
+    return Variant(f"{name}[{kind},{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]",
+                   GK._grouped_mm_kernel, args, **_gemm_expect(cfg, dtype, tf32, 3 if dual else 2))
+
+
+def _dact(name, dev, dtype, *, rows, D, F, E, act, gather=False, scale=False, dgate=False, topk=1) -> Variant:
+    """kernels/grouped_gemm.py::_dact: dH = act'(H) * (dY [rows (or tokens), D] @ w2[e]^T [D, F])."""
+    kind = "dact_swiglu" if act == GK.ACT_SWIGLU else "dact"
+    cfg = C.select(kind, rows=rows, n=F, k=D, num_experts=E, dtype=dtype, tf32=False, device=dev)
+    dt = _TL_NAME[dtype]
+    N1 = 2 * F if act == GK.ACT_SWIGLU else F
+    n_tiles = triton.cdiv(F, cfg.BN)
+    args = dict(
+        a_ptr=P(dt), b_ptr=P(dt), h_ptr=P(dt), dh_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"),
+        scale_ptr=P("fp32" if scale else dt), part_ptr=P("fp32" if dgate else dt), R=rows, N=F, K=D, E=E,
+        TOPK=topk, num_pid_m=triton.cdiv(rows, cfg.BM) + E, ROWS_HINT=C.rows_hint(rows, E),
+        stride_am=D, stride_ak=1, stride_be=F * D, stride_bk=1, stride_bn=D,  # w2^T: a view of [E, F, D]
+        stride_hm=N1, stride_hn=1, stride_dm=N1, stride_dn=1, stride_pm=n_tiles,
+        ACT=act, GATHER_A=gather, SCALE=scale, DGATE=dgate, PREC="tf32", EVEN_K=D % cfg.BK == 0,
+        SEG=gg._seg(E), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    )
+    return Variant(f"{name}[{kind},{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]",
+                   GK._grouped_mm_dact_kernel, args, **_gemm_expect(cfg, dtype, False, 2))
+
+
+def _wgrad(name, dev, dtype, *, rows, M, N, E, gather_a=False, gather_b=False, scale_b=False, topk=1) -> Variant:
+    """kernels/grouped_gemm.py::_wgrad: per expert A_e^T [M, rows_e] @ B_e [rows_e, N]."""
+    cfg = C.select("wgrad", rows=rows, n=N, k=M, num_experts=E, dtype=dtype, tf32=False, device=dev)
+    dt = _TL_NAME[dtype]
+    args = dict(
+        a_ptr=P(dt), b_ptr=P(dt), c_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"),
+        scale_ptr=P("fp32" if scale_b else dt), R=rows, M=M, N=N, TOPK=topk, ROWS_HINT=C.rows_hint(rows, E),
+        stride_ar=M, stride_ac=1, stride_br=N, stride_bc=1, stride_ce=M * N, stride_cm=N, stride_cn=1,
+        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_B=scale_b, PREC="tf32",
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    )
+    return Variant(f"{name}[wgrad,{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]",
+                   GK._grouped_wgrad_kernel, args, **_gemm_expect(cfg, dtype, False, 2))
+
+
+def _combine(name, dev, dtype, *, T, k, D, has_w) -> Variant:
+    """kernels/grouped_gemm.py::_combine: out[t] = sum_j (w *) buf[t*k + j]."""
+    BT, BD, warps = C.combine_config(dev)
+    dt = _TL_NAME[dtype]
+    return Variant(f"{name}[combine,{dt}]", GK._combine_kernel, dict(
+        buf_ptr=P(dt), w_ptr=P("fp32" if has_w else dt), out_ptr=P(dt), T=T, D=D, stride_bm=D, stride_bd=1,
+        stride_ot=D, stride_od=1, TOPK=k, HAS_W=has_w, BT=BT, BD=BD), warps)
+
+
+def gemm_variants(dev: torch.device) -> list[Variant]:
+    bf16, S, G = torch.bfloat16, GK.ACT_SWIGLU, GK.ACT_GELU
+    out = []
+    # moe_ffn, SwiGLU, training: forward and backward launches in order (_MoEFFNFn).
+    #   Mixtral-8x7B prefill: E=8, k=2, D=4096, F=14336, T=4096 -> 1024 rows per expert (large tiles)
+    #   DeepSeek-V3 prefill:  E=256, k=8, D=7168, F=2048, T=4096 -> 128 rows per expert (mid tiles)
+    for label, T, E, k, D, F in (("mixtral", 4096, 8, 2, 4096, 14336), ("deepseek", 4096, 256, 8, 7168, 2048)):
+        R = T * k
+        g = dict(rows=R, E=E, topk=k)
+        out += [
+            _mm(f"moe_ffn.gemm1.{label}", dev, bf16, K=D, N=F, act=S, store_h=True, gather_a=True, **g),
+            _mm(f"moe_ffn.gemm2.{label}", dev, bf16, K=F, N=D, scatter=True, **g),
+            _combine(f"moe_ffn.combine.{label}", dev, bf16, T=T, k=k, D=D, has_w=True),
+            _dact(f"moe_ffn.dact.{label}", dev, bf16, D=D, F=F, act=S, gather=True, scale=True, dgate=True, **g),
+            _mm(f"moe_ffn.dx.{label}", dev, bf16, K=2 * F, N=D, scatter=True, transposed_b=True, **g),
+            _combine(f"moe_ffn.dx_combine.{label}", dev, bf16, T=T, k=k, D=D, has_w=False),
+            _wgrad(f"moe_ffn.dw1.{label}", dev, bf16, M=D, N=2 * F, gather_a=True, **g),
+            _wgrad(f"moe_ffn.dw2.{label}", dev, bf16, M=F, N=D, gather_b=True, scale_b=True, **g),
+        ]
+    # moe_ffn inference: decode (DeepSeek-V3; T=64, 1024, 2048: 2, 32, 64 rows per expert, i.e. BM 16,
+    # 32, 64), and top-1 routing, whose GEMM2 scales by the gate weight and writes the output directly
+    for label, T, E, k in (("decode_T64", 64, 256, 8), ("decode_T1024", 1024, 256, 8), ("decode_T2048", 2048, 256, 8)):
+        R = T * k
+        out.append(_mm(f"moe_ffn.gemm1.{label}", dev, bf16, rows=R, E=E, topk=k, K=7168, N=2048, act=S,
+                       gather_a=True))
+        if label == "decode_T64":
+            out.append(_mm(f"moe_ffn.gemm2.{label}", dev, bf16, rows=R, E=E, topk=k, K=2048, N=7168, scatter=True))
+    out.append(_mm("moe_ffn.gemm2.top1", dev, bf16, rows=4096, E=16, K=8192, N=5120, scatter=True, scale=True))
+    # grouped_ffn (permuted rows), GELU: forward with H saved, backward (fp16 compiles like bf16:
+    # one launch site in fp16 for the dtype's own conversions)
+    g = dict(rows=8192, E=8)
+    D, F = 4096, 14336
+    out += [
+        _mm("grouped_ffn.gemm1", dev, bf16, K=D, N=F, act=G, store_h=True, **g),
+        _mm("grouped_ffn.gemm1", dev, torch.float16, K=D, N=F, act=G, store_h=True, **g),
+        _mm("grouped_ffn.gemm2", dev, bf16, K=F, N=D, **g),
+        _dact("grouped_ffn.dact", dev, bf16, D=D, F=F, act=G, **g),
+        _mm("grouped_ffn.dx", dev, bf16, K=F, N=D, transposed_b=True, **g),
+        _wgrad("grouped_ffn.dw", dev, bf16, M=D, N=F, **g),
+    ]
+    out.append(_dact("grouped_ffn.dact.mid", dev, bf16, rows=8192, E=64, D=2048, F=1408, act=G))
+    out.append(_dact("grouped_ffn.dact.decode", dev, bf16, rows=256, E=64, D=2048, F=1408, act=S))
+    out.append(_wgrad("grouped_gemm.dw.decode", dev, bf16, rows=256, E=64, M=2048, N=1408))
+    # fp32 operands: TF32 when allowed, else IEEE fp32 on the FMA units (no tensor cores)
+    out.append(_mm("grouped_ffn.gemm1.tf32", dev, torch.float32, rows=8192, E=8, K=4096, N=14336, act=S,
+                   store_h=True, tf32=True))
+    out.append(_mm("grouped_gemm.ieee", dev, torch.float32, rows=8192, E=8, K=4096, N=4096, act=GK.ACT_RELU,
+                   store_h=True))
+    return out + _autotune_candidates(out)
+
+
+def _autotune_candidates(variants: list[Variant]) -> list[Variant]:
+    """On CUDA the launches autotune the pipeline depth (_gemm_config._candidates: the policy's
+    stages, one more and one fewer where the operand buffers fit the policy's budget). The
+    deepest candidate of each distinct tile config, compiled with the flags of its first launch
+    site above, where its operand buffers take more than 3/4 of that budget, i.e. where an
+    epilogue's scratch could push it past 227 KiB (shallower or smaller ones need less of
+    everything, and the autotuner skips a candidate that runs out of resources anyway)."""
+    out, seen = [], set()
+    for v in variants:
+        a = v.args
+        if "BM" not in a:
+            continue
+        dual = v.fn is GK._grouped_mm_kernel and a["ACT"] == GK.ACT_SWIGLU
+        elem = 4 if a["a_ptr"].dtype == "fp32" else 2
+        cfg = C.TileConfig(BM=a["BM"], BN=a["BN"], BK=a["BK"], GROUP_M=a["GROUP_M"], num_warps=v.num_warps,
+                           num_stages=v.num_stages)
+        key = (v.fn, cfg, elem, dual)
+        if key in seen:
+            continue
+        seen.add(key)
+        stages = max(C._candidates(cfg, elem, dual))
+        if stages != v.num_stages and C._smem_bytes(cfg, stages, elem, dual) > C._SMEM_BUDGET * 3 // 4:
+            out.append(dataclasses.replace(v, name=f"{v.name}.autotune_s{stages}", num_stages=stages))
+    return out
+
+
+def all_variants() -> list[Variant]:
+    with sm90_device() as dev:
+        variants = routing_variants() + permute_variants(dev) + partition_variants() + gemm_variants(dev)
+    names = [v.name for v in variants]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"variant names must be unique: {sorted(dup)}")
+    return variants
+
+
+# ---------------------------------------------------------------------------------------------
+# Subprocess entry point: compile and print one JSON line per variant
+# ---------------------------------------------------------------------------------------------
+
+
+def main(filters: list[str]) -> int:
+    t0 = time.perf_counter()
+    failed = 0
+    for v in all_variants():
+        if filters and not any(f in v.name for f in filters):
+            continue
+        rec: dict = {"name": v.name}
+        try:
+            facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
+                                       name=v.name)
+            rec.update(ok=True, **facts.as_dict())
+        except Exception as exc:  # report every variant, then fail
+            rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
+            failed += 1
+        print(json.dumps(rec), flush=True)
+    print(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+
+VARIANTS = {v.name: v for v in all_variants()}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Compile every variant once, in a subprocess without TRITON_INTERPRET (this process may
+    run the interpreter); name -> JSON record."""
+    reason = aot.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cannot compile for sm_{ARCH} here: {reason}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
+                          timeout=900)
+    records = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            records[rec.get("name", "__done__")] = rec
+    if "__done__" not in records:
+        pytest.fail(f"the compile subprocess died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_compiles_for_sm90(compiled, name):
+    v = VARIANTS[name]
+    rec = compiled[name]
+    assert rec["ok"], rec["error"]
+    facts = {k: rec[k] for k in ("registers", "stack_bytes", "spills", "loop_spills", "shared", "wgmma", "mma_sync",
+                                 "async_loads", "num_warps", "num_stages")}
+    assert rec["shared"] <= aot.SM90_MAX_SHARED, f"needs {rec['shared']} B of shared memory: {facts}"
+    if v.spill_free_loops:
+        assert rec["loop_spills"] == 0, f"spills registers inside its main loop: {facts}"
+    if v.max_stack_bytes is not None:
+        assert rec["stack_bytes"] <= v.max_stack_bytes, f"spills more than {v.max_stack_bytes} B: {facts}"
+    if v.wgmma is not None:
+        assert rec["wgmma"] == v.wgmma, f"wgmma expected {v.wgmma}: {facts}"
+    if v.mma_sync is not None:
+        assert rec["mma_sync"] == v.mma_sync, f"mma.sync expected {v.mma_sync}: {facts}"
+    assert rec["async_loads"] >= v.async_loads, f"expected {v.async_loads} cp.async-pipelined loads: {facts}"
+
+
+def test_variants_cover_every_kernel():
+    """Every kernel (``_*_kernel``) of the kernel modules has a variant, so that a new kernel cannot
+    be added without an offline compile check."""
+    kernels = {f"{mod.__name__}.{n}": getattr(mod, n) for mod in KERNEL_MODULES for n in dir(mod)
+               if n.startswith("_") and n.endswith("_kernel")}
+    covered = {id(v.fn) for v in VARIANTS.values()}
+    missing = sorted(name for name, fn in kernels.items() if id(fn) not in covered)
+    assert not missing, f"kernels without a compile variant: {missing}"
+
+def test_specialize_like_a_launch():
+    """Argument specialization follows Triton's launcher: 1 becomes a constant, multiples of 16
+    and pointers are 16-divisible, do_not_specialize arguments stay plain i32, big ints are i64."""
+    names = ["x_ptr", "n", "one", "m", "big", "rows", "BLOCK"]
+    params = [SimpleNamespace(name=n, is_constexpr=n == "BLOCK", do_not_specialize=n == "rows",
+                              do_not_specialize_on_alignment=False, has_default=False) for n in names]
+    fn = SimpleNamespace(__name__="k", params=params)  # the attributes of a JITFunction it reads
+    sig, consts, attrs = aot.specialize(fn, dict(x_ptr=P("bf16"), n=4096, one=1, m=17, big=2**33, rows=32, BLOCK=64))
+    assert sig == dict(x_ptr="*bf16", n="i32", one="constexpr", m="i32", big="i64", rows="i32", BLOCK="constexpr")
+    assert consts == dict(one=1, BLOCK=64)
+    assert set(attrs) == {(0,), (1,), (4,)}  # x_ptr, n, big; not m (17) nor rows (do_not_specialize)
+    with pytest.raises(TypeError, match="no value for parameter 'BLOCK'"):
+        aot.specialize(fn, dict(x_ptr=P("bf16"), n=1, one=1, m=1, big=1, rows=1))
+
+
+def test_sass_spill_and_loop_parsing():
+    """Local-memory instructions are counted, and those between a backward branch and its target
+    are in a loop; the trailing self-branch (the trap) is not a loop."""
+    sass = """
+        /*0000*/                   STL [R1+0x4], R22 ;
+        /*0010*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0020*/              @!P0 LDL.LU R3, [R1+0x4] ;
+        /*0030*/               @P1 BRA 0x10 ;
+        /*0040*/                   LDL R4, [R1] ;
+        /*0050*/                   EXIT ;
+        /*0060*/                   BRA 0x60;
+    """
+    assert aot._local_memory_ops(sass) == (3, 1)
+    ttgir = "\n".join([
+        "%a = ttg.async_copy_global_to_local %p, %s mask %m : tensor<..> loc(#loc7)",
+        "%b = ttg.async_copy_global_to_local %q, %t mask %m : tensor<..> loc(#loc8)",
+        "  %c = ttg.async_copy_global_to_local %p, %s mask %m : tensor<..> loc(#loc7)",
+    ])
+    assert aot._async_loads(ttgir) == 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
