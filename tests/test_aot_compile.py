@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import time
@@ -504,13 +505,20 @@ def test_compiles_for_sm90(compiled, name):
 
 
 def test_variants_cover_every_kernel():
-    """Every kernel (``_*_kernel``) of the kernel modules has a variant, so that a new kernel cannot
-    be added without an offline compile check."""
+    """Every kernel (``_*_kernel``) of every kernel module (``kernels/_*_kernels.py``) has a
+    variant, so that a new kernel cannot be added without an offline compile check."""
+    import tritonmoe.kernels as pkg
+
+    modules = {m.name for m in pkgutil.iter_modules(pkg.__path__)
+               if m.name.startswith("_") and m.name.endswith("_kernels")}
+    unchecked = modules - {mod.__name__.rsplit(".", 1)[1] for mod in KERNEL_MODULES}
+    assert not unchecked, f"kernel modules without compile variants (add them to KERNEL_MODULES): {sorted(unchecked)}"
     kernels = {f"{mod.__name__}.{n}": getattr(mod, n) for mod in KERNEL_MODULES for n in dir(mod)
                if n.startswith("_") and n.endswith("_kernel")}
     covered = {id(v.fn) for v in VARIANTS.values()}
     missing = sorted(name for name, fn in kernels.items() if id(fn) not in covered)
     assert not missing, f"kernels without a compile variant: {missing}"
+
 
 def test_specialize_like_a_launch():
     """Argument specialization follows Triton's launcher: 1 becomes a constant, multiples of 16
