@@ -38,9 +38,12 @@ N, K and the rows per expert:
 Evidence: every sm90 variant was compiled offline for sm_90a with Triton 3.9 and ptxas (no GPU
 was available): all use wgmma except decode tiles (mma.sync), both operands go through cp.async
 pipelines when N and K are multiples of 16 (Triton then specializes them; otherwise the masked
-weight loads cannot be vectorized and stay synchronous), and none spills in the main loop (the
-SwiGLU forward epilogue spills 32 bytes; the IEEE-fp32 FMA fallback a few bytes). The speed of these choices is NOT measured: re-derive
-them with the benchmark harness on an H200.
+weight loads cannot be vectorized and stay synchronous), and none spills in the main loop. Outside
+it (tests/test_aot_compile.py measures this): the large SwiGLU forward epilogue spills 16 bytes
+on Triton 3.9 (8 on 3.6), the TF32 SwiGLU epilogue 88 bytes (64 on 3.6), IEEE fp32 nothing.
+Unaligned K or N (not multiples of 16) lose the cp.async pipelines and spill in the main loop:
+real models avoid them, and the policy has no separate config for them. The speed of these
+choices is NOT measured: re-derive them with the benchmark harness on an H200.
 
 Autotuning: on CUDA, unless ``TRITONMOE_AUTOTUNE=0``, a launch autotunes over the *pipeline
 depth* of the chosen config only (num_stages; tile shape, warps and ordering fixed). Pipelining

@@ -156,7 +156,8 @@ def metadata_config(num_slots: int, num_experts: int, device: torch.device) -> M
     is small and launch latency (~2-3 us per kernel) dominates: up to 2^15 slot-experts (e.g.
     T = 128, k = 4, E = 64), with [128, 32] one-hot tiles at 4 warps. Above that the three block
     kernels spread the work over cdiv(S, 256) * cdiv(E, 32) programs with [256, 32] tiles at 8
-    warps (32 int32 per thread, no spills); the scan runs one program per 32 experts over
+    warps (32 int32 per thread; the rank kernel spills 8 bytes outside its loop on Triton 3.9,
+    the scan 8 bytes inside its loop on 3.6, see tests/test_aot_compile.py); the scan runs one program per 32 experts over
     [block_b <= 128, 32] tiles of the [NB, E] histograms (T = 4096, k = 8, E = 256: 128 blocks, one
     step).
     Interpreter: whole-tile numpy ops are cheap and programs run one at a time, so one fused
