@@ -42,6 +42,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
+from tritonmoe._wgrad import WeightGradStore
+
 from .all_to_all import all_to_all_raw
 from .splits import DispatchPlan
 from .timeline import Timeline
@@ -134,9 +136,11 @@ def _schedule(
     plan: DispatchPlan,
     compute: Callable[[int, torch.Tensor], torch.Tensor],
     kinds: tuple[str, str],
+    tail: Optional[Callable[[], None]] = None,
 ) -> list[torch.Tensor]:
     """Run the micro-ops: first exchange (send_splits -> recv_splits), compute, second exchange
-    (recv_splits -> send_splits). Returns the second exchange's outputs, one per micro-op."""
+    (recv_splits -> send_splits). ``tail`` (compute) runs while the last second exchange is in
+    flight. Returns the second exchange's outputs, one per micro-op."""
     n = plan.num_micro_ops
     first: list[Optional[_Pending]] = [None] * n
     second: list[Optional[_Pending]] = [None] * n
@@ -156,6 +160,8 @@ def _schedule(
         if i >= 1:
             backs[i - 1] = ex.finish(second[i - 1])
             second[i - 1] = None
+    if tail is not None:
+        tail()
     backs[n - 1] = ex.finish(second[n - 1])
     return backs
 
@@ -170,6 +176,7 @@ class _State:
     expert_fn: ExpertFn
     timeline: Optional[Timeline]
     params: list[torch.Tensor] = field(default_factory=list)
+    wgrads: Optional[WeightGradStore] = None
     graphs: list = field(default_factory=list)
     out_width: list[int] = field(default_factory=list)
 
@@ -182,10 +189,11 @@ class _PipelinedExperts(torch.autograd.Function):
         n = state.plan.num_micro_ops
         sends, params = tensors[:n], tensors[n:]
         state.params = [p.detach().requires_grad_(p.requires_grad) for p in params]
+        state.wgrads = WeightGradStore([p for p in state.params if p.requires_grad], n)
         state.graphs = [None] * n
 
         def expert_fwd(i: int, recv: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad():
+            with torch.enable_grad(), state.wgrads.recording(i):
                 r = recv.detach().requires_grad_(True)
                 y = state.expert_fn(i, r, state.params)
             state.graphs[i] = (r, y)
@@ -230,8 +238,20 @@ class _PipelinedExperts(torch.autograd.Function):
                     acc[j] = gw if acc[j] is None else acc[j] + gw
             return gs[0] if gs[0] is not None else torch.zeros_like(r)
 
+        def weight_step() -> None:
+            # The W step: the deferred weight gradients, once over every micro-op's rows in the
+            # order of N = 1, while the last input gradients travel back.
+            tl, stream = state.timeline, (ex.compute_stream if ex.cuda else None)
+            rec = tl.start("wgrad", n - 1, "bwd", stream=stream) if tl is not None else None
+            deferred = state.wgrads.flush(plan.recv_counts)
+            if rec is not None:
+                tl.stop(rec, stream=stream)
+            for j, g in enumerate(deferred):
+                if g is not None:
+                    acc[j] = g if acc[j] is None else acc[j] + g
+
         ex = _Executor(state.group, dys[0].device, state.timeline, "bwd")
-        d_sends = _schedule(ex, dys, plan, expert_bwd, ("combine", "dispatch"))
+        d_sends = _schedule(ex, dys, plan, expert_bwd, ("combine", "dispatch"), tail=weight_step)
         it = iter(acc)
         d_params = []
         for p in params:
