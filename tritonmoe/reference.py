@@ -8,6 +8,15 @@ arguments; the public, validating entry points are in :mod:`tritonmoe.functional
 Precision: scores, weights and every accumulation are fp32 (fp64 when the inputs are fp64);
 outputs have the input dtype unless stated.
 
+Row invariance (fp64): the fp64 grouped GEMMs and activations are computed so that every row of
+their outputs and input gradients depends only on its own input row and the weights, so any
+partition of the rows (the micro-batches of a pipelined expert-parallel layer) gives
+bitwise-identical rows; their weight gradients are one ``x_e^T @ dy_e`` per expert, which a
+pipeline can defer to one step over all rows (:mod:`tritonmoe._wgrad`). This is what makes the
+pipelined layer bitwise equal to the unpipelined one in fp64. It costs speed (M = 1 batched
+products, scalar transcendentals), which only tests pay: fp32, bf16 and fp16 run plain
+per-expert matmuls and vectorized activations.
+
 Non-finite logits (identical on every backend; see DESIGN.md):
 
 * A NaN selection score ranks as -inf: it is chosen only after every finite score, lower expert
@@ -340,27 +349,37 @@ def grouped_gemm(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.
     return _grouped_gemm_acc(x_RK, expert_offsets, w_EKN).to(x_RK.dtype)
 
 
-def _unfused_rows(h_RN: torch.Tensor) -> torch.Tensor:
-    """h as a view whose rows are not contiguous with each other (row stride N + 1), so that an
-    elementwise op runs one inner loop per row: the vectorized transcendental functions (erf,
-    exp) and their scalar tails then see the same columns in every row, which makes the op
-    row-invariant (on a flat buffer, whether an element lands in a vector or in the tail depends
-    on its position in the whole buffer)."""
-    return F.pad(h_RN, (0, 1))[:, : h_RN.shape[1]]
+def _elementwise_scalar(h_RN: torch.Tensor) -> torch.Tensor:
+    """h as a view with inner stride 2 (a padded copy), so that elementwise ops on it, and their
+    backward, run ATen's scalar loop on every element.
+
+    On contiguous buffers ATen runs the vectorized transcendental functions (erf, exp) on most
+    elements and the scalar ones on the tail, which round differently, and the split depends on
+    an element's position in the whole buffer and on how the buffer is cut across threads (at
+    arbitrary positions). With no unit-stride operand there is no vectorized path, so every
+    element of every row goes through the same function: the op is row-invariant.
+    """
+    return F.pad(h_RN.unsqueeze(-1), (0, 1))[..., 0]
 
 
-def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The expert activation on a pre-activation h ([R, 2F] for swiglu: gate, then up)."""
+def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "swiglu":
         f = h.shape[-1] // 2
         return F.silu(h[..., :f]) * h[..., f:]
     if activation == "gelu":
-        if h.dtype == torch.float64 and h.dim() == 2:
-            h = _unfused_rows(h)
         return F.gelu(h)  # exact erf form
     if activation == "relu":
         return F.relu(h)
     raise ValueError(f"activation={activation!r}; use 'swiglu', 'gelu' or 'relu'")
+
+
+def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The expert activation on a pre-activation h ([R, 2F] for swiglu: gate, then up).
+
+    fp64 inputs are row-invariant (see :func:`_elementwise_scalar`), like the fp64 grouped GEMMs."""
+    if h.dtype == torch.float64 and activation != "relu":
+        return _activation(_elementwise_scalar(h), activation)
+    return _activation(h, activation)
 
 
 def grouped_ffn(
