@@ -20,17 +20,26 @@ be issued in the same order everywhere), is::
 
 The backward pass runs the same schedule with the same splits: the combine's reverse all-to-all
 brings the output gradients to the experts, the expert backward (autograd of the micro-op's
-stored expert graph) computes the input and weight gradients, and the dispatch's reverse
-all-to-all returns the input gradients. Weight gradients are summed over micro-ops in micro-op
-order.
+stored expert graph) computes the input gradients (the "B" step), and the dispatch's reverse
+all-to-all returns them. Weight gradients are computed as in zero-bubble pipelines' deferred "W"
+step: GEMMs that support it (:mod:`tritonmoe._wgrad`; the fp64 reference grouped GEMM) record
+their rows instead of computing ``X_i^T dY_i`` per micro-op, and one W step after the last
+micro-op's expert backward (while its input gradients travel back) computes each expert's
+``X^T dY`` over all micro-ops' rows, concatenated in the order N = 1 has them: per local expert,
+source rank, then token (micro-batches are contiguous token ranges). Weight gradients of other
+GEMMs (the Triton kernels, reduced-precision reference) are summed over micro-ops in micro-op
+order. The W step runs for N = 1 too, so every N takes the same path.
 
 Equality with N = 1: routing, capacity and the per-token combine are computed once for the whole
 batch or per token in a fixed order, so every per-token quantity (outputs, input and router
-gradients) is computed by the same arithmetic for every N, and is bitwise identical whenever the
-expert compute is row-independent (each output row a function of its input row alone, as a
-tiled Triton GEMM is). Vendor BLAS GEMMs (MKL on CPU, cuBLAS) choose kernels by the row count of
-the call, so with them rows differ from N = 1 in the last bits; weight gradients, sums over
-micro-ops, differ in the last bits too.
+gradients) is computed by the same arithmetic for every N whenever the expert compute is
+row-independent (each output row a function of its input row alone). Tiled Triton GEMMs are;
+vendor BLAS GEMMs (MKL on CPU, cuBLAS) are not (they choose kernels by the row count of the
+call), nor are ATen's vectorized elementwise transcendentals (a vector or scalar-tail rounding by
+position in the buffer), so the fp64 reference computes its GEMMs and activations row-invariantly
+(:func:`tritonmoe.reference.grouped_ffn`). With the deferred W step this makes outputs and every
+gradient bitwise identical to N = 1 in fp64 on the reference backend. In fp32/bf16 the reference
+keeps plain per-expert matmuls and summed weight gradients: equal to N = 1 to rounding.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from tritonmoe._wgrad import WeightGradStore
 
 from .all_to_all import all_to_all_raw
 from .splits import DispatchPlan
@@ -134,9 +145,11 @@ def _schedule(
     plan: DispatchPlan,
     compute: Callable[[int, torch.Tensor], torch.Tensor],
     kinds: tuple[str, str],
+    tail: Optional[Callable[[], None]] = None,
 ) -> list[torch.Tensor]:
     """Run the micro-ops: first exchange (send_splits -> recv_splits), compute, second exchange
-    (recv_splits -> send_splits). Returns the second exchange's outputs, one per micro-op."""
+    (recv_splits -> send_splits). ``tail`` (compute) runs while the last second exchange is in
+    flight. Returns the second exchange's outputs, one per micro-op."""
     n = plan.num_micro_ops
     first: list[Optional[_Pending]] = [None] * n
     second: list[Optional[_Pending]] = [None] * n
@@ -156,6 +169,8 @@ def _schedule(
         if i >= 1:
             backs[i - 1] = ex.finish(second[i - 1])
             second[i - 1] = None
+    if tail is not None:
+        tail()
     backs[n - 1] = ex.finish(second[n - 1])
     return backs
 
@@ -170,6 +185,7 @@ class _State:
     expert_fn: ExpertFn
     timeline: Optional[Timeline]
     params: list[torch.Tensor] = field(default_factory=list)
+    wgrads: Optional[WeightGradStore] = None
     graphs: list = field(default_factory=list)
     out_width: list[int] = field(default_factory=list)
 
@@ -182,10 +198,11 @@ class _PipelinedExperts(torch.autograd.Function):
         n = state.plan.num_micro_ops
         sends, params = tensors[:n], tensors[n:]
         state.params = [p.detach().requires_grad_(p.requires_grad) for p in params]
+        state.wgrads = WeightGradStore([p for p in state.params if p.requires_grad], n)
         state.graphs = [None] * n
 
         def expert_fwd(i: int, recv: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad():
+            with torch.enable_grad(), state.wgrads.recording(i):
                 r = recv.detach().requires_grad_(True)
                 y = state.expert_fn(i, r, state.params)
             state.graphs[i] = (r, y)
@@ -230,8 +247,20 @@ class _PipelinedExperts(torch.autograd.Function):
                     acc[j] = gw if acc[j] is None else acc[j] + gw
             return gs[0] if gs[0] is not None else torch.zeros_like(r)
 
+        def weight_step() -> None:
+            # The W step: the deferred weight gradients, once over every micro-op's rows in the
+            # order of N = 1, while the last input gradients travel back.
+            tl, stream = state.timeline, (ex.compute_stream if ex.cuda else None)
+            rec = tl.start("wgrad", n - 1, "bwd", stream=stream) if tl is not None else None
+            deferred = state.wgrads.flush(plan.recv_counts)
+            if rec is not None:
+                tl.stop(rec, stream=stream)
+            for j, g in enumerate(deferred):
+                if g is not None:
+                    acc[j] = g if acc[j] is None else acc[j] + g
+
         ex = _Executor(state.group, dys[0].device, state.timeline, "bwd")
-        d_sends = _schedule(ex, dys, plan, expert_bwd, ("combine", "dispatch"))
+        d_sends = _schedule(ex, dys, plan, expert_bwd, ("combine", "dispatch"), tail=weight_step)
         it = iter(acc)
         d_params = []
         for p in params:
@@ -263,7 +292,10 @@ def run_pipelined(
         timeline: record each step's span (:class:`~tritonmoe.comm.Timeline`).
 
     Returns: N buffers, micro-op i's expert outputs back on this rank in the order of
-    ``sends[i]``. Backward runs the same pipeline in reverse (see the module docstring).
+    ``sends[i]``. Backward runs the same pipeline in reverse (see the module docstring). Weight
+    gradients deferred by ``expert_fn``'s GEMMs assume that the rows each GEMM sees for local
+    expert e are micro-op i's received rows of e grouped by source rank
+    (``plan.recv_counts[i][:, e]``), as :meth:`AllToAllDispatcher.to_expert_major` lays them out.
     """
     n = plan.num_micro_ops
     if len(sends) != n:

@@ -2,7 +2,8 @@
 
 A :class:`Timeline` is an optional recorder handed to the dispatcher (``MoELayer.timeline``). Each
 micro-op step appends one :class:`Span`: its kind (``"dispatch"``, ``"combine"``, ``"expert"``,
-``"partition"``), the micro-op index, the phase (``"fwd"`` or ``"bwd"``) and its start and end in
+``"partition"``, or ``"wgrad"``: the backward's deferred weight-gradient step, recorded once
+under the last micro-op), the micro-op index, the phase (``"fwd"`` or ``"bwd"``) and its start and end in
 seconds.
 
 Clocks:
@@ -32,7 +33,7 @@ __all__ = ["Span", "Timeline", "COMM_KINDS", "COMPUTE_KINDS"]
 
 #: Span kinds that are communication, and those that are expert compute.
 COMM_KINDS = ("dispatch", "combine")
-COMPUTE_KINDS = ("expert",)
+COMPUTE_KINDS = ("expert", "wgrad")
 
 #: How long :meth:`Timeline.spans` waits for a communication future's completion callback.
 _CALLBACK_WAIT_S = 5.0

@@ -43,7 +43,7 @@ class MoELayer(nn.Module):
     * ``config.pipeline_degree`` = n cuts the local tokens into n micro-batches whose dispatch,
       expert FFN and combine are pipelined (:mod:`tritonmoe.comm.pipeline`); every rank of the
       group must use the same n. Routing is decided once for the whole local batch, so n changes
-      the schedule, not the result (see that module for the bitwise statement).
+      the schedule, not the result: bitwise in fp64 on the reference backend (see that module).
     * Set ``layer.timeline = tritonmoe.comm.Timeline()`` to record each micro-op's spans.
     """
 
