@@ -38,7 +38,17 @@ from .presets import (
     with_overrides,
 )
 from .roofs import describe, dtype_name, measure_roofs
-from .suites import SUITE_ORDER, SUITES, Context, count_entries, ep_cases, plan, run_suite
+from .suites import (
+    LAYER_FRACTION,
+    SUITE_ORDER,
+    SUITES,
+    Context,
+    attach_layer_fractions,
+    count_entries,
+    ep_cases,
+    plan,
+    run_suite,
+)
 from .telemetry import Telemetry
 
 DTYPES = {
@@ -434,6 +444,7 @@ def run(args, parser, argv: list[str]) -> int:
     else:
         doc["complete"] = True
     telemetry.close()
+    print_layer_fractions(doc["results"])
 
     doc["wall_time_s"] = time.perf_counter() - t0
     rows = doc["results"]
@@ -453,6 +464,15 @@ def run(args, parser, argv: list[str]) -> int:
         msg = report.plot(doc, args.plot)
         print(msg or f"plot: {args.plot}")
     return 1 if n_err or not doc["complete"] else 0
+
+
+def print_layer_fractions(rows: list[dict]) -> None:
+    """Attach to the permute suite's metadata rows their fraction of the layer forward (when the
+    layer suite measured the same shape) and print those rows again, now with the fraction."""
+    meta = attach_layer_fractions(rows)
+    if meta:
+        report.print_suite(meta, f"permute metadata as a fraction of the MoELayer forward ({LAYER_FRACTION} = "
+                           "metadata median / layer fwd median, same backend, shape, T and routing)")
 
 
 def compare_main(argv: list[str]) -> int:
@@ -479,6 +499,7 @@ def report_main(argv: list[str]) -> int:
             print(f"report: {path}: {first_line(exc)}", file=sys.stderr)
             return 2
     doc = report.merge_docs(docs)
+    attach_layer_fractions(doc["results"])  # also across files: permute and layer run separately
     for line in report.header_lines(doc):
         print(line)
     suites = list(dict.fromkeys(r["suite"] for r in doc["results"]))

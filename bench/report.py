@@ -14,7 +14,9 @@ Table columns (stdout and markdown; a column with nothing to show is left out):
 * ``peak``: peak GPU memory allocated during one call (inputs and weights included); ``/min``:
   peak over the analytic minimum (layer suite).
 * ``util%``, ``W``, ``SM MHz``: mean GPU utilization, power and SM clock sampled by NVML.
-* ``note``: why an entry is unavailable or failed, or suite-specific figures.
+* ``note``: why an entry is unavailable or failed, or suite-specific figures (e.g.
+  ``layer_fwd_frac`` of the permute suite's ``metadata`` rows: their median over the MoELayer
+  forward's at the same shape and backend, when the layer suite ran too).
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ implementation). ``fwd`` is an inference forward (under ``torch.no_grad()``); ``
 forward and ``torch.autograd.grad`` of the outputs, with a fixed random output gradient, with
 respect to every differentiable input (no gradient accumulation into ``.grad``). Value checks
 of the public API are switched off while timing (``tritonmoe.validation(False)``), as a
-training loop would.
+training loop would. The permute suite's ``metadata`` mode times the routing metadata alone
+(ids -> counts, offsets, slot rows; no row moved): ``tritonmoe.kernels.permute.permute_metadata``
+for backend ``triton`` against ``tritonmoe.reference.permute_metadata`` for ``torch``. After a
+run with the layer suite, :func:`attach_layer_fractions` gives each metadata row the fraction of
+the MoELayer forward (same backend, shape, token count and routing) it takes.
 
 An implementation that cannot run here (``backend="triton"`` for an op without a kernel yet,
 ``torch._grouped_mm`` missing or not supporting the dtype) is recorded as "unavailable" with
@@ -47,6 +51,9 @@ from .harness import (
 from .presets import PRESETS, Preset, RoutingSpec, parse_routing
 
 MODES = ("fwd", "fwd+bwd")
+
+#: The permute suite's extra mode: the routing metadata alone (no rows moved, no backward).
+METADATA = "metadata"
 
 #: The issue's router grid (GPU default of the route suite when no preset is chosen).
 ROUTE_GRID_TOKENS = (4096, 16384, 65536)
@@ -361,8 +368,60 @@ def _permute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
         out_grad=lambda st: ctx.randn(R, d, salt=T + 11),  # d(x_perm)
         work=lambda st, backward: W.permute(T, k, d, R, E, ctx.itemsize, backward=backward),
     )
+    entries += metadata_entries(ctx, T, k, E, pad_to=1)
     return Case("permute", f"permute {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="permute"),
                 build, entries)
+
+
+def metadata_impl(ctx: Context, backend: str) -> Callable:
+    """``permute_metadata(topk_ids, num_experts, pad_to)`` of a backend: the Triton kernels'
+    (``triton``; ``auto`` on CUDA) or the reference's (``torch``; ``auto`` on CPU), as
+    :func:`tritonmoe._settings.select_impl` chooses for the permute op."""
+    require_backend(ctx, backend)
+    if backend == "torch" or (backend == "auto" and not ctx.is_cuda):
+        return reference.permute_metadata
+    try:
+        from tritonmoe.kernels.permute import permute_metadata
+    except ImportError as exc:  # no triton in this environment
+        raise Unavailable(f"tritonmoe.kernels.permute is not importable: {first_line(exc)}") from None
+    return permute_metadata
+
+
+def metadata_entries(ctx: Context, T: int, k: int, E: int, *, pad_to: int) -> list[Entry]:
+    """One ``metadata`` entry per backend of the run: ``state["ids"]`` -> PermuteInfo, timed alone."""
+
+    def make(st, b):
+        fn = metadata_impl(ctx, b)
+        ids = st["ids"]
+        return no_grad_fn(lambda: fn(ids, E, pad_to)), W.permute_metadata(T, k, E)
+
+    return [Entry(METADATA, b, lambda st, b=b: make(st, b)) for b in ctx.backends]
+
+
+#: The key of :attr:`extra` that :func:`attach_layer_fractions` fills.
+LAYER_FRACTION = "layer_fwd_frac"
+
+
+def attach_layer_fractions(rows: list[dict]) -> list[dict]:
+    """Give each measured ``metadata`` row of the permute suite ``extra["layer_fwd_frac"]``: its
+    median over the median of the layer suite's ``fwd`` row of the same implementation and the
+    same params (preset shape, T, routing, dtype), when the run measured that row. Returns the
+    metadata rows that got one. (The permute case draws its own routing from the same
+    distribution as the layer's router, so the ids differ but have the same statistics.)"""
+
+    def key(r):
+        return r["impl"], tuple(sorted((k, repr(v)) for k, v in r["params"].items() if k != "op"))
+
+    layer = {key(r): r["time_s"]["median"] for r in rows
+             if r["suite"] == "layer" and r["mode"] == "fwd" and r["status"] == "ok" and r["time_s"]}
+    done = []
+    for r in rows:
+        if r["suite"] == "permute" and r["mode"] == METADATA and r["status"] == "ok" and r["time_s"]:
+            t_layer = layer.get(key(r))
+            if t_layer:
+                r["extra"][LAYER_FRACTION] = r["time_s"]["median"] / t_layer
+                done.append(r)
+    return done
 
 
 def _unpermute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
@@ -742,7 +801,8 @@ SUITES: dict[str, Suite] = {
     s.name: s
     for s in [
         Suite("route", "router: scores, (grouped) top-k, weights, counts; forward and forward+backward", plan=plan_route),
-        Suite("permute", "token permutation and weighted unpermutation; forward and forward+backward", plan=plan_permute),
+        Suite("permute", "token permutation and weighted unpermutation; forward and forward+backward; the "
+              "routing metadata alone (mode metadata)", plan=plan_permute),
         Suite("ffn", "grouped expert FFN over a permuted buffer (grouped_ffn); with a non-reference backend also "
               "the routed FFN x -> out (fused moe_ffn vs permute + grouped_ffn + unpermute)", plan=plan_ffn),
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
@@ -794,6 +854,7 @@ __all__ = [
     "Entry",
     "SUITES",
     "SUITE_ORDER",
+    "attach_layer_fractions",
     "ep_rows",
     "plan",
     "run_case",

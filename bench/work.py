@@ -32,6 +32,12 @@ def permute(T: int, k: int, d: int, R: int, E: int, s: int, *, backward: bool) -
     return Work(bytes=fwd + (bwd if backward else 0))
 
 
+def permute_metadata(T: int, k: int, E: int) -> Work:
+    """The routing metadata alone: reads the ids [T, k], writes slot_rows [T, k], offsets [E+1]
+    and counts [E] (int32)."""
+    return Work(bytes=T * k * (IDS + ROWS) + (E + 1) * 8 + E * 4)
+
+
 def unpermute(T: int, k: int, d: int, R: int, s: int, *, backward: bool) -> Work:
     """Forward reads y_perm [R, d], slot_rows and weights and writes out [T, d]. Backward reads
     d(out), y_perm (for d(weights)), slot_rows and weights and writes d(y_perm) and d(weights)."""

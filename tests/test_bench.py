@@ -316,6 +316,46 @@ def test_triton_backend_on_cpu_without_interpreter_is_unavailable(monkeypatch):
     assert rows and all(r["status"] == "unavailable" and "TRITON_INTERPRET" in r["note"] for r in rows)
 
 
+def test_permute_metadata_entry(monkeypatch):
+    """The permute suite's metadata entries: Triton's permute_metadata (in the interpreter on CPU)
+    beside the reference's, or one unavailable line without the interpreter."""
+    from tritonmoe import _settings
+
+    ctx = _ctx(backends=("triton", "torch"), tokens=(16,), presets_chosen=True)
+    case = next(c for c in suites.plan(ctx, "permute") if c.params["op"] == "permute")
+    case = dataclasses.replace(case, entries=[e for e in case.entries if e.mode == suites.METADATA])
+    assert [e.impl for e in case.entries] == ["triton", "torch"]
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(_settings, "TRITON_INTERPRET", False)
+        rows = suites.run_case(ctx, case)
+        assert rows[0]["status"] == "unavailable" and "TRITON_INTERPRET" in rows[0]["note"]
+        assert "\n" not in rows[0]["note"] and rows[1]["status"] == "ok"
+        monkeypatch.setattr(_settings, "TRITON_INTERPRET", True)  # conftest switched it on for real
+    rows = suites.run_case(ctx, case)
+    assert [r["status"] for r in rows] == ["ok", "ok"], [r["note"] for r in rows]
+    T, k, E = 16, PRESETS["small"].top_k, PRESETS["small"].num_experts
+    assert all(r["bytes"] == work.permute_metadata(T, k, E).bytes and r["gbps"] > 0 for r in rows)
+    assert set(rows[0]["speedup"]) == {"torch"}
+
+
+def test_metadata_fraction_of_the_layer(smoke_doc, capsys):
+    doc = json.loads(smoke_doc.read_text())
+    rows = doc["results"]
+    meta = [r for r in rows if r["mode"] == suites.METADATA]
+    assert [(r["suite"], r["impl"], r["params"]["T"]) for r in meta] == [("permute", "torch", 32), ("permute", "torch", 64)]
+    for r in meta:
+        layer = next(x for x in rows if x["suite"] == "layer" and x["mode"] == "fwd" and x["impl"] == "torch"
+                     and x["params"]["T"] == r["params"]["T"])
+        assert r["extra"][suites.LAYER_FRACTION] == pytest.approx(r["time_s"]["median"] / layer["time_s"]["median"])
+    # report re-attaches it across files (permute and layer measured by separate commands)
+    for r in meta:
+        r["extra"].clear()
+    assert suites.attach_layer_fractions(rows) == meta
+    assert suites.attach_layer_fractions([r for r in rows if r["suite"] != "layer"]) == []
+    assert cli.main(["report", str(smoke_doc)]) == 0
+    assert f"{suites.LAYER_FRACTION}=" in capsys.readouterr().out
+
+
 def test_missing_kernel_is_unavailable(monkeypatch):
     """backend='triton' for an op without a kernel raises NotImplementedError in tritonmoe: one
     unavailable row per entry, the run goes on."""

@@ -221,6 +221,27 @@ def test_permute_edge_cases(pad_to):
         assert torch.equal(x_perm, nx), name
 
 
+def _assert_same_info(a, b, what):
+    for field in ("expert_offsets", "slot_rows", "counts"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), (what, field)
+    assert (a.num_tokens, a.pad_to) == (b.num_tokens, b.pad_to), what
+
+
+@settings(max_examples=60)
+@given(permute_cases(max_d=1))
+def test_permute_metadata_equals_permute_and_kernel(case):
+    """reference.permute_metadata is exactly the metadata of reference.permute and of the Triton
+    permute_metadata (the interpreter on CPU, the GPU when present)."""
+    from tritonmoe.kernels import permute as kp
+
+    E, pad_to = case.num_experts, case.pad_to
+    info = ref.permute_metadata(case.ids, E, pad_to)
+    _assert_same_info(info, ref.permute(case.x, case.ids, E, pad_to=pad_to)[1], "reference.permute")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    _assert_same_info(info, kp.permute_metadata(case.ids.to(dev, torch.int32), E, pad_to), "kernel")
+
+
 def test_permute_non_contiguous_x():
     base = torch.randn(8, 10)
     x = base[:, ::2]  # strided view

@@ -42,6 +42,7 @@ __all__ = [
     "load_balancing_loss",
     "z_loss",
     "permute",
+    "permute_metadata",
     "unpermute",
     "ep_splits",
     "grouped_gemm",
@@ -189,10 +190,10 @@ def z_loss(logits_TE: torch.Tensor, routing: Routing | None = None) -> torch.Ten
     return lse_T.square().mean()
 
 
-def permute(
-    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1
-) -> tuple[torch.Tensor, PermuteInfo]:
-    """Gather token rows into expert-grouped order; see :func:`tritonmoe.permute`."""
+def permute_metadata(topk_ids_TK: torch.Tensor, num_experts: int, pad_to: int = 1) -> PermuteInfo:
+    """The :class:`PermuteInfo` of :func:`permute` without moving any row (no host sync): counts,
+    expert_offsets padded to ``pad_to`` and slot_rows in the stable order (by expert, then token,
+    then slot); slots with id -1 get row -1."""
     T, K = topk_ids_TK.shape
     E = num_experts
     dev = topk_ids_TK.device
@@ -214,17 +215,24 @@ def permute(
     row_sorted = torch.where(routed, offsets[e_sorted] + pos - starts_E[e_sorted], torch.full_like(pos, -1))
     slot_rows = torch.empty_like(row_sorted)
     slot_rows[order] = row_sorted
-
-    R = int(offsets[-1])  # host sync: the output's row count depends on the routing
-    # Source token of each row; padding rows read a zero row appended at index T.
-    src_ext = torch.full((R + 1,), T, dtype=torch.int64, device=dev)
-    src_ext[torch.where(routed, row_sorted, torch.full_like(row_sorted, R))] = order // K
-    src_R = src_ext[:R]
-    x_ext = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])], dim=0)
-    x_perm = x_ext[src_R]
-    info = PermuteInfo(
+    return PermuteInfo(
         expert_offsets=offsets, slot_rows=slot_rows.view(T, K), counts=counts_E, num_tokens=T, pad_to=pad_to
     )
+
+
+def permute(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1
+) -> tuple[torch.Tensor, PermuteInfo]:
+    """Gather token rows into expert-grouped order; see :func:`tritonmoe.permute`."""
+    T, K = topk_ids_TK.shape
+    info = permute_metadata(topk_ids_TK, num_experts, pad_to)
+    rows = info.slot_rows.reshape(-1)
+    R = int(info.expert_offsets[-1])  # host sync: the output's row count depends on the routing
+    # Source token of each row; padding rows read a zero row appended at index T.
+    src_ext = torch.full((R + 1,), T, dtype=torch.int64, device=x_TD.device)
+    src_ext[torch.where(rows >= 0, rows, torch.full_like(rows, R))] = torch.arange(T * K, device=x_TD.device) // K
+    x_ext = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])], dim=0)
+    x_perm = x_ext[src_ext[:R]]
     return x_perm, info
 
 
