@@ -116,8 +116,9 @@ class _CopySegments(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         src_starts_C, dst_starts_C, lengths_C = ctx.saved_tensors
-        # The segments are disjoint on both sides, so the gradient is the reverse copy.
-        grad_src = _launch(grad_out, dst_starts_C, src_starts_C, lengths_C, ctx.src_rows)
+        # The segments are disjoint on both sides, so the gradient is the reverse copy; the op is
+        # linear, so running it through apply() keeps double backward exact.
+        grad_src = _CopySegments.apply(grad_out, dst_starts_C, src_starts_C, lengths_C, ctx.src_rows)
         return grad_src, None, None, None, None
 
 

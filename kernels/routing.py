@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 
 import torch
 import triton
+from torch.autograd.function import once_differentiable
 
 from tritonmoe import reference
 from tritonmoe.types import Routing
@@ -294,6 +295,7 @@ class _RouteFn(torch.autograd.Function):
         return ids, w, counts, selected, score_sum, lse
 
     @staticmethod
+    @once_differentiable  # the fused backward kernel is not itself differentiable: say so loudly
     def backward(ctx, _d_ids, dw_TK, _d_counts, _d_selected, dss_E, dlse_T):
         logits_TE, sel_ids, ids = ctx.saved_tensors
         if dw_TK is None and dss_E is None and dlse_T is None:

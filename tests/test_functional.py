@@ -179,3 +179,62 @@ def test_gradcheck_grouped_ffn(activation):
     w2 = torch.randn(3, f, 4, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *a: tm.grouped_ffn(*a[:1], offs, *a[1:], activation), (x, w1, w2))
     assert torch.autograd.gradcheck(lambda a, b: tm.grouped_gemm(a, offs, b), (x, w1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd with nothing to compute: outputs stay in the graph (zero gradients, not None)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ops_stay_differentiable_when_nothing_is_routed(backend):
+    d, f, E = 4, 3, 3
+    x = torch.randn(3, d, requires_grad=True)
+    w1 = torch.randn(E, d, 2 * f, requires_grad=True)
+    w2 = torch.randn(E, f, d, requires_grad=True)
+    ids = torch.full((3, 2), -1)
+    x_perm, info = tm.permute(x, ids, E, backend=backend)
+    assert x_perm.shape == (0, d)
+    y = tm.grouped_ffn(x_perm, info.expert_offsets, w1, w2, backend=backend)
+    out = tm.unpermute(y, info, torch.rand(3, 2), backend=backend)
+    out.sum().backward()
+    for name, t in (("x", x), ("w1", w1), ("w2", w2)):
+        assert t.grad is not None and float(t.grad.abs().sum()) == 0.0, name
+    src = torch.randn(5, d, requires_grad=True)
+    empty = torch.zeros(2, dtype=torch.int64)
+    moved = tm.comm.copy_segments(src, empty, empty, empty, 4, backend=backend)
+    moved.sum().backward()
+    assert src.grad is not None and float(src.grad.abs().sum()) == 0.0
+
+
+def test_layer_with_no_tokens_gives_zero_expert_gradients():
+    for cfg_backend in ("torch", "triton"):
+        layer = tm.MoELayer(tm.MoEConfig(6, 5, 4, 2, backend=cfg_backend))
+        layer(torch.zeros(0, 6)).sum().backward()
+        assert layer.w1.grad is not None and float(layer.w1.grad.abs().sum()) == 0.0, cfg_backend
+
+
+def test_double_backward():
+    """The reference route and copy_segments support double backward; the Triton route's fused
+    backward kernel does not, and says so instead of silently dropping second-order terms."""
+    logits = torch.randn(4, 5, dtype=torch.float32, requires_grad=True)
+    for backend in ("torch", "triton"):
+        r = tm.route(logits, 2, backend=backend)
+        (g,) = torch.autograd.grad(r.topk_weights.square().sum(), logits, create_graph=True)
+        if backend == "torch":
+            g.square().sum().backward()
+            assert logits.grad is not None
+        else:
+            with pytest.raises(RuntimeError, match="differentiate twice"):
+                g.square().sum().backward()
+    src = torch.randn(6, 3, requires_grad=True)
+    starts = torch.tensor([0, 3]), torch.tensor([2, 0]), torch.tensor([2, 2])
+    for backend in ("torch", "triton"):
+        out = tm.comm.copy_segments(src, *starts, 5, backend=backend)
+        up = torch.randn(5, 3, requires_grad=True)
+        (gs,) = torch.autograd.grad((out * up).sum(), src, create_graph=True)
+        (gu,) = torch.autograd.grad(gs.sum(), up)
+        expect = torch.zeros(5, 3)
+        expect[2:4] = 1.0
+        expect[0:2] = 1.0
+        assert torch.equal(gu, expect), backend

@@ -340,15 +340,11 @@ def _grouped_gemm_acc(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: t
     offs = expert_offsets.tolist()  # host sync: the reference slices the rows per expert
     if x_RK.dtype == torch.float64 and w_EKN.dtype == torch.float64:
         return _RowInvariantGroupedGemm.apply(x_RK, offs, w_EKN)
-    pieces = []
-    for e in range(E):
-        a, b = offs[e], offs[e + 1]
-        if b > a:
-            pieces.append(x_RK[a:b].to(acc) @ w_EKN[e].to(acc))
+    # Every expert contributes a (possibly empty) piece, so the output stays in the autograd
+    # graph of x and w even when no row is routed (zero gradients rather than no grad_fn).
+    pieces = [x_RK[offs[e] : offs[e + 1]].to(acc) @ w_EKN[e].to(acc) for e in range(E)]
     if R > offs[E]:
         pieces.append(x_RK.new_zeros(R - offs[E], N, dtype=acc))
-    if not pieces:
-        return x_RK.new_zeros(R, N, dtype=acc)
     return torch.cat(pieces, dim=0)
 
 
@@ -432,9 +428,13 @@ def copy_segments(
     per-destination chunks into one send buffer and unpacking a receive buffer are both this op;
     its gradient is the same op with the starts swapped.
     """
-    out = src_RD.new_zeros(num_rows, src_RD.shape[1])
-    # Host sync: the reference slices the rows per segment.
+    # Source row of every output row (index R_src = a zero row for uncovered rows); gathering
+    # keeps the output in src's autograd graph even when every segment is empty.
+    R_src, D = src_RD.shape
+    idx = torch.full((num_rows,), R_src, dtype=torch.int64)
+    # Host sync: the reference builds the row map segment by segment on the host.
     for s, d, n in zip(src_starts_C.tolist(), dst_starts_C.tolist(), lengths_C.tolist()):
         if n > 0:
-            out[d : d + n] = src_RD[s : s + n]
-    return out
+            idx[d : d + n] = torch.arange(s, s + n)
+    src_ext = torch.cat([src_RD, src_RD.new_zeros(1, D)], dim=0)
+    return src_ext[idx.to(src_RD.device)]
