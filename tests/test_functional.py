@@ -238,3 +238,17 @@ def test_double_backward():
         expect[2:4] = 1.0
         expect[0:2] = 1.0
         assert torch.equal(gu, expect), backend
+
+
+def test_numpy_integer_scalars_are_accepted():
+    import numpy as np
+
+    r = tm.route(LOGITS, np.int64(2), capacity=np.int32(3))
+    assert r.topk_ids.shape == (4, 2)
+    torch.testing.assert_close(r.topk_weights, tm.route(LOGITS, 2, capacity=3).topk_weights)
+    x_perm, info = tm.permute(X, IDS, np.int64(6), pad_to=np.int16(2))
+    assert info.expert_offsets.shape == (7,)
+    cfg = tm.MoEConfig(np.int64(8), 16, 4, np.int64(2), capacity_factor=np.float32(1.0))
+    assert type(cfg.top_k) is int and type(cfg.capacity_factor) is float
+    with pytest.raises(TypeError):
+        tm.route(LOGITS, np.float64(2.0))

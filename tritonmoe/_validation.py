@@ -10,6 +10,8 @@ contents (a device synchronization) and run only while validation is enabled.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -19,7 +21,13 @@ ACTIVATIONS = ("swiglu", "gelu", "relu")
 
 
 def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer that is not a bool: Python ints and integer scalars such as numpy.int64."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    """A real number that is not a bool (Python or numpy scalars)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def tensor(name: str, t, ndim: int | None = None) -> torch.Tensor:
@@ -59,7 +67,7 @@ def positive_int(name: str, v, minimum: int = 1) -> int:
         raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
     if v < minimum:
         raise ValueError(f"{name}={v} must be >= {minimum}")
-    return v
+    return int(v)
 
 
 def choice(name: str, v, options: tuple[str, ...]) -> str:

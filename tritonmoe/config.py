@@ -66,13 +66,13 @@ class MoEConfig:
         )
         if self.capacity_factor is not None:
             cf = self.capacity_factor
-            if isinstance(cf, bool) or not isinstance(cf, (int, float)):
+            if not V.is_real(cf):
                 raise TypeError(f"capacity_factor must be a number or None, got {type(cf).__name__}")
             if not (math.isfinite(cf) and cf > 0):
                 raise ValueError(f"capacity_factor={cf} must be a finite number > 0 (or None for dropless)")
         for name in ("aux_loss_coef", "z_loss_coef"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if not V.is_real(v):
                 raise TypeError(f"{name} must be a number, got {type(v).__name__}")
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name}={v} must be finite and >= 0")
@@ -82,6 +82,15 @@ class MoEConfig:
         if self.backend is not None:
             V.choice("backend", self.backend, BACKENDS)
         V.choice("ffn_path", self.ffn_path, FFN_PATHS)
+        # Store plain Python numbers (numpy scalars pass validation but must not reach kernels).
+        for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, int(v))
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, float(v))
 
     @property
     def n1(self) -> int:

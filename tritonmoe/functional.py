@@ -59,6 +59,8 @@ def route(
     weights fp32 [T, k], differentiable w.r.t. the logits; counts int32 [E]).
     """
     V.route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux)
+    # Integer scalars of other types (numpy.int64, ...) become Python ints before any launch.
+    top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
     if validation_enabled():
         V.route_values(logits, score_func, expert_bias)
     impl = select_impl("route", backend, logits.device)
@@ -123,6 +125,7 @@ def permute(
     [T, k], ``counts`` int32 [E]). ``x_perm[slot_rows[t, j]] == x[t]`` exactly.
     """
     V.permute_args(x, topk_ids, num_experts, pad_to)
+    num_experts, pad_to = int(num_experts), int(pad_to)
     if validation_enabled():
         V.ids_values(topk_ids, num_experts)
     impl = select_impl("permute", backend, x.device)
