@@ -36,6 +36,8 @@ def chunk_transpose_segments(counts_AB: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def _segments_values(name: str, starts: torch.Tensor, lengths: torch.Tensor, rows: int) -> None:
     """Segments inside [0, rows) and pairwise disjoint (reads the tensors: a sync)."""
+    # Host sync: value validation of caller-supplied segments (public entry only, skipped with
+    # set_validation(False); the dispatcher builds its own segments and never calls this).
     s = starts.to(torch.int64).cpu()
     n = lengths.to(torch.int64).cpu()
     if bool((s < 0).any()) or bool(((s + n) > rows).any()):
