@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from tritonmoe import _validation as V
-from tritonmoe._settings import select_impl, validation_enabled
+from tritonmoe import validation_enabled
+from tritonmoe.dispatch import implementation
 
 __all__ = ["copy_segments", "transpose_chunks", "chunk_transpose_segments"]
 
@@ -90,7 +91,7 @@ def copy_segments(
             raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
         _segments_values("src", src_starts, lengths, src.shape[0])
         _segments_values("the output", dst_starts, lengths, num_rows)
-    return select_impl("copy_segments", backend, src.device)(src, src_starts, dst_starts, lengths, num_rows)
+    return implementation("copy_segments", backend, src.device)(src, src_starts, dst_starts, lengths, num_rows)
 
 
 def transpose_chunks(x: torch.Tensor, counts_AB: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -119,4 +120,4 @@ def _transpose_chunks(x: torch.Tensor, counts_AB: torch.Tensor, backend: str | N
     if A == 1 or B == 1:
         return x  # (a, b) and (b, a) orders coincide
     src_starts, dst_starts, lengths = chunk_transpose_segments(counts_AB)
-    return select_impl("copy_segments", backend, x.device)(x, src_starts, dst_starts, lengths, x.shape[0])
+    return implementation("copy_segments", backend, x.device)(x, src_starts, dst_starts, lengths, x.shape[0])

@@ -1,7 +1,7 @@
 """Grouped expert FFN on Triton: ``grouped_gemm``, ``grouped_ffn`` and the fused ``moe_ffn``.
 
 Launchers with the signatures of :mod:`tritonmoe.reference` (registered in
-:data:`tritonmoe.kernels.KERNEL_OPS`); the kernels are in ``_grouped_gemm_kernels.py`` and the
+:data:`tritonmoe.dispatch.OPS`); the kernels are in ``_grouped_gemm_kernels.py`` and the
 launch parameters in ``_gemm_config.py``.
 
 Shape letters: T tokens, k slots per token, E experts, D d_model, F d_ffn, N1 the first GEMM's
@@ -33,8 +33,8 @@ to run.
 
 Precision: fp32 accumulation everywhere; fp16/bf16 operands use the tensor cores; fp32 operands
 use IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, then TF32 (read at each
-call, like torch's own matmuls). fp64 inputs, which have no tensor-core path, run
-:mod:`tritonmoe.reference` instead.
+call, like torch's own matmuls). fp64 inputs have no tensor-core path: the launchers refuse them
+and :mod:`tritonmoe.dispatch` sends them to :mod:`tritonmoe.reference`.
 
 Backward and the pre-activation: saved by default (one extra [rows, N1] write in forward),
 recomputed by rerunning GEMM1 with ``TRITONMOE_FFN_PREACT=recompute`` or
@@ -49,7 +49,6 @@ import torch
 import triton
 from torch.autograd.function import once_differentiable
 
-from .. import reference
 from ..types import Routing
 from . import _gemm_config as C
 from ._grouped_gemm_kernels import (
@@ -403,10 +402,17 @@ class _MoEFFNFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_dtype(x: torch.Tensor) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"the Triton grouped GEMMs run on tensor cores in fp16/bf16/fp32 (tf32), got {x.dtype}; "
+            "tritonmoe.dispatch sends fp64 to tritonmoe.reference"
+        )
+
+
 def grouped_gemm(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
     """Rows in [offsets[e], offsets[e+1]) times w[e]; rows at or past offsets[E] are zero."""
-    if x_RK.dtype == torch.float64:
-        return reference.grouped_gemm(x_RK, expert_offsets, w_EKN)  # no fp64 tensor-core path
+    _check_dtype(x_RK)
     return _GroupedGemmFn.apply(x_RK, expert_offsets.contiguous(), w_EKN)
 
 
@@ -419,8 +425,7 @@ def grouped_ffn(
 ) -> torch.Tensor:
     """grouped_gemm(act(grouped_gemm(x, w1)), w2) with the activation fused into GEMM1's epilogue
     (fp32 accumulator, rounded once to the input dtype)."""
-    if x_RD.dtype == torch.float64:
-        return reference.grouped_ffn(x_RD, expert_offsets, w1_EDN, w2_EFD, activation)
+    _check_dtype(x_RD)
     needs_grad = _needs_grad(x_RD, w1_EDN, w2_EFD)
     return _GroupedFFNFn.apply(x_RD, expert_offsets.contiguous(), w1_EDN, w2_EFD, activation, needs_grad)
 
@@ -434,8 +439,7 @@ def moe_ffn(
 ) -> torch.Tensor:
     """permute -> grouped_ffn -> unpermute, fused: token rows are gathered inside GEMM1 and the
     gate-weighted combine follows GEMM2 without an expert-ordered y buffer."""
-    if x_TD.dtype == torch.float64:
-        return reference.moe_ffn(x_TD, routing, w1_EDN, w2_EFD, activation)
+    _check_dtype(x_TD)
     w_TK = routing.topk_weights
     needs_grad = _needs_grad(x_TD, w_TK, w1_EDN, w2_EFD)
     return _MoEFFNFn.apply(x_TD, w_TK, routing.topk_ids, w1_EDN, w2_EFD, activation, needs_grad)

@@ -28,7 +28,6 @@ import torch
 import triton
 from torch.autograd.function import once_differentiable
 
-from tritonmoe import reference
 from tritonmoe.types import Routing
 
 from ._routing_kernels import (
@@ -319,20 +318,14 @@ def route(
     """Top-k routing with the fused Triton kernels; the contract of :func:`tritonmoe.route`
     (arguments already validated there).
 
-    fp64 logits are routed by :func:`tritonmoe.reference.route`: the kernels compute in fp32,
-    which would not meet the fp64 contract (fp64 scores, weights and aux tensors).
+    fp16/bf16/fp32 logits only: the kernels compute in fp32, which would not meet the fp64
+    contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.dispatch` routes fp64 logits
+    to the reference.
     """
-    if logits_TE.dtype == torch.float64:
-        return reference.route(
-            logits_TE,
-            top_k,
-            score_func=score_func,
-            renormalize=renormalize,
-            expert_bias=expert_bias,
-            n_groups=n_groups,
-            topk_groups=topk_groups,
-            capacity=capacity,
-            with_aux=with_aux,
+    if logits_TE.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"the Triton router computes in fp32 and takes fp16/bf16/fp32 logits, got {logits_TE.dtype}; "
+            "tritonmoe.dispatch sends fp64 to tritonmoe.reference.route"
         )
     T, E = logits_TE.shape
     G = n_groups if n_groups is not None and n_groups > 1 else 1

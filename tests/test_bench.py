@@ -359,10 +359,10 @@ def test_metadata_fraction_of_the_layer(smoke_doc, capsys):
 def test_missing_kernel_is_unavailable(monkeypatch):
     """backend='triton' for an op without a kernel raises NotImplementedError in tritonmoe: one
     unavailable row per entry, the run goes on."""
-    from tritonmoe import _settings
+    from tritonmoe import _settings, dispatch
 
     monkeypatch.setattr(_settings, "TRITON_INTERPRET", True)
-    monkeypatch.setattr(_settings, "_kernel_impl", lambda op: None)
+    monkeypatch.setattr(dispatch, "kernel", lambda op: None)
     ctx = _ctx(backends=("triton", "torch"), tokens=(16,), presets_chosen=True, baselines=())
     rows = suites.run_suite(ctx, "layer")
     by_impl = {(r["impl"], r["mode"]): r for r in rows}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tritonmoe as tm
-from tritonmoe import _settings
+from tritonmoe import _settings, dispatch
 from tritonmoe import reference as ref
 
 
@@ -99,9 +99,14 @@ def test_value_checks_can_be_switched_off():
 def test_backend_selection():
     with tm.use_backend("torch"):
         assert tm.get_backend() == "torch"
-        assert _settings.select_impl("route", None, torch.device("cpu")) is ref.route
+        assert dispatch.implementation("route", None, torch.device("cpu")) is ref.route
     # auto on CPU tensors uses the reference
-    assert _settings.select_impl("permute", "auto", torch.device("cpu")) is ref.permute
+    assert dispatch.implementation("permute", "auto", torch.device("cpu")) is ref.permute
+    # fp64 runs the reference on every backend for the tensor-core ops, not for row movers
+    for op in ("route", "grouped_gemm", "grouped_ffn", "moe_ffn"):
+        assert dispatch.implementation(op, "triton", torch.device("cuda"), torch.float64) is dispatch.OPS[op].reference
+    with pytest.raises(ValueError, match="unknown op"):
+        dispatch.implementation("matmul", "auto", torch.device("cpu"))
     prev = tm.set_backend("auto")
     assert tm.set_backend(prev) == "auto"
     with pytest.raises(ValueError, match="not a backend"):
@@ -113,12 +118,10 @@ def test_backend_selection():
 def test_triton_backend_errors_are_clear(monkeypatch):
     """Without a kernel for the op the error names the op; on CPU without the interpreter it
     names TRITON_INTERPRET."""
-    from tritonmoe import kernels
-
-    monkeypatch.setattr(kernels, "KERNEL_OPS", {})
+    monkeypatch.setattr(dispatch, "kernel", lambda op: None)
     with pytest.raises(NotImplementedError, match="'route'"):
         tm.route(LOGITS, 2, backend="triton")
-    monkeypatch.setattr(kernels, "KERNEL_OPS", {"route": ("tritonmoe.reference", "route")})
+    monkeypatch.setattr(dispatch, "kernel", lambda op: ref.route)
     monkeypatch.setattr(_settings, "TRITON_INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         tm.route(LOGITS, 2, backend="triton")

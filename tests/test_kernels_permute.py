@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 import tritonmoe as tm
 from tritonmoe import reference as ref
-from tritonmoe.kernels import KERNEL_OPS
 from tritonmoe.kernels import permute as kp
 from tritonmoe.kernels._permute_kernels import row_offset
 from tritonmoe.types import PermuteInfo
@@ -120,13 +119,13 @@ def check_unpermute(y, info, w, config="default"):
 
 
 def test_registered():
-    assert KERNEL_OPS["permute"] == ("tritonmoe.kernels.permute", "permute")
-    assert KERNEL_OPS["unpermute"] == ("tritonmoe.kernels.permute", "unpermute")
-    from tritonmoe._settings import select_impl
+    from tritonmoe.dispatch import implementation as select_impl
 
     assert select_impl("permute", "triton", DEV) is kp.permute
     assert select_impl("unpermute", "triton", DEV) is kp.unpermute
     assert select_impl("permute", "auto", torch.device("cuda")) is kp.permute  # CUDA -> kernels
+    assert select_impl("permute_metadata", "triton", DEV) is kp.permute_metadata
+    assert select_impl("permute", "triton", DEV, torch.float64) is kp.permute  # row movers: any dtype
 
 
 # --------------------------------------------------------------------------------------------

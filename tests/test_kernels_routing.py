@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
-from tritonmoe import _settings, kernels
+from tritonmoe import _settings, dispatch, kernels
 from tritonmoe import reference as ref
 from tritonmoe.kernels import routing as kr
 
@@ -332,10 +332,9 @@ def test_gradient_of_bias_is_none_and_weights_only_graph():
 
 
 def test_registered_as_the_route_kernel():
-    assert kernels.KERNEL_OPS["route"] == ("tritonmoe.kernels.routing", "route")
-    assert _settings.select_impl("route", "triton", torch.device(DEV)) is kr.route
+    assert dispatch.implementation("route", "triton", torch.device(DEV)) is kr.route
     if HAS_CUDA:
-        assert _settings.select_impl("route", "auto", torch.device("cuda")) is kr.route
+        assert dispatch.implementation("route", "auto", torch.device("cuda")) is kr.route
 
 
 LOGITS = torch.randn(4, 6)

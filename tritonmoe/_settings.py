@@ -16,9 +16,8 @@ Backends:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -115,52 +114,3 @@ def resolve_backend(backend: str | None) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     return _parse_backend(backend, "backend")
-
-
-def select_impl(op: str, backend: str | None, device: torch.device) -> Callable:
-    """Return the implementation of ``op`` for tensors on ``device``.
-
-    The reference implementation lives in :mod:`tritonmoe.reference` under the op's name; the
-    kernel implementation is looked up in :data:`tritonmoe.kernels.KERNEL_OPS`.
-    """
-    b = resolve_backend(backend)
-    from . import reference
-
-    if b == "torch":
-        return getattr(reference, op)
-    kernel = _kernel_impl(op)
-    if b == "auto":
-        if device.type == "cuda" and kernel is not None:
-            return kernel
-        return getattr(reference, op)
-    # b == "triton"
-    if kernel is None:
-        raise NotImplementedError(
-            f"tritonmoe has no Triton kernel for '{op}' yet; use backend='torch' or 'auto'"
-        )
-    if device.type == "cpu" and not TRITON_INTERPRET:
-        raise RuntimeError(
-            f"backend='triton' for '{op}' on CPU tensors needs Triton's interpreter: set "
-            "TRITON_INTERPRET=1 in the environment before importing tritonmoe, or use backend='torch'"
-        )
-    if device.type not in ("cpu", "cuda"):
-        raise RuntimeError(f"backend='triton' for '{op}' supports CPU (interpreter) and CUDA tensors, got {device}")
-    return kernel
-
-
-def _kernel_impl(op: str) -> Callable | None:
-    try:
-        from . import kernels
-    except ImportError:  # pragma: no cover - the package always ships kernels/
-        return None
-    spec = kernels.KERNEL_OPS.get(op)
-    if spec is None:
-        return None
-    module_name, attr = spec
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:  # triton missing (e.g. macOS): the kernels are unavailable
-        if "triton" in str(exc):
-            return None
-        raise
-    return getattr(module, attr)

@@ -10,7 +10,8 @@ import torch
 
 from . import _validation as V
 from . import reference
-from ._settings import select_impl, validation_enabled
+from ._settings import validation_enabled
+from .dispatch import implementation
 from .types import PermuteInfo, Routing
 
 __all__ = [
@@ -63,7 +64,7 @@ def route(
     top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
     if validation_enabled():
         V.route_values(logits, score_func, expert_bias)
-    impl = select_impl("route", backend, logits.device)
+    impl = implementation("route", backend, logits.device, logits.dtype)
     return impl(
         logits,
         top_k,
@@ -128,7 +129,7 @@ def permute(
     num_experts, pad_to = int(num_experts), int(pad_to)
     if validation_enabled():
         V.ids_values(topk_ids, num_experts)
-    impl = select_impl("permute", backend, x.device)
+    impl = implementation("permute", backend, x.device, x.dtype)
     return impl(x, topk_ids, num_experts, pad_to=pad_to)
 
 
@@ -153,7 +154,7 @@ def unpermute(
     V.same_device(y_perm=y_perm, topk_weights=topk_weights, slot_rows=info.slot_rows)
     if validation_enabled():
         V.offsets_values("info.expert_offsets", info.expert_offsets, y_perm.shape[0])
-    impl = select_impl("unpermute", backend, y_perm.device)
+    impl = implementation("unpermute", backend, y_perm.device, y_perm.dtype)
     return impl(y_perm, info, topk_weights)
 
 
@@ -169,7 +170,7 @@ def grouped_gemm(
     V.gemm_args(x, expert_offsets, w)
     if validation_enabled():
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
-    impl = select_impl("grouped_gemm", backend, x.device)
+    impl = implementation("grouped_gemm", backend, x.device, x.dtype)
     return impl(x, expert_offsets, w)
 
 
@@ -190,7 +191,7 @@ def grouped_ffn(
     V.ffn_args(x, expert_offsets, w1, w2, activation)
     if validation_enabled():
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
-    impl = select_impl("grouped_ffn", backend, x.device)
+    impl = implementation("grouped_ffn", backend, x.device, x.dtype)
     return impl(x, expert_offsets, w1, w2, activation)
 
 
@@ -239,5 +240,5 @@ def moe_ffn(
     V.same_device(x=x, topk_ids=routing.topk_ids, topk_weights=routing.topk_weights)
     if validation_enabled():
         V.ids_values(routing.topk_ids, E)
-    impl = select_impl("moe_ffn", backend, x.device)
+    impl = implementation("moe_ffn", backend, x.device, x.dtype)
     return impl(x, routing, w1, w2, activation)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import reference
-from ._settings import select_impl
+from .dispatch import implementation
 from .config import MoEConfig
 from .types import Routing
 
@@ -106,7 +106,7 @@ class MoELayer(nn.Module):
     # -- the steps of a forward, separate so that expert parallelism can interleave them --------
 
     def _impl(self, op: str, device: torch.device):
-        return select_impl(op, self.config.backend, device)
+        return implementation(op, self.config.backend, device, self.w1.dtype)
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """Router logits and routing for flattened tokens."""
