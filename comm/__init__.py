@@ -11,13 +11,17 @@ package never imports the layer.
   pipelining of dispatch / expert compute / combine, forward and backward.
 * :func:`copy_segments` / :func:`transpose_chunks` - the partition/concat op (a Triton kernel on
   CUDA) that re-lays-out all-to-all buffers.
-* :class:`Timeline` - per-micro-op spans and the pipelining efficiency.
+* :class:`Executor` - the interface schedules issue their operations through (lanes,
+  dependencies); :class:`RealExecutor` runs them on torch.distributed, and
+  :class:`tritonmoe.plan.SimExecutor` records them for the simulator (:mod:`.executor`).
+* :class:`Timeline` - per-operation spans (rank, lane, kind, micro-op, phase), the pipelining
+  efficiency and a step-time breakdown.
 """
 
 from .all_to_all import all_to_all
 from .dispatcher import AllToAllDispatcher
 from .partition import chunk_transpose_segments, copy_segments, transpose_chunks
-from .pipeline import ExpertFn, run_pipelined
+from .pipeline import ExpertFn, pipeline_pass, run_pipelined
 from .splits import (
     DispatchPlan,
     SplitMismatchError,
@@ -25,7 +29,9 @@ from .splits import (
     check_splits,
     exchange_counts,
     exchange_splits,
+    plan_from_counts,
 )
+from .executor import COMM, COMM2, COMPUTE, COPY, Executor, Handle, RealExecutor, ScheduleError, TraceEntry, VirtualTensor, Work
 from .timeline import Span, Timeline
 
 __all__ = [
@@ -43,5 +49,18 @@ __all__ = [
     "exchange_counts",
     "exchange_splits",
     "run_pipelined",
+    "pipeline_pass",
+    "plan_from_counts",
+    "Executor",
+    "RealExecutor",
+    "Handle",
+    "TraceEntry",
+    "VirtualTensor",
+    "Work",
+    "ScheduleError",
+    "COMPUTE",
+    "COMM",
+    "COMM2",
+    "COPY",
     "transpose_chunks",
 ]

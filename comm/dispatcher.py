@@ -134,7 +134,9 @@ class AllToAllDispatcher:
         plan: DispatchPlan,
         expert_fn: ExpertFn,
         params: Sequence[torch.Tensor] = (),
+        *,
+        trace: Optional[list] = None,
     ) -> list[torch.Tensor]:
         """Dispatch, ``expert_fn`` and combine of every micro-op, overlapped (forward and
         backward); see :func:`tritonmoe.comm.run_pipelined`."""
-        return run_pipelined(sends, plan, expert_fn, params, group=self.group, timeline=self.timeline)
+        return run_pipelined(sends, plan, expert_fn, params, group=self.group, timeline=self.timeline, trace=trace)

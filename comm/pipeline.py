@@ -1,178 +1,167 @@
 """Micro-op pipelining of dispatch, expert compute and combine (Lina / MPMoE style).
 
 The local tokens are cut into N micro-batches along the token dimension; micro-op i is
-``dispatch_i -> expert_i -> combine_i``. The schedule, identical on every rank (collectives must
-be issued in the same order everywhere), is::
+``dispatch_i -> expert_i -> combine_i``. :func:`pipeline_pass` is the schedule, issued through an
+:class:`~tritonmoe.comm.executor.Executor` (so the same code runs for real and in the simulator,
+:mod:`tritonmoe.plan`), identical on every rank (collectives must be issued in the same order
+everywhere)::
 
-    issue dispatch_0
+    issue exchange1_0                              (comm lane)
     for i in 0..N-1:
-        issue dispatch_{i+1}            (runs while expert_i computes)
-        wait dispatch_i; expert_i       (overlaps dispatch_{i+1} and combine_{i-1})
-        issue combine_i
-        wait combine_{i-1}
-    wait combine_{N-1}
+        issue exchange1_{i+1}                      (runs while expert_i computes)
+        expert_i after exchange1_i                 (compute lane; overlaps exchange1_{i+1}, exchange2_{i-1})
+        issue exchange2_i after expert_i           (comm lane)
+        wait exchange2_{i-1}
+    tail                                           (compute lane, e.g. the W step)
+    wait exchange2_{N-1}
 
-* CUDA: communication runs on a dedicated stream, expert compute on the caller's current stream;
-  events order them (a collective waits for the event recorded after its input was produced,
-  an expert FFN waits for the event recorded after its rows arrived). The host never blocks.
-* CPU (gloo): collectives are issued with ``async_op=True`` and run on gloo's worker threads
-  while the calling thread computes; ``work.wait()`` orders them.
-
-The backward pass runs the same schedule with the same splits: the combine's reverse all-to-all
-brings the output gradients to the experts, the expert backward (autograd of the micro-op's
-stored expert graph) computes the input gradients (the "B" step), and the dispatch's reverse
-all-to-all returns them. Weight gradients are computed as in zero-bubble pipelines' deferred "W"
-step: GEMMs that support it (:mod:`tritonmoe._wgrad`; the fp64 reference grouped GEMM) record
-their rows instead of computing ``X_i^T dY_i`` per micro-op, and one W step after the last
-micro-op's expert backward (while its input gradients travel back) computes each expert's
-``X^T dY`` over all micro-ops' rows, concatenated in the order N = 1 has them: per local expert,
-source rank, then token (micro-batches are contiguous token ranges). Weight gradients of other
-GEMMs (the Triton kernels, reduced-precision reference) are summed over micro-ops in micro-op
-order. The W step runs for N = 1 too, so every N takes the same path.
+The forward pass runs it with exchange1 = dispatch, exchange2 = combine; the backward pass with
+the same splits reversed: the combine's reverse all-to-all brings the output gradients to the
+experts, the expert backward (autograd of the micro-op's stored expert graph) computes the input
+gradients (the "B" step), and the dispatch's reverse all-to-all returns them. Weight gradients
+are computed as in zero-bubble pipelines' deferred "W" step (:mod:`tritonmoe.exact`): the pipeline
+creates a :class:`~tritonmoe.exact.WeightGradStore` per pass and hands micro-op i's slot to the
+expert function, whose GEMMs (those that support it: the fp64 reference grouped GEMM) record
+their rows instead of computing ``X_i^T dY_i``; one W step after the last micro-op's expert
+backward (while its input gradients travel back) computes each expert's ``X^T dY`` over all
+micro-ops' rows in the order N = 1 has them. Weight gradients of other GEMMs are summed over
+micro-ops in micro-op order. The W step runs for N = 1 too, so every N takes the same path.
 
 Equality with N = 1: routing, capacity and the per-token combine are computed once for the whole
 batch or per token in a fixed order, so every per-token quantity (outputs, input and router
 gradients) is computed by the same arithmetic for every N whenever the expert compute is
-row-independent (each output row a function of its input row alone). Tiled Triton GEMMs are;
-vendor BLAS GEMMs (MKL on CPU, cuBLAS) are not (they choose kernels by the row count of the
-call), nor are ATen's vectorized elementwise transcendentals (a vector or scalar-tail rounding by
-position in the buffer), so the fp64 reference computes its GEMMs and activations row-invariantly
-(:func:`tritonmoe.reference.grouped_ffn`). With the deferred W step this makes outputs and every
-gradient bitwise identical to N = 1 in fp64 on the reference backend. In fp32/bf16 the reference
-keeps plain per-expert matmuls and summed weight gradients: equal to N = 1 to rounding.
+row-independent; with the fp64 reference's row-invariant GEMMs and activations and the deferred W
+step, outputs and every gradient are bitwise identical to N = 1 in fp64 (see
+:mod:`tritonmoe.exact`). In fp32/bf16 they are equal to rounding.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from tritonmoe._wgrad import WeightGradStore
+from tritonmoe.exact import WeightGradSlot, WeightGradStore
 
-from .all_to_all import all_to_all_raw
+from .executor import Executor, RealExecutor, TraceEntry, Work
 from .splits import DispatchPlan
 from .timeline import Timeline
 
-__all__ = ["run_pipelined", "ExpertFn"]
+__all__ = ["run_pipelined", "pipeline_pass", "forward_pass", "backward_pass", "ExpertFn"]
 
-#: ``expert_fn(i, recv_RD, params) -> y_RD``: the local expert compute of micro-op i on the rows
-#: it received (source-major), differentiable in ``recv_RD`` and ``params``; ``y_RD`` has one row
-#: per received row, in the same order.
-ExpertFn = Callable[[int, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+#: ``expert_fn(i, recv_RD, params, wgrad) -> y_RD``: the local expert compute of micro-op i on
+#: the rows it received (source-major), differentiable in ``recv_RD`` and ``params``; ``y_RD``
+#: has one row per received row, in the same order. ``wgrad`` is micro-op i's
+#: :class:`~tritonmoe.exact.WeightGradSlot` (pass it as ``wgrad=`` to GEMMs that defer their weight
+#: gradients, see :mod:`tritonmoe.exact`), or None when no weight gradient is wanted.
+ExpertFn = Callable[[int, torch.Tensor, Sequence[torch.Tensor], Optional[WeightGradSlot]], torch.Tensor]
 
-
-@functools.lru_cache(maxsize=None)
-def _comm_stream(device_index: int) -> "torch.cuda.Stream":
-    """The dedicated communication stream of a CUDA device (created once, reused)."""
-    return torch.cuda.Stream(device=device_index)
+_NO_WORK = Work()
 
 
-@dataclass
-class _Pending:
-    """An all-to-all in flight: its output buffer and what to wait on."""
-
-    out: torch.Tensor
-    work: object
-    kind: str
-    micro_op: int
-    done: Optional["torch.cuda.Event"] = None
-
-
-class _Executor:
-    """Issues the all-to-alls and expert computes of one pass; see the module docstring."""
-
-    def __init__(self, group, device: torch.device, timeline: Optional[Timeline], phase: str) -> None:
-        self.group = group
-        self.timeline = timeline
-        self.phase = phase
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.compute_stream = torch.cuda.current_stream(device)
-            self.comm_stream = _comm_stream(device.index if device.index is not None else torch.cuda.current_device())
-
-    def start(self, x: torch.Tensor, send: list[int], recv: list[int], kind: str, i: int) -> _Pending:
-        tl = self.timeline
-        if not self.cuda:
-            rec = tl.start(kind, i, self.phase) if tl is not None else None
-            out, work = all_to_all_raw(x, send, recv, self.group, async_op=True)
-            if rec is not None:
-                tl.stop_when_done(rec, work.get_future())
-            return _Pending(out, work, kind, i)
-        ready = torch.cuda.Event()
-        ready.record(self.compute_stream)
-        with torch.cuda.stream(self.comm_stream):
-            self.comm_stream.wait_event(ready)
-            rec = tl.start(kind, i, self.phase, stream=self.comm_stream) if tl is not None else None
-            out, work = all_to_all_raw(x, send, recv, self.group, async_op=True)
-            work.wait()  # NCCL: the comm stream waits for the collective; the host does not block
-            if rec is not None:
-                tl.stop(rec, stream=self.comm_stream)
-            done = torch.cuda.Event()
-            done.record(self.comm_stream)
-        x.record_stream(self.comm_stream)  # produced on the compute stream, read on the comm stream
-        return _Pending(out, work, kind, i, done)
-
-    def finish(self, p: _Pending) -> torch.Tensor:
-        if not self.cuda:
-            try:
-                p.work.wait()
-            except RuntimeError as e:  # a peer died or timed out: say which step of which pass
-                raise RuntimeError(
-                    f"expert-parallel {p.kind} of micro-op {p.micro_op} ({self.phase}) failed: {e}"
-                ) from e
-            return p.out
-        self.compute_stream.wait_event(p.done)
-        p.out.record_stream(self.compute_stream)  # allocated on the comm stream
-        return p.out
-
-    def compute(self, i: int, fn: Callable[[int, torch.Tensor], torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        tl = self.timeline
-        stream = self.compute_stream if self.cuda else None
-        rec = tl.start("expert", i, self.phase, stream=stream) if tl is not None else None
-        y = fn(i, rows)
-        if rec is not None:
-            tl.stop(rec, stream=stream)
-        return y
-
-
-def _schedule(
-    ex: _Executor,
-    sends: Sequence[torch.Tensor],
+def pipeline_pass(
+    ex: Executor,
+    sends: Sequence[Any],
     plan: DispatchPlan,
-    compute: Callable[[int, torch.Tensor], torch.Tensor],
-    kinds: tuple[str, str],
+    compute: Optional[Callable[[int, Any], Any]],
+    *,
+    group: Any = None,
+    kinds: tuple[str, str] = ("dispatch", "combine"),
+    work: Optional[Callable[[int], Work]] = None,
+    out_like: Optional[Callable[[int], Any]] = None,
     tail: Optional[Callable[[], None]] = None,
-) -> list[torch.Tensor]:
-    """Run the micro-ops: first exchange (send_splits -> recv_splits), compute, second exchange
-    (recv_splits -> send_splits). ``tail`` (compute) runs while the last second exchange is in
-    flight. Returns the second exchange's outputs, one per micro-op."""
+    tail_work: Optional[Work] = None,
+) -> list[Any]:
+    """One pass of the micro-op pipeline (see the module docstring) on executor ``ex``.
+
+    Args:
+        sends: N send buffers (tensors, or :class:`~tritonmoe.comm.executor.VirtualTensor` for
+            the simulator); micro-op i's rows, destination-major as ``plan.send_splits[i]``.
+        plan: the splits (``plan.send_splits`` out, ``plan.recv_splits`` back).
+        compute: ``compute(i, received_rows) -> rows`` for micro-op i (not called by the
+            simulator).
+        kinds: timeline kinds of the first and second exchange.
+        work, out_like: per micro-op, the compute's :class:`~tritonmoe.comm.executor.Work` and
+            result shape (for the simulator; the real executor ignores them).
+        tail, tail_work: local work issued after the last compute, while the last second
+            exchange is in flight (the backward's W step), timeline kind "wgrad".
+
+    Returns: the N second-exchange results, micro-op i's rows back in the order of ``sends[i]``.
+    """
     n = plan.num_micro_ops
-    first: list[Optional[_Pending]] = [None] * n
-    second: list[Optional[_Pending]] = [None] * n
-    backs: list[Optional[torch.Tensor]] = [None] * n
+    first: list[Any] = [None] * n
+    second: list[Any] = [None] * n
+    backs: list[Any] = [None] * n
 
     def issue_first(i: int) -> None:
-        first[i] = ex.start(sends[i], plan.send_splits[i], plan.recv_splits[i], kinds[0], i)
+        first[i] = ex.all_to_all(
+            sends[i], plan.send_splits[i], plan.recv_splits[i], group=group, kind=kinds[0], micro_op=i
+        )
 
     issue_first(0)
     for i in range(n):
         if i + 1 < n:
             issue_first(i + 1)
-        rows = ex.finish(first[i])
+        y = ex.compute(
+            compute,
+            i,
+            first[i],
+            work=work(i) if work is not None else _NO_WORK,
+            kind="expert",
+            micro_op=i,
+            out=out_like(i) if out_like is not None else None,
+        )
         first[i] = None
-        y = ex.compute(i, compute, rows)
-        second[i] = ex.start(y, plan.recv_splits[i], plan.send_splits[i], kinds[1], i)
+        second[i] = ex.all_to_all(y, plan.recv_splits[i], plan.send_splits[i], group=group, kind=kinds[1], micro_op=i)
         if i >= 1:
-            backs[i - 1] = ex.finish(second[i - 1])
+            backs[i - 1] = ex.wait(second[i - 1])
             second[i - 1] = None
-    if tail is not None:
-        tail()
-    backs[n - 1] = ex.finish(second[n - 1])
+    if tail is not None or tail_work is not None:
+        ex.compute(tail if tail is not None else _noop, work=tail_work or _NO_WORK, kind="wgrad", micro_op=n - 1)
+    backs[n - 1] = ex.wait(second[n - 1])
     return backs
+
+
+def _noop() -> None:
+    return None
+
+
+def forward_pass(
+    ex: Executor,
+    sends: Sequence[Any],
+    plan: DispatchPlan,
+    compute: Optional[Callable[[int, Any], Any]],
+    *,
+    group: Any = None,
+    work: Optional[Callable[[int], Work]] = None,
+    out_like: Optional[Callable[[int], Any]] = None,
+) -> list[Any]:
+    """The forward schedule of the expert-parallel block: dispatch, expert, combine per micro-op
+    (:func:`pipeline_pass`). Used by the autograd block and by the simulator alike."""
+    return pipeline_pass(ex, sends, plan, compute, group=group, work=work, out_like=out_like)
+
+
+def backward_pass(
+    ex: Executor,
+    grads: Sequence[Any],
+    plan: DispatchPlan,
+    compute: Optional[Callable[[int, Any], Any]],
+    *,
+    group: Any = None,
+    weight_step: Optional[Callable[[], None]] = None,
+    work: Optional[Callable[[int], Work]] = None,
+    out_like: Optional[Callable[[int], Any]] = None,
+    weight_step_work: Optional[Work] = None,
+) -> list[Any]:
+    """The backward schedule: the combine's reverse exchange, the expert backward (input
+    gradients), the dispatch's reverse exchange per micro-op, and the W step (``weight_step``,
+    always issued, kind "wgrad") while the last input gradients travel back."""
+    return pipeline_pass(
+        ex, grads, plan, compute, group=group, kinds=("combine", "dispatch"), work=work, out_like=out_like,
+        tail=weight_step if weight_step is not None else _noop, tail_work=weight_step_work,
+    )
 
 
 @dataclass
@@ -184,6 +173,7 @@ class _State:
     plan: DispatchPlan
     expert_fn: ExpertFn
     timeline: Optional[Timeline]
+    trace: Optional[list]
     params: list[torch.Tensor] = field(default_factory=list)
     wgrads: Optional[WeightGradStore] = None
     graphs: list = field(default_factory=list)
@@ -198,18 +188,22 @@ class _PipelinedExperts(torch.autograd.Function):
         n = state.plan.num_micro_ops
         sends, params = tensors[:n], tensors[n:]
         state.params = [p.detach().requires_grad_(p.requires_grad) for p in params]
-        state.wgrads = WeightGradStore([p for p in state.params if p.requires_grad], n)
+        want = [p for p in state.params if p.requires_grad]
+        state.wgrads = WeightGradStore(want, n) if want else None
         state.graphs = [None] * n
 
         def expert_fwd(i: int, recv: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad(), state.wgrads.recording(i):
+            with torch.enable_grad():
                 r = recv.detach().requires_grad_(True)
-                y = state.expert_fn(i, r, state.params)
+                slot = state.wgrads.slot(i) if state.wgrads is not None else None
+                y = state.expert_fn(i, r, state.params, slot)
             state.graphs[i] = (r, y)
             return y.detach()
 
-        ex = _Executor(state.group, sends[0].device, state.timeline, "fwd")
-        backs = _schedule(ex, sends, state.plan, expert_fwd, ("dispatch", "combine"))
+        ex = RealExecutor(sends[0].device, phase="fwd", timeline=state.timeline)
+        backs = forward_pass(ex, sends, state.plan, expert_fwd, group=state.group)
+        if state.trace is not None:
+            state.trace.extend(ex.trace)
         state.out_width = [b.shape[1] for b in backs]
         ctx.state = state
         return tuple(backs)
@@ -250,17 +244,17 @@ class _PipelinedExperts(torch.autograd.Function):
         def weight_step() -> None:
             # The W step: the deferred weight gradients, once over every micro-op's rows in the
             # order of N = 1, while the last input gradients travel back.
-            tl, stream = state.timeline, (ex.compute_stream if ex.cuda else None)
-            rec = tl.start("wgrad", n - 1, "bwd", stream=stream) if tl is not None else None
+            if state.wgrads is None:
+                return
             deferred = state.wgrads.flush(plan.recv_counts)
-            if rec is not None:
-                tl.stop(rec, stream=stream)
             for j, g in enumerate(deferred):
                 if g is not None:
                     acc[j] = g if acc[j] is None else acc[j] + g
 
-        ex = _Executor(state.group, dys[0].device, state.timeline, "bwd")
-        d_sends = _schedule(ex, dys, plan, expert_bwd, ("combine", "dispatch"), tail=weight_step)
+        ex = RealExecutor(dys[0].device, phase="bwd", timeline=state.timeline)
+        d_sends = backward_pass(ex, dys, plan, expert_bwd, group=state.group, weight_step=weight_step)
+        if state.trace is not None:
+            state.trace.extend(ex.trace)
         it = iter(acc)
         d_params = []
         for p in params:
@@ -280,16 +274,19 @@ def run_pipelined(
     *,
     group=None,
     timeline: Optional[Timeline] = None,
+    trace: Optional[list[TraceEntry]] = None,
 ) -> list[torch.Tensor]:
     """Run N micro-ops (dispatch, expert compute, combine) pipelined; differentiable.
 
     Args:
         sends: N send buffers; micro-op i's rows, destination-major as ``plan.send_splits[i]``.
         plan: the :class:`~tritonmoe.comm.DispatchPlan` from :func:`~tritonmoe.comm.exchange_counts`.
-        expert_fn: ``expert_fn(i, recv_RD, params) -> y_RD`` (see :data:`ExpertFn`).
+        expert_fn: ``expert_fn(i, recv_RD, params, wgrad) -> y_RD`` (see :data:`ExpertFn`).
         params: tensors ``expert_fn`` uses whose gradients are wanted (the expert weights).
         group: the expert-parallel process group.
         timeline: record each step's span (:class:`~tritonmoe.comm.Timeline`).
+        trace: a list that receives every issued operation (:class:`~tritonmoe.comm.executor.TraceEntry`)
+            of the forward and, later, the backward pass, in issue order.
 
     Returns: N buffers, micro-op i's expert outputs back on this rank in the order of
     ``sends[i]``. Backward runs the same pipeline in reverse (see the module docstring). Weight
@@ -306,9 +303,12 @@ def run_pipelined(
                 f"send buffer {i} has {s.shape[0]} rows but the plan sends {plan.send_rows(i)}; build the "
                 "plan from the counts of the same permutation"
             )
-    state = _State(group, plan, expert_fn, timeline)
+    state = _State(group, plan, expert_fn, timeline, trace)
     tensors = (*sends, *params)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return list(_PipelinedExperts.apply(state, *tensors))
-    ex = _Executor(group, sends[0].device, timeline, "fwd")
-    return _schedule(ex, sends, plan, lambda i, r: expert_fn(i, r, list(params)), ("dispatch", "combine"))
+    ex = RealExecutor(sends[0].device, phase="fwd", timeline=timeline)
+    out = forward_pass(ex, sends, plan, lambda i, r: expert_fn(i, r, list(params), None), group=group)
+    if trace is not None:
+        trace.extend(ex.trace)
+    return out

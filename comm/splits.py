@@ -31,6 +31,7 @@ __all__ = [
     "check_agreement",
     "exchange_splits",
     "exchange_counts",
+    "plan_from_counts",
     "group_rank_size",
     "comm_device",
 ]
@@ -308,4 +309,32 @@ def exchange_counts(counts_NE: torch.Tensor, *, group=None) -> DispatchPlan:
         recv_counts=recv_NPL,
         send_splits=host[:N],
         recv_splits=host[N:],
+    )
+
+
+def plan_from_counts(counts_PNE: torch.Tensor, rank: int) -> DispatchPlan:
+    """The :class:`DispatchPlan` rank ``rank`` would get from :func:`exchange_counts` when rank s
+    of the group contributed ``counts_PNE[s]`` ([N, E] rows per micro-op and global expert).
+    No communication: the simulator (:mod:`tritonmoe.plan`) knows every rank's counts."""
+    if counts_PNE.dim() != 3:
+        raise ValueError(f"counts must be [ranks, micro_ops, experts], got {tuple(counts_PNE.shape)}")
+    P, N, E = counts_PNE.shape
+    if E % P != 0:
+        raise ValueError(f"num_experts={E} is not divisible by the group size {P}")
+    if not 0 <= rank < P:
+        raise ValueError(f"rank={rank} outside [0, {P})")
+    L = E // P
+    c = counts_PNE.to(torch.int64)
+    send_NE = c[rank]
+    recv_NPL = c[:, :, rank * L : (rank + 1) * L].transpose(0, 1).contiguous()  # [N, P(source), L]
+    send_splits = send_NE.view(N, P, L).sum(-1).tolist()
+    recv_splits = recv_NPL.sum(-1).tolist()
+    return DispatchPlan(
+        rank=rank,
+        world_size=P,
+        num_experts=E,
+        send_counts=send_NE.clone(),
+        recv_counts=recv_NPL,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
     )

@@ -1,10 +1,12 @@
 """Timeline: when each micro-op of an expert-parallel block started and ended.
 
-A :class:`Timeline` is an optional recorder handed to the dispatcher (``MoELayer.timeline``). Each
-micro-op step appends one :class:`Span`: its kind (``"dispatch"``, ``"combine"``, ``"expert"``,
-``"partition"``, or ``"wgrad"``: the backward's deferred weight-gradient step, recorded once
-under the last micro-op), the micro-op index, the phase (``"fwd"`` or ``"bwd"``) and its start and end in
-seconds.
+A :class:`Timeline` is an optional recorder handed to an executor (``MoELayer.timeline``). Each
+operation of a schedule appends one :class:`Span`: its kind (``"dispatch"``, ``"combine"``,
+``"expert"``, ``"partition"``, ``"wgrad"`` (the backward's deferred weight-gradient step,
+recorded once under the last micro-op), and whatever later schedules add: ``"allreduce"``,
+``"offload"``, ...), the micro-op index, the phase (``"fwd"`` or ``"bwd"``), the lane it ran on
+(see :mod:`tritonmoe.comm.executor`), the rank (the simulator records every rank of a virtual
+cluster in one timeline; a measured timeline holds one rank) and its start and end in seconds.
 
 Clocks:
 
@@ -35,6 +37,15 @@ __all__ = ["Span", "Timeline", "COMM_KINDS", "COMPUTE_KINDS"]
 COMM_KINDS = ("dispatch", "combine")
 COMPUTE_KINDS = ("expert", "wgrad")
 
+
+def _is_comm(span: "Span") -> bool:
+    """Communication: a span on a communication lane, or (spans without a lane) of a comm kind."""
+    return span.lane.startswith("comm") if span.lane else span.kind in COMM_KINDS
+
+
+def _is_compute(span: "Span") -> bool:
+    return span.lane == "compute" if span.lane else span.kind in COMPUTE_KINDS
+
 #: How long :meth:`Timeline.spans` waits for a communication future's completion callback.
 _CALLBACK_WAIT_S = 5.0
 
@@ -49,6 +60,8 @@ class Span:
     phase: str
     start: float
     end: float
+    lane: str = ""
+    rank: int = 0
 
     @property
     def duration(self) -> float:
@@ -66,6 +79,8 @@ class _Open:
     end: object = None
     done: threading.Event = field(default_factory=threading.Event)
     awaits_callback: bool = False  # closed by a communication future's callback
+    lane: str = ""
+    rank: int = 0
 
 
 class Timeline:
@@ -86,9 +101,9 @@ class Timeline:
 
     # -- recording (used by the dispatcher) ---------------------------------------------------
 
-    def start(self, kind: str, micro_op: int, phase: str, stream=None) -> _Open:
+    def start(self, kind: str, micro_op: int, phase: str, stream=None, lane: str = "") -> _Open:
         """Open a span now (on ``stream``'s clock for a CUDA stream, else the wall clock)."""
-        rec = _Open(kind, micro_op, phase)
+        rec = _Open(kind, micro_op, phase, lane=lane)
         if stream is not None:
             if self._cuda_base is None:
                 self._cuda_base = torch.cuda.Event(enable_timing=True)
@@ -123,6 +138,13 @@ class Timeline:
         rec.awaits_callback = True
         future.add_done_callback(_done)
 
+    def add(self, span: Span) -> None:
+        """Append a finished span (the simulator's virtual clock)."""
+        rec = _Open(span.kind, span.micro_op, span.phase, span.start, span.end, lane=span.lane, rank=span.rank)
+        rec.done.set()
+        with self._lock:
+            self._open.append(rec)
+
     # -- reading ------------------------------------------------------------------------------
 
     def clear(self) -> None:
@@ -148,9 +170,51 @@ class Timeline:
                 end = self._cuda_base.elapsed_time(rec.end) * 1e-3
             else:
                 start, end = rec.start, rec.end
-            out.append(Span(rec.kind, rec.micro_op, rec.phase, start, end))
+            out.append(Span(rec.kind, rec.micro_op, rec.phase, start, end, rec.lane, rec.rank))
         out.sort(key=lambda s: (s.start, s.end))
         return out
+
+    def ranks(self) -> list[int]:
+        return sorted({s.rank for s in self.spans()})
+
+    def step_time(self, phase: Optional[str] = None) -> float:
+        """Seconds from the first span's start to the last span's end (over every rank)."""
+        spans = self.spans(phase)
+        if not spans:
+            return 0.0
+        return max(s.end for s in spans) - min(s.start for s in spans)
+
+    def breakdown(self, phase: Optional[str] = None, rank: Optional[int] = None) -> dict[str, float]:
+        """Where a step's time goes, on one rank (the slowest, by default): ``step`` (first start
+        to last end), ``compute`` (union of compute-lane spans), ``comm`` (union of
+        communication-lane spans), ``overlap`` (communication during compute), ``exposed_comm``
+        (communication while nothing computes), ``idle`` (neither) and ``pipeline_efficiency``."""
+        spans = self.spans(phase)
+        if rank is None and spans:
+            per = {}
+            for s in spans:
+                lo, hi = per.get(s.rank, (s.start, s.end))
+                per[s.rank] = (min(lo, s.start), max(hi, s.end))
+            rank = max(per, key=lambda r: per[r][1] - per[r][0])
+        mine = [s for s in spans if s.rank == rank] if rank is not None else []
+        if not mine:
+            return dict(step=0.0, compute=0.0, comm=0.0, overlap=0.0, exposed_comm=0.0, idle=0.0, pipeline_efficiency=0.0)
+        comm = _union((s.start, s.end) for s in mine if _is_comm(s))
+        comp = _union((s.start, s.end) for s in mine if _is_compute(s))
+        busy = _union([(a, b) for a, b in comm] + [(a, b) for a, b in comp])
+        step = max(s.end for s in mine) - min(s.start for s in mine)
+        c_comm = sum(b - a for a, b in comm)
+        c_comp = sum(b - a for a, b in comp)
+        overlap = _intersection_length(comm, comp)
+        return dict(
+            step=step,
+            compute=c_comp,
+            comm=c_comm,
+            overlap=overlap,
+            exposed_comm=c_comm - overlap,
+            idle=step - sum(b - a for a, b in busy),
+            pipeline_efficiency=overlap / c_comm if c_comm > 0 else 0.0,
+        )
 
     def total(self, kind: str, phase: Optional[str] = None) -> float:
         """Summed duration of the spans of ``kind`` (seconds)."""
@@ -162,6 +226,8 @@ class Timeline:
         spans = self.spans(phase)
         comm = _union((s.start, s.end) for s in spans if s.kind in COMM_KINDS)
         comp = _union((s.start, s.end) for s in spans if s.kind in COMPUTE_KINDS)
+        # (kinds, not lanes: the paper's metric counts the expert FFN during the dispatch and
+        # combine all-to-alls; other communication, e.g. gradient allreduce, is not in it)
         comm_time = sum(b - a for a, b in comm)
         if comm_time <= 0.0:
             return None

@@ -163,7 +163,7 @@ def round_trip_checks(rank: int, P: int, failures: list[str], backend: str) -> N
         sends.append(xp)
         infos.append(inf)
     plan3 = disp.exchange_counts(torch.stack([inf.counts for inf in infos]))
-    backs = disp.run_pipelined(sends, plan3, lambda i, r, params: r)
+    backs = disp.run_pipelined(sends, plan3, lambda i, r, params, wgrad: r)
     for i, (s, bk) in enumerate(zip(sends, backs)):
         _check(failures, f"{backend}: pipelined round trip micro-op {i}", torch.equal(bk, s.detach()))
     out3 = torch.cat([reference.unpermute(bk, inf, routing.topk_weights[a:b]) for bk, inf, (a, b) in zip(backs, infos, bounds)])
@@ -175,7 +175,7 @@ def round_trip_checks(rank: int, P: int, failures: list[str], backend: str) -> N
 def _sin_expert(disp: AllToAllDispatcher, plan):
     """A row-independent expert: y = sin(x) * (1 + local expert index), on the expert-major rows."""
 
-    def fn(i, recv, params):
+    def fn(i, recv, params, wgrad):
         xe = disp.to_expert_major(recv, plan, i)
         counts = plan.recv_counts[i].sum(0)
         scale = 1.0 + torch.repeat_interleave(torch.arange(disp.num_local_experts, dtype=xe.dtype), counts)
@@ -187,10 +187,10 @@ def _sin_expert(disp: AllToAllDispatcher, plan):
 def _ffn_expert(disp: AllToAllDispatcher, plan, activation: str):
     """The layer's expert compute: grouped FFN on the expert-major rows."""
 
-    def fn(i, recv, params):
+    def fn(i, recv, params, wgrad):
         w1, w2 = params
         xe = disp.to_expert_major(recv, plan, i)
-        y = reference.grouped_ffn(xe, disp.expert_offsets(plan, i), w1, w2, activation)
+        y = reference.grouped_ffn(xe, disp.expert_offsets(plan, i), w1, w2, activation, wgrad=wgrad)
         return disp.to_source_major(y, plan, i)
 
     return fn

@@ -456,8 +456,8 @@ def test_layer_ffn_path_is_visible_and_paths_agree():
     layer_u.load_state_dict(layer_f.state_dict())
     x = torch.randn(11, 16, device=DEV)
     routing = ref.route(layer_f.router(x), 2)
-    out_f = layer_f.local_experts(x, routing)
-    out_u = layer_u.local_experts(x, routing)
+    out_f = layer_f.expert_path(x, routing, layer_f.expert_weights())
+    out_u = layer_u.expert_path(x, routing, layer_u.expert_weights())
     assert layer_f.ffn_path_used == "fused" and layer_u.ffn_path_used == "unfused"
     assert_close(out_f, out_u, torch.float32, what="layer fused vs unfused")
     forced = tritonmoe.MoELayer(

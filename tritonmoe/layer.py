@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from . import reference
-from .dispatch import implementation
 from .config import MoEConfig
+from .dispatch import implementation
+from .experts import ExpertPath, ExpertWeights, make_expert_path, micro_batch_bounds
 from .types import Routing
 
 __all__ = ["MoELayer"]
@@ -28,8 +29,10 @@ class MoELayer(nn.Module):
     z_loss_coef * z_loss`` (a zero tensor when both coefficients are 0) and ``last_routing`` the
     :class:`Routing` of that batch.
 
-    The layer produces its own routing metadata, so its internal op calls skip the value checks
-    of the public functional API (no validation syncs on the hot path).
+    The layer is thin: it routes, hands the tokens to ``self.expert_path`` (one object per
+    parallel layout, :mod:`tritonmoe.experts`) and adds the auxiliary loss. It produces its own
+    routing metadata, so its internal op calls skip the value checks of the public functional API
+    (no validation syncs on the hot path).
 
     Expert parallelism (``ep_group``, a process group of P ranks; E divisible by P): rank r owns
     the experts [r*E/P, (r+1)*E/P), so ``w1``/``w2`` hold E/P experts; communication goes through
@@ -60,32 +63,53 @@ class MoELayer(nn.Module):
             raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
         self.config = config
         self.ep_group = ep_group
-        self.num_local_experts = config.num_experts
-        self.expert_start = 0
-        self.dispatcher = None
-        self.timeline = None
-        if ep_group is not None:
-            self._init_expert_parallel(ep_group, dtype if dtype is not None else torch.get_default_dtype())
-        elif config.pipeline_degree != 1:
-            raise ValueError(
-                f"pipeline_degree={config.pipeline_degree} overlaps expert-parallel communication with "
-                "expert compute and needs ep_group (a torch.distributed process group); use "
-                "pipeline_degree=1 without expert parallelism"
-            )
+        #: The expert computation of this layout (:mod:`tritonmoe.experts`).
+        self.expert_path: ExpertPath = make_expert_path(config, ep_group=ep_group, dtype=dtype)
         factory = {"device": device, "dtype": dtype}
         E, d, f = config.num_experts, config.d_model, config.d_ffn
+        E_local = self.expert_path.num_local_experts
         self.router = nn.Linear(d, E, bias=False, **factory)
-        self.w1 = nn.Parameter(torch.empty(self.num_local_experts, d, config.n1, **factory))
-        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, f, d, **factory))
+        self.w1 = nn.Parameter(torch.empty(E_local, d, config.n1, **factory))
+        self.w2 = nn.Parameter(torch.empty(E_local, f, d, **factory))
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32))
         else:
             self.expert_bias = None
         self.aux_loss: torch.Tensor = torch.zeros((), device=device)
         self.last_routing: Routing | None = None
-        #: The expert path ("fused" or "unfused") the last forward used (None before the first).
-        self.ffn_path_used: str | None = None
         self.reset_parameters()
+
+    # -- the layout, as attributes users and tests read ------------------------------------------
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts held on this rank."""
+        return self.expert_path.num_local_experts
+
+    @property
+    def expert_start(self) -> int:
+        """Global index of this rank's first expert."""
+        return self.expert_path.expert_start
+
+    @property
+    def dispatcher(self):
+        """The expert-parallel :class:`~tritonmoe.comm.AllToAllDispatcher` (None when local)."""
+        return getattr(self.expert_path, "dispatcher", None)
+
+    @property
+    def timeline(self):
+        """A :class:`~tritonmoe.comm.Timeline` the expert path records its schedule into."""
+        return self.expert_path.timeline
+
+    @timeline.setter
+    def timeline(self, value) -> None:
+        self.expert_path.timeline = value
+
+    @property
+    def ffn_path_used(self) -> str | None:
+        """The expert path variant the last forward ran ("fused", "unfused" or
+        "expert_parallel"; None before the first forward)."""
+        return self.expert_path.path_used
 
     def reset_parameters(self) -> None:
         """nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
@@ -103,17 +127,14 @@ class MoELayer(nn.Module):
             f"activation={c.activation}, score_func={c.score_func}"
         )
 
-    # -- the steps of a forward, separate so that expert parallelism can interleave them --------
-
-    def _impl(self, op: str, device: torch.device):
-        return implementation(op, self.config.backend, device, self.w1.dtype)
+    # -- the steps of a forward ----------------------------------------------------------------
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """Router logits and routing for flattened tokens."""
         c = self.config
         logits_TE = self.router(x_TD)
         need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
-        routing = self._impl("route", x_TD.device)(
+        routing = implementation("route", c.backend, x_TD.device, logits_TE.dtype)(
             logits_TE,
             c.top_k,
             score_func=c.score_func,
@@ -135,91 +156,8 @@ class MoELayer(nn.Module):
             loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing)
         return loss
 
-    def choose_ffn_path(self, x_TD: torch.Tensor) -> str:
-        """"fused" or "unfused" for this call, from ``config.ffn_path``.
-
-        The "auto" policy is provisional (no GPU measurement behind it yet): "fused" whenever the
-        expert FFN runs on the Triton kernels, since it skips the permuted copy of x and the
-        expert-ordered y (two [T*k, d] round trips through memory and two launches) and its GEMMs
-        are the unfused ones' with gathered row loads; "unfused" on the reference backend, where
-        both paths are the same plain-PyTorch composition. Replace with a per-shape rule once the
-        benchmark harness has measured both paths on a GPU.
-        """
-        c = self.config
-        if c.ffn_path != "auto":
-            return c.ffn_path
-        uses_kernel = self._impl("moe_ffn", x_TD.device) is not reference.moe_ffn
-        return "fused" if uses_kernel else "unfused"
-
-    def local_experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Expert FFN and weighted combine, all experts on this device, on the path chosen by
-        :meth:`choose_ffn_path` (recorded in ``ffn_path_used``)."""
-        dev = x_TD.device
-        path = self.choose_ffn_path(x_TD)
-        self.ffn_path_used = path
-        if path == "fused":
-            return self._impl("moe_ffn", dev)(x_TD, routing, self.w1, self.w2, self.config.activation)
-        x_perm, info = self._impl("permute", dev)(x_TD, routing.topk_ids, self.config.num_experts)
-        y_perm = self._impl("grouped_ffn", dev)(x_perm, info.expert_offsets, self.w1, self.w2, self.config.activation)
-        return self._impl("unpermute", dev)(y_perm, info, routing.topk_weights)
-
-    # -- expert parallelism (the communication steps live in tritonmoe.comm) -------------------
-
-    def _init_expert_parallel(self, ep_group, dtype) -> None:
-        """Own the experts [r*E/P, (r+1)*E/P) of this rank r of the group (P ranks)."""
-        from .comm import AllToAllDispatcher, check_agreement
-
-        c = self.config
-        # The sizes of every later collective follow from these; a rank that disagrees would
-        # make gloo abort mid-forward, so compare them once here (one small collective), before
-        # any check that could fail on some ranks only.
-        dtype_code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
-        check_agreement(
-            dict(num_experts=c.num_experts, d_model=c.d_model, pipeline_degree=c.pipeline_degree, dtype=dtype_code),
-            group=ep_group,
-            what="the expert-parallel MoEConfig",
-        )
-        self.dispatcher = AllToAllDispatcher(c.num_experts, ep_group, backend=c.backend)
-        self.num_local_experts = self.dispatcher.num_local_experts
-        self.expert_start = self.dispatcher.local_expert_start
-
-    def expert_parallel(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The experts of the whole group over this rank's tokens.
-
-        Local steps here, communication in ``self.dispatcher``: permute each of the
-        ``pipeline_degree`` micro-batches (contiguous token ranges; routing and capacity were
-        decided once for the whole local batch), exchange the per-expert counts once, then
-        dispatch / expert FFN / combine per micro-op, pipelined (forward and backward), and
-        unpermute each micro-batch. The expert FFN runs on the expert-major re-layout of the
-        received rows: one grouped FFN per micro-op over the local experts.
-        """
-        c = self.config
-        dev = x_TD.device
-        disp = self.dispatcher
-        disp.timeline = self.timeline
-        # Received rows arrive already grouped, so the experts run the grouped FFN on them; the
-        # fused gather/scatter path applies to local experts only.
-        self.ffn_path_used = "unfused"
-        bounds = _micro_batch_bounds(x_TD.shape[0], c.pipeline_degree)
-        permute = self._impl("permute", dev)
-        sends, infos = [], []
-        for a, b in bounds:
-            x_perm, info = permute(x_TD[a:b], routing.topk_ids[a:b], c.num_experts)
-            sends.append(x_perm)
-            infos.append(info)
-        plan = disp.exchange_counts(torch.stack([info.counts for info in infos]))
-        ffn = self._impl("grouped_ffn", dev)
-
-        def experts(i: int, recv_RD: torch.Tensor, params) -> torch.Tensor:
-            w1, w2 = params
-            x_RD = disp.to_expert_major(recv_RD, plan, i)
-            y_RD = ffn(x_RD, disp.expert_offsets(plan, i), w1, w2, c.activation)
-            return disp.to_source_major(y_RD, plan, i)
-
-        backs = disp.run_pipelined(sends, plan, experts, (self.w1, self.w2))
-        unpermute = self._impl("unpermute", dev)
-        outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.w1, self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -235,24 +173,9 @@ class MoELayer(nn.Module):
         logits_TE, routing = self.route(x_TD)
         self.aux_loss = self.compute_aux_loss(logits_TE, routing)
         self.last_routing = routing
-        if self.dispatcher is None:
-            out_TD = self.local_experts(x_TD, routing)
-        else:
-            out_TD = self.expert_parallel(x_TD, routing)
+        out_TD = self.expert_path(x_TD, routing, self.expert_weights())
         return out_TD.view(x.shape)
 
 
-#: dtypes as small ints for the cross-rank agreement check.
-_DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-
-
-def _micro_batch_bounds(num_tokens: int, n: int) -> list[tuple[int, int]]:
-    """n contiguous token ranges covering [0, num_tokens), sizes differing by at most one (the
-    first num_tokens % n one longer); empty ranges when num_tokens < n."""
-    base, extra = divmod(num_tokens, n)
-    bounds, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+#: Kept for callers of the v0 private helper.
+_micro_batch_bounds = micro_batch_bounds

@@ -12,7 +12,7 @@ Row invariance (fp64): the fp64 grouped GEMMs and activations are computed so th
 their outputs and input gradients depends only on its own input row and the weights, so any
 partition of the rows (the micro-batches of a pipelined expert-parallel layer) gives
 bitwise-identical rows; their weight gradients are one ``x_e^T @ dy_e`` per expert, which a
-pipeline can defer to one step over all rows (:mod:`tritonmoe._wgrad`). This is what makes the
+pipeline can defer to one step over all rows (:mod:`tritonmoe.exact`). This is what makes the
 pipelined layer bitwise equal to the unpipelined one in fp64. It costs speed (M = 1 batched
 products, scalar transcendentals), which only tests pay: fp32, bf16 and fp16 run plain
 per-expert matmuls and vectorized activations.
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
+from .exact import WeightGradSlot, elementwise_scalar, row_invariant_grouped_gemm
 from .types import PermuteInfo, Routing
 
 __all__ = [
@@ -259,87 +259,24 @@ def ep_splits(expert_offsets: torch.Tensor, num_ranks: int) -> tuple[torch.Tenso
     return rank_offsets[1:] - rank_offsets[:-1], rank_offsets
 
 
-def _rowwise_mm(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """x @ w computed as M independent [1, K] @ [K, N] products (a bmm against an expanded, not
-    copied, view of w), so that each output row depends on its input row and w only: BLAS GEMMs
-    (MKL, cuBLAS) pick kernels by the row count of the call and round differently for
-    ``x[a:b] @ w`` and ``(x @ w)[a:b]``; this does not."""
-    M, K = x_MK.shape
-    return torch.bmm(x_MK.unsqueeze(1), w_KN.unsqueeze(0).expand(M, K, w_KN.shape[1])).squeeze(1)
-
-
-def _grouped_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, offs: list, num_experts: int) -> torch.Tensor:
-    """Per-expert weight gradient x_e^T @ dy_e -> [E, K, N] (the GEMM over each expert's rows)."""
-    dw = x_RK.new_zeros(num_experts, x_RK.shape[1], dy_RN.shape[1])
-    for e in range(num_experts):
-        a, b = offs[e], offs[e + 1]
-        if b > a:
-            dw[e] = x_RK[a:b].t() @ dy_RN[a:b]
-    return dw
-
-
-class _RowInvariantGroupedGemm(torch.autograd.Function):
-    """fp64 grouped GEMM whose forward and input gradient are row-invariant (:func:`_rowwise_mm`)
-    and whose weight gradient is one ``x_e^T @ dy_e`` per expert, or, when the forward ran under
-    a recording :class:`tritonmoe._wgrad.WeightGradStore` holding ``w``, deferred to that store."""
-
-    @staticmethod
-    def forward(ctx, x_RK, offs, w_EKN):
-        from ._wgrad import active_store
-
-        R = x_RK.shape[0]
-        E, _, N = w_EKN.shape
-        y = x_RK.new_zeros(R, N)
-        for e in range(E):
-            a, b = offs[e], offs[e + 1]
-            if b > a:
-                y[a:b] = _rowwise_mm(x_RK[a:b], w_EKN[e])
-        ctx.offs = offs
-        ctx.defer = None
-        if w_EKN.requires_grad:
-            cur = active_store(w_EKN)
-            if cur is not None:
-                store, i = cur
-                ctx.defer = (store, i, store.claim_site(i, w_EKN))
-        ctx.save_for_backward(x_RK, w_EKN)
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy_RN):
-        x_RK, w_EKN = ctx.saved_tensors
-        offs = ctx.offs
-        E = w_EKN.shape[0]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.zeros_like(x_RK)
-            for e in range(E):
-                a, b = offs[e], offs[e + 1]
-                if b > a:
-                    dx[a:b] = _rowwise_mm(dy_RN[a:b], w_EKN[e].t())
-        if ctx.needs_input_grad[2]:
-            if ctx.defer is not None:
-                store, i, site = ctx.defer
-                store.add(i, w_EKN, site, x_RK, dy_RN, offs, _grouped_wgrad)
-            else:
-                dw = _grouped_wgrad(x_RK, dy_RN, offs, E)
-        return dx, None, dw
-
-
-def _grouped_gemm_acc(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
+def _grouped_gemm_acc(
+    x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor, wgrad: WeightGradSlot | None = None
+) -> torch.Tensor:
     """grouped_gemm in the accumulation dtype (not rounded to the input dtype).
 
     fp64 (used by tests as the exact reference) is row-invariant: every output row, and every
     row of the input gradient, depends only on its own input row and the weights, so any
-    partition of the rows (micro-batches of a pipeline) gives bitwise-identical rows; see
-    :class:`_RowInvariantGroupedGemm`. Other dtypes run one plain matmul per expert.
+    partition of the rows (micro-batches of a pipeline) gives bitwise-identical rows, and its
+    weight gradient can be deferred to ``wgrad`` (see :mod:`tritonmoe.exact`). Other dtypes run
+    one plain matmul per expert and compute their weight gradient in backward (``wgrad`` is not
+    used: their forward is not row-invariant, so deferring would not make a schedule exact).
     """
     R = x_RK.shape[0]
     E, _, N = w_EKN.shape
     acc = _acc_dtype(x_RK.dtype)
     offs = expert_offsets.tolist()  # host sync: the reference slices the rows per expert
     if x_RK.dtype == torch.float64 and w_EKN.dtype == torch.float64:
-        return _RowInvariantGroupedGemm.apply(x_RK, offs, w_EKN)
+        return row_invariant_grouped_gemm(x_RK, offs, w_EKN, wgrad)
     # Every expert contributes a (possibly empty) piece, so the output stays in the autograd
     # graph of x and w even when no row is routed (zero gradients rather than no grad_fn).
     pieces = [x_RK[offs[e] : offs[e + 1]].to(acc) @ w_EKN[e].to(acc) for e in range(E)]
@@ -348,22 +285,15 @@ def _grouped_gemm_acc(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: t
     return torch.cat(pieces, dim=0)
 
 
-def grouped_gemm(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
-    """Rows in [offsets[e], offsets[e+1]) times w[e]; rows at or past offsets[E] are zero."""
-    return _grouped_gemm_acc(x_RK, expert_offsets, w_EKN).to(x_RK.dtype)
+def grouped_gemm(
+    x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor, *, wgrad: WeightGradSlot | None = None
+) -> torch.Tensor:
+    """Rows in [offsets[e], offsets[e+1]) times w[e]; rows at or past offsets[E] are zero.
+    ``wgrad``: defer the weight gradient to a schedule's store (fp64; :mod:`tritonmoe.exact`)."""
+    return _grouped_gemm_acc(x_RK, expert_offsets, w_EKN, wgrad).to(x_RK.dtype)
 
 
-def _elementwise_scalar(h_RN: torch.Tensor) -> torch.Tensor:
-    """h as a view with inner stride 2 (a padded copy), so that elementwise ops on it, and their
-    backward, run ATen's scalar loop on every element.
-
-    On contiguous buffers ATen runs the vectorized transcendental functions (erf, exp) on most
-    elements and the scalar ones on the tail, which round differently, and the split depends on
-    an element's position in the whole buffer and on how the buffer is cut across threads (at
-    arbitrary positions). With no unit-stride operand there is no vectorized path, so every
-    element of every row goes through the same function: the op is row-invariant.
-    """
-    return F.pad(h_RN.unsqueeze(-1), (0, 1))[..., 0]
+grouped_gemm.defers_weight_grad = True
 
 
 def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -380,9 +310,10 @@ def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
 def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     """The expert activation on a pre-activation h ([R, 2F] for swiglu: gate, then up).
 
-    fp64 inputs are row-invariant (see :func:`_elementwise_scalar`), like the fp64 grouped GEMMs."""
+    fp64 inputs are row-invariant (see :func:`tritonmoe.exact.elementwise_scalar`), like the fp64
+    grouped GEMMs."""
     if h.dtype == torch.float64 and activation != "relu":
-        return _activation(_elementwise_scalar(h), activation)
+        return _activation(elementwise_scalar(h), activation)
     return _activation(h, activation)
 
 
@@ -392,12 +323,18 @@ def grouped_ffn(
     w1_EDN: torch.Tensor,
     w2_EFD: torch.Tensor,
     activation: str = "swiglu",
+    *,
+    wgrad: WeightGradSlot | None = None,
 ) -> torch.Tensor:
     """grouped_gemm(act(grouped_gemm(x, w1)), w2), the activation applied to the fp32 accumulator
-    and rounded to the input dtype once (as a fused epilogue does)."""
-    h = _grouped_gemm_acc(x_RD, expert_offsets, w1_EDN)
+    and rounded to the input dtype once (as a fused epilogue does). ``wgrad``: defer both weight
+    gradients to a schedule's store (fp64; :mod:`tritonmoe.exact`)."""
+    h = _grouped_gemm_acc(x_RD, expert_offsets, w1_EDN, wgrad)
     a = apply_activation(h, activation).to(x_RD.dtype)
-    return grouped_gemm(a, expert_offsets, w2_EFD)
+    return grouped_gemm(a, expert_offsets, w2_EFD, wgrad=wgrad)
+
+
+grouped_ffn.defers_weight_grad = True
 
 
 def moe_ffn(

@@ -1,0 +1,217 @@
+"""The expert path: one object per parallel layout, one call shape.
+
+:class:`~tritonmoe.MoELayer` is thin: it routes, hands the tokens to its expert path and adds the
+auxiliary loss. The expert path computes, for a batch of tokens and their routing, the weighted
+sum of the chosen experts' FFN outputs per token, wherever those experts live::
+
+    path(x_TD, routing, weights) -> y_TD
+
+* :class:`LocalExperts`: every expert on this device (the fused ``moe_ffn`` or permute ->
+  grouped FFN -> unpermute).
+* :class:`ExpertParallelExperts`: rank r of an expert-parallel group of P ranks owns the experts
+  [r*E/P, (r+1)*E/P); the tokens travel to their experts and back (all-to-all), in
+  ``pipeline_degree`` micro-ops whose communication overlaps expert compute
+  (:mod:`tritonmoe.comm.pipeline`).
+
+A new parallel layout or schedule is a new expert path (or a new schedule inside one), not a new
+branch in the layer. Every path takes the layer's expert parameters as :class:`ExpertWeights`
+(it owns none: ``layer.w1``/``layer.w2`` stay where checkpoints and optimizers expect them) and
+records which variant ran in :attr:`ExpertPath.path_used`.
+
+The ops run on the implementation :mod:`tritonmoe.dispatch` picks for the layer's backend,
+device and dtype; the layer produces its own routing metadata, so no value checks run here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import reference
+from .config import MoEConfig
+from .dispatch import implementation
+from .types import Routing
+
+__all__ = [
+    "ExpertWeights",
+    "ExpertPath",
+    "LocalExperts",
+    "ExpertParallelExperts",
+    "micro_batch_bounds",
+    "make_expert_path",
+]
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The expert parameters of a layer (this rank's experts under expert parallelism):
+    ``w1`` [E_local, d_model, n1], ``w2`` [E_local, d_ffn, d_model]."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a schedule differentiates (in a fixed order)."""
+        return (self.w1, self.w2)
+
+
+def micro_batch_bounds(num_tokens: int, n: int) -> list[tuple[int, int]]:
+    """n contiguous token ranges covering [0, num_tokens), sizes differing by at most one (the
+    first num_tokens % n one longer); empty ranges when num_tokens < n."""
+    base, extra = divmod(num_tokens, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class ExpertPath:
+    """Base of the expert paths: ``path(x_TD, routing, weights) -> y_TD``.
+
+    Attributes:
+        config: the layer's :class:`~tritonmoe.MoEConfig`.
+        num_local_experts: experts held on this rank (E_local; E without expert parallelism).
+        expert_start: global index of this rank's first expert.
+        path_used: the variant the last call ran ("fused", "unfused", "expert_parallel", ...),
+            None before the first call.
+        timeline: a :class:`~tritonmoe.comm.Timeline` the path records its schedule into, or None.
+    """
+
+    def __init__(self, config: MoEConfig) -> None:
+        self.config = config
+        self.num_local_experts = config.num_experts
+        self.expert_start = 0
+        self.path_used: Optional[str] = None
+        self.timeline = None
+
+    def impl(self, op: str, x: torch.Tensor):
+        """The implementation of ``op`` for the layer's backend and ``x``'s device and dtype."""
+        return implementation(op, self.config.backend, x.device, x.dtype)
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LocalExperts(ExpertPath):
+    """All E experts on this device.
+
+    The variant comes from ``config.ffn_path``: "fused" runs :func:`tritonmoe.moe_ffn` (token
+    gather and weighted combine inside the expert GEMMs); "unfused" runs permute -> grouped FFN
+    -> unpermute; "auto" is provisional (no GPU measurement behind it yet): "fused" whenever the
+    expert FFN runs on the Triton kernels, since it skips the permuted copy of x and the
+    expert-ordered y (two [T*k, d] round trips through memory and two launches); "unfused" on the
+    reference backend, where both are the same plain-PyTorch composition.
+    """
+
+    def choose(self, x_TD: torch.Tensor) -> str:
+        c = self.config
+        if c.ffn_path != "auto":
+            return c.ffn_path
+        return "unfused" if self.impl("moe_ffn", x_TD) is reference.moe_ffn else "fused"
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
+        c = self.config
+        path = self.choose(x_TD)
+        self.path_used = path
+        if path == "fused":
+            return self.impl("moe_ffn", x_TD)(x_TD, routing, weights.w1, weights.w2, c.activation)
+        x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts)
+        y_perm = self.impl("grouped_ffn", x_TD)(x_perm, info.expert_offsets, weights.w1, weights.w2, c.activation)
+        return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
+
+
+#: dtypes as small ints for the cross-rank agreement check.
+_DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+class ExpertParallelExperts(ExpertPath):
+    """The experts of an expert-parallel group over this rank's tokens.
+
+    Rank r of a group of P ranks owns the experts [r*E/P, (r+1)*E/P). Local steps here,
+    communication in ``self.dispatcher`` (:class:`tritonmoe.comm.AllToAllDispatcher`): permute
+    each of the ``pipeline_degree`` micro-batches (contiguous token ranges; routing and capacity
+    were decided once for the whole local batch), exchange the per-expert counts once, then
+    dispatch / expert FFN / combine per micro-op, pipelined (forward and backward), and unpermute
+    each micro-batch. The expert FFN runs on the expert-major re-layout of the received rows: one
+    grouped FFN per micro-op over the local experts; its weight gradients are deferred to one W
+    step where the GEMM supports it (:mod:`tritonmoe.exact`).
+
+    Construction is collective (one small all-to-all): every rank of the group must agree on the
+    settings that size later collectives, or every rank raises the same ``ValueError``.
+
+    Attributes:
+        dispatcher: the :class:`~tritonmoe.comm.AllToAllDispatcher` of the group.
+        trace: when set to a list, receives every operation the schedule issues
+            (:class:`~tritonmoe.comm.executor.TraceEntry`, forward then backward).
+    """
+
+    def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
+        super().__init__(config)
+        from .comm import AllToAllDispatcher, check_agreement
+
+        c = config
+        # The sizes of every later collective follow from these; a rank that disagrees would
+        # make gloo abort mid-forward, so compare them once here (one small collective), before
+        # any check that could fail on some ranks only.
+        dtype_code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+        check_agreement(
+            dict(num_experts=c.num_experts, d_model=c.d_model, pipeline_degree=c.pipeline_degree, dtype=dtype_code),
+            group=group,
+            what="the expert-parallel MoEConfig",
+        )
+        self.group = group
+        self.dispatcher = AllToAllDispatcher(c.num_experts, group, backend=c.backend)
+        self.num_local_experts = self.dispatcher.num_local_experts
+        self.expert_start = self.dispatcher.local_expert_start
+        self.trace: Optional[list] = None
+
+    def expert_fn(self, plan, x_like: torch.Tensor):
+        """The expert compute of micro-op i on its received rows (the schedule's ExpertFn)."""
+        disp = self.dispatcher
+        ffn = self.impl("grouped_ffn", x_like)
+        defers = getattr(ffn, "defers_weight_grad", False)
+        activation = self.config.activation
+
+        def experts(i: int, recv_RD: torch.Tensor, params, wgrad) -> torch.Tensor:
+            w1, w2 = params
+            x_RD = disp.to_expert_major(recv_RD, plan, i)
+            kw = {"wgrad": wgrad} if (defers and wgrad is not None) else {}
+            y_RD = ffn(x_RD, disp.expert_offsets(plan, i), w1, w2, activation, **kw)
+            return disp.to_source_major(y_RD, plan, i)
+
+        return experts
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
+        c = self.config
+        disp = self.dispatcher
+        disp.timeline = self.timeline
+        self.path_used = "expert_parallel"
+        bounds = micro_batch_bounds(x_TD.shape[0], c.pipeline_degree)
+        permute = self.impl("permute", x_TD)
+        sends, infos = [], []
+        for a, b in bounds:
+            x_perm, info = permute(x_TD[a:b], routing.topk_ids[a:b], c.num_experts)
+            sends.append(x_perm)
+            infos.append(info)
+        plan = disp.exchange_counts(torch.stack([info.counts for info in infos]))
+        backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD), weights.params(), trace=self.trace)
+        unpermute = self.impl("unpermute", x_TD)
+        outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def make_expert_path(config: MoEConfig, *, ep_group: Any = None, dtype: Optional[torch.dtype] = None) -> ExpertPath:
+    """The expert path of a layer with this config and layout."""
+    if ep_group is not None:
+        return ExpertParallelExperts(config, ep_group, dtype if dtype is not None else torch.get_default_dtype())
+    if config.pipeline_degree != 1:
+        raise ValueError(
+            f"pipeline_degree={config.pipeline_degree} overlaps expert-parallel communication with "
+            "expert compute and needs ep_group (a torch.distributed process group); use "
+            "pipeline_degree=1 without expert parallelism"
+        )
+    return LocalExperts(config)
