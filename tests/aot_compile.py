@@ -10,6 +10,7 @@ cuobjdump; no driver, no device) and reports facts about the result::
     facts = compile_kernel(K._route_fwd_kernel, dict(logits_ptr=Ptr("bf16"), T=4096, ..., BLOCK_T=16),
                            num_warps=4)
     facts.registers, facts.stack_bytes, facts.loop_spills, facts.shared, facts.wgmma
+    facts.main_loop_int_divs, facts.wgmma_wait_depth, facts.pipeline_buffers
 
 Arguments are given as at a launch (``Ptr(dtype)`` for a tensor, plain values otherwise) and
 specialized the way a launch specializes them (:func:`specialize`), so the compiled code is the
@@ -36,6 +37,9 @@ __all__ = [
     "Ptr",
     "compile_kernel",
     "find_tool",
+    "main_loop_facts",
+    "pipeline_buffers",
+    "ptx_loops",
     "specialize",
     "unavailable_reason",
 ]
@@ -139,11 +143,21 @@ class KernelFacts:
 
     registers: registers per thread (cuobjdump). stack_bytes: per-thread stack frame; register
     spills land there (0 means no spills). spills: local-memory load/store instructions (LDL/STL)
-    in the SASS; loop_spills: those inside a loop (between a backward branch and its target),
-    i.e. in a kernel's main loop rather than its prologue or epilogue. shared: bytes of shared
+    in the SASS; loop_spills: those inside the main loop (the loop running the MMAs, see
+    :func:`_main_loop_mask`; in kernels without MMAs, any loop) rather than its prologue or
+    epilogue. shared: bytes of shared
     memory the launch needs. wgmma / mma_sync: the PTX uses Hopper warpgroup MMAs / warp-level
     MMAs. async_loads: distinct source loads the pipeliner turned into asynchronous global ->
     shared copies (cp.async); 0 means every load is synchronous.
+
+    Main loop (a kernel's loops that run tensor-core MMAs; see :func:`main_loop_facts`):
+    main_loop_int_divs: integer division / remainder instructions in it (``div``/``rem`` on
+    s32/u32/s64/u64 in the PTX, which ptxas expands into dozens of instructions or a call to a
+    software routine; a constant divisor becomes a multiply-shift and does not count);
+    wgmma_wait_depth: the smallest N of the ``wgmma.wait_group N`` in it (0: every MMA must finish
+    before the next step is issued, i.e. no MMA overlaps the next one; None: no wgmma in a loop);
+    pipeline_buffers: the smallest buffer count among the multi-buffered shared-memory tiles the
+    software pipeliner allocated (``[stages, rows, cols]`` allocations in the TTGIR; 0: none).
     """
 
     name: str
@@ -158,6 +172,9 @@ class KernelFacts:
     wgmma: bool
     mma_sync: bool
     async_loads: int
+    main_loop_int_divs: int
+    wgmma_wait_depth: Optional[int]
+    pipeline_buffers: int
     compile_s: float
 
     def as_dict(self) -> dict:
@@ -183,11 +200,31 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
         os.remove(path)
 
 
+def _innermost(pos: int, loops: list[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    inside = [lp for lp in loops if lp[0] <= pos <= lp[1]]
+    return min(inside, key=lambda lp: lp[1] - lp[0]) if inside else None
+
+
+def _main_loop_mask(positions: list[int], is_mma: list[bool], loops: list[tuple[int, int]]) -> list[bool]:
+    """Which instructions are in the main loop: those whose innermost enclosing loop is the
+    innermost enclosing loop of some MMA instruction (a GEMM's K loop, not the loops around it,
+    e.g. a persistent kernel's tile loop with its epilogue), or, in a kernel without MMAs, those in
+    any loop."""
+    inner = [_innermost(p, loops) for p in positions]
+    if not any(is_mma):
+        return [lp is not None for lp in inner]
+    mains = {lp for lp, mma in zip(inner, is_mma) if mma and lp is not None}
+    return [lp in mains for lp in inner]
+
+
+_SASS_MMA = re.compile(r"\b(HGMMA|HMMA)\b")
+
+
 def _local_memory_ops(sass: str) -> tuple[int, int]:
-    """(LDL/STL instructions, those inside a loop) of a cuobjdump SASS listing. A loop is the
-    address range from a backward branch's target to the branch; ptxas lays loops out
-    contiguously for these kernels, and a block it moves out of line would only widen the range
-    (more instructions counted as in a loop, never fewer)."""
+    """(LDL/STL instructions, those inside the main loop) of a cuobjdump SASS listing (see
+    :func:`_main_loop_mask`). A loop is the address range from a backward branch's target to the
+    branch; ptxas lays loops out contiguously for these kernels, and a block it moves out of line
+    would only widen the range (more instructions counted as in a loop, never fewer)."""
     insts = []
     loops = []
     for m in _SASS.finditer(sass):
@@ -198,9 +235,9 @@ def _local_memory_ops(sass: str) -> tuple[int, int]:
             target = int(b.group(1), 16)
             if target < addr:  # a backward branch closes a loop [target, addr]; a self-loop is the trap at the end
                 loops.append((target, addr))
-    local = [a for a, t in insts if _LOCAL_MEM.match(t)]
-    in_loop = [a for a in local if any(lo <= a <= hi for lo, hi in loops)]
-    return len(local), len(in_loop)
+    main = _main_loop_mask([a for a, _ in insts], [bool(_SASS_MMA.search(t)) for _, t in insts], loops)
+    local = [i for i, (_, t) in enumerate(insts) if _LOCAL_MEM.match(t)]
+    return len(local), sum(main[i] for i in local)
 
 
 def _async_loads(ttgir: str) -> int:
@@ -209,6 +246,64 @@ def _async_loads(ttgir: str) -> int:
     ops = [line for line in ttgir.splitlines() if "async_copy_global_to_local" in line]
     locs = {m.group(1) for line in ops if (m := re.search(r"loc\((#loc\d+)\)\s*$", line))}
     return len(locs) if locs else len(ops)
+
+
+_PTX_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_PTX_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+_PTX_MMA = re.compile(r"\bwgmma\.mma_async\.|\bmma\.sync\.")
+_PTX_INT_DIV = re.compile(r"^\s*(?:@!?%p\d+\s+)?(div|rem)\.(s|u)(16|32|64)\b")
+_PTX_WGMMA_WAIT = re.compile(r"\bwgmma\.wait_group\.sync\.aligned\s+(\d+)")
+_TTGIR_BUFFERS = re.compile(r"local_alloc\b[^\n]*?memdesc<(\d+)x(\d+)x(\d+)x")
+
+
+def ptx_loops(ptx: str) -> list[tuple[int, int]]:
+    """(first line, last line) of every loop of a PTX listing: a branch to a label defined on an
+    earlier line closes the loop [label, branch]. LLVM lays a loop's blocks out contiguously in
+    the kernels here (and a block moved out of line only narrows the range, so instructions in it
+    would be missed, never miscounted)."""
+    lines = ptx.splitlines()
+    labels = {}
+    loops = []
+    for i, line in enumerate(lines):
+        m = _PTX_LABEL.match(line.strip())
+        if m:
+            labels[m.group(1)] = i
+            continue
+        b = _PTX_BRANCH.search(line)
+        if b and b.group(1) in labels and labels[b.group(1)] < i:
+            loops.append((labels[b.group(1)], i))
+    return loops
+
+
+def main_loop_facts(ptx: str) -> tuple[int, Optional[int]]:
+    """(integer divisions / remainders, smallest wgmma wait depth) in a kernel's main loop: the
+    instructions whose innermost enclosing loop is the innermost enclosing loop of an MMA
+    instruction (``wgmma.mma_async`` / ``mma.sync``), i.e. a GEMM's K loop without the loops
+    around it (a persistent kernel's tile loop, whose once-per-tile index arithmetic may divide)
+    unless the compiler put MMAs there too. (0, None) for a kernel without MMAs in loops."""
+    lines = ptx.splitlines()
+    is_mma = [bool(_PTX_MMA.search(line)) for line in lines]
+    if not any(is_mma):
+        return 0, None
+    main = _main_loop_mask(list(range(len(lines))), is_mma, ptx_loops(ptx))
+    divs, waits = 0, []
+    for line, in_main in zip(lines, main):
+        if not in_main:
+            continue
+        if _PTX_INT_DIV.match(line):
+            divs += 1
+        w = _PTX_WGMMA_WAIT.search(line)
+        if w:
+            waits.append(int(w.group(1)))
+    return divs, (min(waits) if waits else None)
+
+
+def pipeline_buffers(ttgir: str) -> int:
+    """Smallest buffer count of the multi-buffered 2-D tiles in shared memory (the software
+    pipeliner allocates ``[buffers, rows, cols]``; index vectors are 2-D allocations and do not
+    count); 0 when there are none."""
+    counts = [int(m.group(1)) for m in _TTGIR_BUFFERS.finditer(ttgir)]
+    return min(counts) if counts else 0
 
 
 def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stages: int = 3, arch: int = 90,
@@ -238,6 +333,7 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
     if stack or int(m.group(5)):  # no stack frame and no local memory: nothing to disassemble
         spills, loop_spills = _local_memory_ops(_cuobjdump(kernel.asm["cubin"], "-sass"))
     ptx = kernel.asm["ptx"]
+    divs, wait_depth = main_loop_facts(ptx)
     return KernelFacts(
         name=name or fn.__name__,
         arch=arch,
@@ -251,5 +347,8 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
         wgmma="wgmma.mma_async" in ptx,
         mma_sync=re.search(r"\bmma\.sync\.", ptx) is not None,
         async_loads=_async_loads(kernel.asm["ttgir"]),
+        main_loop_int_divs=divs,
+        wgmma_wait_depth=wait_depth,
+        pipeline_buffers=pipeline_buffers(kernel.asm["ttgir"]),
         compile_s=round(time.perf_counter() - t0, 2),
     )
