@@ -10,6 +10,7 @@ contents (a device synchronization) and run only while validation is enabled.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -17,7 +18,12 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 SCORE_FUNCS = ("softmax", "sigmoid")
-ACTIVATIONS = ("swiglu", "gelu", "relu")
+ACTIVATIONS = ("swiglu", "swiglu_oai", "gelu", "relu")
+#: Activations whose first projection has 2 * d_ffn columns (gate, then up).
+GLU_ACTIVATIONS = ("swiglu", "swiglu_oai")
+#: GPT-OSS's clamped SwiGLU defaults (transformers' GptOssExperts: limit 7.0, alpha 1.702).
+SWIGLU_LIMIT = 7.0
+SWIGLU_ALPHA = 1.702
 
 
 def is_int(v) -> bool:
@@ -244,11 +250,12 @@ def expert_weights_args(x, w1, w2, activation, num_experts: int, experts_from: s
             f"the inner dimensions must match (w1 must be [E, {x.shape[1]}, n1])"
         )
     f = w2.shape[1]
-    n1 = 2 * f if activation == "swiglu" else f
+    glu = activation in GLU_ACTIVATIONS
+    n1 = 2 * f if glu else f
     if w1.shape[2] != n1:
         raise ValueError(
             f"w1 is {tuple(w1.shape)} but w2 is {tuple(w2.shape)} (d_ffn={f}); with activation={activation!r} "
-            f"w1 needs {n1} output columns" + (" (gate then up)" if activation == "swiglu" else "")
+            f"w1 needs {n1} output columns" + (" (gate then up)" if glu else "")
         )
     if w2.shape[2] != x.shape[1]:
         raise ValueError(f"w2 is {tuple(w2.shape)} but x has d={x.shape[1]}; w2 must be [E, d_ffn, {x.shape[1]}]")
@@ -264,3 +271,57 @@ def ffn_args(x, expert_offsets, w1, w2, activation) -> None:
     offsets_args("expert_offsets", expert_offsets, w1.shape[0])
     expert_weights_args(x, w1, w2, activation, expert_offsets.shape[0] - 1, "expert_offsets' E")
     same_device(x=x, expert_offsets=expert_offsets)
+
+
+def bias(name: str, b, num_experts: int, cols: int, x: torch.Tensor, what: str) -> None:
+    """An optional per-expert bias [E, cols] in x's dtype and device (None passes)."""
+    if b is None:
+        return
+    float_tensor(name, b, 2)
+    if tuple(b.shape) != (num_experts, cols):
+        raise ValueError(
+            f"{name} has shape {tuple(b.shape)}; expected [{num_experts}, {cols}] (one row of {what} per expert)"
+        )
+    if b.dtype != x.dtype:
+        raise TypeError(f"x is {x.dtype} but {name} is {b.dtype}; cast them to one dtype")
+    same_device(x=x, **{name: b})
+
+
+def ffn_biases(x, w1, w2, b1, b2) -> None:
+    """b1 [E, n1] (the first projection's columns, gate then up for GLUs) and b2 [E, d]."""
+    bias("b1", b1, w1.shape[0], w1.shape[2], x, "the first projection's outputs")
+    bias("b2", b2, w2.shape[0], w2.shape[2], x, "d_model outputs")
+
+
+def swiglu_options(activation: str, swiglu_limit, swiglu_alpha) -> None:
+    """GPT-OSS clamped-SwiGLU options: finite reals, limit > 0; a non-default value with another
+    activation is a mistake (it would be ignored)."""
+    for name, v in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
+        if not is_real(v):
+            raise TypeError(f"{name} must be a real number, got {type(v).__name__} {v!r}")
+        if not math.isfinite(v):
+            raise ValueError(f"{name}={v!r} must be finite")
+    if not swiglu_limit > 0:
+        raise ValueError(f"swiglu_limit={swiglu_limit!r} must be > 0 (the clamp bound of gate and up)")
+    if activation != "swiglu_oai" and (swiglu_limit != SWIGLU_LIMIT or swiglu_alpha != SWIGLU_ALPHA):
+        raise ValueError(
+            f"swiglu_limit={swiglu_limit!r} / swiglu_alpha={swiglu_alpha!r} only apply to activation='swiglu_oai', "
+            f"not {activation!r}; drop them or use activation='swiglu_oai'"
+        )
+
+
+def counts_values(routing) -> None:
+    """routing.counts equals the number of slots routed to each expert (the fused path builds its
+    segments from the counts); a value check (host sync)."""
+    E = routing.num_experts
+    ids = routing.topk_ids.reshape(-1).long()
+    ids = torch.where((ids >= 0) & (ids < E), ids, torch.full_like(ids, E))  # unrouted: bin E
+    expected = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
+    expected.scatter_add_(0, ids, torch.ones_like(ids))
+    bad = expected[:E] != routing.counts.long()
+    if bool(bad.any()):  # host sync: value validation (switch off with set_validation(False))
+        e = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"routing.counts[{e}]={int(routing.counts[e])} but {int(expected[e])} slots of routing.topk_ids go to "
+            f"expert {e}; counts must match the ids (recompute them after editing topk_ids)"
+        )

@@ -162,16 +162,24 @@ def grouped_gemm(
     x: torch.Tensor,
     expert_offsets: torch.Tensor,
     w: torch.Tensor,
+    bias: torch.Tensor | None = None,
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Ragged per-expert matmul: rows [offsets[e], offsets[e+1]) of x [R, K] times w[e] ([E, K, N]);
-    fp32 accumulation, output [R, N] in x's dtype."""
+    """Ragged per-expert matmul: rows [offsets[e], offsets[e+1]) of x [R, K] times w[e] ([E, K, N]),
+    plus bias[e] ([E, N], x's dtype) when given; fp32 accumulation (the bias added to it), output
+    [R, N] in x's dtype. The bias gradient is the per-expert column sum of the output gradient."""
     V.gemm_args(x, expert_offsets, w)
+    V.bias("bias", bias, w.shape[0], w.shape[2], x, "output columns")
     if validation_enabled():
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
     impl = implementation("grouped_gemm", backend, x.device, x.dtype)
-    return impl(x, expert_offsets, w)
+    return impl(x, expert_offsets, w, bias)
+
+
+def _swiglu_kw(activation: str, swiglu_limit, swiglu_alpha) -> dict:
+    V.swiglu_options(activation, swiglu_limit, swiglu_alpha)
+    return dict(swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha))
 
 
 def grouped_ffn(
@@ -180,19 +188,28 @@ def grouped_ffn(
     w1: torch.Tensor,
     w2: torch.Tensor,
     activation: str = "swiglu",
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
     *,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Expert FFN over a permuted buffer: grouped_gemm(act(grouped_gemm(x, w1)), w2).
+    """Expert FFN over a permuted buffer: grouped_gemm(act(grouped_gemm(x, w1) + b1), w2) + b2.
 
-    w1 is [E, d, 2f] for swiglu (columns [:f] gate, [f:] up; act = silu(gate) * up) and [E, d, f]
-    for "gelu" (exact erf) and "relu"; w2 is [E, f, d].
+    w1 is [E, d, 2f] for the GLUs (columns [:f] gate, [f:] up) and [E, d, f] for "gelu" (exact erf)
+    and "relu"; w2 is [E, f, d]. Activations: "swiglu" = silu(gate) * up; "swiglu_oai" (GPT-OSS)
+    = (u + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, swiglu_limit) and
+    u = clamp(up, -swiglu_limit, swiglu_limit) (gradients pass at the limits, as torch.clamp's).
+    Optional biases b1 [E, n1] and b2 [E, d] (x's dtype) are added to the fp32 accumulators.
     """
     V.ffn_args(x, expert_offsets, w1, w2, activation)
+    V.ffn_biases(x, w1, w2, b1, b2)
+    kw = _swiglu_kw(activation, swiglu_limit, swiglu_alpha)
     if validation_enabled():
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
     impl = implementation("grouped_ffn", backend, x.device, x.dtype)
-    return impl(x, expert_offsets, w1, w2, activation)
+    return impl(x, expert_offsets, w1, w2, activation, b1, b2, **kw)
 
 
 def moe_ffn(
@@ -201,30 +218,40 @@ def moe_ffn(
     w1: torch.Tensor,
     w2: torch.Tensor,
     activation: str = "swiglu",
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
     *,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
     backend: str | None = None,
 ) -> torch.Tensor:
     """The expert path of a MoE layer in one op: permute -> grouped_ffn -> unpermute.
 
     ``out[t] = sum over routed j of topk_weights[t, j] * FFN_{topk_ids[t, j]}(x[t])`` with the
-    per-expert FFN of :func:`grouped_ffn` (fp32 accumulation; the activation's output and each
-    expert output rounded once to x's dtype; the k-way weighted sum in fp32). The Triton backend
-    fuses the token gather into the first GEMM and the weighted combine after the second, so no
-    expert-ordered copy of x or of the expert outputs is made; gradients flow to x, w1, w2 and
-    ``routing.topk_weights``.
+    per-expert FFN of :func:`grouped_ffn` (fp32 accumulation; biases inside each expert's output,
+    so the gate weight multiplies b2 too; the activation's output and each expert output rounded
+    once to x's dtype; the k-way weighted sum in fp32). The Triton backend fuses the token gather
+    into the first GEMM and the weighted combine after the second, so no expert-ordered copy of x
+    or of the expert outputs is made, builds its segments from ``routing.counts`` (which must
+    match ``routing.topk_ids``; checked with validation on), and takes a decode path for T <= 64;
+    gradients flow to x, w1, w2, b1, b2 and ``routing.topk_weights``.
 
     Args:
         x: [T, d] tokens.
         routing: the :class:`Routing` of these tokens over E experts (ids -1 are skipped).
-        w1: [E, d, 2f] for swiglu (gate then up), [E, d, f] for gelu / relu.
+        w1: [E, d, 2f] for the GLUs (gate then up), [E, d, f] for gelu / relu.
         w2: [E, f, d].
-        activation: "swiglu", "gelu" (exact erf) or "relu".
+        activation: "swiglu", "swiglu_oai" (GPT-OSS, see :func:`grouped_ffn`), "gelu" (exact erf)
+            or "relu".
+        b1, b2: optional biases [E, n1] and [E, d].
+        swiglu_limit, swiglu_alpha: the "swiglu_oai" clamp bound and sigmoid scale.
     """
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a tritonmoe.Routing, got {type(routing).__name__}")
     V.float_tensor("x", x, 2)
     V.int_tensor("routing.topk_ids", routing.topk_ids, 2)
     V.float_tensor("routing.topk_weights", routing.topk_weights, 2)
+    V.int_tensor("routing.counts", routing.counts, 1)
     T = x.shape[0]
     if routing.topk_ids.shape[0] != T:
         raise ValueError(
@@ -237,8 +264,11 @@ def moe_ffn(
         )
     E = routing.num_experts
     V.expert_weights_args(x, w1, w2, activation, E, "the routing's num_experts")
-    V.same_device(x=x, topk_ids=routing.topk_ids, topk_weights=routing.topk_weights)
+    V.ffn_biases(x, w1, w2, b1, b2)
+    kw = _swiglu_kw(activation, swiglu_limit, swiglu_alpha)
+    V.same_device(x=x, topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, counts=routing.counts)
     if validation_enabled():
         V.ids_values(routing.topk_ids, E)
+        V.counts_values(routing)
     impl = implementation("moe_ffn", backend, x.device, x.dtype)
-    return impl(x, routing, w1, w2, activation)
+    return impl(x, routing, w1, w2, activation, b1, b2, **kw)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .exact import WeightGradSlot, elementwise_scalar, row_invariant_grouped_gemm
 from .types import PermuteInfo, Routing
@@ -259,62 +260,147 @@ def ep_splits(expert_offsets: torch.Tensor, num_ranks: int) -> tuple[torch.Tenso
     return rank_offsets[1:] - rank_offsets[:-1], rank_offsets
 
 
+def _grouped_bias_grad(x_R0: torch.Tensor, dy_RN: torch.Tensor, offs: list, num_experts: int) -> torch.Tensor:
+    """Per-expert bias gradient: the column sums of each expert's rows of dy -> [E, N] (``x`` is
+    an empty [R, 0] stand-in, so that a :class:`tritonmoe.exact.WeightGradStore` can defer it
+    exactly like a weight gradient)."""
+    db = dy_RN.new_zeros(num_experts, dy_RN.shape[1])
+    for e in range(num_experts):
+        a, b = offs[e], offs[e + 1]
+        if b > a:
+            db[e] = dy_RN[a:b].sum(0)
+    return db
+
+
+class _SegmentBias(torch.autograd.Function):
+    """y + bias[e] on the rows of segment e (an elementwise add: row-invariant); the bias gradient
+    is one column sum per expert over its rows, or, with a :class:`WeightGradSlot` whose store
+    holds ``bias``, deferred to that store (so a pipelined schedule's bias gradient is bitwise the
+    unscheduled one, like its weight gradients)."""
+
+    @staticmethod
+    def forward(ctx, y_RN, offs, bias_EN, slot):
+        out = y_RN.clone()
+        for e in range(bias_EN.shape[0]):
+            a, b = offs[e], offs[e + 1]
+            if b > a:
+                out[a:b] += bias_EN[e]
+        ctx.offs = offs
+        ctx.num_experts = bias_EN.shape[0]
+        ctx.defer = None
+        if slot is not None and bias_EN.requires_grad:
+            site = slot.claim_site(bias_EN)
+            if site is not None:
+                ctx.defer = (slot, site, bias_EN)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_RN):
+        db = None
+        if ctx.needs_input_grad[2]:
+            x_R0 = dy_RN.new_empty(dy_RN.shape[0], 0)
+            if ctx.defer is not None:
+                slot, site, bias_EN = ctx.defer
+                slot.add(bias_EN, site, x_R0, dy_RN, ctx.offs, _grouped_bias_grad)
+            else:
+                db = _grouped_bias_grad(x_R0, dy_RN, ctx.offs, ctx.num_experts)
+        return dy_RN, None, db, None
+
+
 def _grouped_gemm_acc(
-    x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor, wgrad: WeightGradSlot | None = None
+    x_RK: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_EKN: torch.Tensor,
+    bias_EN: torch.Tensor | None = None,
+    wgrad: WeightGradSlot | None = None,
 ) -> torch.Tensor:
-    """grouped_gemm in the accumulation dtype (not rounded to the input dtype).
+    """grouped_gemm (plus the per-expert bias) in the accumulation dtype (not rounded to the input
+    dtype). Rows outside [offsets[0], offsets[E]) are zero.
 
     fp64 (used by tests as the exact reference) is row-invariant: every output row, and every
     row of the input gradient, depends only on its own input row and the weights, so any
     partition of the rows (micro-batches of a pipeline) gives bitwise-identical rows, and its
-    weight gradient can be deferred to ``wgrad`` (see :mod:`tritonmoe.exact`). Other dtypes run
-    one plain matmul per expert and compute their weight gradient in backward (``wgrad`` is not
-    used: their forward is not row-invariant, so deferring would not make a schedule exact).
+    weight and bias gradients can be deferred to ``wgrad`` (see :mod:`tritonmoe.exact`). Other
+    dtypes run one plain matmul per expert and compute their gradients in backward (``wgrad`` is
+    not used: their forward is not row-invariant, so deferring would not make a schedule exact).
     """
     R = x_RK.shape[0]
     E, _, N = w_EKN.shape
     acc = _acc_dtype(x_RK.dtype)
     offs = expert_offsets.tolist()  # host sync: the reference slices the rows per expert
     if x_RK.dtype == torch.float64 and w_EKN.dtype == torch.float64:
-        return row_invariant_grouped_gemm(x_RK, offs, w_EKN, wgrad)
+        lo, hi = offs[0], offs[E]
+        if lo == 0:
+            y = row_invariant_grouped_gemm(x_RK, offs, w_EKN, wgrad)
+        else:  # zero head rows (value checks off): the segments start at offs[0]
+            inner = row_invariant_grouped_gemm(x_RK[lo:hi], [o - lo for o in offs], w_EKN, wgrad)
+            y = torch.cat([x_RK.new_zeros(lo, N), inner, x_RK.new_zeros(R - hi, N)], dim=0)
+        return y if bias_EN is None else _SegmentBias.apply(y, offs, bias_EN, wgrad)
     # Every expert contributes a (possibly empty) piece, so the output stays in the autograd
-    # graph of x and w even when no row is routed (zero gradients rather than no grad_fn).
-    pieces = [x_RK[offs[e] : offs[e + 1]].to(acc) @ w_EKN[e].to(acc) for e in range(E)]
-    if R > offs[E]:
-        pieces.append(x_RK.new_zeros(R - offs[E], N, dtype=acc))
+    # graph of x, w and the bias even when no row is routed (zero gradients rather than no grad_fn).
+    pieces = [x_RK.new_zeros(offs[0], N, dtype=acc)]
+    for e in range(E):
+        piece = x_RK[offs[e] : offs[e + 1]].to(acc) @ w_EKN[e].to(acc)
+        if bias_EN is not None:
+            piece = piece + bias_EN[e].to(acc)
+        pieces.append(piece)
+    pieces.append(x_RK.new_zeros(R - offs[E], N, dtype=acc))
     return torch.cat(pieces, dim=0)
 
 
 def grouped_gemm(
-    x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor, *, wgrad: WeightGradSlot | None = None
+    x_RK: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_EKN: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    wgrad: WeightGradSlot | None = None,
 ) -> torch.Tensor:
-    """Rows in [offsets[e], offsets[e+1]) times w[e]; rows at or past offsets[E] are zero.
-    ``wgrad``: defer the weight gradient to a schedule's store (fp64; :mod:`tritonmoe.exact`)."""
-    return _grouped_gemm_acc(x_RK, expert_offsets, w_EKN, wgrad).to(x_RK.dtype)
+    """Rows in [offsets[e], offsets[e+1]) times w[e], plus bias[e] ([E, N]) when given; rows
+    outside [offsets[0], offsets[E]) are zero. ``wgrad``: defer the weight and bias gradients to
+    a schedule's store (fp64; :mod:`tritonmoe.exact`)."""
+    return _grouped_gemm_acc(x_RK, expert_offsets, w_EKN, bias, wgrad).to(x_RK.dtype)
 
 
 grouped_gemm.defers_weight_grad = True
 
 
-def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+def _activation(h: torch.Tensor, activation: str, limit: float, alpha: float, scalar: bool) -> torch.Tensor:
+    """The activation on h; ``scalar``: every transcendental function runs on a view without a
+    unit stride (:func:`tritonmoe.exact.elementwise_scalar`)."""
+    if scalar:
+        h = elementwise_scalar(h)
     if activation == "swiglu":
         f = h.shape[-1] // 2
         return F.silu(h[..., :f]) * h[..., f:]
+    if activation == "swiglu_oai":
+        # GPT-OSS (transformers' GptOssExperts): gate clamped from above, up from both sides, the
+        # gradient passing at the limits (torch.clamp's rule); our w1 holds gate columns first.
+        f = h.shape[-1] // 2
+        gate = h[..., :f].clamp(max=limit)
+        up = h[..., f:].clamp(min=-limit, max=limit)
+        z = gate * alpha
+        if scalar:  # gate is a fresh contiguous tensor: re-stride it before the exp
+            z = elementwise_scalar(z)
+        return (up + 1) * (gate * torch.sigmoid(z))
     if activation == "gelu":
         return F.gelu(h)  # exact erf form
     if activation == "relu":
         return F.relu(h)
-    raise ValueError(f"activation={activation!r}; use 'swiglu', 'gelu' or 'relu'")
+    raise ValueError(f"activation={activation!r}; use 'swiglu', 'swiglu_oai', 'gelu' or 'relu'")
 
 
-def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The expert activation on a pre-activation h ([R, 2F] for swiglu: gate, then up).
+def apply_activation(h: torch.Tensor, activation: str, *, swiglu_limit: float = 7.0,
+                     swiglu_alpha: float = 1.702) -> torch.Tensor:
+    """The expert activation on a pre-activation h ([R, 2F] for the GLUs: gate, then up).
 
+    "swiglu": silu(gate) * up. "swiglu_oai" (GPT-OSS): g = min(gate, swiglu_limit),
+    u = clamp(up, -swiglu_limit, swiglu_limit), (u + 1) * g * sigmoid(swiglu_alpha * g).
     fp64 inputs are row-invariant (see :func:`tritonmoe.exact.elementwise_scalar`), like the fp64
     grouped GEMMs."""
-    if h.dtype == torch.float64 and activation != "relu":
-        return _activation(elementwise_scalar(h), activation)
-    return _activation(h, activation)
+    scalar = h.dtype == torch.float64 and activation != "relu"
+    return _activation(h, activation, float(swiglu_limit), float(swiglu_alpha), scalar)
 
 
 def grouped_ffn(
@@ -323,15 +409,20 @@ def grouped_ffn(
     w1_EDN: torch.Tensor,
     w2_EFD: torch.Tensor,
     activation: str = "swiglu",
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
     *,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
     wgrad: WeightGradSlot | None = None,
 ) -> torch.Tensor:
-    """grouped_gemm(act(grouped_gemm(x, w1)), w2), the activation applied to the fp32 accumulator
-    and rounded to the input dtype once (as a fused epilogue does). ``wgrad``: defer both weight
-    gradients to a schedule's store (fp64; :mod:`tritonmoe.exact`)."""
-    h = _grouped_gemm_acc(x_RD, expert_offsets, w1_EDN, wgrad)
-    a = apply_activation(h, activation).to(x_RD.dtype)
-    return grouped_gemm(a, expert_offsets, w2_EFD, wgrad=wgrad)
+    """grouped_gemm(act(grouped_gemm(x, w1, b1)), w2, b2), the activation applied to the fp32
+    accumulator (bias included) and rounded to the input dtype once (as a fused epilogue does).
+    ``wgrad``: defer the weight and bias gradients to a schedule's store (fp64;
+    :mod:`tritonmoe.exact`)."""
+    h = _grouped_gemm_acc(x_RD, expert_offsets, w1_EDN, b1, wgrad)
+    a = apply_activation(h, activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha).to(x_RD.dtype)
+    return grouped_gemm(a, expert_offsets, w2_EFD, b2, wgrad=wgrad)
 
 
 grouped_ffn.defers_weight_grad = True
@@ -343,11 +434,18 @@ def moe_ffn(
     w1_EDN: torch.Tensor,
     w2_EFD: torch.Tensor,
     activation: str = "swiglu",
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
     """The whole expert path of a MoE layer: permute -> grouped_ffn -> unpermute (weighted by
-    ``routing.topk_weights``); [T, d] in x's dtype."""
+    ``routing.topk_weights``); [T, d] in x's dtype. The second bias is part of each expert's
+    output, so the gate weight multiplies it too."""
     x_perm, info = permute(x_TD, routing.topk_ids, routing.num_experts)
-    y_perm = grouped_ffn(x_perm, info.expert_offsets, w1_EDN, w2_EFD, activation)
+    y_perm = grouped_ffn(x_perm, info.expert_offsets, w1_EDN, w2_EFD, activation, b1, b2,
+                         swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     return unpermute(y_perm, info, routing.topk_weights)
 
 
