@@ -13,16 +13,23 @@ Kinds:
   columns each), so the tile is effectively ``BM x 2*BN``.
 * ``"dact"``        - ``dY @ w2^T`` with the GELU/ReLU backward in the epilogue (reads the
   pre-activation tile; the fused path also reduces the gate-weight gradient there).
-* ``"dact_swiglu"`` - the same for SwiGLU (two pre-activation tiles in, two gradient tiles out).
+* ``"dact_swiglu"`` - the same for SwiGLU: two ``BN``-column accumulators over one ``dY`` tile
+  (so a work item covers ``2*BN`` columns and reads each ``dY`` tile once for them), whose
+  epilogues run one after the other (each reads two pre-activation tiles and writes two gradient
+  tiles, so one 128-wide accumulator would spill hundreds of bytes).
 * ``"wgrad"``       - per-expert ``X_e^T @ dY_e`` (weight gradients): output ``[M, N]`` per
   expert, the reduction runs over the expert's rows.
+
+"swiglu" and "dact_swiglu" also serve GPT-OSS's clamped SwiGLU ("swiglu_oai"): same operands,
+a few more epilogue instructions.
 
 Policy (:func:`select`), keyed by the device, the dtype, the kind and the average rows per expert
 (``rows / E``, known from shapes, so choosing never synchronizes with the device), then clamped to
 N, K and the rows per expert:
 
-* Triton interpreter (CPU tensors): one small config (16x16x16), so that tests exercise multiple
-  tiles, partial tiles and the K remainder on tiny shapes.
+* Triton interpreter (CPU tensors): one small config (16x16x16; 32x32 output tiles for the
+  weight gradients), so that tests exercise multiple tiles, partial tiles and the K remainder on
+  tiny shapes.
 * sm90 (H100/H200), 16-bit inputs, >= 256 rows per expert (prefill/training): the large point of
   the Hopper Triton matmul space, 128x256x64 tiles, 8 warps (two warpgroups of wgmma), 3 stages
   (144 KiB of the 227 KiB shared memory), grouped tile ordering (GROUP_M=8) so that programs
@@ -35,15 +42,20 @@ N, K and the rows per expert:
   (4 spill with these pointer-based loads and epilogues), 4 stages; 64x64x32 with 2 stages
   before sm80.
 
-Evidence: every sm90 variant was compiled offline for sm_90a with Triton 3.9 and ptxas (no GPU
-was available): all use wgmma except decode tiles (mma.sync), both operands go through cp.async
-pipelines when N and K are multiples of 16 (Triton then specializes them; otherwise the masked
-weight loads cannot be vectorized and stay synchronous), and none spills in the main loop. Outside
-it (tests/test_aot_compile.py measures this): the large SwiGLU forward epilogue spills 16 bytes
-on Triton 3.9 (8 on 3.6), the TF32 SwiGLU epilogue 88 bytes (64 on 3.6), IEEE fp32 nothing.
-Unaligned K or N (not multiples of 16) lose the cp.async pipelines and spill in the main loop:
-real models avoid them, and the policy has no separate config for them. The speed of these
-choices is NOT measured: re-derive them with the benchmark harness on an H200.
+Evidence: every sm90 variant was compiled offline for sm_90a with Triton 3.9 and 3.6 and ptxas
+(no GPU was available; tests/test_aot_compile.py): all use wgmma except tiles below 64 rows
+(mma.sync), both operands go through cp.async pipelines when N and K are multiples of 16 (Triton
+then specializes them; otherwise the masked weight loads cannot be vectorized and stay
+synchronous), the MMA loop keeps the previous step's wgmma in flight (``wgmma.wait_group`` >= 1),
+has no integer division and no spill, and every operand tile has one shared-memory buffer per
+stage (one fewer for mma.sync; two for the gathered weight-gradient loads, whose row indices are
+loaded in the same loop). The GEMMs are persistent (a tile loop around the K loop), which keeps
+the pipeline's shared-memory addresses live through the epilogue: epilogues may spill a little
+(Triton 3.9 / 3.6): large SwiGLU forward 48 / 32 bytes, large SwiGLU backward 24 / 48, TF32
+SwiGLU 184 / 176, top-1 scaled GEMM2 0 / 88, everything else 0-8. Unaligned K or N (not
+multiples of 16) lose the cp.async pipelines: real models avoid them, and the policy has no
+separate config for them. The speed of these choices is NOT measured: re-derive them with the
+benchmark harness on an H100/H200.
 
 Autotuning: on CUDA, unless ``TRITONMOE_AUTOTUNE=0``, a launch autotunes over the *pipeline
 depth* of the chosen config only (num_stages; tile shape, warps and ordering fixed). Pipelining
@@ -70,17 +82,24 @@ import torch
 import triton
 
 __all__ = [
+    "DECODE_MAX_TOKENS",
     "KINDS",
     "PREACT_MODES",
     "TileConfig",
     "autotune_enabled",
+    "colsum_config",
     "combine_config",
+    "decode_path",
     "ffn_preact_mode",
+    "force_decode",
     "launch",
+    "max_programs",
     "override",
     "preact_mode",
     "rows_hint",
     "select",
+    "select_decode",
+    "tile_map_config",
 ]
 
 KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
@@ -89,7 +108,9 @@ KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
 @dataclass(frozen=True)
 class TileConfig:
     """Launch parameters of one GEMM: tile ``BM x BN`` (per accumulator), K step ``BK``, grouped
-    ordering width ``GROUP_M`` (in M tiles), warps and software-pipelining stages."""
+    ordering width ``GROUP_M`` (in M tiles), warps, software-pipelining stages, and ``SPLIT_K``
+    (K splits whose fp32 partials a fixed-order reduction sums; only the decode path's second
+    GEMM, whose combine does that reduction, uses more than 1)."""
 
     BM: int
     BN: int
@@ -97,18 +118,22 @@ class TileConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    SPLIT_K: int = 1
 
     def __post_init__(self) -> None:
         for name in ("BM", "BN", "BK"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"TileConfig.{name}={v} must be a power of two >= 16 (tl.dot's minimum)")
-        if self.GROUP_M < 1 or self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"TileConfig {self} needs GROUP_M, num_warps and num_stages >= 1")
+        if self.GROUP_M < 1 or self.num_warps < 1 or self.num_stages < 1 or self.SPLIT_K < 1:
+            raise ValueError(f"TileConfig {self} needs GROUP_M, num_warps, num_stages and SPLIT_K >= 1")
 
 
 #: The interpreter's config: small enough that tiny test shapes span several tiles.
 INTERPRETER_CONFIG = TileConfig(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=1, num_stages=1)
+#: ... and for the weight gradients, whose grid has a program per output tile and expert (the
+#: interpreter runs programs one at a time): 32 x 32 output tiles still split the tests' d <= 40.
+INTERPRETER_WGRAD_CONFIG = TileConfig(BM=32, BN=32, BK=16, GROUP_M=2, num_warps=1, num_stages=1)
 
 _override: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("tritonmoe_gemm_config", default=None)
 
@@ -163,16 +188,20 @@ def _arch(device: torch.device) -> tuple[int, int] | None:
 
 # sm90 tiles for 16-bit inputs, by kind and by average rows per expert (>= 256, >= 64, fewer).
 # Chosen so that every variant compiles to wgmma (BM >= 64) with multi-stage cp.async pipelines
-# and no register spills in the main loop (checked offline with ptxas for sm_90a, Triton 3.9,
-# 8 warps): 128x256 for plain epilogues; 128x128 where the epilogue holds more live tiles
-# (GELU: erf; SwiGLU: two accumulators); 128x64 for the SwiGLU backward epilogue, which reads
-# two pre-activation tiles and writes two gradient tiles.
+# and no register spills in the main loop (checked offline with ptxas for sm_90a, Triton 3.9 and
+# 3.6, 8 warps; tests/test_aot_compile.py): 128x256 for plain epilogues; 128x128 where the
+# epilogue holds more live tiles (GELU: erf; SwiGLU: two accumulators). The SwiGLU backward
+# ("dact_swiglu") runs two 64-column accumulators over one 128-row dY tile (128 columns per work
+# item, so dY is read F/128 times, not F/64 as with one 128x64 tile) and finishes them one after
+# the other: 255 registers and a 24-byte epilogue spill on Triton 3.9 (152 bytes for GPT-OSS's
+# clamped SwiGLU), where a single 128x128 accumulator spills 660-1600 bytes; at 64 rows per tile
+# it needs 8 warps (170-183 registers, no spill; 4 warps spill 8-160 bytes).
 _SM90_LARGE = {
     "mm": TileConfig(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
     "mm_act": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     "swiglu": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
     "dact": TileConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-    "dact_swiglu": TileConfig(BM=128, BN=64, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "dact_swiglu": TileConfig(BM=128, BN=64, BK=64, GROUP_M=8, num_warps=8, num_stages=4),  # x2 accumulators
     "wgrad": TileConfig(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
 }
 _SM90_MID = {
@@ -180,7 +209,7 @@ _SM90_MID = {
     "mm_act": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
     "swiglu": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     "dact": TileConfig(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "dact_swiglu": TileConfig(BM=64, BN=64, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "dact_swiglu": TileConfig(BM=64, BN=64, BK=64, GROUP_M=8, num_warps=8, num_stages=4),  # x2 accumulators
 }
 
 
@@ -188,7 +217,7 @@ def _policy(kind: str, avg_rows: float, dtype: torch.dtype, tf32: bool, arch: tu
     """The policy's config before clamping; ``arch`` is the CUDA capability, None in the
     interpreter."""
     if arch is None:
-        return INTERPRETER_CONFIG
+        return INTERPRETER_WGRAD_CONFIG if kind == "wgrad" else INTERPRETER_CONFIG
     major = arch[0]
     if major >= 9:
         if dtype == torch.float32 and not tf32:  # IEEE fp32: FMA, no tensor cores
@@ -246,6 +275,166 @@ def select(
                        BK=min(cfg.BK, _pow2_at_least(int(avg_rows))))
     return replace(cfg, BM=min(cfg.BM, _pow2_at_least(int(avg_rows))), BN=min(cfg.BN, _pow2_at_least(n)),
                    BK=min(cfg.BK, _pow2_at_least(k)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode (few tokens): which calls take the decode path, and its tiles
+# ---------------------------------------------------------------------------------------------
+
+#: Fused ``moe_ffn`` calls with at most this many tokens take the decode path (one metadata
+#: program, tiles that hold an expert's rows in one M tile, split-K second GEMM).
+DECODE_MAX_TOKENS = 64
+#: ... and at most this many slots (T * k): the decode metadata program sorts them in registers.
+DECODE_MAX_SLOTS = 4096
+
+_force_decode: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("tritonmoe_force_decode", default=None)
+
+
+@contextlib.contextmanager
+def force_decode(enabled: bool) -> Iterator[None]:
+    """Inside the block, fused calls take (True) or avoid (False) the decode path whatever their
+    token count (tests run both paths on small shapes). Calls with more than
+    :data:`DECODE_MAX_SLOTS` slots never take it."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"force_decode expects a bool, got {type(enabled).__name__}")
+    token = _force_decode.set(enabled)
+    try:
+        yield
+    finally:
+        _force_decode.reset(token)
+
+
+def decode_path(tokens: int, top_k: int) -> bool:
+    """Whether a fused call over ``tokens`` tokens with ``top_k`` slots each takes the decode
+    path: T <= :data:`DECODE_MAX_TOKENS` (unless :func:`force_decode` says otherwise) and
+    T * k <= :data:`DECODE_MAX_SLOTS`."""
+    if tokens <= 0 or tokens * top_k > DECODE_MAX_SLOTS:
+        return False
+    forced = _force_decode.get()
+    if forced is not None:
+        return forced
+    return tokens <= DECODE_MAX_TOKENS
+
+
+#: Shared memory the decode tiles' operand buffers may take (the tiles are weight panels
+#: streamed from HBM: 2-4 stages of 128-deep K steps keep enough bytes in flight per SM).
+_DECODE_SMEM = 160 * 1024
+
+
+def select_decode(
+    kind: str,
+    *,
+    tokens: int,
+    top_k: int,
+    n: int,
+    k: int,
+    num_experts: int,
+    dtype: torch.dtype,
+    tf32: bool,
+    device: torch.device,
+) -> TileConfig:
+    """Tiles of the decode path's GEMMs (``kind`` "swiglu" / "mm_act" for the first, "mm" for
+    the second), which stream the weights of the active experts and do little arithmetic.
+
+    * BM = the next power of two of T (16..64): an expert holds at most T rows (a token's k ids
+      are distinct), so one M tile covers them and each weight panel is read from HBM once; the
+      wasted MMA rows cost nothing in a bandwidth-bound GEMM.
+    * Enough programs stream at once: at most ``A = min(E, T * k)`` experts are active (a shape
+      bound, no sync); the N tile is the widest that still gives ``A * cdiv(n, BN) >= 2 * SMs``
+      work items (first GEMM: 64 or 32 columns per accumulator for the GLUs, 128..32 otherwise;
+      second GEMM: 128 or 64), and the second GEMM splits K in 2, 4 or 8 while that is still
+      short (each split keeping >= 4 K steps): e.g. T = 1 on a Mixtral-like layer (2 active
+      experts, d = 4096, 14336-deep K) has 2 x 64 N tiles of 64 and runs 4 splits (512 items).
+      The combine sums the splits' fp32 partials in a fixed order.
+    * BK = 128 (64 for fp32), stages: as many as fit 160 KiB (at most 4).
+    The interpreter gets 16-wide N and K tiles and 2 K splits when K > 16 (so tests exercise
+    the split-K reduction). Speed NOT measured (no GPU yet).
+    """
+    if kind not in ("swiglu", "mm_act", "mm"):
+        raise ValueError(f"decode GEMM kind {kind!r}; use 'swiglu', 'mm_act' or 'mm'")
+    override_cfg = (_override.get() or {}).get(kind)
+    bm = _pow2_at_least(min(max(tokens, 1), 64))
+    if override_cfg is not None:
+        return replace(override_cfg, BM=bm, BN=min(override_cfg.BN, _pow2_at_least(n)),
+                       BK=min(override_cfg.BK, _pow2_at_least(k)))
+    if _interpreting(device):
+        split = 2 if kind == "mm" and k > 16 else 1  # two K steps of 16 or more: split them
+        return TileConfig(BM=bm, BN=16, BK=16, GROUP_M=1, num_warps=1, num_stages=1, SPLIT_K=split)
+    dual = kind == "swiglu"
+    elem = 4 if dtype == torch.float32 else 2
+    active = max(1, min(num_experts, tokens * top_k))
+    target = 2 * _sms(device)
+    bk = min(128 if elem == 2 else 64, _pow2_at_least(k))
+    # The second GEMM reaches its item count by splitting K and keeps 64-column (128-byte) rows;
+    # the first (whose activation needs whole sums) narrows N instead; two-accumulator tiles at
+    # most 64 wide, so that 3-4 stages fit.
+    widths = (128, 64) if kind == "mm" else ((64, 32) if dual else (128, 64, 32))
+    bn = widths[-1]
+    for cand in widths:
+        if active * triton.cdiv(n, cand) >= target:
+            bn = cand
+            break
+    bn = min(bn, _pow2_at_least(n))
+    split = 1
+    if kind == "mm":
+        while split < 8 and active * triton.cdiv(n, bn) * split < target and triton.cdiv(k, bk) >= 8 * split:
+            split *= 2
+    cfg = TileConfig(BM=bm, BN=bn, BK=bk, GROUP_M=1, num_warps=4, num_stages=2, SPLIT_K=split)
+    for stages in (4, 3, 2):
+        if _smem_bytes(cfg, stages, elem, dual) <= _DECODE_SMEM:
+            return replace(cfg, num_stages=stages)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid of the persistent GEMMs, tile maps, small kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+#: Shared memory per SM by major capability (sm90: 228 KiB, sm80: 164 KiB); others 96 KiB.
+_SMEM_PER_SM = {9: 228 * 1024, 8: 164 * 1024}
+
+#: Programs of a persistent GEMM in the interpreter: a few, so that tests run programs that take
+#: several work items, and rounds where some programs have none.
+INTERPRETER_PROGRAMS = 3
+
+
+def max_programs(device: torch.device, cfg: TileConfig, elem_size: int, dual: bool) -> int:
+    """Upper bound on the programs of a persistent GEMM launch: the programs resident at once
+    (SMs x CTAs per SM, limited by 64 warps and the shared memory per SM; registers are not
+    known before compiling, so this may overestimate, and the extra programs then start as the
+    first ones finish, each with the same number of work items +-1)."""
+    if _interpreting(device):
+        return INTERPRETER_PROGRAMS
+    smem = max(1, _smem_bytes(cfg, cfg.num_stages, elem_size, dual))
+    per_sm = _SMEM_PER_SM.get(_arch(device)[0], 96 * 1024)
+    ctas = max(1, min(4, 64 // cfg.num_warps, per_sm // smem))
+    return _sms(device) * ctas
+
+
+def tile_map_config(device: torch.device) -> tuple[int, int]:
+    """(BT, num_warps) of the tile-map kernels: BT tiles per step against all E + 2 segments
+    (a [BT, next_pow2(E + 2)] comparison: 16K lanes for E = 256 at BT = 32)."""
+    if _interpreting(device):
+        return 16, 1
+    return 32, 4
+
+
+def colsum_config(device: torch.device) -> tuple[int, int, int]:
+    """(BR, BN, num_warps) of the per-expert column sums (bias gradients) and of the gate-weight
+    gradient reduction: a memory-bound sweep with [BR, BN] fp32 tiles (64 values per thread)."""
+    if _interpreting(device):
+        return 16, 32, 1
+    return 32, 256, 4
 
 
 def rows_hint(rows: int, num_experts: int) -> int:

@@ -5,36 +5,46 @@ Launchers with the signatures of :mod:`tritonmoe.reference` (registered in
 launch parameters in ``_gemm_config.py``.
 
 Shape letters: T tokens, k slots per token, E experts, D d_model, F d_ffn, N1 the first GEMM's
-columns (2F for SwiGLU: gate then up), R rows of a permuted buffer. In the fused path the row
-space has T*k rows, one per (token, slot), grouped by expert (``row_map`` gives the slot of each
-row), and its tail [offsets[E], T*k) holds the unrouted slots.
+columns (2F for the GLU activations: gate then up), R rows of a permuted buffer. In the fused
+path the row space has T*k rows, one per (token, slot), grouped by expert (``row_map`` gives the
+slot of each row); its unrouted slots come first, [0, offsets[0]).
 
 Paths:
 
-* ``grouped_gemm(x [R, K], offsets, w [E, K, N])``: one grouped GEMM; backward = a grouped GEMM
-  with ``w^T`` (a strided view, no copy) for dx and per-expert ``x_e^T dy_e`` for dw.
-* ``grouped_ffn(x [R, D], offsets, w1, w2, act)``: GEMM1 with the activation in its epilogue
-  writes the activation A [R, F] (and the pre-activation H [R, N1] when backward will need it,
-  see :func:`tritonmoe.kernels._gemm_config.ffn_preact_mode`), GEMM2 writes y [R, D].
+* ``grouped_gemm(x [R, K], offsets, w [E, K, N], bias [E, N])``: one grouped GEMM; backward = a
+  grouped GEMM with ``w^T`` (a strided view, no copy) for dx, per-expert ``x_e^T dy_e`` for dw
+  and per-expert column sums of dy for the bias.
+* ``grouped_ffn(x [R, D], offsets, w1, w2, act, b1, b2)``: GEMM1 with the bias and activation in
+  its epilogue writes the activation A [R, F] (and the pre-activation H [R, N1] when backward will
+  need it, see :func:`tritonmoe.kernels._gemm_config.ffn_preact_mode`), GEMM2 writes y [R, D].
   Backward: ``dH = act'(H) * (dy @ w2^T)`` in one kernel (activation backward in the epilogue),
-  ``dx = dH @ w1^T``, ``dw1 = x^T dH``, ``dw2 = A^T dy`` per expert.
-* ``moe_ffn(x [T, D], routing, w1, w2, act)``: GEMM1 reads token rows of x through the routing
-  metadata (no x_perm), GEMM2 writes each row's output in slot order into a [T*k, D] buffer
-  (k = 1: straight into the output, times its gate weight), and a fixed-order combine sums the k
-  rows of each token times their gate weights in fp32 (no y_perm in expert order, no atomics).
-  Backward gathers the output gradient by token inside the kernels, reduces the gate-weight
-  gradient in the ``dH`` kernel's epilogue (partial sums per column tile, summed in a fixed
-  order), scatters dx rows to slot order and combines them like the forward.
+  ``dx = dH @ w1^T``, ``dw1 = x^T dH``, ``dw2 = A^T dy`` per expert, bias gradients = per-expert
+  column sums of dH and dy.
+* ``moe_ffn(x [T, D], routing, w1, w2, act, b1, b2)``: the row map comes from one stable sort of
+  the expert ids and the offsets from the router's ``counts`` (no recount); GEMM1 reads token rows
+  of x through it (no x_perm), GEMM2 writes each row's output (bias included) in slot order into
+  a [T*k, D] buffer (k = 1: straight into the output, times its gate weight), and a fixed-order
+  combine sums the k rows of each token times their gate weights in fp32 (no y_perm in expert
+  order, no atomics). Backward gathers the output gradient by token inside the kernels, reduces
+  the gate-weight gradient in the ``dH`` kernel's epilogue (partial sums per column tile, summed
+  in a fixed order with <dout, b2>), scatters dx rows to slot order and combines them like the
+  forward.
+* Decode (``moe_ffn`` with T <= 64, :func:`tritonmoe.kernels._gemm_config.decode_path`): one
+  program builds all metadata (sort, offsets, tile map), GEMM1 and GEMM2 use tiles that hold an
+  expert's rows in one M tile and split GEMM2's K when too few (expert, N tile) items would
+  stream the weights, and the combine sums the K splits: four launches for the forward.
 
-Nothing here reads device values on the host: tile maps are built on the device from the offsets
-(see ``_grouped_gemm_kernels``), grids are sized from shapes. Every output element is written by
-exactly one program and every reduction runs in a fixed order, so results are deterministic run
-to run.
+Tile maps and grids: each call builds the list of M tiles of its row space once per tile height
+on the device and the GEMMs' persistent programs walk it (see ``_grouped_gemm_kernels``); grids
+are sized from shapes. Nothing here reads device values on the host. Every output element is
+written by exactly one program and every reduction runs in a fixed order, so results are
+deterministic run to run.
 
 Precision: fp32 accumulation everywhere; fp16/bf16 operands use the tensor cores; fp32 operands
 use IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, then TF32 (read at each
 call, like torch's own matmuls). fp64 inputs have no tensor-core path: the launchers refuse them
-and :mod:`tritonmoe.dispatch` sends them to :mod:`tritonmoe.reference`.
+and :mod:`tritonmoe.dispatch` sends them to :mod:`tritonmoe.reference`. Biases are added to the
+fp32 accumulator; bias gradients are fp32 sums rounded once to the bias dtype.
 
 Backward and the pre-activation: saved by default (one extra [rows, N1] write in forward),
 recomputed by rerunning GEMM1 with ``TRITONMOE_FFN_PREACT=recompute`` or
@@ -44,6 +54,9 @@ written by the forward anyway (GEMM2 reads it) and is kept for dw2 in "save" mod
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
@@ -56,15 +69,22 @@ from ._grouped_gemm_kernels import (
     ACT_NONE,
     ACT_RELU,
     ACT_SWIGLU,
+    ACT_SWIGLU_OAI,
+    GLU_ACTS,
+    TILE_FIELDS,
     _combine_kernel,
+    _decode_meta_kernel,
+    _dgate_kernel,
     _grouped_mm_dact_kernel,
     _grouped_mm_kernel,
     _grouped_wgrad_kernel,
+    _segment_colsum_kernel,
+    _tile_map_kernel,
 )
 
-__all__ = ["grouped_gemm", "grouped_ffn", "moe_ffn", "route_rows"]
+__all__ = ["grouped_gemm", "grouped_ffn", "moe_ffn", "route_rows", "RowSpace", "TileMap"]
 
-_ACT = {"swiglu": ACT_SWIGLU, "gelu": ACT_GELU, "relu": ACT_RELU}
+_ACT = {"swiglu": ACT_SWIGLU, "gelu": ACT_GELU, "relu": ACT_RELU, "swiglu_oai": ACT_SWIGLU_OAI}
 
 
 def _tf32(dtype: torch.dtype) -> bool:
@@ -78,8 +98,111 @@ def _prec(dtype: torch.dtype) -> str:
     return "tf32"  # the setting only chooses TF32 vs IEEE for fp32 operands; 16-bit ones ignore it
 
 
-def _seg(E: int) -> int:
-    return triton.next_power_of_2(E + 1)
+def _segp(E: int) -> int:
+    """Lanes of the segment vector of the tile-map kernels: the E + 2 segments (zero head, E
+    experts, zero tail), rounded up to a power of two."""
+    return triton.next_power_of_2(E + 2)
+
+
+def tile_bound(rows: int, num_experts: int, BM: int) -> int:
+    """MT: at most this many BM-row tiles cover the E + 2 segments of ``rows`` rows (module
+    docstring of ``_grouped_gemm_kernels``)."""
+    return rows // BM + min(num_experts + 2, rows)
+
+
+@dataclass
+class TileMap:
+    """The M tiles of one row space for tile height ``BM`` (built on the device, see
+    ``_grouped_gemm_kernels``): ``tiles`` int32 [bound, 3] (expert or -1 for zero rows, first row,
+    segment end), ``count`` int32 [1] (valid entries), ``bound`` = MT (host, from shapes)."""
+
+    BM: int
+    bound: int
+    tiles: torch.Tensor
+    count: torch.Tensor
+
+
+def _new_tile_map(BM: int, bound: int, device: torch.device) -> TileMap:
+    buf = torch.empty(bound * TILE_FIELDS + 1, device=device, dtype=torch.int32)
+    return TileMap(BM, bound, buf[1:].view(bound, TILE_FIELDS), buf[:1])
+
+
+@dataclass
+class RowSpace:
+    """The rows of one grouped-GEMM call: ``rows`` rows in E segments given by the device
+    ``offsets`` [E+1] (int32 or int64), with ``row_map`` (slot of each row) and ``topk`` for the
+    fused path, and the tile maps built so far (one per tile height, shared by the forward and
+    backward kernels of the call)."""
+
+    offsets: torch.Tensor
+    rows: int
+    num_experts: int
+    row_map: torch.Tensor | None = None
+    topk: int = 1
+    maps: dict = field(default_factory=dict)
+
+    def tile_map(self, BM: int) -> TileMap:
+        """The tile map for height BM (one small launch the first time, no host sync)."""
+        tm = self.maps.get(BM)
+        if tm is None:
+            tm = _build_tile_map(self.offsets, self.rows, self.num_experts, BM)
+            self.maps[BM] = tm
+        return tm
+
+
+def _build_tile_map(src: torch.Tensor, rows: int, E: int, BM: int, *, from_counts: bool = False,
+                    offsets_out: torch.Tensor | None = None) -> TileMap:
+    """Launch :func:`_tile_map_kernel` over ``src`` (offsets [E+1], or counts [E] with
+    ``from_counts``, writing the offsets to ``offsets_out``)."""
+    dev = src.device
+    tm = _new_tile_map(BM, tile_bound(rows, E, BM), dev)
+    if tm.bound == 0:
+        if offsets_out is not None:
+            offsets_out.zero_()
+        tm.count.zero_()
+        return tm
+    BT, warps = C.tile_map_config(dev)
+    _tile_map_kernel[(triton.cdiv(tm.bound, BT),)](
+        src, offsets_out if offsets_out is not None else src, tm.tiles, tm.count, rows, E, tm.bound,
+        FROM_COUNTS=from_counts, WRITE_OFFS=offsets_out is not None, BM=BM, SEGP=_segp(E), BT=BT,
+        num_warps=warps,
+    )
+    return tm
+
+
+def route_rows(topk_ids_TK: torch.Tensor, counts_E: torch.Tensor, num_experts: int, BM: int,
+               *, decode: bool = False) -> RowSpace:
+    """Row space of the fused path over the T*k slots, with its tile map for height BM, without
+    a host sync.
+
+    ``row_map`` int64 [T*k] lists the slots ``t*k + j`` in the order of a stable sort of their
+    expert ids: unrouted slots (id -1) first, then each expert's slots in token order (the
+    order of :func:`tritonmoe.reference.permute` inside each expert). ``offsets`` int64 [E+1]
+    come from the router's ``counts_E`` (kept slots per expert, which must match the ids): expert
+    e's rows are [offsets[e], offsets[e+1]) and offsets[0] = T*k - sum(counts). ``decode``: one
+    program does all of it (:func:`_decode_meta_kernel`, T*k <= 4096); otherwise a torch stable
+    argsort plus :func:`_tile_map_kernel`.
+    Example: ids [[1, 0], [1, 2], [-1, 1]], counts [1, 3, 1] -> offsets [1, 2, 5, 6], row_map
+    [4, 1, 0, 2, 5, 3].
+    """
+    E = num_experts
+    T, k = topk_ids_TK.shape
+    S = T * k
+    dev = topk_ids_TK.device
+    offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
+    ids_S = topk_ids_TK.reshape(-1)
+    if decode and S > 0:
+        row_map = torch.empty(S, device=dev, dtype=torch.int64)
+        tm = _new_tile_map(BM, tile_bound(S, E, BM), dev)
+        BT, warps = C.tile_map_config(dev)
+        _decode_meta_kernel[(1,)](
+            ids_S.contiguous(), counts_E, row_map, offsets, tm.tiles, tm.count, S, E, tm.bound,
+            LOG_SP=max(1, (S - 1).bit_length()), BM=BM, SEGP=_segp(E), BT=BT, num_warps=warps,
+        )
+    else:
+        row_map = torch.argsort(ids_S, stable=True)
+        tm = _build_tile_map(counts_E, S, E, BM, from_counts=True, offsets_out=offsets)
+    return RowSpace(offsets, S, E, row_map=row_map, topk=k, maps={BM: tm})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,164 +210,230 @@ def _seg(E: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Act:
+    """An activation and its GPT-OSS parameters (ignored by the others)."""
+
+    code: int = ACT_NONE
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    @property
+    def glu(self) -> bool:
+        return self.code in GLU_ACTS
+
+
+_NO_ACT = _Act()
+
+
+def _kind(act: _Act) -> str:
+    return "swiglu" if act.glu else ("mm" if act.code == ACT_NONE else "mm_act")
+
+
+def _grid(tm: TileMap, n_cols: int, cfg: C.TileConfig, dev: torch.device, elem: int, dual: bool) -> tuple[int]:
+    items = tm.bound * triton.cdiv(n_cols, cfg.BN) * cfg.SPLIT_K
+    return (max(1, min(items, C.max_programs(dev, cfg, elem, dual))),)
+
+
 def _mm(
     a: torch.Tensor,
-    offsets: torch.Tensor,
+    space: RowSpace,
     b_EKN: torch.Tensor,
     out: torch.Tensor,
     *,
-    rows: int,
-    act: int = ACT_NONE,
+    act: _Act = _NO_ACT,
     h: torch.Tensor | None = None,
-    row_map: torch.Tensor | None = None,
-    topk: int = 1,
+    bias: torch.Tensor | None = None,
     gather_a: bool = False,
     scatter: bool = False,
     scale: torch.Tensor | None = None,
+    cfg: C.TileConfig | None = None,
 ) -> None:
-    """``out[row] = act(a[row'] @ b[seg(row)])`` over the row space of ``rows`` rows (see
-    :func:`_grouped_mm_kernel`). For SwiGLU, ``b`` holds gate then up columns and ``out`` gets half
-    of them."""
+    """``out[row] = act(a[row'] @ b[seg(row)] + bias[seg(row)])`` over the row space (see
+    :func:`_grouped_mm_kernel`). For GLUs, ``b`` holds gate then up columns and ``out`` gets half
+    of them. ``cfg`` (the decode path's) overrides the policy; with ``cfg.SPLIT_K > 1`` ``out`` is
+    the fp32 partial buffer [SPLIT_K, rows, N]."""
     E, K, NB = b_EKN.shape
-    dual = act == ACT_SWIGLU
+    dual = act.glu
     N = NB // 2 if dual else NB
+    rows = space.rows
     if rows == 0 or N == 0:
         return
     dev = a.device
-    kind = "swiglu" if dual else ("mm" if act == ACT_NONE else "mm_act")
-    cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
-    num_pid_m = triton.cdiv(rows, cfg.BM) + E
-    grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
+    if cfg is None:
+        cfg = C.select(_kind(act), rows=rows, n=N, k=K, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
+    tm = space.tile_map(cfg.BM)
+    split = cfg.SPLIT_K
+    if out.dim() == 3:
+        stride_cs, stride_cm, stride_cn = out.stride()
+    else:
+        stride_cs, (stride_cm, stride_cn) = 0, out.stride()
     # Arguments a flag switches off are never dereferenced: any tensor stands in for them.
-    hh = h if h is not None else out
+    hh = h if h is not None else a
+    bb = bias if bias is not None else b_EKN[0]
+    rm = space.row_map if space.row_map is not None else space.offsets
     C.launch(
-        _grouped_mm_kernel, grid, cfg, ("N", "K", "ROWS_HINT"), dev, a.element_size(), dual,
-        a, b_EKN, out, hh, offsets, row_map if row_map is not None else offsets, scale if scale is not None else out,
-        rows, N, K, E, topk, num_pid_m, C.rows_hint(rows, E),
+        _grouped_mm_kernel, _grid(tm, N, cfg, dev, a.element_size(), dual), cfg, ("N", "K", "ROWS_HINT"), dev,
+        a.element_size(), dual,
+        a, b_EKN, out, hh, bb, tm.tiles, tm.count, rm, scale if scale is not None else a,
+        N, K, C.rows_hint(rows, E), float(act.limit), float(act.alpha),
         a.stride(0), a.stride(1),
         b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
-        out.stride(0), out.stride(1),
+        stride_cs, stride_cm, stride_cn,
         hh.stride(0), hh.stride(1),
-        ACT=act, STORE_H=h is not None, GATHER_A=gather_a, SCATTER_C=scatter, SCALE=scale is not None,
-        PREC=_prec(a.dtype), EVEN_K=K % cfg.BK == 0, SEG=_seg(E),
+        bb.stride(0), bb.stride(-1),
+        ACT=act.code if split == 1 else ACT_NONE, STORE_H=h is not None, GATHER_A=gather_a, SCATTER_C=scatter,
+        SCALE=scale is not None, HAS_BIAS=bias is not None, TOPK=space.topk, SPLIT_K=split,
+        PREC=_prec(a.dtype), EVEN_K=K % cfg.BK == 0,
     )
 
 
 def _dact(
     g: torch.Tensor,
-    offsets: torch.Tensor,
+    space: RowSpace,
     w2t_EDF: torch.Tensor,
     h: torch.Tensor,
-    act: int,
+    act: _Act,
     *,
-    rows: int,
-    row_map: torch.Tensor | None = None,
-    topk: int = 1,
     gather: bool = False,
     scale: torch.Tensor | None = None,
     dgate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dH [rows, N1] = act'(H) * round(g @ w2^T) (see :func:`_grouped_mm_dact_kernel`), and with
-    ``dgate`` the gate-weight gradient per slot (fp32 [rows], indexed by ``row_map``'s slots)."""
+    ``dgate`` the fp32 partial sums [rows (by slot), column tiles] of the gate-weight gradient."""
     E, D, F = w2t_EDF.shape
     N1 = h.shape[1]
+    rows = space.rows
     dev = g.device
     dh = torch.empty(rows, N1, device=dev, dtype=g.dtype)
-    kind = "dact_swiglu" if act == ACT_SWIGLU else "dact"
+    kind = "dact_swiglu" if act.glu else "dact"
     cfg = C.select(kind, rows=rows, n=F, k=D, num_experts=E, dtype=g.dtype, tf32=_tf32(g.dtype), device=dev)
-    n_tiles = triton.cdiv(F, cfg.BN)
+    cols_per_item = cfg.BN * (2 if act.glu else 1)  # the GLU backward runs two BN-column accumulators
+    n_tiles = triton.cdiv(F, cols_per_item)
     part = torch.empty(rows, n_tiles, device=dev, dtype=torch.float32) if dgate else None
     if rows == 0 or F == 0:
         if dgate:
-            return dh, torch.zeros(rows, device=dev, dtype=torch.float32)
-        return dh, None
-    num_pid_m = triton.cdiv(rows, cfg.BM) + E
-    grid = (num_pid_m * n_tiles,)
+            part = torch.zeros(rows, 1, device=dev, dtype=torch.float32)
+        return dh, part
+    tm = space.tile_map(cfg.BM)
+    rm = space.row_map if space.row_map is not None else space.offsets
     C.launch(
-        _grouped_mm_dact_kernel, grid, cfg, ("N", "K", "ROWS_HINT"), dev, g.element_size(), False,
-        g, w2t_EDF, h, dh, offsets, row_map if row_map is not None else offsets,
-        scale if scale is not None else dh, part if part is not None else dh,
-        rows, F, D, E, topk, num_pid_m, C.rows_hint(rows, E),
+        _grouped_mm_dact_kernel, _grid(tm, F, replace(cfg, BN=cols_per_item), dev, g.element_size(), False), cfg,
+        ("N", "K", "ROWS_HINT"), dev, g.element_size(), act.glu,
+        g, w2t_EDF, h, dh, tm.tiles, tm.count, rm,
+        scale if scale is not None else g, part if part is not None else dh,
+        F, D, C.rows_hint(rows, E), float(act.limit), float(act.alpha),
         g.stride(0), g.stride(1),
         w2t_EDF.stride(0), w2t_EDF.stride(1), w2t_EDF.stride(2),
         h.stride(0), h.stride(1),
         dh.stride(0), dh.stride(1),
         n_tiles,
-        ACT=act, GATHER_A=gather, SCALE=scale is not None, DGATE=dgate,
-        PREC=_prec(g.dtype), EVEN_K=D % cfg.BK == 0, SEG=_seg(E),
+        ACT=act.code, GATHER_A=gather, SCALE=scale is not None, DGATE=dgate, TOPK=space.topk,
+        PREC=_prec(g.dtype), EVEN_K=D % cfg.BK == 0,
     )
-    # Fixed-order reduction of the column-tile partials: deterministic.
-    return dh, (part.sum(dim=1) if dgate else None)
+    return dh, part
 
 
 def _wgrad(
     a: torch.Tensor,
     b: torch.Tensor,
-    offsets: torch.Tensor,
-    num_experts: int,
+    space: RowSpace,
     out_dtype: torch.dtype,
     *,
-    row_map: torch.Tensor | None = None,
-    topk: int = 1,
     gather_a: bool = False,
     gather_b: bool = False,
-    scale_b: torch.Tensor | None = None,
+    scale_a: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-expert ``a_e^T @ b_e`` -> [E, M, N] (see :func:`_grouped_wgrad_kernel`)."""
     M, N = a.shape[1], b.shape[1]
-    E = num_experts
+    E = space.num_experts
     dev = a.device
     out = torch.empty(E, M, N, device=dev, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
-    rows = row_map.shape[0] if row_map is not None else a.shape[0]  # size of the row space
+    rows = space.rows
     cfg = C.select("wgrad", rows=rows, n=N, k=M, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), E)
+    rm = space.row_map if space.row_map is not None else space.offsets
     C.launch(
         _grouped_wgrad_kernel, grid, cfg, ("M", "N", "ROWS_HINT"), dev, a.element_size(), False,
-        a, b, out, offsets, row_map if row_map is not None else offsets, scale_b if scale_b is not None else out,
-        rows, M, N, topk, C.rows_hint(rows, E),
+        a, b, out, space.offsets, rm, scale_a if scale_a is not None else a,
+        rows, M, N, C.rows_hint(rows, E),
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_B=scale_b is not None, PREC=_prec(a.dtype),
+        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale_a is not None, TOPK=space.topk, PREC=_prec(a.dtype),
     )
     return out
 
 
-def _combine(buf: torch.Tensor, w_flat: torch.Tensor | None, T: int, topk: int, out: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j (w[t, j] *) buf[t*k + j] in fp32, j ascending (see :func:`_combine_kernel`)."""
+def _colsum(b: torch.Tensor, space: RowSpace, out_dtype: torch.dtype, *, gather: bool = False,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-expert column sums of ``b``'s rows -> [E, N] (see :func:`_segment_colsum_kernel`)."""
+    N = b.shape[1]
+    E = space.num_experts
+    out = torch.empty(E, N, device=b.device, dtype=out_dtype)
+    if N == 0:
+        return out
+    BR, BN, warps = C.colsum_config(b.device)
+    rm = space.row_map if space.row_map is not None else space.offsets
+    _segment_colsum_kernel[(triton.cdiv(N, BN), E)](
+        b, out, space.offsets, rm, scale if scale is not None else b,
+        space.rows, N, b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        GATHER_B=gather, SCALE_B=scale is not None, TOPK=space.topk, BR=BR, BN=BN, num_warps=warps,
+    )
+    return out
+
+
+def _combine(buf: torch.Tensor, w_TK: torch.Tensor | None, ids_TK: torch.Tensor | None, E: int, T: int, topk: int,
+             out: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j ([routed] w[t, j] *) y[t*k + j] in fp32, j ascending, where y is ``buf``
+    [T*k, D] or, for a 3-D ``buf`` [S, T*k, D] of fp32 split-K partials, their fixed-order sum
+    (see :func:`_combine_kernel`)."""
     D = out.shape[1]
     if T == 0 or D == 0:
         return out
+    if buf.dim() == 3:
+        split, (stride_bs, stride_bm, stride_bd) = buf.shape[0], buf.stride()
+    else:
+        split, stride_bs, (stride_bm, stride_bd) = 1, 0, buf.stride()
     BT, BD, warps = C.combine_config(out.device)
     grid = (triton.cdiv(T, BT), triton.cdiv(D, BD))
+    has_w = w_TK is not None
+    w = w_TK if has_w else out
+    ids = ids_TK if has_w else out
     _combine_kernel[grid](
-        buf, w_flat if w_flat is not None else buf, out, T, D,
-        buf.stride(0), buf.stride(1), out.stride(0), out.stride(1),
-        TOPK=topk, HAS_W=w_flat is not None, BT=BT, BD=BD, num_warps=warps,
+        buf, w, ids, out, T, D, E,
+        stride_bs, stride_bm, stride_bd,
+        w.stride(0) if has_w else 0, w.stride(1) if has_w else 0,
+        ids.stride(0) if has_w else 0, ids.stride(1) if has_w else 0,
+        out.stride(0), out.stride(1),
+        TOPK=topk, SPLIT=split, HAS_W=has_w, BT=BT, BD=BD, num_warps=warps,
     )
     return out
 
 
-def route_rows(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row space of the fused path, built with a few device ops (no host sync).
-
-    Returns ``offsets`` int64 [E+1] (segment starts; offsets[E] = routed slots) and ``row_map``
-    int64 [T*k]: the slot ``t*k + j`` held by each row, rows grouped by expert and, inside an
-    expert, ordered by token then slot (the order of :func:`tritonmoe.reference.permute`);
-    unrouted slots (id -1; any id outside [0, E) is treated alike) form the tail.
-    Example: ids [[1, 0], [1, 2], [-1, 1]], E=3 -> offsets [0, 1, 4, 5], row_map [1, 0, 2, 5, 3, 4].
-    """
-    E = num_experts
-    flat = topk_ids_TK.reshape(-1).long()
-    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
-    row_map = torch.argsort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    offsets = torch.zeros(E + 1, dtype=torch.int64, device=flat.device)
-    torch.cumsum(counts[:E], 0, out=offsets[1:])
-    return offsets, row_map
+def _dgate(part: torch.Tensor, dout_TD: torch.Tensor, ids_TK: torch.Tensor, b2_ED: torch.Tensor | None,
+           E: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Gate-weight gradient [T, k]: the fixed-order sum of the dH kernel's column-tile partials,
+    plus <dout[t], b2[id]> for routed slots when there is a second-layer bias (see
+    :func:`_dgate_kernel`)."""
+    T, k = ids_TK.shape
+    S = T * k
+    out = torch.empty(T, k, device=part.device, dtype=out_dtype)
+    if S == 0:
+        return out
+    BS, BD, warps = C.colsum_config(part.device)
+    has_b2 = b2_ED is not None
+    b2 = b2_ED if has_b2 else part
+    D = dout_TD.shape[1]
+    _dgate_kernel[(triton.cdiv(S, BS),)](
+        part, dout_TD, ids_TK, b2, out, S, D, E, part.shape[1],
+        part.stride(0), part.stride(1), dout_TD.stride(0), dout_TD.stride(1), ids_TK.stride(0), ids_TK.stride(1),
+        b2.stride(0), b2.stride(1), out.stride(0), out.stride(1),
+        TOPK=k, HAS_B2=has_b2, BS=BS, BD=min(BD, triton.next_power_of_2(max(D, 1))), num_warps=warps,
+    )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,149 +441,174 @@ def route_rows(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-def _needs_grad(*ts: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+def _needs_grad(*ts: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 class _GroupedGemmFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RK, offsets, w_EKN):
+    def forward(ctx, x_RK, offsets, w_EKN, bias_EN):
         R = x_RK.shape[0]
+        space = RowSpace(offsets, R, w_EKN.shape[0])
         y = torch.empty(R, w_EKN.shape[2], device=x_RK.device, dtype=x_RK.dtype)
-        _mm(x_RK, offsets, w_EKN, y, rows=R)
-        ctx.save_for_backward(x_RK, offsets, w_EKN)
+        _mm(x_RK, space, w_EKN, y, bias=bias_EN)
+        ctx.space = space
+        ctx.save_for_backward(x_RK, w_EKN)
+        ctx.bias_dtype = bias_EN.dtype if bias_EN is not None else None
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_RN):
-        x_RK, offsets, w_EKN = ctx.saved_tensors
-        R = x_RK.shape[0]
-        dx = dw = None
+        x_RK, w_EKN = ctx.saved_tensors
+        space = ctx.space
+        dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = torch.empty_like(x_RK, memory_format=torch.contiguous_format)
-            _mm(dy_RN, offsets, w_EKN.transpose(1, 2), dx, rows=R)
+            _mm(dy_RN, space, w_EKN.transpose(1, 2), dx)
         if ctx.needs_input_grad[2]:
-            dw = _wgrad(x_RK, dy_RN, offsets, w_EKN.shape[0], w_EKN.dtype)
-        return dx, None, dw
+            dw = _wgrad(x_RK, dy_RN, space, w_EKN.dtype)
+        if ctx.needs_input_grad[3]:
+            db = _colsum(dy_RN, space, ctx.bias_dtype)
+        return dx, None, dw, db
 
 
-def _ffn_first(x, offsets, w1, act, rows, save_h, **gather):
-    """GEMM1 with the activation epilogue -> (A [rows, F], H [rows, N1] or None)."""
+def _ffn_first(x, space, w1, b1, act, save_h, cfg=None, **gather):
+    """GEMM1 with the bias and activation epilogue -> (A [rows, F], H [rows, N1] or None)."""
     E, D, N1 = w1.shape
-    F = N1 // 2 if act == ACT_SWIGLU else N1
+    F = N1 // 2 if act.glu else N1
+    rows = space.rows
     a = torch.empty(rows, F, device=x.device, dtype=x.dtype)
     h = torch.empty(rows, N1, device=x.device, dtype=x.dtype) if save_h else None
-    _mm(x, offsets, w1, a, rows=rows, act=act, h=h, **gather)
+    _mm(x, space, w1, a, act=act, h=h, bias=b1, cfg=cfg, **gather)
     return a, h
 
 
 class _GroupedFFNFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD, offsets, w1_EDN, w2_EFD, activation, needs_grad):
+    def forward(ctx, x_RD, offsets, w1_EDN, w2_EFD, b1_EN, b2_ED, act, needs_grad):
         R = x_RD.shape[0]
-        act = _ACT[activation]
+        space = RowSpace(offsets, R, w1_EDN.shape[0])
         save = needs_grad and C.ffn_preact_mode() == "save"
-        a_RF, h_RN = _ffn_first(x_RD, offsets, w1_EDN, act, R, save)
+        a_RF, h_RN = _ffn_first(x_RD, space, w1_EDN, b1_EN, act, save)
         y_RD = torch.empty(R, w2_EFD.shape[2], device=x_RD.device, dtype=x_RD.dtype)
-        _mm(a_RF, offsets, w2_EFD, y_RD, rows=R)
-        ctx.act = act
+        _mm(a_RF, space, w2_EFD, y_RD, bias=b2_ED)
+        ctx.act, ctx.space = act, space
+        ctx.bias_dtypes = (None if b1_EN is None else b1_EN.dtype, None if b2_ED is None else b2_ED.dtype)
         if needs_grad:
-            if save:
-                ctx.save_for_backward(x_RD, offsets, w1_EDN, w2_EFD, a_RF, h_RN)
-            else:
-                ctx.save_for_backward(x_RD, offsets, w1_EDN, w2_EFD)
+            extra = (a_RF, h_RN) if save else ()
+            ctx.save_for_backward(x_RD, w1_EDN, w2_EFD, b1_EN, *extra)
         return y_RD
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_RD):
         saved = ctx.saved_tensors
-        x_RD, offsets, w1_EDN, w2_EFD = saved[:4]
-        act = ctx.act
+        x_RD, w1_EDN, w2_EFD, b1_EN = saved[:4]
+        act, space = ctx.act, ctx.space
         R = x_RD.shape[0]
         if len(saved) == 6:
             a_RF, h_RN = saved[4:]
         else:
-            a_RF, h_RN = _ffn_first(x_RD, offsets, w1_EDN, act, R, True)
-        need_x, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        dx = dw1 = dw2 = None
-        if need_x or need_w1:
-            dh_RN, _ = _dact(dy_RD, offsets, w2_EFD.transpose(1, 2), h_RN, act, rows=R)
+            a_RF, h_RN = _ffn_first(x_RD, space, w1_EDN, b1_EN, act, True)
+        need_x, need_w1, need_w2, need_b1, need_b2 = (ctx.needs_input_grad[i] for i in (0, 2, 3, 4, 5))
+        dx = dw1 = dw2 = db1 = db2 = None
+        if need_x or need_w1 or need_b1:
+            dh_RN, _ = _dact(dy_RD, space, w2_EFD.transpose(1, 2), h_RN, act)
             if need_x:
                 dx = torch.empty(R, x_RD.shape[1], device=x_RD.device, dtype=x_RD.dtype)
-                _mm(dh_RN, offsets, w1_EDN.transpose(1, 2), dx, rows=R)
+                _mm(dh_RN, space, w1_EDN.transpose(1, 2), dx)
             if need_w1:
-                dw1 = _wgrad(x_RD, dh_RN, offsets, w1_EDN.shape[0], w1_EDN.dtype)
+                dw1 = _wgrad(x_RD, dh_RN, space, w1_EDN.dtype)
+            if need_b1:
+                db1 = _colsum(dh_RN, space, ctx.bias_dtypes[0])
         if need_w2:
-            dw2 = _wgrad(a_RF, dy_RD, offsets, w2_EFD.shape[0], w2_EFD.dtype)
-        return dx, None, dw1, dw2, None, None
+            dw2 = _wgrad(a_RF, dy_RD, space, w2_EFD.dtype)
+        if need_b2:
+            db2 = _colsum(dy_RD, space, ctx.bias_dtypes[1])
+        return dx, None, dw1, dw2, db1, db2, None, None
 
 
 class _MoEFFNFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, topk_weights_TK, topk_ids_TK, w1_EDN, w2_EFD, activation, needs_grad):
+    def forward(ctx, x_TD, topk_weights_TK, topk_ids_TK, counts_E, w1_EDN, w2_EFD, b1_EN, b2_ED, act, needs_grad):
         T, D = x_TD.shape
         k = topk_ids_TK.shape[1]
-        E = w1_EDN.shape[0]
-        act = _ACT[activation]
+        E, _, N1 = w1_EDN.shape
+        F = w2_EFD.shape[1]
+        dev, dt = x_TD.device, x_TD.dtype
         rows = T * k
-        offsets, row_map = route_rows(topk_ids_TK, E)
-        # Gate weights per slot; unrouted slots weigh 0 whatever their stored weight (as in unpermute).
-        ids_S = topk_ids_TK.reshape(-1)
-        routed_S = (ids_S >= 0) & (ids_S < E)
-        w_flat = torch.where(routed_S, topk_weights_TK.reshape(-1).to(torch.float32), 0.0)
-        save = needs_grad and C.ffn_preact_mode() == "save"
-        gather = dict(row_map=row_map, topk=k, gather_a=True)
-        a_RF, h_RN = _ffn_first(x_TD, offsets, w1_EDN, act, rows, save, **gather)
-        out_TD = torch.empty(T, w2_EFD.shape[2], device=x_TD.device, dtype=x_TD.dtype)
-        if k == 1:
-            # One slot per token: the epilogue writes w * y straight into the token's row.
-            _mm(a_RF, offsets, w2_EFD, out_TD, rows=rows, row_map=row_map, scatter=True, scale=w_flat)
+        decode = C.decode_path(T, k)
+        if decode:
+            sel = dict(tokens=T, top_k=k, num_experts=E, dtype=dt, tf32=_tf32(dt), device=dev)
+            cfg1 = C.select_decode(_kind(act), n=F, k=D, **sel)
+            cfg2 = C.select_decode("mm", n=D, k=F, **sel)
         else:
-            # y rows in slot order (t*k + j), then the fixed-order weighted sum over j.
-            y_SD = torch.empty(rows, w2_EFD.shape[2], device=x_TD.device, dtype=x_TD.dtype)
-            _mm(a_RF, offsets, w2_EFD, y_SD, rows=rows, row_map=row_map, scatter=True)
-            _combine(y_SD, w_flat, T, k, out_TD)
-        ctx.act, ctx.k = act, k
+            cfg1 = C.select(_kind(act), rows=rows, n=F, k=D, num_experts=E, dtype=dt, tf32=_tf32(dt), device=dev)
+            cfg2 = None
+        space = route_rows(topk_ids_TK, counts_E, E, cfg1.BM, decode=decode)
+        # Gate weights per slot, read by the kernels at routed rows only (flat [T*k]).
+        w_S = topk_weights_TK.reshape(-1)
+        save = needs_grad and C.ffn_preact_mode() == "save"
+        a_RF, h_RN = _ffn_first(x_TD, space, w1_EDN, b1_EN, act, save, cfg=cfg1, gather_a=True)
+        out_TD = torch.empty(T, D, device=dev, dtype=dt)
+        split = cfg2.SPLIT_K if cfg2 is not None else 1
+        if k == 1 and split == 1:
+            # One slot per token: the epilogue writes w * (y + b2) straight into the token's row.
+            _mm(a_RF, space, w2_EFD, out_TD, bias=b2_ED, scatter=True, scale=w_S, cfg=cfg2)
+        else:
+            # y rows (or split-K partials) in slot order (t*k + j), then the fixed-order combine.
+            if split > 1:
+                y_SD = torch.empty(split, rows, D, device=dev, dtype=torch.float32)
+            else:
+                y_SD = torch.empty(rows, D, device=dev, dtype=dt)
+            _mm(a_RF, space, w2_EFD, y_SD, bias=b2_ED, scatter=True, cfg=cfg2)
+            _combine(y_SD, topk_weights_TK, topk_ids_TK, E, T, k, out_TD)
+        ctx.act, ctx.k, ctx.space = act, k, space
+        ctx.bias_dtypes = (None if b1_EN is None else b1_EN.dtype, None if b2_ED is None else b2_ED.dtype)
         if needs_grad:
             extra = (a_RF, h_RN) if save else ()
-            ctx.save_for_backward(x_TD, topk_weights_TK, w1_EDN, w2_EFD, offsets, row_map, w_flat, *extra)
+            ctx.save_for_backward(x_TD, topk_weights_TK, topk_ids_TK, w1_EDN, w2_EFD, b1_EN, b2_ED, *extra)
         return out_TD
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout_TD):
         saved = ctx.saved_tensors
-        x_TD, topk_weights_TK, w1_EDN, w2_EFD, offsets, row_map, w_flat = saved[:7]
-        act, k = ctx.act, ctx.k
+        x_TD, topk_weights_TK, topk_ids_TK, w1_EDN, w2_EFD, b1_EN, b2_ED = saved[:7]
+        act, k, space = ctx.act, ctx.k, ctx.space
         T, D = x_TD.shape
+        E = w1_EDN.shape[0]
         rows = T * k
-        gather = dict(row_map=row_map, topk=k)
+        w_S = topk_weights_TK.reshape(-1)
         if len(saved) == 9:
             a_RF, h_RN = saved[7:]
         else:
-            a_RF, h_RN = _ffn_first(x_TD, offsets, w1_EDN, act, rows, True, gather_a=True, **gather)
-        need_x, need_w, need_w1, need_w2 = (ctx.needs_input_grad[i] for i in (0, 1, 3, 4))
-        dx = dgate = dw1 = dw2 = None
-        if need_x or need_w or need_w1:
-            dh_RN, dgate_S = _dact(dout_TD, offsets, w2_EFD.transpose(1, 2), h_RN, act, rows=rows,
-                                   gather=True, scale=w_flat, dgate=need_w, **gather)
+            a_RF, h_RN = _ffn_first(x_TD, space, w1_EDN, b1_EN, act, True, gather_a=True)
+        need_x, need_w, need_w1, need_w2, need_b1, need_b2 = (ctx.needs_input_grad[i] for i in (0, 1, 4, 5, 6, 7))
+        dx = dgate = dw1 = dw2 = db1 = db2 = None
+        if need_x or need_w or need_w1 or need_b1:
+            dh_RN, part = _dact(dout_TD, space, w2_EFD.transpose(1, 2), h_RN, act, gather=True, scale=w_S,
+                                dgate=need_w)
             if need_w:
-                dgate = dgate_S.view(T, k).to(topk_weights_TK.dtype)
+                dgate = _dgate(part, dout_TD, topk_ids_TK, b2_ED, E, topk_weights_TK.dtype)
             if need_x:
                 dx = torch.empty(T, D, device=x_TD.device, dtype=x_TD.dtype)
                 if k == 1:
-                    _mm(dh_RN, offsets, w1_EDN.transpose(1, 2), dx, rows=rows, scatter=True, **gather)
+                    _mm(dh_RN, space, w1_EDN.transpose(1, 2), dx, scatter=True)
                 else:
                     dx_SD = torch.empty(rows, D, device=x_TD.device, dtype=x_TD.dtype)
-                    _mm(dh_RN, offsets, w1_EDN.transpose(1, 2), dx_SD, rows=rows, scatter=True, **gather)
-                    _combine(dx_SD, None, T, k, dx)
+                    _mm(dh_RN, space, w1_EDN.transpose(1, 2), dx_SD, scatter=True)
+                    _combine(dx_SD, None, None, E, T, k, dx)
             if need_w1:
-                dw1 = _wgrad(x_TD, dh_RN, offsets, w1_EDN.shape[0], w1_EDN.dtype, gather_a=True, **gather)
+                dw1 = _wgrad(x_TD, dh_RN, space, w1_EDN.dtype, gather_a=True)
+            if need_b1:
+                db1 = _colsum(dh_RN, space, ctx.bias_dtypes[0])
         if need_w2:
-            dw2 = _wgrad(a_RF, dout_TD, offsets, w2_EFD.shape[0], w2_EFD.dtype, gather_b=True, scale_b=w_flat, **gather)
-        return dx, dgate, None, dw1, dw2, None, None
+            dw2 = _wgrad(a_RF, dout_TD, space, w2_EFD.dtype, gather_b=True, scale_a=w_S)
+        if need_b2:
+            db2 = _colsum(dout_TD, space, ctx.bias_dtypes[1], gather=True, scale=w_S)
+        return dx, dgate, None, None, dw1, dw2, db1, db2, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,10 +624,24 @@ def _check_dtype(x: torch.Tensor) -> None:
         )
 
 
-def grouped_gemm(x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor) -> torch.Tensor:
-    """Rows in [offsets[e], offsets[e+1]) times w[e]; rows at or past offsets[E] are zero."""
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' (autograd runs backward
+    on the forward's device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _act(activation: str, swiglu_limit: float, swiglu_alpha: float) -> _Act:
+    return _Act(_ACT[activation], float(swiglu_limit), float(swiglu_alpha))
+
+
+def grouped_gemm(
+    x_RK: torch.Tensor, expert_offsets: torch.Tensor, w_EKN: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows in [offsets[e], offsets[e+1]) times w[e], plus bias[e]; rows outside the segments are
+    zero."""
     _check_dtype(x_RK)
-    return _GroupedGemmFn.apply(x_RK, expert_offsets.contiguous(), w_EKN)
+    with _on(x_RK.device):
+        return _GroupedGemmFn.apply(x_RK, expert_offsets.contiguous(), w_EKN, bias)
 
 
 def grouped_ffn(
@@ -422,12 +650,19 @@ def grouped_ffn(
     w1_EDN: torch.Tensor,
     w2_EFD: torch.Tensor,
     activation: str = "swiglu",
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
-    """grouped_gemm(act(grouped_gemm(x, w1)), w2) with the activation fused into GEMM1's epilogue
-    (fp32 accumulator, rounded once to the input dtype)."""
+    """grouped_gemm(act(grouped_gemm(x, w1) + b1), w2) + b2 with the bias and activation fused
+    into GEMM1's epilogue (fp32 accumulator, rounded once to the input dtype)."""
     _check_dtype(x_RD)
-    needs_grad = _needs_grad(x_RD, w1_EDN, w2_EFD)
-    return _GroupedFFNFn.apply(x_RD, expert_offsets.contiguous(), w1_EDN, w2_EFD, activation, needs_grad)
+    needs_grad = _needs_grad(x_RD, w1_EDN, w2_EFD, b1, b2)
+    act = _act(activation, swiglu_limit, swiglu_alpha)
+    with _on(x_RD.device):
+        return _GroupedFFNFn.apply(x_RD, expert_offsets.contiguous(), w1_EDN, w2_EFD, b1, b2, act, needs_grad)
 
 
 def moe_ffn(
@@ -436,10 +671,19 @@ def moe_ffn(
     w1_EDN: torch.Tensor,
     w2_EFD: torch.Tensor,
     activation: str = "swiglu",
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
     """permute -> grouped_ffn -> unpermute, fused: token rows are gathered inside GEMM1 and the
-    gate-weighted combine follows GEMM2 without an expert-ordered y buffer."""
+    gate-weighted combine follows GEMM2 without an expert-ordered y buffer. Uses
+    ``routing.counts`` for the segment offsets (they must match ``routing.topk_ids``)."""
     _check_dtype(x_TD)
     w_TK = routing.topk_weights
-    needs_grad = _needs_grad(x_TD, w_TK, w1_EDN, w2_EFD)
-    return _MoEFFNFn.apply(x_TD, w_TK, routing.topk_ids, w1_EDN, w2_EFD, activation, needs_grad)
+    needs_grad = _needs_grad(x_TD, w_TK, w1_EDN, w2_EFD, b1, b2)
+    act = _act(activation, swiglu_limit, swiglu_alpha)
+    with _on(x_TD.device):
+        return _MoEFFNFn.apply(x_TD, w_TK, routing.topk_ids, routing.counts, w1_EDN, w2_EFD, b1, b2, act,
+                               needs_grad)

@@ -77,7 +77,10 @@ class Variant:
     max_stack_bytes: bound on the spilled bytes (None: unbounded); spill_free_loops: no spill
     code inside a loop (the GEMMs' main loop). wgmma / mma_sync: required (True), forbidden
     (False) or not checked (None). async_loads: at least this many distinct loads pipelined
-    through cp.async.
+    through cp.async. main_loop_int_divs: exact number of integer division / remainder
+    instructions allowed in the MMA loop (None: not checked). min_wgmma_wait_depth: the MMA loop's
+    ``wgmma.wait_group`` depth must be at least this (None: not checked). min_pipeline_buffers:
+    the pipelined operand tiles need at least this many shared-memory buffers each.
     """
 
     name: str
@@ -90,6 +93,9 @@ class Variant:
     wgmma: Optional[bool] = None
     mma_sync: Optional[bool] = None
     async_loads: int = 0
+    main_loop_int_divs: Optional[int] = None
+    min_wgmma_wait_depth: Optional[int] = None
+    min_pipeline_buffers: int = 0
 
 
 @contextlib.contextmanager
@@ -97,6 +103,7 @@ def sm90_device() -> Iterator[torch.device]:
     """A CUDA device as the config functions see an H100/H200 (capability 9.0, 132 SMs), without
     one: patches the two functions that would ask the driver."""
     with mock.patch.object(C, "_capability", lambda index: (9, 0)), \
+            mock.patch.object(C, "_num_sms", lambda index: H100_SMS), \
             mock.patch.object(kp, "_num_sms", lambda index: H100_SMS):
         yield torch.device("cuda", 0)
 
@@ -265,89 +272,172 @@ def partition_variants() -> list[Variant]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _gemm_expect(cfg: C.TileConfig, dtype: torch.dtype, tf32: bool, n_operands: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class _Gemm:
+    """What a GEMM variant's main loop must look like once compiled (see :class:`Variant`)."""
+
+    tensor_cores: bool
+    wgmma: bool
+    operand_tiles: int  # tl.dot operands loaded per K step (3 for the two-accumulator GLUs)
+    indirect: bool = False  # the loop's loads take their rows from a load in the same loop
+
+
+def _gemm_expect(cfg: C.TileConfig, dtype: torch.dtype, tf32: bool, n_operands: int, *,
+                 indirect: bool = False) -> dict:
     tensor_cores = dtype != torch.float32 or tf32
+    pipelined = cfg.num_stages > 1
+    wgmma = tensor_cores and cfg.BM >= 64
     return dict(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        max_stack_bytes=None,  # epilogues may spill (SwiGLU holds two accumulators)...
+        max_stack_bytes=None,  # epilogues may spill (GLUs hold two accumulators)...
         spill_free_loops=True,  # ...the main loop may not
-        wgmma=tensor_cores and cfg.BM >= 64,
+        wgmma=wgmma,
         mma_sync=tensor_cores and cfg.BM < 64,
-        async_loads=n_operands if cfg.num_stages > 1 else 0,
+        async_loads=n_operands if pipelined else 0,
+        main_loop_int_divs=0,
+        # Pipelined wgmma keeps the previous step's MMA in flight while issuing the next.
+        min_wgmma_wait_depth=1 if (wgmma and pipelined) else None,
+        # One buffer per stage for wgmma, which reads both operands from shared memory; one fewer
+        # for mma.sync and FMA dots, whose operands move to registers a step ahead. Loads whose
+        # rows come from an index load of the same loop (the gathered weight gradients) are
+        # double-buffered whatever num_stages: Triton's pipeliner gives the index load the
+        # look-ahead and issues the dependent loads one step ahead.
+        min_pipeline_buffers=(min(2, cfg.num_stages) if indirect else cfg.num_stages - (0 if wgmma else 1))
+        if pipelined else 0,
     )
 
 
 def _mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=False, gather_a=False, scatter=False,
-        scale=False, topk=1, transposed_b=False, tf32=False) -> Variant:
-    """kernels/grouped_gemm.py::_mm: A [rows (or tokens), K] @ B[e] [K, N] (2N columns for SwiGLU)."""
-    dual = act == GK.ACT_SWIGLU
-    kind = "swiglu" if dual else ("mm" if act == GK.ACT_NONE else "mm_act")
-    cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=dtype, tf32=tf32, device=dev)
+        scale=False, bias=False, topk=1, transposed_b=False, tf32=False, cfg=None) -> Variant:
+    """kernels/grouped_gemm.py::_mm: A [rows (or tokens), K] @ B[e] [K, N] (2N columns for GLUs);
+    ``cfg`` = the decode path's (select_decode), else the policy's."""
+    dual = act in GK.GLU_ACTS
+    kind = gg._kind(gg._Act(act))
+    if cfg is None:
+        cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=dtype, tf32=tf32, device=dev)
     dt = _TL_NAME[dtype]
     NB = 2 * N if dual else N
+    split = cfg.SPLIT_K
     # B is w [E, K, NB] contiguous, or the strided view w^T of a contiguous [E, NB, K] (backward)
     b_strides = (K * NB, 1, K) if transposed_b else (K * NB, NB, 1)
-    h_cols = NB if store_h else N  # h is the pre-activation [rows, N1], else the output stands in
+    h_cols = NB if store_h else K  # h is the pre-activation [rows, N1], else A stands in
     args = dict(
-        a_ptr=P(dt), b_ptr=P(dt), c_ptr=P(dt), h_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"),
-        scale_ptr=P("fp32" if scale else dt), R=rows, N=N, K=K, E=E, TOPK=topk,
-        num_pid_m=triton.cdiv(rows, cfg.BM) + E, ROWS_HINT=C.rows_hint(rows, E), stride_am=K, stride_ak=1,
-        stride_be=b_strides[0], stride_bk=b_strides[1], stride_bn=b_strides[2], stride_cm=N, stride_cn=1,
-        stride_hm=h_cols, stride_hn=1, ACT=act, STORE_H=store_h, GATHER_A=gather_a, SCATTER_C=scatter,
-        SCALE=scale, PREC="tf32" if (dtype != torch.float32 or tf32) else "ieee", EVEN_K=K % cfg.BK == 0,
-        SEG=gg._seg(E), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        a_ptr=P(dt), b_ptr=P(dt), c_ptr=P("fp32" if split > 1 else dt), h_ptr=P(dt), bias_ptr=P(dt),
+        tiles_ptr=P("i32"), count_ptr=P("i32"), row_map_ptr=P("i64"), scale_ptr=P("fp32" if scale else dt),
+        N=N, K=K, ROWS_HINT=C.rows_hint(rows, E), limit=7.0, alpha=1.702,
+        stride_am=K, stride_ak=1, stride_be=b_strides[0], stride_bk=b_strides[1], stride_bn=b_strides[2],
+        stride_cs=rows * N if split > 1 else 0, stride_cm=N, stride_cn=1, stride_hm=h_cols, stride_hn=1,
+        stride_xe=NB if bias else N, stride_xn=1,
+        ACT=act, STORE_H=store_h, GATHER_A=gather_a, SCATTER_C=scatter, SCALE=scale, HAS_BIAS=bias, TOPK=topk,
+        SPLIT_K=split, PREC="tf32" if (dtype != torch.float32 or tf32) else "ieee", EVEN_K=K % cfg.BK == 0,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
     )
-    return Variant(f"{name}[{kind},{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]",
+    tag = f"{kind}{'+oai' if act == GK.ACT_SWIGLU_OAI else ''}{'+bias' if bias else ''}"
+    sk = f"k{split}" if split > 1 else ""
+    return Variant(f"{name}[{tag},{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}{sk}w{cfg.num_warps}s{cfg.num_stages}]",
                    GK._grouped_mm_kernel, args, **_gemm_expect(cfg, dtype, tf32, 3 if dual else 2))
+
+
+def _decode_cfg(dev, kind, *, T, k, E, n, K, dtype=torch.bfloat16):
+    return C.select_decode(kind, tokens=T, top_k=k, n=n, k=K, num_experts=E, dtype=dtype, tf32=False, device=dev)
 
 
 def _dact(name, dev, dtype, *, rows, D, F, E, act, gather=False, scale=False, dgate=False, topk=1) -> Variant:
     """kernels/grouped_gemm.py::_dact: dH = act'(H) * (dY [rows (or tokens), D] @ w2[e]^T [D, F])."""
-    kind = "dact_swiglu" if act == GK.ACT_SWIGLU else "dact"
+    kind = "dact_swiglu" if act in GK.GLU_ACTS else "dact"
     cfg = C.select(kind, rows=rows, n=F, k=D, num_experts=E, dtype=dtype, tf32=False, device=dev)
     dt = _TL_NAME[dtype]
-    N1 = 2 * F if act == GK.ACT_SWIGLU else F
-    n_tiles = triton.cdiv(F, cfg.BN)
+    N1 = 2 * F if act in GK.GLU_ACTS else F
+    n_tiles = triton.cdiv(F, cfg.BN * (2 if act in GK.GLU_ACTS else 1))
     args = dict(
-        a_ptr=P(dt), b_ptr=P(dt), h_ptr=P(dt), dh_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"),
-        scale_ptr=P("fp32" if scale else dt), part_ptr=P("fp32" if dgate else dt), R=rows, N=F, K=D, E=E,
-        TOPK=topk, num_pid_m=triton.cdiv(rows, cfg.BM) + E, ROWS_HINT=C.rows_hint(rows, E),
+        a_ptr=P(dt), b_ptr=P(dt), h_ptr=P(dt), dh_ptr=P(dt), tiles_ptr=P("i32"), count_ptr=P("i32"),
+        row_map_ptr=P("i64"), scale_ptr=P("fp32" if scale else dt), part_ptr=P("fp32" if dgate else dt),
+        N=F, K=D, ROWS_HINT=C.rows_hint(rows, E), limit=7.0, alpha=1.702,
         stride_am=D, stride_ak=1, stride_be=F * D, stride_bk=1, stride_bn=D,  # w2^T: a view of [E, F, D]
         stride_hm=N1, stride_hn=1, stride_dm=N1, stride_dn=1, stride_pm=n_tiles,
-        ACT=act, GATHER_A=gather, SCALE=scale, DGATE=dgate, PREC="tf32", EVEN_K=D % cfg.BK == 0,
-        SEG=gg._seg(E), BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        ACT=act, GATHER_A=gather, SCALE=scale, DGATE=dgate, TOPK=topk, PREC="tf32", EVEN_K=D % cfg.BK == 0,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
     )
-    return Variant(f"{name}[{kind},{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]",
-                   GK._grouped_mm_dact_kernel, args, **_gemm_expect(cfg, dtype, False, 2))
+    tag = kind + ("+oai" if act == GK.ACT_SWIGLU_OAI else "")
+    return Variant(f"{name}[{tag},{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]",
+                   GK._grouped_mm_dact_kernel, args, **_gemm_expect(cfg, dtype, False, 3 if act in GK.GLU_ACTS else 2))
 
 
-def _wgrad(name, dev, dtype, *, rows, M, N, E, gather_a=False, gather_b=False, scale_b=False, topk=1) -> Variant:
+def _wgrad(name, dev, dtype, *, rows, M, N, E, gather_a=False, gather_b=False, scale_a=False, topk=1) -> Variant:
     """kernels/grouped_gemm.py::_wgrad: per expert A_e^T [M, rows_e] @ B_e [rows_e, N]."""
     cfg = C.select("wgrad", rows=rows, n=N, k=M, num_experts=E, dtype=dtype, tf32=False, device=dev)
     dt = _TL_NAME[dtype]
     args = dict(
         a_ptr=P(dt), b_ptr=P(dt), c_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"),
-        scale_ptr=P("fp32" if scale_b else dt), R=rows, M=M, N=N, TOPK=topk, ROWS_HINT=C.rows_hint(rows, E),
+        scale_ptr=P("fp32" if scale_a else dt), R=rows, M=M, N=N, ROWS_HINT=C.rows_hint(rows, E),
         stride_ar=M, stride_ac=1, stride_br=N, stride_bc=1, stride_ce=M * N, stride_cm=N, stride_cn=1,
-        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_B=scale_b, PREC="tf32",
+        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale_a, TOPK=topk, PREC="tf32",
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
     )
-    return Variant(f"{name}[wgrad,{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]",
-                   GK._grouped_wgrad_kernel, args, **_gemm_expect(cfg, dtype, False, 2))
+    indirect = gather_a or gather_b or scale_a  # the row map is loaded inside the row loop
+    expect = _gemm_expect(cfg, dtype, False, 2, indirect=indirect)
+    if scale_a:  # the scaled A goes from registers into wgmma: only B is an async-copied operand
+        expect["async_loads"] = 1
+    return Variant(f"{name}[wgrad{'+scale_a' if scale_a else ''},{dt},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}"
+                   f"s{cfg.num_stages}]", GK._grouped_wgrad_kernel, args, **expect)
 
 
-def _combine(name, dev, dtype, *, T, k, D, has_w) -> Variant:
-    """kernels/grouped_gemm.py::_combine: out[t] = sum_j (w *) buf[t*k + j]."""
+def _combine(name, dev, dtype, *, T, k, D, has_w, split=1) -> Variant:
+    """kernels/grouped_gemm.py::_combine: out[t] = sum_j (w *) y[t*k + j] (y: the sum of split-K
+    partials when split > 1)."""
     BT, BD, warps = C.combine_config(dev)
     dt = _TL_NAME[dtype]
-    return Variant(f"{name}[combine,{dt}]", GK._combine_kernel, dict(
-        buf_ptr=P(dt), w_ptr=P("fp32" if has_w else dt), out_ptr=P(dt), T=T, D=D, stride_bm=D, stride_bd=1,
-        stride_ot=D, stride_od=1, TOPK=k, HAS_W=has_w, BT=BT, BD=BD), warps)
+    return Variant(f"{name}[combine{f',k{split}' if split > 1 else ''},{dt}]", GK._combine_kernel, dict(
+        buf_ptr=P("fp32" if split > 1 else dt), w_ptr=P("fp32" if has_w else dt), ids_ptr=P("i32" if has_w else dt),
+        out_ptr=P(dt), T=T, D=D, E=256, stride_bs=T * k * D if split > 1 else 0, stride_bm=D, stride_bd=1,
+        stride_wt=k if has_w else 0, stride_wk=1 if has_w else 0, stride_it=k if has_w else 0,
+        stride_ik=1 if has_w else 0, stride_ot=D, stride_od=1, TOPK=k, SPLIT=split, HAS_W=has_w, BT=BT, BD=BD),
+        warps)
+
+
+def _metadata(name, dev, *, T, k, E, BM, decode) -> Variant:
+    """kernels/grouped_gemm.py::route_rows / RowSpace.tile_map: the decode path's single metadata
+    program, or the tile map from the router's counts (WRITE_OFFS) / from offsets."""
+    BT, warps = C.tile_map_config(dev)
+    S = T * k
+    MT = gg.tile_bound(S, E, BM)
+    if decode:
+        return Variant(f"{name}[decode_meta,T{T},k{k},E{E}]", GK._decode_meta_kernel, dict(
+            ids_ptr=P("i32"), counts_ptr=P("i32"), row_map_ptr=P("i64"), offs_ptr=P("i64"), tiles_ptr=P("i32"),
+            count_ptr=P("i32"), S=S, E=E, MT=MT, LOG_SP=max(1, (S - 1).bit_length()), BM=BM, SEGP=gg._segp(E),
+            BT=BT), warps)
+    from_counts = name.endswith("counts")
+    return Variant(f"{name}[tile_map,T{T},k{k},E{E},BM{BM}]", GK._tile_map_kernel, dict(
+        src_ptr=P("i32" if from_counts else "i64"), offs_ptr=P("i64"), tiles_ptr=P("i32"), count_ptr=P("i32"), R=S,
+        E=E, MT=MT, FROM_COUNTS=from_counts, WRITE_OFFS=from_counts, BM=BM, SEGP=gg._segp(E), BT=BT), warps)
+
+
+def _colsum(name, dev, dtype, *, N, gather=False, topk=1) -> Variant:
+    """kernels/grouped_gemm.py::_colsum: per-expert column sums (bias gradients)."""
+    BR, BN, warps = C.colsum_config(dev)
+    dt = _TL_NAME[dtype]
+    return Variant(f"{name}[colsum{'+gather' if gather else ''},{dt}]", GK._segment_colsum_kernel, dict(
+        b_ptr=P(dt), c_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"), scale_ptr=P("fp32" if gather else dt),
+        R=32768, N=N, stride_br=N, stride_bc=1, stride_ce=N, stride_cn=1, GATHER_B=gather, SCALE_B=gather,
+        TOPK=topk, BR=BR, BN=BN), warps)
+
+
+def _dgate(name, dev, dtype, *, T, k, D, E, n_tiles, has_b2) -> Variant:
+    """kernels/grouped_gemm.py::_dgate: the gate-weight gradient from the dH partials (+ b2)."""
+    BS, BD, warps = C.colsum_config(dev)
+    dt = _TL_NAME[dtype]
+    return Variant(f"{name}[dgate{'+b2' if has_b2 else ''},{dt}]", GK._dgate_kernel, dict(
+        part_ptr=P("fp32"), dout_ptr=P(dt), ids_ptr=P("i32"), b2_ptr=P(dt if has_b2 else "fp32"), out_ptr=P("fp32"),
+        S=T * k, D=D, E=E, NP=n_tiles, stride_ps=n_tiles, stride_pn=1, stride_dt=D, stride_dd=1, stride_it=k,
+        stride_ik=1, stride_be=D if has_b2 else n_tiles, stride_bd=1, stride_ot=k, stride_ok=1, TOPK=k,
+        HAS_B2=has_b2, BS=BS, BD=BD), warps)
 
 
 def gemm_variants(dev: torch.device) -> list[Variant]:
-    bf16, S, G = torch.bfloat16, GK.ACT_SWIGLU, GK.ACT_GELU
+    """Every launch site of kernels/grouped_gemm.py at real model shapes; a kernel specialization
+    that two shapes share (same flags, tiles and argument divisibility) is compiled once."""
+    bf16, S, G, O = torch.bfloat16, GK.ACT_SWIGLU, GK.ACT_GELU, GK.ACT_SWIGLU_OAI
     out = []
     # moe_ffn, SwiGLU, training: forward and backward launches in order (_MoEFFNFn).
     #   Mixtral-8x7B prefill: E=8, k=2, D=4096, F=14336, T=4096 -> 1024 rows per expert (large tiles)
@@ -358,33 +448,70 @@ def gemm_variants(dev: torch.device) -> list[Variant]:
         out += [
             _mm(f"moe_ffn.gemm1.{label}", dev, bf16, K=D, N=F, act=S, store_h=True, gather_a=True, **g),
             _mm(f"moe_ffn.gemm2.{label}", dev, bf16, K=F, N=D, scatter=True, **g),
-            _combine(f"moe_ffn.combine.{label}", dev, bf16, T=T, k=k, D=D, has_w=True),
             _dact(f"moe_ffn.dact.{label}", dev, bf16, D=D, F=F, act=S, gather=True, scale=True, dgate=True, **g),
             _mm(f"moe_ffn.dx.{label}", dev, bf16, K=2 * F, N=D, scatter=True, transposed_b=True, **g),
-            _combine(f"moe_ffn.dx_combine.{label}", dev, bf16, T=T, k=k, D=D, has_w=False),
             _wgrad(f"moe_ffn.dw1.{label}", dev, bf16, M=D, N=2 * F, gather_a=True, **g),
-            _wgrad(f"moe_ffn.dw2.{label}", dev, bf16, M=F, N=D, gather_b=True, scale_b=True, **g),
+            _wgrad(f"moe_ffn.dw2.{label}", dev, bf16, M=F, N=D, gather_b=True, scale_a=True, **g),
         ]
-    # moe_ffn inference: decode (DeepSeek-V3; T=64, 1024, 2048: 2, 32, 64 rows per expert, i.e. BM 16,
-    # 32, 64), and top-1 routing, whose GEMM2 scales by the gate weight and writes the output directly
-    for label, T, E, k in (("decode_T64", 64, 256, 8), ("decode_T1024", 1024, 256, 8), ("decode_T2048", 2048, 256, 8)):
-        R = T * k
-        out.append(_mm(f"moe_ffn.gemm1.{label}", dev, bf16, rows=R, E=E, topk=k, K=7168, N=2048, act=S,
+    # The fused path's small kernels (DeepSeek-V3 prefill): the tile map from the router's
+    # counts, the combines (weighted forward, plain dx), the gate-weight gradient.
+    T, E, k, D = 4096, 256, 8, 7168
+    cfg1 = C.select("swiglu", rows=T * k, n=2048, k=D, num_experts=E, dtype=bf16, tf32=False, device=dev)
+    out += [
+        _metadata("moe_ffn.meta.deepseek.counts", dev, T=T, k=k, E=E, BM=cfg1.BM, decode=False),
+        _combine("moe_ffn.combine.deepseek", dev, bf16, T=T, k=k, D=D, has_w=True),
+        _combine("moe_ffn.dx_combine.deepseek", dev, bf16, T=T, k=k, D=D, has_w=False),
+        _dgate("moe_ffn.dgate.deepseek", dev, bf16, T=T, k=k, D=D, E=E, n_tiles=triton.cdiv(2048, 128), has_b2=False),
+    ]
+    # GPT-OSS-120B-like (E=128, k=4, D=F=2880, not multiples of 64 or 128): biases and the clamped
+    # SwiGLU, forward and backward, at 128 rows per expert.
+    T, E, k, D, F = 4096, 128, 4, 2880, 2880
+    g = dict(rows=T * k, E=E, topk=k)
+    out += [
+        _mm("moe_ffn.gemm1.gptoss", dev, bf16, K=D, N=F, act=O, store_h=True, gather_a=True, bias=True, **g),
+        _mm("moe_ffn.gemm2.gptoss", dev, bf16, K=F, N=D, scatter=True, bias=True, **g),
+        _dact("moe_ffn.dact.gptoss", dev, bf16, D=D, F=F, act=O, gather=True, scale=True, dgate=True, **g),
+        _dgate("moe_ffn.dgate.gptoss", dev, bf16, T=T, k=k, D=D, E=E, n_tiles=triton.cdiv(F, 128), has_b2=True),
+        _colsum("moe_ffn.db1.gptoss", dev, bf16, N=2 * F),
+        _colsum("moe_ffn.db2.gptoss", dev, bf16, N=D, gather=True, topk=k),
+    ]
+    # Decode (moe_ffn with T <= 64): one metadata program, GEMM1, split-K GEMM2, the combine over
+    # the splits. DeepSeek-V3 (E=256, k=8) at T = 1 (BM 16, mma.sync) and 64 (BM 64, wgmma; a 512-slot
+    # sort), Mixtral (E=8, k=2) at T = 1 (2 active experts: K split 4 ways), GPT-OSS at T = 16.
+    for label, T, E, k, D, F, act, bias, meta in (("deepseek_T1", 1, 256, 8, 7168, 2048, S, False, True),
+                                                  ("deepseek_T64", 64, 256, 8, 7168, 2048, S, False, True),
+                                                  ("mixtral_T1", 1, 8, 2, 4096, 14336, S, False, False),
+                                                  ("gptoss_T16", 16, 128, 4, 2880, 2880, O, True, False)):
+        g = dict(rows=T * k, E=E, topk=k)
+        cfg1 = _decode_cfg(dev, "swiglu", T=T, k=k, E=E, n=F, K=D)
+        cfg2 = _decode_cfg(dev, "mm", T=T, k=k, E=E, n=D, K=F)
+        if meta:
+            out.append(_metadata(f"decode.meta.{label}", dev, T=T, k=k, E=E, BM=cfg1.BM, decode=True))
+        out += [
+            _mm(f"decode.gemm1.{label}", dev, bf16, K=D, N=F, act=act, gather_a=True, bias=bias, cfg=cfg1, **g),
+            _mm(f"decode.gemm2.{label}", dev, bf16, K=F, N=D, scatter=True, bias=bias, cfg=cfg2, **g),
+        ]
+        if cfg2.SPLIT_K > 1:
+            out.append(_combine(f"decode.combine.{label}", dev, bf16, T=T, k=k, D=D, has_w=True, split=cfg2.SPLIT_K))
+    # Mid-size batches (T = 1024, 2048 on DeepSeek-V3: 32 and 64 rows per expert, BM 32 / 64) and
+    # top-1 routing, whose GEMM2 scales by the gate weight and writes the output directly
+    for label, T, E, k in (("T1024", 1024, 256, 8), ("T2048", 2048, 256, 8)):
+        out.append(_mm(f"moe_ffn.gemm1.{label}", dev, bf16, rows=T * k, E=E, topk=k, K=7168, N=2048, act=S,
                        gather_a=True))
-        if label == "decode_T64":
-            out.append(_mm(f"moe_ffn.gemm2.{label}", dev, bf16, rows=R, E=E, topk=k, K=2048, N=7168, scatter=True))
     out.append(_mm("moe_ffn.gemm2.top1", dev, bf16, rows=4096, E=16, K=8192, N=5120, scatter=True, scale=True))
-    # grouped_ffn (permuted rows), GELU: forward with H saved, backward (fp16 compiles like bf16:
-    # one launch site in fp16 for the dtype's own conversions)
+    # grouped_ffn (permuted rows), GELU: the tile map from offsets, forward with H saved, backward
+    # (fp16 compiles like bf16: one launch site in fp16 for the dtype's own conversions)
     g = dict(rows=8192, E=8)
     D, F = 4096, 14336
     out += [
+        _metadata("grouped_ffn.meta", dev, T=8192, k=1, E=8, BM=128, decode=False),
         _mm("grouped_ffn.gemm1", dev, bf16, K=D, N=F, act=G, store_h=True, **g),
         _mm("grouped_ffn.gemm1", dev, torch.float16, K=D, N=F, act=G, store_h=True, **g),
         _mm("grouped_ffn.gemm2", dev, bf16, K=F, N=D, **g),
         _dact("grouped_ffn.dact", dev, bf16, D=D, F=F, act=G, **g),
         _mm("grouped_ffn.dx", dev, bf16, K=F, N=D, transposed_b=True, **g),
         _wgrad("grouped_ffn.dw", dev, bf16, M=D, N=F, **g),
+        _colsum("grouped_gemm.db", dev, bf16, N=D),
     ]
     out.append(_dact("grouped_ffn.dact.mid", dev, bf16, rows=8192, E=64, D=2048, F=1408, act=G))
     out.append(_dact("grouped_ffn.dact.decode", dev, bf16, rows=256, E=64, D=2048, F=1408, act=S))
@@ -407,19 +534,21 @@ def _autotune_candidates(variants: list[Variant]) -> list[Variant]:
     out, seen = [], set()
     for v in variants:
         a = v.args
-        if "BM" not in a:
+        if v.fn not in (GK._grouped_mm_kernel, GK._grouped_mm_dact_kernel, GK._grouped_wgrad_kernel):
             continue
-        dual = v.fn is GK._grouped_mm_kernel and a["ACT"] == GK.ACT_SWIGLU
+        dual = v.fn is GK._grouped_mm_kernel and a["ACT"] in GK.GLU_ACTS
         elem = 4 if a["a_ptr"].dtype == "fp32" else 2
         cfg = C.TileConfig(BM=a["BM"], BN=a["BN"], BK=a["BK"], GROUP_M=a["GROUP_M"], num_warps=v.num_warps,
-                           num_stages=v.num_stages)
+                           num_stages=v.num_stages, SPLIT_K=a.get("SPLIT_K", 1))
         key = (v.fn, cfg, elem, dual)
         if key in seen:
             continue
         seen.add(key)
         stages = max(C._candidates(cfg, elem, dual))
         if stages != v.num_stages and C._smem_bytes(cfg, stages, elem, dual) > C._SMEM_BUDGET * 3 // 4:
-            out.append(dataclasses.replace(v, name=f"{v.name}.autotune_s{stages}", num_stages=stages))
+            buffers = v.min_pipeline_buffers if v.min_pipeline_buffers < v.num_stages else stages
+            out.append(dataclasses.replace(v, name=f"{v.name}.autotune_s{stages}", num_stages=stages,
+                                           min_pipeline_buffers=buffers))
     return out
 
 
@@ -491,7 +620,8 @@ def test_compiles_for_sm90(compiled, name):
     rec = compiled[name]
     assert rec["ok"], rec["error"]
     facts = {k: rec[k] for k in ("registers", "stack_bytes", "spills", "loop_spills", "shared", "wgmma", "mma_sync",
-                                 "async_loads", "num_warps", "num_stages")}
+                                 "async_loads", "main_loop_int_divs", "wgmma_wait_depth", "pipeline_buffers",
+                                 "num_warps", "num_stages")}
     assert rec["shared"] <= aot.SM90_MAX_SHARED, f"needs {rec['shared']} B of shared memory: {facts}"
     if v.spill_free_loops:
         assert rec["loop_spills"] == 0, f"spills registers inside its main loop: {facts}"
@@ -502,6 +632,19 @@ def test_compiles_for_sm90(compiled, name):
     if v.mma_sync is not None:
         assert rec["mma_sync"] == v.mma_sync, f"mma.sync expected {v.mma_sync}: {facts}"
     assert rec["async_loads"] >= v.async_loads, f"expected {v.async_loads} cp.async-pipelined loads: {facts}"
+    if v.main_loop_int_divs is not None:
+        assert rec["main_loop_int_divs"] == v.main_loop_int_divs, (
+            f"{rec['main_loop_int_divs']} integer division/remainder instructions in the MMA loop (expected "
+            f"{v.main_loop_int_divs}): a runtime divisor there (e.g. slot // TOPK with TOPK not a tl.constexpr) is "
+            f"a software division every K step: {facts}")
+    if v.min_wgmma_wait_depth is not None:
+        assert rec["wgmma_wait_depth"] is not None and rec["wgmma_wait_depth"] >= v.min_wgmma_wait_depth, (
+            f"the MMA loop waits with wgmma.wait_group {rec['wgmma_wait_depth']}, expected >= "
+            f"{v.min_wgmma_wait_depth}: each step's tensor-core op must finish before the next is issued (an "
+            f"operand modified in registers, e.g. a rescaled B tile, is copied to shared memory every step): {facts}")
+    assert rec["pipeline_buffers"] >= v.min_pipeline_buffers, (
+        f"the operand tiles have {rec['pipeline_buffers']} shared-memory buffers, expected >= "
+        f"{v.min_pipeline_buffers} for num_stages={v.num_stages}: the loads are not pipelined that deep: {facts}")
 
 
 def test_variants_cover_every_kernel():
@@ -554,6 +697,56 @@ def test_sass_spill_and_loop_parsing():
         "  %c = ttg.async_copy_global_to_local %p, %s mask %m : tensor<..> loc(#loc7)",
     ])
     assert aot._async_loads(ttgir) == 2
+
+
+def test_main_loop_parsing():
+    """The MMA loop of a persistent GEMM is its K loop: integer divisions there count (predicated
+    or not; float division does not), once-per-tile divisions and the tile loop's final
+    wgmma.wait_group 0 do not. Multi-buffered tiles are [buffers, rows, cols] allocations; index
+    vectors and register-staged operands (2-D) are not."""
+    ptx = "\n".join([
+        "\tdiv.s32 \t%r2, %r3, %r4;",
+        "$L__BB0_1:",
+        "\tdiv.s64 \t%rd1, %rd2, %rd3;",
+        "$L__BB0_2:                              // =>This Inner Loop Header: Depth=2",
+        "\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r10}, %rd5, %rd6, %p9, 1, 1, 1, 1;",
+        "\twgmma.wait_group.sync.aligned 1;",
+        "\t@%p1 div.u32 \t%r5, %r6, %r7;",
+        "\trem.s64 \t%rd8, %rd9, %rd10;",
+        "\tdiv.rn.f32 \t%f1, %f2, %f3;",
+        "\t@%p2 bra \t$L__BB0_2;",
+        "\twgmma.wait_group.sync.aligned 0;",
+        "\t@%p3 bra \t$L__BB0_1;",
+        "\tret;",
+    ])
+    assert aot.ptx_loops(ptx) == [(3, 9), (1, 11)]
+    assert aot.main_loop_facts(ptx) == (2, 1)
+    assert aot.main_loop_facts(ptx.replace("aligned 1;", "aligned 0;")) == (2, 0)
+    assert aot.main_loop_facts("\tdiv.s32 \t%r2, %r3, %r4;\n\tret;") == (0, None)  # no MMA
+    ttgir = "\n".join([
+        "%a = ttg.local_alloc : () -> !ttg.memdesc<3x128x64xbf16, #shared, #smem, mutable> loc(#loc1)",
+        "%s = ttg.local_alloc : () -> !ttg.memdesc<1x64xi64, #shared, #smem, mutable> loc(#loc2)",
+        "%b = ttg.local_alloc : () -> !ttg.memdesc<2x64x256xbf16, #shared1, #smem, mutable> loc(#loc3)",
+        "%c = ttg.local_alloc %x : (tensor<64x256xbf16, #blocked>) -> !ttg.memdesc<64x256xbf16, #shared1, #smem>",
+    ])
+    assert aot.pipeline_buffers(ttgir) == 2
+    assert aot.pipeline_buffers(ttgir.splitlines()[3]) == 0
+
+
+def test_sass_main_loop_spills():
+    """In a kernel with MMAs, only spills in the MMA loop count as main-loop spills (not those of
+    a persistent kernel's epilogue inside its tile loop)."""
+    sass = """
+        /*0000*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0020*/                   STL [R1+0x8], R3 ;
+        /*0030*/               @P1 BRA 0x10 ;
+        /*0040*/                   STL [R1+0x4], R22 ;
+        /*0050*/                   LDL R22, [R1+0x4] ;
+        /*0060*/               @P2 BRA 0x0 ;
+        /*0070*/                   EXIT ;
+    """
+    assert aot._local_memory_ops(sass) == (3, 1)
 
 
 if __name__ == "__main__":
