@@ -10,6 +10,7 @@ contents (a device synchronization) and run only while validation is enabled.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -17,6 +18,7 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 SCORE_FUNCS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2sum", "max")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 
 
@@ -84,6 +86,9 @@ def routing_options(
     n_groups,
     topk_groups,
     capacity=None,
+    *,
+    group_score="top2sum",
+    routed_scaling_factor=1.0,
 ) -> None:
     """Checks shared by route() and MoEConfig."""
     E = num_experts
@@ -111,6 +116,17 @@ def routing_options(
                 f"top_k={top_k} exceeds the {topk_groups * (E // n_groups)} experts in the "
                 f"topk_groups={topk_groups} kept groups of {E // n_groups}; raise topk_groups"
             )
+    choice("group_score", group_score, GROUP_SCORES)
+    if not is_real(routed_scaling_factor):
+        raise TypeError(
+            f"routed_scaling_factor must be a real number, got {type(routed_scaling_factor).__name__} "
+            f"{routed_scaling_factor!r}"
+        )
+    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        raise ValueError(
+            f"routed_scaling_factor={routed_scaling_factor!r} must be finite and > 0 (1.0 leaves the weights as "
+            "they are; DeepSeek-V3 uses 2.5)"
+        )
     if capacity is not None:
         if not is_int(capacity):
             raise TypeError(f"capacity must be an int or None, got {type(capacity).__name__} {capacity!r}")
@@ -118,12 +134,14 @@ def routing_options(
             raise ValueError(f"capacity={capacity} must be >= 0 (or None for dropless)")
 
 
-def route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux) -> None:
+def route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux,
+               group_score="top2sum", routed_scaling_factor=1.0) -> None:
     float_tensor("logits", logits, 2)
     E = logits.shape[1]
     if E == 0:
         raise ValueError("logits has 0 experts (shape [T, 0]); need at least one expert column")
-    routing_options(E, top_k, score_func, renormalize, n_groups, topk_groups, capacity)
+    routing_options(E, top_k, score_func, renormalize, n_groups, topk_groups, capacity,
+                    group_score=group_score, routed_scaling_factor=routed_scaling_factor)
     if expert_bias is not None:
         float_tensor("expert_bias", expert_bias, 1)
         if expert_bias.shape[0] != E:

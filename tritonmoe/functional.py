@@ -37,6 +37,8 @@ def route(
     topk_groups: int | None = None,
     capacity: int | None = None,
     with_aux: bool = False,
+    group_score: str = "top2sum",
+    routed_scaling_factor: float = 1.0,
     backend: str | None = None,
 ) -> Routing:
     """Choose top_k experts per token.
@@ -48,20 +50,35 @@ def route(
         renormalize: divide the k weights by their sum (floored at 1e-20).
         expert_bias: fp32 [E] added to the scores for selection only (auxiliary-loss-free
             balancing); the weights stay unbiased.
-        n_groups, topk_groups: group-limited routing: E splits into n_groups groups, a group's
-            score is the sum of its top-2 selection scores (its max if it has one expert), and
-            only experts of the topk_groups best groups (ties: lower group) can be selected.
+        n_groups, topk_groups: group-limited routing: E splits into n_groups groups scored by
+            ``group_score``, and only experts of the topk_groups best groups (ties: lower group)
+            can be selected.
         capacity: kept slots per expert, or None (dropless). Slots are considered slot j first,
             then token t; a slot whose expert is full gets id -1 and weight 0.
         with_aux: also return the per-expert score sums and per-token logsumexp that
             :func:`load_balancing_loss` and :func:`z_loss` use, from the same pass.
+        group_score: "top2sum" (the sum of a group's two largest selection values, a repeated
+            maximum counted twice; DeepSeek-V3) or "max" (its largest; DeepSeek-V2's
+            group_limited_greedy). Equal for groups of one expert.
+        routed_scaling_factor: multiplies the final weights, after renormalization (or the raw
+            scores with ``renormalize=False``), as DeepSeek-V3 and GLM-4-MoE do; finite, > 0.
+            (DeepSeek-V2's original code scales only when it does not renormalize: convert it
+            with 1.0 when ``norm_topk_prob`` is set.)
 
-    Returns: :class:`Routing` (ids int32 [T, k] in descending score, ties to the lower expert id;
-    weights fp32 [T, k], differentiable w.r.t. the logits; counts int32 [E]).
+    Selection is exact across backends: every backend compares the same canonical fp32 value
+    (the logit without ``expert_bias``, else a fixed-recipe score plus the bias; see
+    :func:`tritonmoe.reference.selection_values`), so the ids never depend on how a backend
+    rounds exp or division. The weights are each backend's fp32 scores (they may differ in the
+    last bits).
+
+    Returns: :class:`Routing` (ids int32 [T, k] in descending selection value, ties to the lower
+    expert id; weights fp32 [T, k], differentiable w.r.t. the logits; counts int32 [E]).
     """
-    V.route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux)
+    V.route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux,
+                 group_score, routed_scaling_factor)
     # Integer scalars of other types (numpy.int64, ...) become Python ints before any launch.
     top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
+    routed_scaling_factor = float(routed_scaling_factor)
     if validation_enabled():
         V.route_values(logits, score_func, expert_bias)
     impl = implementation("route", backend, logits.device, logits.dtype)
@@ -75,6 +92,8 @@ def route(
         topk_groups=topk_groups,
         capacity=capacity,
         with_aux=with_aux,
+        group_score=group_score,
+        routed_scaling_factor=routed_scaling_factor,
     )
 
 
