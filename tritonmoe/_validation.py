@@ -177,7 +177,7 @@ def route_values(logits: torch.Tensor, score_func: str, expert_bias) -> None:
         raise ValueError("expert_bias contains non-finite values; it must be finite")
 
 
-def permute_args(x, topk_ids, num_experts, pad_to) -> None:
+def permute_args(x, topk_ids, num_experts, pad_to, num_rows=None) -> None:
     tensor("x", x, 2)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; use float16, bfloat16, float32 or float64")
@@ -189,6 +189,17 @@ def permute_args(x, topk_ids, num_experts, pad_to) -> None:
     same_device(x=x, topk_ids=topk_ids)
     positive_int("num_experts", num_experts)
     positive_int("pad_to", pad_to)
+    if num_rows is not None:
+        if not is_int(num_rows):
+            raise TypeError(f"num_rows must be an int or None, got {type(num_rows).__name__} {num_rows!r}")
+        T, k = topk_ids.shape
+        bound = T * k + int(num_experts) * (int(pad_to) - 1)
+        if num_rows < bound:
+            raise ValueError(
+                f"num_rows={num_rows} is below max_permuted_rows(T={T}, k={k}, E={num_experts}, pad_to={pad_to}) = "
+                f"{bound}, the only row count that holds every routing without reading R on the host; pass "
+                f"num_rows >= {bound}, or None for exactly R rows (one host sync)"
+            )
 
 
 def ids_values(topk_ids: torch.Tensor, num_experts: int) -> None:
@@ -218,7 +229,9 @@ def offsets_args(name: str, offsets, num_experts: int | None = None) -> None:
         )
 
 
-def offsets_values(name: str, offsets: torch.Tensor, num_rows: int) -> None:
+def offsets_values(name: str, offsets: torch.Tensor, num_rows: int, *, allow_tail: bool = False) -> None:
+    """offsets start at 0, never decrease and end at ``num_rows`` (with ``allow_tail``: at or
+    below it, for a buffer with zero rows past R such as permute(..., num_rows=N) returns)."""
     o = offsets.detach().long()
     first, last = int(o[0]), int(o[-1])  # host sync: value validation
     if first != 0:
@@ -227,7 +240,9 @@ def offsets_values(name: str, offsets: torch.Tensor, num_rows: int) -> None:
     if bool((diffs < 0).any()):
         e = int((diffs < 0).nonzero()[0, 0])
         raise ValueError(f"{name} is not monotone: {name}[{e}]={int(o[e])} > {name}[{e + 1}]={int(o[e + 1])}")
-    if last != num_rows:
+    if allow_tail and last > num_rows:
+        raise ValueError(f"{name}[E]={last} but the input has only {num_rows} rows; it needs at least R = {last}")
+    if not allow_tail and last != num_rows:
         raise ValueError(f"{name}[E]={last} but the input has {num_rows} rows; the last offset must equal R")
 
 

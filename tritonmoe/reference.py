@@ -48,6 +48,8 @@ __all__ = [
     "z_loss",
     "permute",
     "permute_metadata",
+    "permute_rows",
+    "max_permuted_rows",
     "unpermute",
     "ep_splits",
     "grouped_gemm",
@@ -377,20 +379,37 @@ def permute_metadata(topk_ids_TK: torch.Tensor, num_experts: int, pad_to: int = 
     )
 
 
-def permute(
-    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1
-) -> tuple[torch.Tensor, PermuteInfo]:
-    """Gather token rows into expert-grouped order; see :func:`tritonmoe.permute`."""
-    T, K = topk_ids_TK.shape
-    info = permute_metadata(topk_ids_TK, num_experts, pad_to)
+def max_permuted_rows(num_tokens: int, top_k: int, num_experts: int, pad_to: int = 1) -> int:
+    """Static upper bound of R = expert_offsets[E] for any routing of T tokens: every slot
+    routed, every expert padded by pad_to - 1 rows. Equals R when pad_to == 1 and no id is -1.
+    A permuted buffer of this many rows can be built without reading R on the host."""
+    return num_tokens * top_k + num_experts * (pad_to - 1)
+
+
+def permute_rows(x_TD: torch.Tensor, info: PermuteInfo, num_rows: int | None = None) -> torch.Tensor:
+    """The row movement of :func:`permute` for a given ``info``: [N, d] with
+    ``x_perm[slot_rows[t, j]] == x[t]`` and every other row zero. N = ``num_rows`` (at least R;
+    no host sync) or R read from ``info`` (one host sync)."""
+    T, K = info.slot_rows.shape
     rows = info.slot_rows.reshape(-1)
-    R = int(info.expert_offsets[-1])  # host sync: the output's row count depends on the routing
-    # Source token of each row; padding rows read a zero row appended at index T.
-    src_ext = torch.full((R + 1,), T, dtype=torch.int64, device=x_TD.device)
-    src_ext[torch.where(rows >= 0, rows, torch.full_like(rows, R))] = torch.arange(T * K, device=x_TD.device) // K
+    if num_rows is None:
+        num_rows = int(info.expert_offsets[-1])  # host sync: the output's row count depends on the routing
+    # Source token of each row; padding rows (and rows past R) read a zero row appended at index T.
+    src_ext = torch.full((num_rows + 1,), T, dtype=torch.int64, device=x_TD.device)
+    src_ext[torch.where(rows >= 0, rows, torch.full_like(rows, num_rows))] = (
+        torch.arange(T * K, device=x_TD.device) // K
+    )
     x_ext = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])], dim=0)
-    x_perm = x_ext[src_ext[:R]]
-    return x_perm, info
+    return x_ext[src_ext[:num_rows]]
+
+
+def permute(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1, num_rows: int | None = None
+) -> tuple[torch.Tensor, PermuteInfo]:
+    """Gather token rows into expert-grouped order; see :func:`tritonmoe.permute`. ``num_rows``
+    (>= :func:`max_permuted_rows`): a buffer of that many rows, rows past R zero, no host sync."""
+    info = permute_metadata(topk_ids_TK, num_experts, pad_to)
+    return permute_rows(x_TD, info, num_rows), info
 
 
 def unpermute(y_perm_RD: torch.Tensor, info: PermuteInfo, topk_weights_TK: torch.Tensor) -> torch.Tensor:
