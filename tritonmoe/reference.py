@@ -195,8 +195,10 @@ def canonical_scores(logits_TE: torch.Tensor, score_func: str, n_groups: int | N
     return e / den.unsqueeze(-1)
 
 
-def _nan_to_neg_inf(v: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isnan(v), torch.full_like(v, float("-inf")), v)
+def _orderable(v: torch.Tensor) -> torch.Tensor:
+    """NaN as -inf (ranked last) and -0 as +0 (a tie: CUDA's radix sort would order them)."""
+    v = torch.where(torch.isnan(v), torch.full_like(v, float("-inf")), v)
+    return torch.where(v == 0, torch.zeros_like(v), v)
 
 
 def selection_values(
@@ -206,7 +208,8 @@ def selection_values(
     n_groups: int | None = None,
     group_score: str = "top2sum",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(selection value [T, E], group score [T, G] or None): what routing compares, NaN as -inf.
+    """(selection value [T, E], group score [T, G] or None): what routing compares, NaN as -inf
+    and -0 as +0.
 
     fp16/bf16/fp32 logits: the canonical fp32 values of the section comment, identical on every
     backend. fp64 logits (routed by this reference only): the logits, or fp64 scores plus the
@@ -223,7 +226,7 @@ def selection_values(
         sel = scores(x, score_func) + expert_bias.double()
     else:
         sel = canonical_scores(x, score_func, G) + expert_bias.float()
-    sel = _nan_to_neg_inf(sel)
+    sel = _orderable(sel)
     if not grouped:
         return sel, None
     S = E // G
@@ -232,11 +235,11 @@ def selection_values(
     if expert_bias is not None:
         gval = sel
     elif fp64:
-        gval = _nan_to_neg_inf(scores(x, score_func))
+        gval = _orderable(scores(x, score_func))
     elif score_func == "softmax":
-        gval = _nan_to_neg_inf(canonical_exp(x - _row_max(x)))
+        gval = _orderable(canonical_exp(x - _row_max(x)))
     else:
-        gval = _nan_to_neg_inf(_canonical_sigmoid(x))
+        gval = _orderable(_canonical_sigmoid(x))
     # the two largest values, a repeated maximum counted twice (topk keeps duplicates)
     return sel, gval.view(T, G, S).topk(2, dim=-1).values.sum(-1)
 
