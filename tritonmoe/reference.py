@@ -185,14 +185,14 @@ def canonical_scores(logits_TE: torch.Tensor, score_func: str, n_groups: int | N
     1 / (1 + canonical_exp(-x)); softmax as canonical_exp(x - m) / tree_sum(canonical_exp(x - m)),
     m the row max over non-NaN logits, the tree over the [n_groups, E / n_groups] layout. What
     selection with ``expert_bias`` compares (plus the bias); not the weights."""
-    x = logits_TE.float()
+    x_TE = logits_TE.float()
     if score_func == "sigmoid":
-        return _canonical_sigmoid(x)
-    T, E = x.shape
+        return _canonical_sigmoid(x_TE)
+    T, E = x_TE.shape
     G = n_groups if n_groups is not None and n_groups > 1 else 1
-    e = canonical_exp(x - _row_max(x))
-    den = _canonical_tree_sum(e.view(T, G, E // G))
-    return e / den.unsqueeze(-1)
+    e_TE = canonical_exp(x_TE - _row_max(x_TE))
+    den_T = _canonical_tree_sum(e_TE.view(T, G, E // G))
+    return e_TE / den_T.unsqueeze(-1)
 
 
 def _orderable(v: torch.Tensor) -> torch.Tensor:
@@ -217,31 +217,31 @@ def selection_values(
     """
     T, E = logits_TE.shape
     fp64 = logits_TE.dtype == torch.float64
-    x = logits_TE.detach().to(torch.float64 if fp64 else torch.float32)
+    x_TE = logits_TE.detach().to(torch.float64 if fp64 else torch.float32)
     grouped = n_groups is not None and n_groups > 1
     G = n_groups if grouped else 1
     if expert_bias is None:
-        sel = x
+        sel_TE = x_TE
     elif fp64:
-        sel = scores(x, score_func) + expert_bias.double()
+        sel_TE = scores(x_TE, score_func) + expert_bias.double()
     else:
-        sel = canonical_scores(x, score_func, G) + expert_bias.float()
-    sel = _orderable(sel)
+        sel_TE = canonical_scores(x_TE, score_func, G) + expert_bias.float()
+    sel_TE = _orderable(sel_TE)
     if not grouped:
-        return sel, None
+        return sel_TE, None
     S = E // G
     if group_score == "max" or S == 1:
-        return sel, sel.view(T, G, S).amax(dim=-1)
+        return sel_TE, sel_TE.view(T, G, S).amax(dim=-1)
     if expert_bias is not None:
-        gval = sel
+        gval_TE = sel_TE
     elif fp64:
-        gval = _orderable(scores(x, score_func))
+        gval_TE = _orderable(scores(x_TE, score_func))
     elif score_func == "softmax":
-        gval = _orderable(canonical_exp(x - _row_max(x)))
+        gval_TE = _orderable(canonical_exp(x_TE - _row_max(x_TE)))
     else:
-        gval = _orderable(_canonical_sigmoid(x))
+        gval_TE = _orderable(_canonical_sigmoid(x_TE))
     # the two largest values, a repeated maximum counted twice (topk keeps duplicates)
-    return sel, gval.view(T, G, S).topk(2, dim=-1).values.sum(-1)
+    return sel_TE, gval_TE.view(T, G, S).topk(2, dim=-1).values.sum(-1)
 
 
 def route(
