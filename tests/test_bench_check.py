@@ -59,11 +59,17 @@ class FakeH100(check.Runner):
     of 3 us per call), except the overrides ``{(suite, op or None, mode, impl): fraction}``;
     ``fail`` names entries that raise."""
 
-    def __init__(self, efficiency: dict, overrides: dict | None = None, fail: tuple = (), tests: str = "passed"):
+    def __init__(self, efficiency: dict, overrides: dict | None = None, fail: tuple = (), tests: str = "passed",
+                 case_seconds: dict | None = None):
         super().__init__(torch.device("cuda", 0))
         self.efficiency, self.overrides, self.fail, self.tests = efficiency, overrides or {}, fail, tests
+        self.case_seconds = case_seconds or {}  # suite -> simulated wall seconds per case
+        self.now = 0.0
         self.planned: list[tuple] = []
         self.test_timeout = None
+
+    def clock(self):
+        return self.now
 
     def environment(self, argv):
         env = harness.environment(["check", *argv], torch.device("cpu"))
@@ -85,6 +91,7 @@ class FakeH100(check.Runner):
         return H100_ROOFS
 
     def run_case(self, ctx, case):
+        self.now += self.case_seconds.get(case.suite, 0.0)
         rows = []
         for e in case.entries:
             key = (case.suite, case.params.get("op"), e.mode, e.impl)
@@ -178,6 +185,27 @@ def test_gpu_path_budget_failures_and_strict(tmp_path, capsys):
     assert check.run_check(["--results-dir", str(tmp_path), "--skip-tests"], runner=strict) == 0
     assert check.run_check(["--results-dir", str(tmp_path), "--skip-tests", "--strict"], runner=strict) == 1
     assert "x reference" in capsys.readouterr().out
+
+
+def test_a_section_overrunning_its_estimate_leaves_time_for_the_table(tmp_path, capsys):
+    """ffn cases that take 300 s each (estimate: 150 s for the whole section): the second case
+    still starts (300 s of 530 used), the ones after it are skipped inside the section, the later
+    sections are skipped whole, and the run ends with its files and table."""
+    runner = FakeH100(EFFICIENCY, case_seconds={"ffn": 300.0})
+    assert check.run_check(["--results-dir", str(tmp_path), "--skip-tests"], runner=runner) == 0
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    status = {s["name"]: s["status"] for s in doc["check"]["sections"]}
+    assert status == {"route": "ran", "permute": "ran", "ffn": "ran", "decode": "skipped", "layer": "skipped"}
+    ffn_cases = {}
+    for r in doc["results"]:
+        if r["suite"] == "ffn" and r["params"]["T"] >= 16384:
+            ffn_cases.setdefault(r["case"], set()).add(r["status"])
+    assert list(ffn_cases.values()) == [{"ok"}, {"ok"}, {"unavailable"}, {"unavailable"}]
+    res = _by_name(doc["check"]["targets"])
+    assert res["grouped FFN fwd mixtral T=16384, of matmul roof"]["status"] == "met"
+    qwen = res["grouped FFN fwd qwen3 T=32768, of matmul roof"]
+    assert qwen["status"] == "not measured" and "inside section ffn" in qwen["note"]
+    assert "== targets" in capsys.readouterr().out
 
 
 def test_target_evaluation():
