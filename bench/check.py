@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import subprocess
 import sys
 import time
