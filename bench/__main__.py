@@ -3,6 +3,8 @@
   python -m bench [SUITE ...] [options]     run suites (default: the default set for this machine)
   python -m bench compare A.json B.json     per-entry ratios of two result files
   python -m bench report A.json [--markdown M] [--plot P]   re-render a result file
+  python -m bench check [--sections S,...]  gpu-check: gpu tests, the core set, the target table
+  python -m bench profile [--sections S,...]  the core set's kernels under the PyTorch profiler
 
 Each suite (listed below) measures tritonmoe through its public API
 (backend "triton": the kernels; "torch": the reference path) beside baselines run in the same
@@ -528,6 +530,14 @@ def _main(argv: list[str]) -> int:
         return compare_main(argv[1:])
     if argv[:1] == ["report"]:
         return report_main(argv[1:])
+    if argv[:1] == ["check"]:
+        from . import check
+
+        return check.run_check(argv[1:])
+    if argv[:1] == ["profile"]:
+        from . import check
+
+        return check.run_profile(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.print_schema:

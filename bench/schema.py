@@ -22,7 +22,10 @@ A results file holds:
   baseline impl -> baseline median / this median), peak memory and the analytic minimum with
   their ratio, NVML telemetry (mean/max of GPU utilization %, memory used bytes, power W, SM
   clock MHz), and suite-specific ``extra`` figures;
-* ``notes`` (lines the run printed about itself) and ``wall_time_s``.
+* ``notes`` (lines the run printed about itself) and ``wall_time_s``;
+* optionally ``check`` (written by ``python -m bench check``, see :mod:`bench.check`): the commit
+  measured, the gpu-marked tests' outcome, each section's estimated and measured wall time, and
+  one record per target (``$defs.target``: value, goal, met or not).
 """
 
 from __future__ import annotations
@@ -105,8 +108,57 @@ SCHEMA: dict = {
         "results": {"type": "array", "items": {"$ref": "#/$defs/result"}},
         "notes": _str_list,
         "wall_time_s": {"type": "number", "minimum": 0},
+        "check": {
+            "type": "object",
+            "required": ["commit", "tests", "sections", "targets", "summary"],
+            "properties": {
+                "commit": _str_or_null,
+                "dirty": {"type": ["boolean", "null"]},
+                "tests": {
+                    "type": "object",
+                    "required": ["status", "summary", "wall_s"],
+                    "properties": {
+                        "status": {"type": "string", "enum": ["passed", "failed", "timed out", "not run", "skipped"]},
+                        "summary": {"type": "string"},
+                        "wall_s": {"type": "number", "minimum": 0},
+                    },
+                },
+                "sections": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "status", "estimate_s", "wall_s", "entries"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "status": {"type": "string", "enum": ["ran", "skipped"]},
+                            "estimate_s": {"type": "number", "minimum": 0},
+                            "wall_s": {"type": "number", "minimum": 0},
+                            "entries": {"type": "integer", "minimum": 0},
+                        },
+                    },
+                },
+                "targets": {"type": "array", "items": {"$ref": "#/$defs/target"}},
+                "summary": {"type": "object", "additionalProperties": {"type": "integer"}},
+            },
+            "additionalProperties": False,
+        },
     },
     "$defs": {
+        "target": {
+            "type": "object",
+            "required": ["name", "metric", "op", "goal", "value", "status", "row", "note"],
+            "properties": {
+                "name": {"type": "string"},
+                "metric": {"type": "string", "enum": ["time_us", "mm_roof", "mem_roof", "x_torch", "x_gmm"]},
+                "op": {"type": "string", "enum": ["<=", ">="]},
+                "goal": _num,
+                "value": _num_or_null,
+                "status": {"type": "string", "enum": ["met", "not met", "not measured", "skipped"]},
+                "row": _str_or_null,
+                "note": _str_or_null,
+            },
+            "additionalProperties": False,
+        },
         "stats": {
             "type": "object",
             "required": ["median", "p20", "p80", "min", "max", "mean", "reps"],

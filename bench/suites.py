@@ -15,7 +15,11 @@ training loop would. The permute suite's ``metadata`` mode times the routing met
 (ids -> counts, offsets, slot rows; no row moved): ``tritonmoe.kernels.permute.permute_metadata``
 for backend ``triton`` against ``tritonmoe.reference.permute_metadata`` for ``torch``. After a
 run with the layer suite, :func:`attach_layer_fractions` gives each metadata row the fraction of
-the MoELayer forward (same backend, shape, token count and routing) it takes.
+the MoELayer forward (same backend, shape, token count and routing) it takes. Its ``move`` mode
+times the row movement alone, the metadata precomputed and the row count known:
+``tritonmoe.kernels.permute.permute_rows`` (one scatter kernel) against
+``tritonmoe.reference.permute_rows``; ``fwd`` of the permute op includes the metadata kernels
+and the host sync that reads R, and unpermute's ``fwd`` is movement alone (one gather).
 
 An implementation that cannot run here (``backend="triton"`` for an op without a kernel yet,
 ``torch._grouped_mm`` missing or not supporting the dtype) is recorded as "unavailable" with
@@ -54,6 +58,9 @@ MODES = ("fwd", "fwd+bwd")
 
 #: The permute suite's extra mode: the routing metadata alone (no rows moved, no backward).
 METADATA = "metadata"
+#: The permute suite's row movement alone: the rows of a precomputed permutation moved into a
+#: buffer of known size (no metadata kernels, no host sync), what the copy roof bounds.
+MOVE = "move"
 
 #: The issue's router grid (GPU default of the route suite when no preset is chosen).
 ROUTE_GRID_TOKENS = (4096, 16384, 65536)
@@ -307,14 +314,14 @@ def route_shapes(ctx: Context) -> list[tuple[RouteShape, tuple[int, ...]]]:
 
 def plan_route(ctx: Context) -> list[Case]:
     return [
-        _route_case(ctx, shape, T, spec)
+        route_case(ctx, shape, T, spec)
         for shape, tokens in route_shapes(ctx)
         for spec in ctx.routings_for("route")
         for T in tokens
     ]
 
 
-def _route_case(ctx: Context, shape: RouteShape, T: int, spec: RoutingSpec) -> Case:
+def route_case(ctx: Context, shape: RouteShape, T: int, spec: RoutingSpec) -> Case:
     E, k = shape.E, shape.k
     salt = (E * 131 + k * 17 + T) & 0xFFFF
 
@@ -349,18 +356,19 @@ def plan_permute(ctx: Context) -> list[Case]:
     for p in ctx.presets:
         for spec in ctx.routings_for("permute"):
             for T in ctx.tokens_for(p):
-                cases.append(_permute_case(ctx, p, T, spec))
-                cases.append(_unpermute_case(ctx, p, T, spec))
+                cases.append(permute_case(ctx, p, T, spec))
+                cases.append(unpermute_case(ctx, p, T, spec))
     return cases
 
 
-def _permute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+def permute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     E, d, k = p.num_experts, p.d_model, p.top_k
     R = T * k  # dropless routing, pad_to=1
 
     def build():
         r = make_routing(ctx, T, p, spec, salt=T)
-        return dict(x=leaf(ctx.randn(T, d, salt=T + 10)), ids=r.topk_ids)
+        return dict(x=leaf(ctx.randn(T, d, salt=T + 10)), ids=r.topk_ids,
+                    info=reference.permute_metadata(r.topk_ids, E))
 
     entries = make_entries(
         backend_impls(ctx, lambda st, b: tm.permute(st["x"], st["ids"], E, backend=b)[0]),
@@ -368,6 +376,7 @@ def _permute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
         out_grad=lambda st: ctx.randn(R, d, salt=T + 11),  # d(x_perm)
         work=lambda st, backward: W.permute(T, k, d, R, E, ctx.itemsize, backward=backward),
     )
+    entries += move_entries(ctx, T, k, d, R)
     entries += metadata_entries(ctx, T, k, E, pad_to=1)
     return Case("permute", f"permute {p.name} T={T} {spec.label}", case_params(ctx, p, T, spec, op="permute"),
                 build, entries)
@@ -398,6 +407,31 @@ def metadata_entries(ctx: Context, T: int, k: int, E: int, *, pad_to: int) -> li
     return [Entry(METADATA, b, lambda st, b=b: make(st, b)) for b in ctx.backends]
 
 
+def rows_impl(ctx: Context, backend: str) -> Callable:
+    """``permute_rows(x, info, num_rows=N)`` of a backend: the Triton scatter (``triton``; ``auto``
+    on CUDA) or the reference's gather (``torch``; ``auto`` on CPU)."""
+    require_backend(ctx, backend)
+    if backend == "torch" or (backend == "auto" and not ctx.is_cuda):
+        return reference.permute_rows
+    try:
+        from tritonmoe.kernels.permute import permute_rows
+    except ImportError as exc:  # no triton in this environment
+        raise Unavailable(f"tritonmoe.kernels.permute is not importable: {first_line(exc)}") from None
+    return lambda x, info, num_rows: permute_rows(x, info, num_rows=num_rows)
+
+
+def move_entries(ctx: Context, T: int, k: int, d: int, R: int) -> list[Entry]:
+    """One ``move`` entry per backend: ``state["x"]`` moved by the precomputed ``state["info"]``
+    into R rows (dropless, pad_to=1: R = T * k is known on the host), timed alone."""
+
+    def make(st, b):
+        fn = rows_impl(ctx, b)
+        x, info = st["x"], st["info"]
+        return no_grad_fn(lambda: fn(x, info, R)), W.permute_rows(T, k, d, R, ctx.itemsize)
+
+    return [Entry(MOVE, b, lambda st, b=b: make(st, b)) for b in ctx.backends]
+
+
 #: The key of :attr:`extra` that :func:`attach_layer_fractions` fills.
 LAYER_FRACTION = "layer_fwd_frac"
 
@@ -424,7 +458,7 @@ def attach_layer_fractions(rows: list[dict]) -> list[dict]:
     return done
 
 
-def _unpermute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+def unpermute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     E, d, k = p.num_experts, p.d_model, p.top_k
     R = T * k
 
@@ -459,13 +493,13 @@ def plan_ffn(ctx: Context) -> list[Case]:
     for p in ctx.presets:
         for spec in ctx.routings_for("ffn"):
             for T in ctx.tokens_for(p):
-                cases.append(_grouped_ffn_case(ctx, p, T, spec))
+                cases.append(grouped_ffn_case(ctx, p, T, spec))
                 if routed:
-                    cases.append(_moe_ffn_case(ctx, p, T, spec))
+                    cases.append(moe_ffn_case(ctx, p, T, spec))
     return cases
 
 
-def _grouped_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+def grouped_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     d, f, n1, act = p.d_model, p.d_ffn, p.n1, p.activation
 
     def build():
@@ -493,7 +527,7 @@ def _grouped_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Cas
                 build, entries)
 
 
-def _moe_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+def moe_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     E, d, f, n1, k, act = p.num_experts, p.d_model, p.d_ffn, p.n1, p.top_k, p.activation
 
     def build():
@@ -542,7 +576,7 @@ def _moe_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
 
 def plan_layer(ctx: Context) -> list[Case]:
     return [
-        _layer_case(ctx, p, T, spec)
+        layer_case(ctx, p, T, spec)
         for p in ctx.presets
         for spec in ctx.routings_for("layer")
         for T in ctx.tokens_for(p)
@@ -561,7 +595,7 @@ def skew_router(layer: "tm.MoELayer", x_TD: torch.Tensor, spec: RoutingSpec) -> 
         layer.router.weight[:, -1] = logp.to(layer.router.weight)
 
 
-def _layer_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
+def layer_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     E, d, f, n1, k = p.num_experts, p.d_model, p.d_ffn, p.n1, p.top_k
     cfg = tm.MoEConfig(
         d, f, E, k, activation=p.activation, score_func=p.score_func, renormalize=p.renormalize,
@@ -802,7 +836,7 @@ SUITES: dict[str, Suite] = {
     for s in [
         Suite("route", "router: scores, (grouped) top-k, weights, counts; forward and forward+backward", plan=plan_route),
         Suite("permute", "token permutation and weighted unpermutation; forward and forward+backward; the "
-              "routing metadata alone (mode metadata)", plan=plan_permute),
+              "row movement alone (mode move) and the routing metadata alone (mode metadata)", plan=plan_permute),
         Suite("ffn", "grouped expert FFN over a permuted buffer (grouped_ffn); with a non-reference backend also "
               "the routed FFN x -> out (fused moe_ffn vs permute + grouped_ffn + unpermute)", plan=plan_ffn),
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),

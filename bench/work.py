@@ -32,6 +32,12 @@ def permute(T: int, k: int, d: int, R: int, E: int, s: int, *, backward: bool) -
     return Work(bytes=fwd + (bwd if backward else 0))
 
 
+def permute_rows(T: int, k: int, d: int, R: int, s: int) -> Work:
+    """The row movement alone (metadata given): reads x [T, d] and slot_rows, writes x_perm
+    [R, d]."""
+    return Work(bytes=T * d * s + T * k * ROWS + R * d * s)
+
+
 def permute_metadata(T: int, k: int, E: int) -> Work:
     """The routing metadata alone: reads the ids [T, k], writes slot_rows [T, k], offsets [E+1]
     and counts [E] (int32)."""

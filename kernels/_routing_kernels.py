@@ -8,18 +8,29 @@ the expert. Padding lanes (``g >= G`` or ``i >= S``; blocks are powers of two) l
 are masked out of every selection and every store, so any E works, not only powers of two. Group
 scores reshape the tile to ``[BLOCK_T, BLOCK_G, BLOCK_S]``.
 
-Selection order as one integer. Each lane gets an int64 key that sorts exactly like the contract
-(allowed experts first, then descending selection score, then ascending expert id)::
+Selection value. What the keys (and group scores) compare is the canonical fp32 value of
+:func:`tritonmoe.reference.selection_values`, computed here with the same correctly rounded
+operations in the same order, so the ids equal the reference's bit for bit on every backend:
+the logit when no bias is added (softmax and sigmoid are monotone in it); with a bias, the
+canonical score (:func:`_canonical_exp`, a fixed pairwise tree for the softmax denominator
+(:func:`_tree_sum`), ``div_rn``) plus the bias; group scores on those values (or on canonical
+scores for "top2sum" without a bias). The launcher compiles the forward kernel with
+``enable_fp_fusion=False``: an FMA contracted from ``a*b + c`` rounds once where the recipe
+rounds twice. ``tl.exp`` (``ex2.approx`` on the GPU) and ``/`` (``div.full``) appear only in
+the weights, which are compared with a tolerance.
 
-    key = allowed << 48 | ordered_bits(sel) << 16 | (65535 - e)      (sel = score + bias; NaN -> -inf)
+Selection order as one integer. Each lane gets an int64 key that sorts exactly like the contract
+(allowed experts first, then descending selection value, then ascending expert id)::
+
+    key = allowed << 48 | ordered_bits(sel) << 16 | (65535 - e)      (NaN -> -inf, -0 -> +0)
 
 ``ordered_bits`` maps the fp32 bit pattern to an integer in [0, 2^32) with the order of the float
 (so ``-inf`` is an ordinary, smallest value). Top-k is then ``k`` rounds of "max of the keys,
 decode the expert, retire its lane": no floating-point comparisons, no tie cases. The id field
 limits E to 65536 (the launcher limits the tile far below that).
 
-Example (E=4, k=2, softmax, no bias): logits [1, 3, 3, 0] -> scores [.06, .47, .47, .02]; the
-keys order lanes 1 > 2 > 0 > 3 (lanes 1 and 2 tie on the score; the lower id wins): ids = [1, 2].
+Example (E=4, k=2, softmax, no bias): logits [1, 3, 3, 0] are the selection values; the keys
+order lanes 1 > 2 > 0 > 3 (lanes 1 and 2 tie; the lower id wins): ids = [1, 2].
 
 Determinism: per-expert counts use integer atomics (order-independent); float partial sums are
 written per block and reduced in a fixed order by the launcher; nothing uses float atomics.
@@ -34,6 +45,80 @@ import triton.language as tl
 RENORM_EPS: tl.constexpr = tl.constexpr(1e-20)
 #: Key of a padding lane or of a lane already taken by an earlier slot: below every real key.
 RETIRED: tl.constexpr = tl.constexpr(-(1 << 62))
+
+# Constants of the canonical exp: the fp32 values of tritonmoe.reference (each exact in fp32).
+LOG2E: tl.constexpr = tl.constexpr(float.fromhex("0x1.715476p+0"))
+LN2_HI: tl.constexpr = tl.constexpr(0.693359375)
+LN2_LO: tl.constexpr = tl.constexpr(float.fromhex("-0x1.bd0106p-13"))
+EXP_C7: tl.constexpr = tl.constexpr(float.fromhex("0x1.a01a02p-13"))
+EXP_C6: tl.constexpr = tl.constexpr(float.fromhex("0x1.6c16c2p-10"))
+EXP_C5: tl.constexpr = tl.constexpr(float.fromhex("0x1.111112p-7"))
+EXP_C4: tl.constexpr = tl.constexpr(float.fromhex("0x1.555556p-5"))
+EXP_C3: tl.constexpr = tl.constexpr(float.fromhex("0x1.555556p-3"))
+EXP_C2: tl.constexpr = tl.constexpr(0.5)
+EXP_MIN: tl.constexpr = tl.constexpr(-86.0)
+EXP_MAX: tl.constexpr = tl.constexpr(88.0)
+
+
+@triton.jit
+def _canonical_exp(y):
+    """:func:`tritonmoe.reference.canonical_exp` with the same operations in the same order
+    (bit-identical as long as nothing contracts them into FMAs): 0 below EXP_MIN, +inf above
+    EXP_MAX, NaN for NaN, else 2^n * p(r), n = floor(y*log2e + 1/2), r = (y - n*LN2_HI) - n*LN2_LO,
+    p the degree-7 Taylor polynomial in Horner form."""
+    nan = y != y
+    under = y < EXP_MIN
+    over = y > EXP_MAX
+    yc = tl.where(nan | under | over, 0.0, y)
+    n = tl.floor(yc * LOG2E + 0.5)
+    r = (yc - n * LN2_HI) - n * LN2_LO
+    p = EXP_C7 * r + EXP_C6
+    p = p * r + EXP_C5
+    p = p * r + EXP_C4
+    p = p * r + EXP_C3
+    p = p * r + EXP_C2
+    p = p * r + 1.0
+    p = p * r + 1.0
+    two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # 2^n exactly, n in [-124, 127]
+    out = p * two_n
+    out = tl.where(under, 0.0, out)
+    out = tl.where(over, float("inf"), out)
+    return tl.where(nan, y, out)
+
+
+@triton.jit
+def _canonical_sigmoid(x):
+    """1 / (1 + canonical_exp(-x)), the division correctly rounded (``div_rn``)."""
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _canonical_exp(-x))
+
+
+@triton.jit
+def _row_max_no_nan(x_TE):
+    """[BT] max of each row over its non-NaN entries (-inf if none), as the reference's."""
+    return tl.max(tl.where(x_TE != x_TE, float("-inf"), x_TE), axis=1)
+
+
+@triton.jit
+def _tree_sum(v_TE, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[BT] sum of each row of ``v_TE`` by adjacent pairs (v[0::2] + v[1::2], repeated), the
+    fixed order of the reference's canonical softmax denominator (BLOCK_E a power of two, lanes
+    in the group-major layout of the module docstring, padding lanes 0)."""
+    v = v_TE
+    for lvl in tl.static_range(14):  # BLOCK_E <= 2^13 (MAX_TILE_LANES)
+        if (BLOCK_E >> lvl) > 1:
+            a, b = tl.split(tl.reshape(v, [BLOCK_T, BLOCK_E >> (lvl + 1), 2]))
+            v = a + b
+    return tl.reshape(v, [BLOCK_T])
+
+
+@triton.jit
+def _canonical_softmax(x_TE, lane_ok_E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """:func:`tritonmoe.reference.canonical_scores` under softmax: canonical_exp(x - m) divided
+    (div_rn) by its pairwise tree sum, m the row max over non-NaN logits."""
+    m_T = _row_max_no_nan(x_TE)
+    e_TE = tl.where(lane_ok_E[None, :], _canonical_exp(x_TE - m_T[:, None]), 0.0)
+    den_T = _tree_sum(e_TE, BLOCK_T, BLOCK_E)
+    return tl.math.div_rn(e_TE, tl.broadcast_to(den_T[:, None], [BLOCK_T, BLOCK_E]))
 
 
 @triton.jit
@@ -109,6 +194,8 @@ def _route_fwd_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    scale=1.0,  # fp32 routed_scaling_factor: multiplies the final weights
+    GROUP_MAX: tl.constexpr = False,  # group score: max (True) or top-2 sum (False)
 ):
     """Scores, selection, top-k, weights and per-expert histograms of a block of tokens.
 
@@ -134,25 +221,41 @@ def _route_fwd_kernel(
         part_E = tl.sum(tl.where(row_ok[:, None], s_TE, 0.0), axis=0)
         tl.store(score_part_ptr + pid * E + e_E, part_E, mask=lane_ok_E)
 
-    # -- selection score: bias for selection only; NaN ranks as -inf ------------------------------
-    sel_TE = s_TE
+    # -- selection value (canonical, see the module docstring); NaN ranks as -inf, -0 is +0 -------
     if HAS_BIAS:
-        sel_TE = sel_TE + tl.load(bias_ptr + e_E, mask=lane_ok_E, other=0.0)[None, :]
+        if SOFTMAX:
+            c_TE = _canonical_softmax(x_TE, lane_ok_E, BLOCK_T, BLOCK_E)
+        else:
+            c_TE = _canonical_sigmoid(x_TE)
+        sel_TE = c_TE + tl.load(bias_ptr + e_E, mask=lane_ok_E, other=0.0)[None, :]
+    else:
+        sel_TE = x_TE
     sel_TE = tl.where((sel_TE != sel_TE) | (lane_ok_E[None, :] == 0), float("-inf"), sel_TE)
+    sel_TE = tl.where(sel_TE == 0.0, 0.0, sel_TE)
 
-    # -- group-limited routing: keep the TOPK_GROUPS groups with the largest top-2 sums -----------
+    # -- group-limited routing: keep the TOPK_GROUPS groups with the best group scores -------------
     if G > 1:
-        sel_TGS = tl.reshape(sel_TE, [BLOCK_T, BLOCK_G, BLOCK_S])
+        # what a group score is made of: the selection values, or (top-2 sum without a bias) the
+        # canonical scores; for softmax without the row's common denominator
+        if GROUP_MAX or S == 1 or HAS_BIAS:
+            gv_TE = sel_TE
+        else:
+            if SOFTMAX:
+                gv_TE = _canonical_exp(x_TE - _row_max_no_nan(x_TE)[:, None])
+            else:
+                gv_TE = _canonical_sigmoid(x_TE)
+            gv_TE = tl.where((gv_TE != gv_TE) | (lane_ok_E[None, :] == 0), float("-inf"), gv_TE)
+        gv_TGS = tl.reshape(gv_TE, [BLOCK_T, BLOCK_G, BLOCK_S])
         g = tl.arange(0, BLOCK_G)
         member_ok_1GS = (g[None, :, None] < G) & (tl.arange(0, BLOCK_S)[None, None, :] < S)
-        v1_TG = tl.max(sel_TGS, axis=2)
-        if S == 1:
+        v1_TG = tl.max(gv_TGS, axis=2)
+        if GROUP_MAX or S == 1:
             gs_TG = v1_TG
         else:
             # top-2 sum: the max twice if it occurs twice, else the max plus the next value
-            is_top_TGS = sel_TGS == v1_TG[:, :, None]
+            is_top_TGS = gv_TGS == v1_TG[:, :, None]
             n_top_TG = tl.sum((is_top_TGS & member_ok_1GS).to(tl.int32), axis=2)
-            rest_TG = tl.max(tl.where(is_top_TGS, float("-inf"), sel_TGS), axis=2)
+            rest_TG = tl.max(tl.where(is_top_TGS, float("-inf"), gv_TGS), axis=2)
             gs_TG = v1_TG + tl.where(n_top_TG >= 2, v1_TG, rest_TG)
         # rank of group g = the groups that beat it (larger score, or equal score and lower index)
         beats_TGG = (gs_TG[:, None, :] > gs_TG[:, :, None]) | (
@@ -201,6 +304,7 @@ def _route_fwd_kernel(
         sum_T = tl.sum(tl.where(kcol[None, :] < K, p_TK, 0.0), axis=1)
         # where(sum < eps) rather than maximum(): a NaN sum stays NaN, as under clamp_min
         p_TK = p_TK / tl.where(sum_T < RENORM_EPS, RENORM_EPS, sum_T)[:, None]
+    p_TK = p_TK * scale
     out_TK = t[:, None] * K + kcol[None, :]
     tl.store(ids_ptr + out_TK, ids_TK, mask=k_ok_TK)
     tl.store(w_ptr + out_TK, p_TK, mask=k_ok_TK)
@@ -338,12 +442,13 @@ def _route_bwd_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    scale=1.0,  # fp32 routed_scaling_factor of the forward
 ):
     """d(logits) from d(topk_weights), d(score_sum) and d(logsumexp) in one pass.
 
     Grid: ``(cdiv(T, BLOCK_T),)``. Program ``b`` re-reads its rows of logits, recomputes the
     scores and chains, per token (p_j = score at id_j, the ids before dropping; P = sum_j p_j;
-    D = max(P, eps); g_j = d(topk_weights)[t, j], zero for a dropped slot)::
+    D = max(P, eps); g_j = scale * d(topk_weights)[t, j], zero for a dropped slot)::
 
         dp_j = (g_j - [P >= eps] * sum_i g_i p_i / D) / D     (renormalize; else dp_j = g_j)
         ds_e = dp_j where e = id_j, plus d(score_sum)[e]
@@ -365,7 +470,8 @@ def _route_bwd_kernel(
         k_ok_TK = row_ok[:, None] & (kcol[None, :] < K)
         if RENORMALIZE:
             ids_TK = tl.load(sel_ids_ptr + t[:, None] * K + kcol[None, :], mask=k_ok_TK, other=0)
-            g_TK = tl.load(dw_ptr + t[:, None] * stride_dwt + kcol[None, :] * stride_dwk, mask=k_ok_TK, other=0.0)
+            g_TK = scale * tl.load(dw_ptr + t[:, None] * stride_dwt + kcol[None, :] * stride_dwk, mask=k_ok_TK,
+                                   other=0.0)
             if HAS_CAPACITY:
                 final_TK = tl.load(ids_ptr + t[:, None] * K + kcol[None, :], mask=k_ok_TK, other=-1)
                 g_TK = tl.where(final_TK >= 0, g_TK, 0.0)
@@ -380,7 +486,7 @@ def _route_bwd_kernel(
         # scatter dp_j to lane id_j (a token's ids are distinct); per-slot loads, not reductions
         for j in range(K):
             e_T = tl.load(sel_ids_ptr + t * K + j, mask=row_ok, other=-1)
-            g_T = tl.load(dw_ptr + t * stride_dwt + j * stride_dwk, mask=row_ok, other=0.0)
+            g_T = scale * tl.load(dw_ptr + t * stride_dwt + j * stride_dwk, mask=row_ok, other=0.0)
             if HAS_CAPACITY:
                 g_T = tl.where(tl.load(ids_ptr + t * K + j, mask=row_ok, other=-1) >= 0, g_T, 0.0)
             if RENORMALIZE:

@@ -15,14 +15,18 @@ Building blocks, usable on their own (meant for the expert-parallel and pipelini
 * :func:`scatter_rows` / :func:`gather_rows` - the raw (not autograd) row movers, with ``out=``.
 * :func:`ep_split_metadata` - rows per destination rank when experts are split over P ranks.
 
-The one host synchronization: :func:`permute` must return x_perm with exactly R =
-``expert_offsets[E]`` rows, and R depends on the ids (slots with id -1 and the padding), so it reads
-R back once after the metadata kernels (see :func:`_read_num_rows`). Nothing else synchronizes.
-Callers that can live with a buffer of the static worst-case size use ``permute_metadata`` +
-``permute_rows(x, info, num_rows=max_permuted_rows(...))`` instead: rows past R are zero (the
-grouped GEMM contract treats rows at or past offsets[E] as zero, though the public ops' value
-validation, when on, insists on exactly R rows) and :func:`unpermute` accepts such a buffer; with
-``pad_to == 1`` and no id -1 the bound is exactly R = T * k.
+Host synchronization: :func:`permute` with ``num_rows=None`` must return x_perm with exactly
+R = ``expert_offsets[E]`` rows, and R depends on the ids (slots with id -1 and the padding), so it
+reads R back once after the metadata kernels (see :func:`_read_num_rows`). Nothing else
+synchronizes. **The sync-free path** (the one MoELayer's expert path calls)::
+
+    x_perm, info = permute(x, topk_ids, E, pad_to=p, num_rows=max_permuted_rows(T, k, E, p))
+
+returns a buffer of the static worst-case size with zero rows past R: the grouped GEMM contract
+treats rows at or past offsets[E] as zero, :func:`unpermute` reads only routed rows (the public
+unpermute accepts such a buffer; grouped_gemm's value validation, when on, still insists on
+exactly R rows), and with ``pad_to == 1`` and no id -1 the bound is exactly R = T * k.
+(``permute_metadata`` + ``permute_rows(x, info, num_rows=...)`` are the same two steps.)
 
 Config: every tile size, warp count and grid split is chosen in :func:`metadata_config` and
 :func:`rows_config` below; tests override them with :func:`config_override`. These kernels are
@@ -43,6 +47,7 @@ import triton
 import triton.language as tl
 
 from tritonmoe import _validation as V
+from tritonmoe.reference import max_permuted_rows
 from tritonmoe.types import PermuteInfo
 
 from ._permute_kernels import (
@@ -219,13 +224,6 @@ def _device_ctx(device: torch.device):
     if device.type == "cuda":
         return torch.cuda.device(device)
     return contextlib.nullcontext()
-
-
-def max_permuted_rows(num_tokens: int, top_k: int, num_experts: int, pad_to: int = 1) -> int:
-    """Static upper bound of R = expert_offsets[E] for any routing: every slot routed, every expert
-    padded by pad_to - 1 rows. Equals R exactly when pad_to == 1 and no id is -1. A buffer of this
-    size lets permutation run without any host synchronization (:func:`permute_rows`)."""
-    return num_tokens * top_k + num_experts * (pad_to - 1)
 
 
 def _read_num_rows(info: PermuteInfo) -> int:
@@ -521,7 +519,9 @@ def permute_rows(x_TD: torch.Tensor, info: PermuteInfo, *, num_rows: int | None 
         num_rows = _read_num_rows(info)
     else:
         bound = max_permuted_rows(info.num_tokens, info.top_k, info.num_experts, info.pad_to)
-        if not V.is_int(num_rows) or num_rows < bound:
+        if not V.is_int(num_rows):
+            raise TypeError(f"num_rows must be an int or None, got {type(num_rows).__name__}")
+        if num_rows < bound:
             raise ValueError(
                 f"num_rows={num_rows!r} may be smaller than R; without reading R from the device only "
                 f"num_rows >= max_permuted_rows(T, k, E, pad_to) = {bound} is safe. Pass that, or None"
@@ -530,14 +530,21 @@ def permute_rows(x_TD: torch.Tensor, info: PermuteInfo, *, num_rows: int | None 
 
 
 def permute(
-    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1, num_rows: int | None = None
 ) -> tuple[torch.Tensor, PermuteInfo]:
     """Triton :func:`tritonmoe.reference.permute`: gather token rows into expert-grouped order.
 
-    Metadata on the device (:func:`permute_metadata`), one host sync to read R, then one scatter
-    kernel that reads each token row once and writes its k rows and the zero padding rows.
+    Metadata on the device (:func:`permute_metadata`), then one scatter kernel that reads each
+    token row once and writes its k rows and the zero padding rows.
+
+    ``num_rows=None``: x_perm has exactly R rows, which costs one host sync (R is read back
+    after the metadata kernels). ``num_rows=N`` with N >= :func:`max_permuted_rows` (T, k, E,
+    pad_to): x_perm has N rows, rows past R are zero, and nothing synchronizes (the layer's
+    path: every downstream op treats rows at or past ``expert_offsets[E]`` as zero).
     """
     info = permute_metadata(topk_ids_TK, num_experts, pad_to)
+    if num_rows is not None:
+        return permute_rows(x_TD, info, num_rows=num_rows), info
     x_perm = _PermuteRows.apply(x_TD, info.slot_rows, info.expert_offsets, info.counts, _read_num_rows(info), True)
     return x_perm, info
 

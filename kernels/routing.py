@@ -37,7 +37,12 @@ from ._routing_kernels import (
     _route_fwd_kernel,
 )
 
-__all__ = ["route", "RouteConfig", "route_config", "config_override", "MAX_TILE_LANES"]
+__all__ = ["route", "RouteConfig", "route_config", "config_override", "MAX_TILE_LANES", "FWD_COMPILE_OPTIONS"]
+
+#: Compile options of the forward kernel. No FMA contraction: the canonical selection values
+#: (see ``_routing_kernels``) must round every multiply and every add on its own, as the
+#: reference does, to be bit-identical to it.
+FWD_COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 #: Largest register tile of expert lanes (next_pow2(n_groups) * next_pow2(E / n_groups)) one
 #: program holds. 8192 keeps a row's int64 keys in registers with 16 warps.
@@ -131,6 +136,8 @@ class _Problem:
     renormalize: bool
     capacity: Optional[int]
     with_aux: bool
+    group_max: bool
+    scale: float
     block_g: int
     block_s: int
     block_k: int
@@ -195,7 +202,10 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             BLOCK_G=prob.block_g,
             BLOCK_S=prob.block_s,
             BLOCK_K=prob.block_k,
+            scale=prob.scale,
+            GROUP_MAX=prob.group_max,
             num_warps=cfg.num_warps,
+            **FWD_COMPILE_OPTIONS,
         )
         sel_ids_TK = ids_TK
         if has_cap:
@@ -275,6 +285,7 @@ def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_
             BLOCK_G=prob.block_g,
             BLOCK_S=prob.block_s,
             BLOCK_K=prob.block_k,
+            scale=prob.scale,
             num_warps=cfg.bwd_num_warps,
         )
     return dlogits_TE
@@ -314,9 +325,13 @@ def route(
     topk_groups: int | None = None,
     capacity: int | None = None,
     with_aux: bool = False,
+    group_score: str = "top2sum",
+    routed_scaling_factor: float = 1.0,
 ) -> Routing:
     """Top-k routing with the fused Triton kernels; the contract of :func:`tritonmoe.route`
-    (arguments already validated there).
+    (arguments already validated there). The ids equal :func:`tritonmoe.reference.route`'s bit
+    for bit: both compare the canonical selection values of
+    :func:`tritonmoe.reference.selection_values` (see ``_routing_kernels``).
 
     fp16/bf16/fp32 logits only: the kernels compute in fp32, which would not meet the fp64
     contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.dispatch` routes fp64 logits
@@ -349,6 +364,8 @@ def route(
         renormalize=renormalize,
         capacity=capacity,
         with_aux=with_aux,
+        group_max=group_score == "max",
+        scale=float(routed_scaling_factor),
         block_g=block_g,
         block_s=block_s,
         block_k=triton.next_power_of_2(top_k),

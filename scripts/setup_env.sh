@@ -21,6 +21,14 @@ quiet_pip() {
 if "$PYTHON" -c "import torch, triton" >/dev/null 2>&1; then
   echo "setup: using the torch and triton already installed for $PYTHON"
   "$PYTHON" -m venv --system-site-packages "$VENV"
+  # $PYTHON may itself run in a virtual environment (the GPU image's python3 does): a venv made
+  # from it sees the base interpreter's site-packages, not that environment's, so list those in
+  # a .pth file of the new venv (its own packages still come first).
+  parent_sites=$("$PYTHON" -c "import site, sys; print(chr(10).join(site.getsitepackages()) if sys.prefix != sys.base_prefix else '')")
+  if [ -n "$parent_sites" ]; then
+    child_site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    printf '%s\n' "$parent_sites" > "$child_site/_tritonmoe_parent_env.pth"
+  fi
   if "$VENV/bin/python" -c "import setuptools" >/dev/null 2>&1; then
     quiet_pip install -q --no-deps --no-build-isolation -e .
   else

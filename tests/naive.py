@@ -23,8 +23,10 @@ def _score_row(logits_row: torch.Tensor, score_func: str) -> list[float]:
 
 
 def route(logits, top_k, *, score_func="softmax", renormalize=True, expert_bias=None,
-          n_groups=None, topk_groups=None, capacity=None):
-    """Returns (ids [T][k] list, weights [T][k] list of float, counts [E], selected_counts [E])."""
+          n_groups=None, topk_groups=None, capacity=None, group_score="top2sum", routed_scaling_factor=1.0):
+    """Returns (ids [T][k] list, weights [T][k] list of float, counts [E], selected_counts [E]).
+    Selection on fp64 scores (plus the bias): the order the canonical values of the reference
+    follow away from near-ties."""
     T, E = logits.shape
     ids, weights = [], []
     for t in range(T):
@@ -37,7 +39,8 @@ def route(logits, top_k, *, score_func="softmax", renormalize=True, expert_bias=
             gscores = []
             for g in range(n_groups):
                 members = sorted(sel[g * g_size:(g + 1) * g_size], reverse=True)
-                gscores.append(members[0] if g_size == 1 else members[0] + members[1])
+                top2 = group_score == "top2sum" and g_size > 1
+                gscores.append(members[0] + members[1] if top2 else members[0])
             kept = sorted(range(n_groups), key=lambda g: (-gscores[g], g))[:topk_groups]
             allowed = [(e // g_size) in kept for e in range(E)]
         # allowed first, then descending score, then ascending id
@@ -47,6 +50,7 @@ def route(logits, top_k, *, score_func="softmax", renormalize=True, expert_bias=
         if renormalize:
             tot = max(sum(w), 1e-20)
             w = [v / tot for v in w]
+        w = [v * routed_scaling_factor for v in w]
         ids.append(chosen)
         weights.append(w)
     selected = [0] * E

@@ -40,6 +40,14 @@ BAD_INPUTS = [
     ("+inf logits under softmax", lambda: tm.route(torch.tensor([[0.0, float("inf")]]), 1), ValueError, "+inf"),
     ("all -inf row under softmax", lambda: tm.route(torch.full((2, 3), float("-inf")), 1), ValueError, "token 0"),
     ("unknown backend", lambda: tm.route(LOGITS, 2, backend="cuda"), ValueError, "cuda"),
+    ("bad group_score", lambda: tm.route(LOGITS, 2, n_groups=2, topk_groups=1, group_score="sum"), ValueError,
+     "group_score='sum'"),
+    ("routed_scaling_factor 0", lambda: tm.route(LOGITS, 2, routed_scaling_factor=0.0), ValueError,
+     "routed_scaling_factor=0.0"),
+    ("routed_scaling_factor NaN", lambda: tm.route(LOGITS, 2, routed_scaling_factor=float("nan")), ValueError,
+     "finite"),
+    ("routed_scaling_factor str", lambda: tm.route(LOGITS, 2, routed_scaling_factor="2.5"), TypeError,
+     "routed_scaling_factor"),
     ("id == E", lambda: tm.permute(X, _ids([0, 6], [1, 2], [3, 4], [5, 0]), 6), IndexError, "6"),
     ("id == -2", lambda: tm.permute(X, _ids([0, -2], [1, 2], [3, 4], [5, 0]), 6), IndexError, "-2"),
     ("id 2**40 (no wrap)", lambda: tm.permute(X, _ids([0, 2**40], [1, 2], [3, 4], [5, 0]), 6), IndexError, str(2**40)),
@@ -86,10 +94,10 @@ def test_value_checks_can_be_switched_off():
         assert not tm.validation_enabled()
         r = tm.route(nan_logits, 1, score_func="sigmoid")  # NaN ranks as -inf: expert 2 wins
         assert r.topk_ids.tolist() == [[2]]
-        # under softmax one NaN logit makes the whole row NaN: every score ranks as -inf, the
-        # lowest id wins and the weight is NaN (loud, not silently wrong)
+        # under softmax selection compares the logits too (the NaN one ranks last, expert 2
+        # wins), but one NaN logit makes every weight of the row NaN (loud, not silently wrong)
         r = tm.route(nan_logits, 1, renormalize=False)
-        assert r.topk_ids.tolist() == [[0]] and bool(torch.isnan(r.topk_weights).all())
+        assert r.topk_ids.tolist() == [[2]] and bool(torch.isnan(r.topk_weights).all())
         # shape and dtype checks still run
         with pytest.raises(TypeError):
             tm.permute(X, IDS.float(), 6)

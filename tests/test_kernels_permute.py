@@ -325,6 +325,57 @@ def test_static_rows(pad_to):
     assert torch.equal(kp.permute_rows(x, info), rxp)  # default: exactly R rows
 
 
+@pytest.mark.parametrize("pad_to", [1, 4])
+def test_public_permute_num_rows_runs_the_expert_path(pad_to):
+    """tm.permute(..., num_rows=max_permuted_rows(...)) on both backends: the same bounded buffer
+    (rows past R zero, bit-equal across backends), and permute -> grouped_ffn -> unpermute over it
+    equals the exact-R path in value and gradient, with validation on."""
+    T, K, E, d, f = 7, 2, 4, 8, 4
+    ids = _ids([[0, 1], [1, -1], [3, 1], [2, 0], [-1, -1], [1, 2], [0, 3]])
+    g = torch.Generator().manual_seed(pad_to)
+    w1 = (torch.randn(E, d, 2 * f, generator=g) * 0.3).to(DEV).requires_grad_()
+    w2 = (torch.randn(E, f, d, generator=g) * 0.3).to(DEV).requires_grad_()
+    w = torch.rand(T, K, generator=g).to(DEV).requires_grad_()
+    N = tm.max_permuted_rows(T, K, E, pad_to)
+    outs = {}
+    for backend in ("triton", "torch"):
+        for rows in (None, N):
+            x = _x(T, d, seed=3).requires_grad_()
+            xp, info = tm.permute(x, ids, E, pad_to=pad_to, num_rows=rows, backend=backend)
+            if rows is not None:
+                R = int(info.expert_offsets[-1])
+                assert xp.shape[0] == N and N > R and not xp[R:].any()
+            # the reference grouped_ffn handles the tail rows; value validation wants exact R there
+            with tm.validation(False):
+                yp = tm.grouped_ffn(xp, info.expert_offsets, w1, w2, backend="torch")
+            out = tm.unpermute(yp, info, w, backend=backend)
+            grads = torch.autograd.grad(out, (x, w1, w2, w), torch.ones_like(out))
+            outs[backend, rows] = (xp.detach(), out.detach(), grads)
+    assert torch.equal(outs["triton", N][0], outs["torch", N][0])
+    for backend in ("triton", "torch"):
+        exact, bounded = outs[backend, None], outs[backend, N]
+        assert torch.equal(bounded[0][: exact[0].shape[0]], exact[0])
+        torch.testing.assert_close(bounded[1], exact[1], rtol=1e-5, atol=1e-6)
+        for a, b in zip(bounded[2], exact[2]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_rows,exc,fragment", [
+    (13, ValueError, "max_permuted_rows(T=7, k=2, E=4, pad_to=1) = 14"),
+    (14.0, TypeError, "num_rows"),
+])
+def test_public_permute_num_rows_validation(num_rows, exc, fragment):
+    ids = _ids([[0, 1]] * 7)
+    with pytest.raises(exc) as info:
+        tm.permute(_x(7, 3), ids, 4, num_rows=num_rows, backend="triton")
+    assert fragment in str(info.value)
+    with pytest.raises(ValueError, match="only 5 rows"):  # a buffer shorter than R
+        _, pinfo = tm.permute(_x(7, 3), ids, 4)
+        tm.unpermute(_x(5, 3), pinfo, torch.rand(7, 2, device=DEV))
+    with pytest.raises(ValueError):
+        tm.max_permuted_rows(7, 0, 4)
+
+
 # --------------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------------
@@ -574,17 +625,60 @@ def test_gpu_sync_free_path():
 
 
 @pytest.mark.gpu
-def test_gpu_layer_uses_kernels(monkeypatch):
-    """backend="auto" on CUDA routes MoELayer's permute / unpermute through the kernels."""
+def test_gpu_sync_free_permute_op():
+    """The public permute with num_rows=max_permuted_rows (the layer's call) and its unpermute,
+    forward and backward, never synchronize with the host on the Triton backend."""
+    T, K, E, d = 512, 4, 16, 256
+    ids = torch.randint(-1, E, (T, K), device="cuda")
+    x = torch.randn(T, d, device="cuda", requires_grad=True)
+    w = torch.rand(T, K, device="cuda", requires_grad=True)
+    N = tm.max_permuted_rows(T, K, E)
+
+    def step():
+        xp, info = kp.permute(x, ids, E, num_rows=N)
+        kp.unpermute(xp * 2, info, w).sum().backward()
+        return xp
+
+    step()  # compile every kernel outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        xp = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    rxp, _ = ref.permute(x.detach(), ids, E)
+    assert xp.shape[0] == N and torch.equal(xp[: rxp.shape[0]], rxp) and not xp[rxp.shape[0]:].any()
+
+
+def _kernel_names(fn) -> set[str]:
+    """Names of the CUDA kernels ``fn`` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ffn_path", ["auto", "unfused"])
+def test_gpu_layer_runs_the_permute_kernels_on_its_unfused_path(ffn_path):
+    """On CUDA with backend "auto" the layer's expert path is the fused moe_ffn (no permuted
+    buffer, so no permute / unpermute kernels); with ffn_path="unfused" it permutes and
+    unpermutes with the Triton kernels. Both match the reference layer."""
     torch.manual_seed(0)
-    calls = []
-    for name in ("permute", "unpermute"):
-        fn = getattr(kp, name)
-        monkeypatch.setattr(kp, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n), _fn(*a, **k))[1])
-    layer = tm.MoELayer(tm.MoEConfig(64, 128, 8, 2, backend="auto"), device="cuda")
+    layer = tm.MoELayer(tm.MoEConfig(64, 128, 8, 2, backend="auto", ffn_path=ffn_path), device="cuda")
     ref_layer = tm.MoELayer(tm.MoEConfig(64, 128, 8, 2, backend="torch"), device="cuda")
     ref_layer.load_state_dict(layer.state_dict())
     x = torch.randn(3, 17, 64, device="cuda")
-    out = layer(x)
-    assert calls == ["permute", "unpermute"]
-    torch.testing.assert_close(out, ref_layer(x), rtol=1e-5, atol=1e-5)
+    layer(x)  # compile outside the profile
+    out = {}
+    names = _kernel_names(lambda: out.setdefault("y", layer(x)))
+    moved = {k for k in ("_scatter_rows_kernel", "_gather_rows_kernel") if any(k in n for n in names)}
+    if ffn_path == "unfused":
+        assert layer.ffn_path_used == "unfused"
+        assert moved == {"_scatter_rows_kernel", "_gather_rows_kernel"}, sorted(names)
+    else:
+        assert layer.ffn_path_used == "fused"
+        assert not moved, sorted(names)
+    torch.testing.assert_close(out["y"], ref_layer(x), rtol=1e-5, atol=1e-5)

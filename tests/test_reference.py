@@ -23,10 +23,11 @@ from strategies import permute_cases, route_cases
 
 
 @settings(max_examples=250)
-@given(route_cases())
-def test_route_matches_naive(case):
-    r = ref.route(case.logits, case.top_k, **case.kwargs())
-    ids, weights, counts, selected = naive.route(case.logits, case.top_k, **case.kwargs())
+@given(route_cases(), st.sampled_from(["top2sum", "max"]), st.sampled_from([1.0, 2.5]))
+def test_route_matches_naive(case, group_score, routed_scaling_factor):
+    kw = dict(case.kwargs(), group_score=group_score, routed_scaling_factor=routed_scaling_factor)
+    r = ref.route(case.logits, case.top_k, **kw)
+    ids, weights, counts, selected = naive.route(case.logits, case.top_k, **kw)
     T, k = case.logits.shape[0], case.top_k
     assert r.topk_ids.dtype == torch.int32 and r.topk_ids.shape == (T, k)
     assert r.topk_weights.dtype == torch.float32 and r.counts.dtype == torch.int32
@@ -84,6 +85,36 @@ def test_group_limited_excludes_dropped_groups_even_with_nan():
     assert math.isnan(float(r.topk_weights[0, 2]))
     ids, _, _, _ = naive.route(logits, 3, n_groups=2, topk_groups=1, score_func="sigmoid", renormalize=False)
     assert ids == [[3, 4, 5]]
+
+
+def test_group_score_rules_and_routed_scaling():
+    """Groups {0,1,2} and {3,4,5}: group 0 holds the single best expert, group 1 the larger sum
+    of two. DeepSeek-V3's top-2 sum keeps group 1, DeepSeek-V2's max keeps group 0 (then its
+    tied -2 logits go to the lower id). The routed scaling factor multiplies the final weights:
+    after renormalization, or the raw scores without it; dropped slots stay 0."""
+    logits = torch.tensor([[3.0, -2.0, -2.0, 2.5, 2.4, -2.0]])
+    assert ref.route(logits, 2, n_groups=2, topk_groups=1).topk_ids.tolist() == [[3, 4]]
+    assert ref.route(logits, 2, n_groups=2, topk_groups=1, group_score="max").topk_ids.tolist() == [[0, 1]]
+    s = torch.softmax(logits, -1)[0]
+    r = ref.route(logits, 2, routed_scaling_factor=2.5)
+    torch.testing.assert_close(r.topk_weights[0], 2.5 * s[[0, 3]] / s[[0, 3]].sum())
+    r = ref.route(logits, 2, renormalize=False, routed_scaling_factor=2.5)
+    torch.testing.assert_close(r.topk_weights[0], 2.5 * s[[0, 3]])
+    r = ref.route(logits.repeat(3, 1), 2, capacity=1, routed_scaling_factor=2.5)
+    assert r.topk_weights[1:].abs().sum() == 0 and r.topk_weights[0].sum() > 2.4
+
+
+def test_canonical_exp_accuracy_and_limits():
+    """canonical_exp is exp within 2 ulp over [-86, 88], monotone on a dense grid, 0 below,
+    +inf above, NaN for NaN."""
+    y = torch.linspace(-86.0, 88.0, 200_001)
+    c = ref.canonical_exp(y)
+    rel = ((c.double() - y.double().exp()) / y.double().exp()).abs()
+    assert float(rel.max()) < 2 * 2.0**-24
+    assert bool((c[1:] >= c[:-1]).all())
+    edge = ref.canonical_exp(torch.tensor([-86.001, float("-inf"), 88.001, float("inf"), float("nan"), 0.0]))
+    assert edge[:4].tolist() == [0.0, 0.0, float("inf"), float("inf")]
+    assert math.isnan(float(edge[4])) and float(edge[5]) == 1.0
 
 
 def test_capacity_priority_is_slot_then_token():

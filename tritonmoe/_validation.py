@@ -18,6 +18,7 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 SCORE_FUNCS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2sum", "max")
 ACTIVATIONS = ("swiglu", "swiglu_oai", "gelu", "relu")
 #: Activations whose first projection has 2 * d_ffn columns (gate, then up).
 GLU_ACTIVATIONS = ("swiglu", "swiglu_oai")
@@ -90,6 +91,9 @@ def routing_options(
     n_groups,
     topk_groups,
     capacity=None,
+    *,
+    group_score="top2sum",
+    routed_scaling_factor=1.0,
 ) -> None:
     """Checks shared by route() and MoEConfig."""
     E = num_experts
@@ -117,6 +121,17 @@ def routing_options(
                 f"top_k={top_k} exceeds the {topk_groups * (E // n_groups)} experts in the "
                 f"topk_groups={topk_groups} kept groups of {E // n_groups}; raise topk_groups"
             )
+    choice("group_score", group_score, GROUP_SCORES)
+    if not is_real(routed_scaling_factor):
+        raise TypeError(
+            f"routed_scaling_factor must be a real number, got {type(routed_scaling_factor).__name__} "
+            f"{routed_scaling_factor!r}"
+        )
+    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        raise ValueError(
+            f"routed_scaling_factor={routed_scaling_factor!r} must be finite and > 0 (1.0 leaves the weights as "
+            "they are; DeepSeek-V3 uses 2.5)"
+        )
     if capacity is not None:
         if not is_int(capacity):
             raise TypeError(f"capacity must be an int or None, got {type(capacity).__name__} {capacity!r}")
@@ -124,12 +139,14 @@ def routing_options(
             raise ValueError(f"capacity={capacity} must be >= 0 (or None for dropless)")
 
 
-def route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux) -> None:
+def route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux,
+               group_score="top2sum", routed_scaling_factor=1.0) -> None:
     float_tensor("logits", logits, 2)
     E = logits.shape[1]
     if E == 0:
         raise ValueError("logits has 0 experts (shape [T, 0]); need at least one expert column")
-    routing_options(E, top_k, score_func, renormalize, n_groups, topk_groups, capacity)
+    routing_options(E, top_k, score_func, renormalize, n_groups, topk_groups, capacity,
+                    group_score=group_score, routed_scaling_factor=routed_scaling_factor)
     if expert_bias is not None:
         float_tensor("expert_bias", expert_bias, 1)
         if expert_bias.shape[0] != E:
@@ -165,7 +182,7 @@ def route_values(logits: torch.Tensor, score_func: str, expert_bias) -> None:
         raise ValueError("expert_bias contains non-finite values; it must be finite")
 
 
-def permute_args(x, topk_ids, num_experts, pad_to) -> None:
+def permute_args(x, topk_ids, num_experts, pad_to, num_rows=None) -> None:
     tensor("x", x, 2)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; use float16, bfloat16, float32 or float64")
@@ -177,6 +194,17 @@ def permute_args(x, topk_ids, num_experts, pad_to) -> None:
     same_device(x=x, topk_ids=topk_ids)
     positive_int("num_experts", num_experts)
     positive_int("pad_to", pad_to)
+    if num_rows is not None:
+        if not is_int(num_rows):
+            raise TypeError(f"num_rows must be an int or None, got {type(num_rows).__name__} {num_rows!r}")
+        T, k = topk_ids.shape
+        bound = T * k + int(num_experts) * (int(pad_to) - 1)
+        if num_rows < bound:
+            raise ValueError(
+                f"num_rows={num_rows} is below max_permuted_rows(T={T}, k={k}, E={num_experts}, pad_to={pad_to}) = "
+                f"{bound}, the only row count that holds every routing without reading R on the host; pass "
+                f"num_rows >= {bound}, or None for exactly R rows (one host sync)"
+            )
 
 
 def ids_values(topk_ids: torch.Tensor, num_experts: int) -> None:
@@ -206,7 +234,9 @@ def offsets_args(name: str, offsets, num_experts: int | None = None) -> None:
         )
 
 
-def offsets_values(name: str, offsets: torch.Tensor, num_rows: int) -> None:
+def offsets_values(name: str, offsets: torch.Tensor, num_rows: int, *, allow_tail: bool = False) -> None:
+    """offsets start at 0, never decrease and end at ``num_rows`` (with ``allow_tail``: at or
+    below it, for a buffer with zero rows past R such as permute(..., num_rows=N) returns)."""
     o = offsets.detach().long()
     first, last = int(o[0]), int(o[-1])  # host sync: value validation
     if first != 0:
@@ -215,7 +245,9 @@ def offsets_values(name: str, offsets: torch.Tensor, num_rows: int) -> None:
     if bool((diffs < 0).any()):
         e = int((diffs < 0).nonzero()[0, 0])
         raise ValueError(f"{name} is not monotone: {name}[{e}]={int(o[e])} > {name}[{e + 1}]={int(o[e + 1])}")
-    if last != num_rows:
+    if allow_tail and last > num_rows:
+        raise ValueError(f"{name}[E]={last} but the input has only {num_rows} rows; it needs at least R = {last}")
+    if not allow_tail and last != num_rows:
         raise ValueError(f"{name}[E]={last} but the input has {num_rows} rows; the last offset must equal R")
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "load_balancing_loss",
     "z_loss",
     "permute",
+    "max_permuted_rows",
     "unpermute",
     "grouped_gemm",
     "grouped_ffn",
@@ -37,6 +38,8 @@ def route(
     topk_groups: int | None = None,
     capacity: int | None = None,
     with_aux: bool = False,
+    group_score: str = "top2sum",
+    routed_scaling_factor: float = 1.0,
     backend: str | None = None,
 ) -> Routing:
     """Choose top_k experts per token.
@@ -48,20 +51,35 @@ def route(
         renormalize: divide the k weights by their sum (floored at 1e-20).
         expert_bias: fp32 [E] added to the scores for selection only (auxiliary-loss-free
             balancing); the weights stay unbiased.
-        n_groups, topk_groups: group-limited routing: E splits into n_groups groups, a group's
-            score is the sum of its top-2 selection scores (its max if it has one expert), and
-            only experts of the topk_groups best groups (ties: lower group) can be selected.
+        n_groups, topk_groups: group-limited routing: E splits into n_groups groups scored by
+            ``group_score``, and only experts of the topk_groups best groups (ties: lower group)
+            can be selected.
         capacity: kept slots per expert, or None (dropless). Slots are considered slot j first,
             then token t; a slot whose expert is full gets id -1 and weight 0.
         with_aux: also return the per-expert score sums and per-token logsumexp that
             :func:`load_balancing_loss` and :func:`z_loss` use, from the same pass.
+        group_score: "top2sum" (the sum of a group's two largest selection values, a repeated
+            maximum counted twice; DeepSeek-V3) or "max" (its largest; DeepSeek-V2's
+            group_limited_greedy). Equal for groups of one expert.
+        routed_scaling_factor: multiplies the final weights, after renormalization (or the raw
+            scores with ``renormalize=False``), as DeepSeek-V3 and GLM-4-MoE do; finite, > 0.
+            (DeepSeek-V2's original code scales only when it does not renormalize: convert it
+            with 1.0 when ``norm_topk_prob`` is set.)
 
-    Returns: :class:`Routing` (ids int32 [T, k] in descending score, ties to the lower expert id;
-    weights fp32 [T, k], differentiable w.r.t. the logits; counts int32 [E]).
+    Selection is exact across backends: every backend compares the same canonical fp32 value
+    (the logit without ``expert_bias``, else a fixed-recipe score plus the bias; see
+    :func:`tritonmoe.reference.selection_values`), so the ids never depend on how a backend
+    rounds exp or division. The weights are each backend's fp32 scores (they may differ in the
+    last bits).
+
+    Returns: :class:`Routing` (ids int32 [T, k] in descending selection value, ties to the lower
+    expert id; weights fp32 [T, k], differentiable w.r.t. the logits; counts int32 [E]).
     """
-    V.route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux)
+    V.route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux,
+                 group_score, routed_scaling_factor)
     # Integer scalars of other types (numpy.int64, ...) become Python ints before any launch.
     top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
+    routed_scaling_factor = float(routed_scaling_factor)
     if validation_enabled():
         V.route_values(logits, score_func, expert_bias)
     impl = implementation("route", backend, logits.device, logits.dtype)
@@ -75,6 +93,8 @@ def route(
         topk_groups=topk_groups,
         capacity=capacity,
         with_aux=with_aux,
+        group_score=group_score,
+        routed_scaling_factor=routed_scaling_factor,
     )
 
 
@@ -111,6 +131,7 @@ def permute(
     num_experts: int,
     *,
     pad_to: int = 1,
+    num_rows: int | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, PermuteInfo]:
     """Gather token rows into a buffer grouped by expert.
@@ -120,17 +141,35 @@ def permute(
         topk_ids: [T, k] integer expert ids; -1 means "not routed" and is skipped.
         num_experts: E.
         pad_to: each expert's segment is padded with zero rows up to a multiple of this.
+        num_rows: None: ``x_perm`` has exactly R = ``expert_offsets[E]`` rows, which the Triton
+            backend reads back from the device (one host sync). An int N >=
+            :func:`max_permuted_rows` (T, k, E, pad_to): ``x_perm`` has N rows, rows past R are
+            zero, and nothing synchronizes with the host. grouped_gemm / grouped_ffn treat rows at
+            or past offsets[E] as zero and unpermute reads only routed rows, so the whole expert
+            path runs on such a buffer (with pad_to=1 and no id -1, N equals R).
 
-    Returns: ``x_perm`` [R, d] with rows grouped by expert, inside an expert ordered by token,
-    then slot; and :class:`PermuteInfo` (``expert_offsets`` int64 [E+1], ``slot_rows`` int64
-    [T, k], ``counts`` int32 [E]). ``x_perm[slot_rows[t, j]] == x[t]`` exactly.
+    Returns: ``x_perm`` [R, d] (or [N, d]) with rows grouped by expert, inside an expert ordered
+    by token, then slot; and :class:`PermuteInfo` (``expert_offsets`` int64 [E+1], ``slot_rows``
+    int64 [T, k], ``counts`` int32 [E]). ``x_perm[slot_rows[t, j]] == x[t]`` exactly.
     """
-    V.permute_args(x, topk_ids, num_experts, pad_to)
+    V.permute_args(x, topk_ids, num_experts, pad_to, num_rows)
     num_experts, pad_to = int(num_experts), int(pad_to)
     if validation_enabled():
         V.ids_values(topk_ids, num_experts)
     impl = implementation("permute", backend, x.device, x.dtype)
-    return impl(x, topk_ids, num_experts, pad_to=pad_to)
+    if num_rows is None:
+        return impl(x, topk_ids, num_experts, pad_to=pad_to)
+    return impl(x, topk_ids, num_experts, pad_to=pad_to, num_rows=int(num_rows))
+
+
+def max_permuted_rows(num_tokens: int, top_k: int, num_experts: int, pad_to: int = 1) -> int:
+    """The row count of a permuted buffer that holds any routing of ``num_tokens`` tokens:
+    T * k + E * (pad_to - 1). Pass it as ``permute(..., num_rows=...)`` to permute without a host
+    sync; it equals R when pad_to == 1 and no slot is dropped."""
+    for name, v, lo in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1), ("num_experts", num_experts, 1),
+                        ("pad_to", pad_to, 1)):
+        V.positive_int(name, v, lo)
+    return reference.max_permuted_rows(int(num_tokens), int(top_k), int(num_experts), int(pad_to))
 
 
 def unpermute(
@@ -141,7 +180,8 @@ def unpermute(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Weighted combine: out[t] = sum over routed j of topk_weights[t, j] * y_perm[slot_rows[t, j]],
-    accumulated per token in fp32 (no atomics); [T, d] in y_perm's dtype."""
+    accumulated per token in fp32 (no atomics); [T, d] in y_perm's dtype. ``y_perm`` may have
+    more rows than R (a buffer from ``permute(..., num_rows=N)``); rows past R are not read."""
     V.float_tensor("y_perm", y_perm, 2)
     if not isinstance(info, PermuteInfo):
         raise TypeError(f"info must be the tritonmoe.PermuteInfo from permute(), got {type(info).__name__}")
@@ -153,7 +193,7 @@ def unpermute(
         )
     V.same_device(y_perm=y_perm, topk_weights=topk_weights, slot_rows=info.slot_rows)
     if validation_enabled():
-        V.offsets_values("info.expert_offsets", info.expert_offsets, y_perm.shape[0])
+        V.offsets_values("info.expert_offsets", info.expert_offsets, y_perm.shape[0], allow_tail=True)
     impl = implementation("unpermute", backend, y_perm.device, y_perm.dtype)
     return impl(y_perm, info, topk_weights)
 

@@ -19,8 +19,10 @@ per-expert matmuls and vectorized activations.
 
 Non-finite logits (identical on every backend; see DESIGN.md):
 
-* A NaN selection score ranks as -inf: it is chosen only after every finite score, lower expert
+* A NaN selection value ranks as -inf: it is chosen only after every finite value, lower expert
   id first, and its weight is NaN (so the output is NaN, loudly, rather than silently wrong).
+  Without a bias the selection value is the logit, so under softmax a NaN logit ranks last while
+  the other experts keep their order (all weights of that token are NaN: softmax spreads it).
 * ``-inf`` logits are a valid mask: softmax gives score 0, sigmoid gives 0.
 * With ``renormalize``, the weights are divided by ``max(sum, 1e-20)``, so a token whose selected
   scores are all 0 gets zero weights instead of 0/0.
@@ -39,11 +41,16 @@ from .types import PermuteInfo, Routing
 
 __all__ = [
     "scores",
+    "canonical_exp",
+    "canonical_scores",
+    "selection_values",
     "route",
     "load_balancing_loss",
     "z_loss",
     "permute",
     "permute_metadata",
+    "permute_rows",
+    "max_permuted_rows",
     "unpermute",
     "ep_splits",
     "grouped_gemm",
@@ -51,11 +58,16 @@ __all__ = [
     "moe_ffn",
     "apply_activation",
     "RENORM_EPS",
+    "GROUP_SCORES",
     "copy_segments",
 ]
 
 #: Floor of the renormalization denominator (a token whose selected scores are all zero).
 RENORM_EPS = 1e-20
+
+#: How group-limited routing scores a group: the sum of its two largest selection values
+#: (DeepSeek-V3), or its largest (DeepSeek-V2's group_limited_greedy).
+GROUP_SCORES = ("top2sum", "max")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,6 +91,160 @@ def _scatter_count(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return out[1:].to(torch.int32)
 
 
+# ---------------------------------------------------------------------------------------------
+# Canonical selection values (identical on every backend; see DESIGN.md "Selection is exact")
+# ---------------------------------------------------------------------------------------------
+#
+# Which experts a token gets must not depend on how a backend rounds exp or division: two
+# softmax scores one ulp apart can swap order between torch's expf, a GPU's approximate ex2 and
+# numpy's exp. So selection never compares the scores the weights are made of. It compares:
+#
+# * no expert_bias: the logits themselves (fp32; fp16/bf16 convert exactly). Softmax and sigmoid
+#   are monotone in the logit, so this is the order of the true scores; logits that are equal
+#   tie (lower id wins) and logits that differ never tie, however the scores round.
+# * with expert_bias: ``canonical_scores(logits) + bias`` in fp32, where canonical_scores uses
+#   only IEEE-754 correctly rounded operations (+, -, *, /, floor, comparisons, exact bit
+#   manipulation) in one fixed order with no fused multiply-add: every backend that follows the
+#   recipe gets the same bits. Its exp is :func:`canonical_exp` (a Cody-Waite reduction and a
+#   degree-7 Taylor polynomial, within ~2 ulp of exp; below -86 it is 0 and above 88 +inf, so no
+#   subnormal result can meet a flush-to-zero unit); the softmax denominator is a pairwise sum
+#   in a fixed tree (:func:`_canonical_tree_sum`); the division is correctly rounded.
+# * group scores: "max" of the selection values of a group; "top2sum" of its two largest
+#   selection values with a bias, and without one of its two largest *canonical* scores (for
+#   softmax the unnormalized canonical exp(x - m): the row's common denominator does not change
+#   the order of the groups, and leaving it out saves the tree sum).
+#
+# The Triton router computes the same recipe (kernels/_routing_kernels.py) and is compiled with
+# FMA contraction off for that reason. Limits: the recipe holds for fp16/bf16/fp32 logits (fp64
+# logits are routed by this reference only, in fp64); a backend that contracts a*b+c into an
+# FMA (torch.compile's generated code may) or flushes subnormal inputs can differ by an ulp in
+# the selection value and so pick a different expert at a near-tie.
+
+#: fp32 constants of :func:`canonical_exp` (each exactly representable in fp32).
+_LOG2E = float.fromhex("0x1.715476p+0")  # log2(e) rounded to fp32
+_LN2_HI = 0.693359375  # 355/512: n * _LN2_HI is exact for the |n| <= 128 used here
+_LN2_LO = float.fromhex("-0x1.bd0106p-13")  # ln(2) - _LN2_HI rounded to fp32
+#: Taylor coefficients 1/7!, 1/6!, ..., 1/2! rounded to fp32 (Horner order).
+_EXP_POLY = tuple(float.fromhex(h) for h in ("0x1.a01a02p-13", "0x1.6c16c2p-10", "0x1.111112p-7",
+                                             "0x1.555556p-5", "0x1.555556p-3", "0x1p-1"))
+#: Below this canonical_exp is 0, above the next +inf: results stay normal fp32 numbers.
+EXP_MIN = -86.0
+EXP_MAX = 88.0
+
+
+def canonical_exp(y: torch.Tensor) -> torch.Tensor:
+    """exp of fp32 ``y`` by a fixed recipe of correctly rounded fp32 operations (the one the
+    Triton router computes bit for bit): 0 below -86 (and for -inf), +inf above 88, NaN for
+    NaN; else 2^n * p(r) with n = floor(y*log2e + 1/2), r = (y - n*LN2_HI) - n*LN2_LO and p the
+    degree-7 Taylor polynomial in Horner form. Within ~2 ulp of exp (it is a selection value, not
+    a weight)."""
+    nan = torch.isnan(y)
+    under = y < EXP_MIN
+    over = y > EXP_MAX
+    yc = torch.where(nan | under | over, torch.zeros_like(y), y)
+    n = torch.floor(yc * _LOG2E + 0.5)
+    r = (yc - n * _LN2_HI) - n * _LN2_LO
+    p = torch.full_like(r, _EXP_POLY[0])
+    for c in _EXP_POLY[1:]:
+        p = p * r + c
+    p = p * r + 1.0
+    p = p * r + 1.0
+    two_n = ((n.to(torch.int32) + 127) << 23).view(torch.float32)  # 2^n, exact (n in [-124, 127])
+    out = p * two_n
+    out = torch.where(under, torch.zeros_like(out), out)
+    out = torch.where(over, torch.full_like(out, float("inf")), out)
+    return torch.where(nan, y, out)
+
+
+def _canonical_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + canonical_exp(-x)), the division correctly rounded."""
+    d = 1.0 + canonical_exp(-x)
+    return torch.ones_like(d) / d
+
+
+def _row_max(x_TE: torch.Tensor) -> torch.Tensor:
+    """[T, 1] max of each row over its non-NaN entries (-inf if none): a NaN logit does not move
+    the other experts' canonical values (backends disagree on max with NaN; this is defined)."""
+    return torch.where(torch.isnan(x_TE), torch.full_like(x_TE, float("-inf")), x_TE).amax(dim=-1, keepdim=True)
+
+
+def _canonical_tree_sum(v_TGS: torch.Tensor) -> torch.Tensor:
+    """[T] fixed-order sum of [T, G, S]: each group's S values padded with zeros to a power of two,
+    the groups padded with zero groups to a power of two, then the flat row summed by adjacent
+    pairs (v[0::2] + v[1::2]) until one value is left. The Triton router's tile holds a row in
+    exactly this lane order, so it sums the same pairs."""
+    T, G, S = v_TGS.shape
+    bs, bg = 1 << max(S - 1, 0).bit_length(), 1 << max(G - 1, 0).bit_length()
+    v = F.pad(v_TGS, (0, bs - S, 0, bg - G)).reshape(T, bg * bs)
+    while v.shape[-1] > 1:
+        v = v[:, 0::2] + v[:, 1::2]
+    return v[:, 0]
+
+
+def canonical_scores(logits_TE: torch.Tensor, score_func: str, n_groups: int | None = None) -> torch.Tensor:
+    """The canonical fp32 scores of fp16/bf16/fp32 logits (see the section comment): sigmoid as
+    1 / (1 + canonical_exp(-x)); softmax as canonical_exp(x - m) / tree_sum(canonical_exp(x - m)),
+    m the row max over non-NaN logits, the tree over the [n_groups, E / n_groups] layout. What
+    selection with ``expert_bias`` compares (plus the bias); not the weights."""
+    x_TE = logits_TE.float()
+    if score_func == "sigmoid":
+        return _canonical_sigmoid(x_TE)
+    T, E = x_TE.shape
+    G = n_groups if n_groups is not None and n_groups > 1 else 1
+    e_TE = canonical_exp(x_TE - _row_max(x_TE))
+    den_T = _canonical_tree_sum(e_TE.view(T, G, E // G))
+    return e_TE / den_T.unsqueeze(-1)
+
+
+def _orderable(v: torch.Tensor) -> torch.Tensor:
+    """NaN as -inf (ranked last) and -0 as +0 (a tie: CUDA's radix sort would order them)."""
+    v = torch.where(torch.isnan(v), torch.full_like(v, float("-inf")), v)
+    return torch.where(v == 0, torch.zeros_like(v), v)
+
+
+def selection_values(
+    logits_TE: torch.Tensor,
+    score_func: str,
+    expert_bias: torch.Tensor | None = None,
+    n_groups: int | None = None,
+    group_score: str = "top2sum",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(selection value [T, E], group score [T, G] or None): what routing compares, NaN as -inf
+    and -0 as +0.
+
+    fp16/bf16/fp32 logits: the canonical fp32 values of the section comment, identical on every
+    backend. fp64 logits (routed by this reference only): the logits, or fp64 scores plus the
+    bias, and fp64 group scores; the order of exact arithmetic.
+    """
+    T, E = logits_TE.shape
+    fp64 = logits_TE.dtype == torch.float64
+    x_TE = logits_TE.detach().to(torch.float64 if fp64 else torch.float32)
+    grouped = n_groups is not None and n_groups > 1
+    G = n_groups if grouped else 1
+    if expert_bias is None:
+        sel_TE = x_TE
+    elif fp64:
+        sel_TE = scores(x_TE, score_func) + expert_bias.double()
+    else:
+        sel_TE = canonical_scores(x_TE, score_func, G) + expert_bias.float()
+    sel_TE = _orderable(sel_TE)
+    if not grouped:
+        return sel_TE, None
+    S = E // G
+    if group_score == "max" or S == 1:
+        return sel_TE, sel_TE.view(T, G, S).amax(dim=-1)
+    if expert_bias is not None:
+        gval_TE = sel_TE
+    elif fp64:
+        gval_TE = _orderable(scores(x_TE, score_func))
+    elif score_func == "softmax":
+        gval_TE = _orderable(canonical_exp(x_TE - _row_max(x_TE)))
+    else:
+        gval_TE = _orderable(_canonical_sigmoid(x_TE))
+    # the two largest values, a repeated maximum counted twice (topk keeps duplicates)
+    return sel_TE, gval_TE.view(T, G, S).topk(2, dim=-1).values.sum(-1)
+
+
 def route(
     logits_TE: torch.Tensor,
     top_k: int,
@@ -90,25 +256,19 @@ def route(
     topk_groups: int | None = None,
     capacity: int | None = None,
     with_aux: bool = False,
+    group_score: str = "top2sum",
+    routed_scaling_factor: float = 1.0,
 ) -> Routing:
-    """Top-k routing; see :func:`tritonmoe.route` for the contract."""
+    """Top-k routing; see :func:`tritonmoe.route` for the contract. Selection compares the
+    canonical values of :func:`selection_values`; the weights are the fp32 scores of
+    :func:`scores` (softmax / sigmoid of the logits as torch computes them)."""
     T, E = logits_TE.shape
     s_TE = scores(logits_TE, score_func)
-
-    # Selection score: scores plus the bias, never differentiated; NaN ranks as -inf.
-    sel_TE = s_TE.detach().float()
-    if expert_bias is not None:
-        sel_TE = sel_TE + expert_bias.float()
-    sel_TE = torch.where(torch.isnan(sel_TE), torch.full_like(sel_TE, float("-inf")), sel_TE)
+    sel_TE, gscore_TG = selection_values(logits_TE, score_func, expert_bias, n_groups, group_score)
 
     order_TE = torch.sort(sel_TE, dim=-1, descending=True, stable=True).indices
-    if n_groups is not None and n_groups > 1:
+    if gscore_TG is not None:
         G = n_groups
-        sel_TGe = sel_TE.view(T, G, E // G)
-        if E // G == 1:
-            gscore_TG = sel_TGe[..., 0]
-        else:
-            gscore_TG = sel_TGe.topk(2, dim=-1).values.sum(-1)
         # Best topk_groups groups, ties to the lower group index (stable sort).
         gorder_TG = torch.sort(gscore_TG, dim=-1, descending=True, stable=True).indices
         keep_TG = torch.zeros(T, G, dtype=torch.bool, device=logits_TE.device)
@@ -124,6 +284,8 @@ def route(
     w_TK = s_TE.gather(1, ids_TK)
     if renormalize:
         w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True).clamp_min(RENORM_EPS)
+    if routed_scaling_factor != 1.0:
+        w_TK = w_TK * routed_scaling_factor
     w_TK = w_TK.float() if w_TK.dtype != torch.float64 else w_TK
 
     selected_counts_E = _scatter_count(ids_TK, E)
@@ -221,20 +383,37 @@ def permute_metadata(topk_ids_TK: torch.Tensor, num_experts: int, pad_to: int = 
     )
 
 
-def permute(
-    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1
-) -> tuple[torch.Tensor, PermuteInfo]:
-    """Gather token rows into expert-grouped order; see :func:`tritonmoe.permute`."""
-    T, K = topk_ids_TK.shape
-    info = permute_metadata(topk_ids_TK, num_experts, pad_to)
+def max_permuted_rows(num_tokens: int, top_k: int, num_experts: int, pad_to: int = 1) -> int:
+    """Static upper bound of R = expert_offsets[E] for any routing of T tokens: every slot
+    routed, every expert padded by pad_to - 1 rows. Equals R when pad_to == 1 and no id is -1.
+    A permuted buffer of this many rows can be built without reading R on the host."""
+    return num_tokens * top_k + num_experts * (pad_to - 1)
+
+
+def permute_rows(x_TD: torch.Tensor, info: PermuteInfo, num_rows: int | None = None) -> torch.Tensor:
+    """The row movement of :func:`permute` for a given ``info``: [N, d] with
+    ``x_perm[slot_rows[t, j]] == x[t]`` and every other row zero. N = ``num_rows`` (at least R;
+    no host sync) or R read from ``info`` (one host sync)."""
+    T, K = info.slot_rows.shape
     rows = info.slot_rows.reshape(-1)
-    R = int(info.expert_offsets[-1])  # host sync: the output's row count depends on the routing
-    # Source token of each row; padding rows read a zero row appended at index T.
-    src_ext = torch.full((R + 1,), T, dtype=torch.int64, device=x_TD.device)
-    src_ext[torch.where(rows >= 0, rows, torch.full_like(rows, R))] = torch.arange(T * K, device=x_TD.device) // K
+    if num_rows is None:
+        num_rows = int(info.expert_offsets[-1])  # host sync: the output's row count depends on the routing
+    # Source token of each row; padding rows (and rows past R) read a zero row appended at index T.
+    src_ext = torch.full((num_rows + 1,), T, dtype=torch.int64, device=x_TD.device)
+    src_ext[torch.where(rows >= 0, rows, torch.full_like(rows, num_rows))] = (
+        torch.arange(T * K, device=x_TD.device) // K
+    )
     x_ext = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])], dim=0)
-    x_perm = x_ext[src_ext[:R]]
-    return x_perm, info
+    return x_ext[src_ext[:num_rows]]
+
+
+def permute(
+    x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, *, pad_to: int = 1, num_rows: int | None = None
+) -> tuple[torch.Tensor, PermuteInfo]:
+    """Gather token rows into expert-grouped order; see :func:`tritonmoe.permute`. ``num_rows``
+    (>= :func:`max_permuted_rows`): a buffer of that many rows, rows past R zero, no host sync."""
+    info = permute_metadata(topk_ids_TK, num_experts, pad_to)
+    return permute_rows(x_TD, info, num_rows), info
 
 
 def unpermute(y_perm_RD: torch.Tensor, info: PermuteInfo, topk_weights_TK: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,587 @@
+"""``make gpu-check`` / ``make gpu-profile``: the one-call GPU verification of tritonmoe.
+
+``python -m bench check`` runs, in one process and in this order:
+
+1. the ``gpu``-marked tests (``pytest -m gpu`` in a subprocess with a time limit);
+2. the roofs (dense bf16 8192^3 matmul, 1 GiB device copy) and the harness's core set, section by
+   section (:data:`SECTIONS`): the router, permute / unpermute row movement, the grouped FFN and
+   ``moe_ffn`` forward and forward+backward, decode ``moe_ffn`` and the layer, each against the
+   roofs and baselines measured in the same run;
+3. the targets (:mod:`bench.targets`, one table) judged on those rows;
+
+writes ``<results-dir>/<gpu>-<date>.{json,md}`` (the harness's result schema plus a ``check``
+object: tests, sections, targets, the commit measured) and prints the target table last.
+
+Time budget on one H100 or H200 (the whole command must stay under 9 minutes; a device call may
+run 10). Estimates per section, for a cold Triton cache (the tests compile most kernels first;
+the grouped GEMM autotunes its pipeline depth on first use):
+
+==========  =======  ==========================================================================
+section     est. s   what dominates
+==========  =======  ==========================================================================
+startup         20   imports, CUDA context, roofs (20 reps of a 1.1 TFLOP matmul, 1 GiB copies)
+tests          210   (cap) pytest -m gpu: Triton compiles, then small-to-realistic shapes
+route           30   ~8 kernel compiles; 8 cases x 4 entries x 110 calls of 5 us - 2 ms
+permute         30   ~6 compiles; 2 cases x 2 ops x ~8 entries x 40 calls of 0.1 - 1 ms
+ffn            150   GEMM compiles and pipeline-depth autotuning; 12 calls per entry of 5 - 60 ms
+decode          40   decode kernels; 6 cases x 3 entries x 40 calls of 0.1 - 3 ms
+layer           30   2 cases x 4 entries x 12 calls of 10 - 300 ms
+==========  =======  ==========================================================================
+
+``--budget-s`` (default 530) bounds the whole command: a section whose estimate no longer fits
+in what is left is skipped and says so (its targets read "not measured"), and inside a section
+that overruns its estimate the cases that would start in the last 15 s are skipped, so the run
+ends with its table and files (one case can still overrun by its own length). The estimates are written before any GPU run of this code; the
+``check.sections`` record of a result file has each section's measured wall time to correct
+them with.
+
+Without a CUDA device it runs the same sections at CPU stand-in shapes on the reference path and
+the torch baselines (end to end in well under a minute), says that the GPU targets are skipped,
+and writes result files only where ``--json`` / ``--markdown`` name them (``bench/results``
+holds GPU results).
+
+``python -m bench profile`` plans the same sections and runs each entry a few times under the
+PyTorch profiler, printing the kernels it launched with their time per call.
+
+The exit status is 0 when the tests passed (or were skipped) and every entry ran; unmet targets
+are reported, not fatal, unless ``--strict``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import report, schema
+from . import suites as S
+from . import targets as TG
+from .harness import REPO_ROOT, Timer, environment, first_line, free_memory, new_row
+from .presets import PRESETS, parse_routing
+from .roofs import describe, dtype_name, measure_roofs
+from .telemetry import Telemetry
+
+#: Seconds the whole ``check`` command may take by default (9 minutes minus a margin).
+DEFAULT_BUDGET_S = 530.0
+#: Seconds the gpu-marked tests may take by default.
+DEFAULT_TESTS_TIMEOUT_S = 210.0
+#: Seconds of the budget kept for the last case of a section and the report: inside a section,
+#: cases that would start later than budget - CASE_RESERVE_S are skipped.
+CASE_RESERVE_S = 15.0
+
+UNIFORM = parse_routing("uniform")
+
+
+@dataclass(frozen=True)
+class Section:
+    """A part of the core set: its cases, how many reps, what it is estimated to cost on a GPU.
+
+    plan(ctx, gpu) -> cases (GPU shapes, or CPU stand-ins); modes / impls: the entries kept
+    (None: all); est_gpu_s: estimated wall time on one H100/H200 with a cold Triton cache.
+    """
+
+    name: str
+    about: str
+    est_gpu_s: float
+    reps: int
+    warmup: int
+    plan: Callable[[S.Context, bool], list[S.Case]]
+    modes: tuple[str, ...] | None = None
+    impls: tuple[str, ...] | None = None
+
+    def cases(self, ctx: S.Context, gpu: bool) -> list[S.Case]:
+        out = []
+        for case in self.plan(ctx, gpu):
+            kept = [e for e in case.entries
+                    if (self.modes is None or e.mode in self.modes) and (self.impls is None or e.impl in self.impls)]
+            if kept:
+                out.append(dataclasses.replace(case, entries=kept))
+        return out
+
+
+def _with(ctx: S.Context, **kw) -> S.Context:
+    """A copy of the context with other backends / baselines (cases read them when planned)."""
+    return dataclasses.replace(ctx, **kw)
+
+
+def _backends(gpu: bool, *names: str) -> tuple[str, ...]:
+    """The tritonmoe backends of a section: on CPU only the reference (the kernels would run in
+    Triton's interpreter, which measures nothing)."""
+    return tuple(names) if gpu else ("torch",)
+
+
+def plan_route(ctx: S.Context, gpu: bool) -> list[S.Case]:
+    """Router at T = 4096, 16384 with E = 128, 256, k = 8: softmax, and DeepSeek-V3-like (sigmoid,
+    selection bias, 8 groups keep 4); the Triton kernels against the reference."""
+    c = _with(ctx, backends=_backends(gpu, "triton", "torch"))
+    tokens = (4096, 16384) if gpu else (256,)
+    shapes = [S.RouteShape(E, 8) for E in (128, 256)] + [S.RouteShape(E, 8, "sigmoid", True, 8, 4) for E in (128, 256)]
+    return [S.route_case(c, shape, T, UNIFORM) for shape in shapes for T in tokens]
+
+
+def plan_permute(ctx: S.Context, gpu: bool) -> list[S.Case]:
+    """permute and unpermute at Mixtral-like and Qwen3-30B-A3B-like T = 16384 (x_perm 256 and
+    512 MiB in bf16): the op, the row movement alone, and the metadata alone."""
+    c = _with(ctx, backends=_backends(gpu, "triton", "torch"))
+    runs = [(PRESETS["mixtral-8x7b-like"], 16384), (PRESETS["qwen3-30b-a3b-like"], 16384)] if gpu else \
+        [(PRESETS["small"], 512)]
+    out = []
+    for p, T in runs:
+        out += [S.permute_case(c, p, T, UNIFORM), S.unpermute_case(c, p, T, UNIFORM)]
+    return out
+
+
+def plan_ffn(ctx: S.Context, gpu: bool) -> list[S.Case]:
+    """grouped_ffn and moe_ffn at Mixtral-like T = 16384 and Qwen3-30B-A3B-like T = 32768, against
+    torch._grouped_mm (the reference path's fp32 GEMMs would take minutes here and are left out)."""
+    if gpu:
+        c = _with(ctx, backends=("triton",), baselines=("grouped_mm",))
+        runs = [(PRESETS["mixtral-8x7b-like"], 16384), (PRESETS["qwen3-30b-a3b-like"], 32768)]
+        return [case for p, T in runs for case in (S.grouped_ffn_case(c, p, T, UNIFORM), S.moe_ffn_case(c, p, T, UNIFORM))]
+    c = _with(ctx, backends=("torch",), baselines=("grouped_mm", "loop"))
+    return [S.grouped_ffn_case(c, PRESETS["small"], 128, UNIFORM)]
+
+
+def plan_decode(ctx: S.Context, gpu: bool) -> list[S.Case]:
+    """Decode: moe_ffn forward at T = 1, 8, 64 (Mixtral-like and Qwen3-30B-A3B-like), against
+    torch._grouped_mm and the per-expert loop; bound by reading the active experts' weights."""
+    presets = [PRESETS["mixtral-8x7b-like"], PRESETS["qwen3-30b-a3b-like"]] if gpu else [PRESETS["small"]]
+    # on CPU the routed-FFN cases need a non-reference backend; "auto" is the reference there
+    c = _with(ctx, backends=("triton",) if gpu else ("auto",), baselines=("grouped_mm", "loop"))
+    return [S.moe_ffn_case(c, p, T, UNIFORM) for p in presets for T in (1, 8, 64)]
+
+
+def plan_layer(ctx: S.Context, gpu: bool) -> list[S.Case]:
+    """MoELayer forward and forward+backward at Mixtral-like T = 16384 and Qwen3-30B-A3B-like
+    T = 32768 (Triton backend) against the per-expert loop layer."""
+    c = _with(ctx, backends=_backends(gpu, "triton"), baselines=("loop",))
+    runs = [(PRESETS["mixtral-8x7b-like"], 16384), (PRESETS["qwen3-30b-a3b-like"], 32768)] if gpu else \
+        [(PRESETS["small"], 128)]
+    return [S.layer_case(c, p, T, UNIFORM) for p, T in runs]
+
+
+#: The core set, in run order.
+SECTIONS: tuple[Section, ...] = (
+    Section("route", "router forward and forward+backward", 30, reps=100, warmup=10, plan=plan_route,
+            modes=("fwd", "fwd+bwd")),
+    Section("permute", "permute / unpermute: the op, the row movement alone, the metadata", 30, reps=30, warmup=5,
+            plan=plan_permute),
+    Section("ffn", "grouped FFN and moe_ffn forward and forward+backward", 150, reps=10, warmup=2, plan=plan_ffn),
+    Section("decode", "moe_ffn decode forward at T = 1, 8, 64", 40, reps=30, warmup=5, plan=plan_decode,
+            modes=("fwd",)),
+    Section("layer", "MoELayer forward and forward+backward", 30, reps=10, warmup=2, plan=plan_layer),
+)
+SECTION_NAMES = tuple(s.name for s in SECTIONS)
+
+
+# ---------------------------------------------------------------------------------------------
+# What touches the device (replaced by a fake report in the tests)
+# ---------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Measures on the real device: the environment record, the gpu-marked tests, the roofs and
+    the cases (through :func:`bench.suites.run_case`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def environment(self, argv: list[str]) -> dict:
+        return environment(["check", *argv], self.device)
+
+    def run_tests(self, timeout_s: float, log: Callable[[str], None]) -> dict:
+        """``pytest -m gpu -q`` in a subprocess, bounded by ``timeout_s``; its last lines are
+        logged. Returns {status: passed | failed | timed out | not run, summary, wall_s}."""
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
+        log("tests: " + " ".join(cmd[2:]) + f" (limit {timeout_s:.0f} s)")
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            tail = (exc.stdout or b"")
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            for line in tail.strip().splitlines()[-5:]:
+                log(f"  {line}")
+            return dict(status="timed out", summary=f"killed after {timeout_s:.0f} s", wall_s=time.perf_counter() - t0)
+        except OSError as exc:
+            return dict(status="not run", summary=first_line(exc), wall_s=time.perf_counter() - t0)
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        for line in lines[-12:]:
+            log(f"  {line}")
+        summary = lines[-1].strip("= ") if lines else ""
+        if proc.returncode == 0:
+            status = "passed"
+        elif proc.returncode == 5:
+            status = "passed"  # no test collected (exit 5): nothing marked gpu failed
+        elif "No module named pytest" in proc.stderr:
+            status, summary = "not run", "pytest is not installed"
+        else:
+            status = "failed"
+        return dict(status=status, summary=summary, wall_s=time.perf_counter() - t0)
+
+    def clock(self) -> float:
+        """Seconds on the clock the time budget is kept with."""
+        return time.perf_counter()
+
+    def telemetry(self, log: Callable[[str], None]) -> Telemetry:
+        return Telemetry.create(self.device, log=log)
+
+    def timer(self, reps: int, warmup: int, telemetry: Telemetry) -> Timer:
+        return Timer(self.device, reps=reps, warmup=warmup, telemetry=telemetry)
+
+    def roofs(self, ctx: S.Context) -> dict:
+        return measure_roofs(Timer(self.device, reps=20, warmup=3), ctx.dtype, log=ctx.log)
+
+    def run_case(self, ctx: S.Context, case: S.Case) -> list[dict]:
+        return S.run_case(ctx, case)
+
+
+# ---------------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser(prog: str = "python -m bench check") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Targets:\n" + "\n".join(f"  {t.name} {t.op} {t.goal:g}" for t in TG.TARGETS))
+    p.add_argument("--sections", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   default=list(SECTION_NAMES), metavar="S,...",
+                   help=f"sections to run (default all: {','.join(SECTION_NAMES)})")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--results-dir", default="bench/results", metavar="DIR",
+                   help="GPU mode: write <gpu>-<date>.json and .md here (default bench/results)")
+    p.add_argument("--json", metavar="PATH", help="write the results here (also in CPU mode)")
+    p.add_argument("--markdown", metavar="PATH", help="write the markdown report here (also in CPU mode)")
+    p.add_argument("--skip-tests", action="store_true", help="do not run the gpu-marked tests")
+    p.add_argument("--tests-timeout-s", type=float, default=DEFAULT_TESTS_TIMEOUT_S)
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"wall-time budget of the whole command (default {DEFAULT_BUDGET_S:.0f} s): sections that "
+                   "no longer fit are skipped")
+    p.add_argument("--reps-scale", type=float, default=1.0, help="multiply every section's reps (min 3)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is not met")
+    p.add_argument("--list", action="store_true", help="print the planned entries and targets, then exit")
+    return p
+
+
+def _resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sections(names: list[str]) -> list[Section]:
+    unknown = [n for n in names if n not in SECTION_NAMES]
+    if unknown:
+        raise SystemExit(f"unknown section(s) {unknown}; choose from {', '.join(SECTION_NAMES)}")
+    return [s for s in SECTIONS if s.name in names]
+
+
+def _context(device: torch.device, log: Callable[[str], None]) -> S.Context:
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    return S.Context(device=device, dtype=dtype, presets=[], presets_chosen=True, backends=("torch",),
+                     baselines=("loop", "grouped_mm"), log=log)
+
+
+def _skipped_rows(case: S.Case, note: str) -> list[dict]:
+    rows = []
+    for e in case.entries:
+        row = new_row(suite=case.suite, case=case.label, mode=e.mode, impl=e.impl, params=case.params)
+        row["status"], row["note"] = "unavailable", note
+        rows.append(row)
+    return rows
+
+
+@contextlib.contextmanager
+def _cpu_threads(gpu: bool):
+    """One torch thread in CPU mode (as ``python -m bench`` does: comparable across machines and
+    robust to a shared one, where each parallel op can wait a scheduler quantum for its second
+    thread); the previous count is restored afterwards."""
+    before = torch.get_num_threads()
+    if not gpu:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_check(argv: list[str], runner: Runner | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = _resolve_device(args.device) if runner is None else runner.device
+    with _cpu_threads(device.type == "cuda"):
+        return _run_check(args, argv, device, runner or Runner(device))
+
+
+def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> int:
+    t0 = runner.clock()
+    gpu = device.type == "cuda"
+    sections = _sections(args.sections)
+    notes: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        notes.append(line)
+
+    ctx = _context(device, log)
+    if args.list:
+        for sec in sections:
+            cases = sec.cases(ctx, gpu)
+            print(f"[{sec.name}] {sec.about}: {sum(len(c.entries) for c in cases)} entries, reps {sec.reps}, "
+                  f"est. {sec.est_gpu_s:.0f} s on a GPU")
+            for c in cases:
+                for e in c.entries:
+                    print(f"  {c.suite}/{c.label}/{e.mode} [{e.impl}]")
+        for t in TG.TARGETS:
+            print(f"target: {t.name} {t.op} {t.goal:g}")
+        return 0
+
+    env = runner.environment(argv)
+    if gpu:
+        log(f"GPU MODE: {env['gpu_name']} (driver {env['driver']}, CUDA {env['cuda']}), torch {env['torch']}, "
+            f"triton {env['triton']}; commit {env['git_commit'] or 'unknown (set TRITONMOE_BENCH_COMMIT)'}"
+            + (" (dirty)" if env.get("git_dirty") else ""))
+    else:
+        log("CPU MODE: no CUDA device. The gpu-marked tests are skipped and the GPU targets are not evaluated; "
+            "the sections run at small CPU stand-in shapes on the reference path and the torch baselines, "
+            "to check the pipeline end to end (times say nothing about GPU kernels).")
+
+    tests = dict(status="skipped", summary="no CUDA device" if not gpu else "--skip-tests", wall_s=0.0)
+    if gpu and not args.skip_tests:
+        tests = runner.run_tests(min(args.tests_timeout_s, max(30.0, args.budget_s - 120.0)), log)
+        log(f"tests: {tests['status']} ({tests['summary']}) in {tests['wall_s']:.0f} s")
+
+    telemetry = runner.telemetry(log)
+    ctx.roofs = runner.roofs(ctx)
+    for line in describe(ctx.roofs):
+        log(line)
+    config = {
+        "suites": sorted({c.suite for s in sections for c in s.cases(ctx, gpu)}),
+        "presets": sorted({c.params.get("preset") or "" for s in sections for c in s.cases(ctx, gpu)} - {""}),
+        "tokens": None,
+        "routings": ["uniform"],
+        "dtype": dtype_name(ctx.dtype),
+        "backends": ["triton", "torch"] if gpu else ["torch"],
+        "baselines": ["grouped_mm", "loop"],
+        "reps": max(s.reps for s in sections) if sections else 0,
+        "warmup": max(s.warmup for s in sections) if sections else 0,
+        "l2_flush": gpu,
+        "seed": ctx.seed,
+        "device": str(device),
+        "telemetry": telemetry.enabled,
+        "sections": [s.name for s in sections],
+        "reps_per_section": {s.name: max(3, round(s.reps * args.reps_scale)) for s in sections},
+    }
+    doc = {"schema_version": schema.SCHEMA_VERSION, "complete": False, "env": env, "config": config,
+           "roofs": ctx.roofs, "results": [], "notes": notes, "wall_time_s": 0.0}
+    paths = _output_paths(args, env, gpu, log)
+
+    def checkpoint() -> None:
+        doc["wall_time_s"] = runner.clock() - t0
+        if paths["json"]:
+            report.write_json(doc, paths["json"])
+
+    section_log = []
+    for sec in sections:
+        elapsed = runner.clock() - t0
+        left = args.budget_s - elapsed
+        cases = sec.cases(ctx, gpu)
+        rec = dict(name=sec.name, estimate_s=sec.est_gpu_s, wall_s=0.0, entries=sum(len(c.entries) for c in cases))
+        if gpu and left < sec.est_gpu_s:
+            note = (f"skipped: time budget ({left:.0f} s left of --budget-s {args.budget_s:.0f}, section estimated "
+                    f"at {sec.est_gpu_s:.0f} s)")
+            log(f"{sec.name}: {note}")
+            for c in cases:
+                doc["results"].extend(_skipped_rows(c, note))
+            section_log.append(dict(rec, status="skipped"))
+            continue
+        reps = max(3, round(sec.reps * args.reps_scale))
+        ctx.timer = runner.timer(reps if gpu else 3, sec.warmup if gpu else 1, telemetry)
+        ts = runner.clock()
+        first = len(doc["results"])
+        for case in cases:
+            if gpu and runner.clock() - t0 > args.budget_s - CASE_RESERVE_S:
+                # a section that overruns its estimate must not take the final table with it
+                note = f"skipped: time budget (--budget-s {args.budget_s:.0f} reached inside section {sec.name})"
+                doc["results"].extend(_skipped_rows(case, note))
+                continue
+            doc["results"].extend(runner.run_case(ctx, case))
+            checkpoint()
+        rows = doc["results"][first:]
+        rec.update(wall_s=runner.clock() - ts, status="ran")
+        section_log.append(rec)
+        report.print_suite(rows, f"{sec.name}: {sec.about}  [{rec['wall_s']:.1f} s, est. {sec.est_gpu_s:.0f} s on a GPU]")
+    telemetry.close()
+    free_memory()
+
+    results = TG.evaluate(doc["results"], ctx.roofs,
+                          skipped_reason=None if gpu else "CPU mode: GPU targets need an H100/H200")
+    n_err = sum(r["status"] == "error" for r in doc["results"])
+    doc["check"] = {"commit": env.get("git_commit"), "dirty": env.get("git_dirty"), "tests": tests,
+                    "sections": section_log, "targets": results, "summary": TG.summary(results)}
+    doc["complete"] = True
+    doc["wall_time_s"] = runner.clock() - t0
+    if paths["json"]:
+        report.write_json(doc, paths["json"])
+        print(f"results: {paths['json']}")
+    if paths["markdown"]:
+        report.write_text_atomic(paths["markdown"], render_markdown(doc))
+        print(f"markdown: {paths['markdown']}")
+
+    counts = TG.summary(results)
+    print()
+    print(f"== targets ({env.get('gpu_name') or 'CPU'}, commit {env.get('git_commit') or 'unknown'}"
+          f"{' dirty' if env.get('git_dirty') else ''}; tests {tests['status']}; {n_err} entries failed; "
+          f"wall {doc['wall_time_s']:.0f} s)")
+    print(TG.render_text(results))
+    print(", ".join(f"{n} {k}" for k, n in counts.items()))
+    if not gpu:
+        print("CPU MODE: GPU targets skipped (run `make gpu-check` on an H100/H200).")
+    failed = tests["status"] in ("failed", "timed out") or n_err > 0
+    if args.strict and counts.get("not met", 0) + counts.get("not measured", 0):
+        failed = True
+    return 1 if failed else 0
+
+
+def _output_paths(args, env: dict, gpu: bool, log: Callable[[str], None]) -> dict:
+    if gpu:
+        stem = Path(args.results_dir) / f"{_slug(env.get('gpu_name') or 'gpu')}-{env['date_utc'][:10]}"
+        return {"json": args.json or f"{stem}.json", "markdown": args.markdown or f"{stem}.md"}
+    if not (args.json or args.markdown):
+        log(f"CPU mode: nothing written to {args.results_dir} (it holds GPU results); --json / --markdown keep a copy")
+    return {"json": args.json, "markdown": args.markdown}
+
+
+def _slug(text: str) -> str:
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def render_markdown(doc: dict) -> str:
+    """The check's report: what was measured where, the target table, the tests and sections,
+    then the harness's tables."""
+    chk = doc["check"]
+    env = doc["env"]
+    out = [f"# tritonmoe gpu-check: {env.get('gpu_name') or 'CPU'}, {env['date_utc'][:10]}", ""]
+    out += [f"- {line}" for line in report.header_lines(doc)]
+    out += [f"- tests (pytest -m gpu): {chk['tests']['status']} ({chk['tests']['summary']}, "
+            f"{chk['tests']['wall_s']:.0f} s)"]
+    out += [f"- wall time {doc['wall_time_s']:.0f} s; sections: "
+            + ", ".join(f"{s['name']} {s['status']} {s['wall_s']:.0f} s (est. {s['estimate_s']:.0f})"
+                        for s in chk["sections"]), ""]
+    out += ["## Targets", "", TG.render_markdown(chk["targets"]), ""]
+    body = report.render_markdown(doc).split("\n", 1)[1]  # the harness's tables, without its title
+    return "\n".join(out) + body
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile
+# ---------------------------------------------------------------------------------------------
+
+
+def build_profile_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench profile",
+                                description="The gpu-check shapes under the PyTorch profiler: the kernels each entry "
+                                "launches and their time per call.")
+    p.add_argument("--sections", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   default=list(SECTION_NAMES), metavar="S,...")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--reps", type=int, default=5, help="profiled calls per entry (after 2 warm-up calls)")
+    p.add_argument("--top", type=int, default=8, help="kernels listed per entry")
+    p.add_argument("--impls", type=lambda s: [x.strip() for x in s.split(",") if x.strip()], default=None,
+                   metavar="I,...", help="only these implementations (default: all, baselines included)")
+    return p
+
+
+def kernel_table(prof, reps: int, top: int, on_gpu: bool) -> list[tuple[str, int, float]]:
+    """(kernel name, launches per call, microseconds per call) of the profiled calls, by time.
+    On CPU: the aten ops' self CPU time instead of kernels."""
+    rows = []
+    for ev in prof.key_averages():
+        if on_gpu:
+            t = getattr(ev, "self_device_time_total", None)
+            if t is None:
+                t = getattr(ev, "self_cuda_time_total", 0.0)
+        else:
+            t = ev.self_cpu_time_total
+        if t and t > 0:
+            rows.append((ev.key, ev.count / reps, t / reps))
+    rows.sort(key=lambda r: -r[2])
+    return rows[:top]
+
+
+def profile_case(ctx: S.Context, case: S.Case, reps: int, top: int, impls) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    import tritonmoe as tm
+
+    on_gpu = ctx.device.type == "cuda"
+    try:
+        with tm.validation(False):
+            state = case.build()
+    except Exception as exc:  # e.g. out of memory for the inputs
+        print(f"{case.label}: inputs not built ({first_line(exc)})")
+        return
+    for e in case.entries:
+        if impls and e.impl not in impls:
+            continue
+        head = f"{case.suite}/{case.label}/{e.mode} [{e.impl}]"
+        try:
+            with tm.validation(False):
+                fn, _ = e.make(state)
+                for _ in range(2):
+                    fn()
+                if on_gpu:
+                    torch.cuda.synchronize()
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+                with profile(activities=acts) as prof:
+                    for _ in range(reps):
+                        fn()
+                    if on_gpu:
+                        torch.cuda.synchronize()
+        except Exception as exc:  # unavailable baselines, failures: one line, go on
+            print(f"\n{head}: not profiled ({first_line(exc)})")
+            continue
+        table = kernel_table(prof, reps, top, on_gpu)
+        total = sum(t for _, _, t in kernel_table(prof, reps, 10**6, on_gpu))
+        unit = "kernels" if on_gpu else "CPU ops (self time)"
+        print(f"\n{head}: {total:.1f} us per call in {unit}")
+        for name, n, t in table:
+            print(f"  {t:10.1f} us  {100 * t / total if total else 0:5.1f}%  x{n:<5.3g} {name[:110]}")
+    del state
+    free_memory()
+
+
+def run_profile(argv: list[str]) -> int:
+    args = build_profile_parser().parse_args(argv)
+    device = _resolve_device(args.device)
+    gpu = device.type == "cuda"
+    ctx = _context(device, print)
+    if not gpu:
+        print("CPU MODE: no CUDA device; profiling the CPU stand-in shapes (aten ops, not GPU kernels).")
+    with _cpu_threads(gpu):
+        for sec in _sections(args.sections):
+            print(f"\n==== {sec.name}: {sec.about}")
+            for case in sec.cases(ctx, gpu):
+                profile_case(ctx, case, max(1, args.reps), args.top, args.impls)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_check(list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
