@@ -141,10 +141,16 @@ def unpermute(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Weighted combine: out[t] = sum over routed j of topk_weights[t, j] * y_perm[slot_rows[t, j]],
-    accumulated per token in fp32 (no atomics); [T, d] in y_perm's dtype."""
+    accumulated per token in fp32 (no atomics); [T, d] in y_perm's dtype.
+
+    ``info`` may come from :func:`permute` or be built or sliced by the caller; its dtypes and
+    shapes are always checked, and with validation on its values too (offsets start at 0, never
+    decrease and end at R; each segment is its count rounded up to ``pad_to``; slot rows in
+    [-1, R), each routed slot on its own unpadded row of an expert's segment, ``counts[e]`` slots
+    per expert), before any launch. With validation off, a slot row outside [0, R) contributes
+    nothing to the output, on every backend (see "Semantics decided here" in the README)."""
     V.float_tensor("y_perm", y_perm, 2)
-    if not isinstance(info, PermuteInfo):
-        raise TypeError(f"info must be the tritonmoe.PermuteInfo from permute(), got {type(info).__name__}")
+    V.permute_info_args(info)
     V.float_tensor("topk_weights", topk_weights, 2)
     if tuple(topk_weights.shape) != tuple(info.slot_rows.shape):
         raise ValueError(
@@ -153,7 +159,7 @@ def unpermute(
         )
     V.same_device(y_perm=y_perm, topk_weights=topk_weights, slot_rows=info.slot_rows)
     if validation_enabled():
-        V.offsets_values("info.expert_offsets", info.expert_offsets, y_perm.shape[0])
+        V.permute_info_values(info, y_perm.shape[0])
     impl = implementation("unpermute", backend, y_perm.device, y_perm.dtype)
     return impl(y_perm, info, topk_weights)
 
