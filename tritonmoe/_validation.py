@@ -160,7 +160,19 @@ def route_values(logits: torch.Tensor, score_func: str, expert_bias) -> None:
                 f"token {t} has all logits -inf; its softmax is NaN. Leave at least one expert finite"
             )
     if expert_bias is not None and not bool(torch.isfinite(expert_bias).all()):
-        raise ValueError("expert_bias contains non-finite values; it must be finite")
+        raise nonfinite_bias_error("expert_bias", expert_bias)
+
+
+def nonfinite_bias_error(name: str, bias: torch.Tensor, others: int = 0) -> ValueError:
+    """The error for a selection bias with non-finite entries (reads the bias: error path only)."""
+    bad = ~torch.isfinite(bias.detach())
+    e = int(bad.nonzero()[0, 0])
+    more = f" (and {others} more biases)" if others else ""
+    return ValueError(
+        f"{name}[{e}]={float(bias[e])} is not finite ({int(bad.sum())} of {bias.shape[0]} entries){more}: a "
+        "non-finite selection bias silently reroutes every token. The bias update diverged or the checkpoint is "
+        "corrupt: restore the bias from the last good step (or reset it to zeros) and check the update rate"
+    )
 
 
 def permute_args(x, topk_ids, num_experts, pad_to) -> None:

@@ -11,6 +11,7 @@ import torch
 from . import _validation as V
 from . import reference
 from ._settings import validation_enabled
+from .bias import nan_weights_if_nonfinite
 from .dispatch import implementation
 from .types import PermuteInfo, Routing
 
@@ -47,7 +48,9 @@ def route(
         score_func: "softmax" or "sigmoid", computed in fp32.
         renormalize: divide the k weights by their sum (floored at 1e-20).
         expert_bias: fp32 [E] added to the scores for selection only (auxiliary-loss-free
-            balancing); the weights stay unbiased.
+            balancing); the weights stay unbiased. It must be finite: with validation on a
+            non-finite entry raises ``ValueError``; with validation off every weight becomes NaN
+            (no host sync; see :mod:`tritonmoe.bias`).
         n_groups, topk_groups: group-limited routing: E splits into n_groups groups, a group's
             score is the sum of its top-2 selection scores (its max if it has one expert), and
             only experts of the topk_groups best groups (ties: lower group) can be selected.
@@ -62,10 +65,11 @@ def route(
     V.route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux)
     # Integer scalars of other types (numpy.int64, ...) become Python ints before any launch.
     top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
-    if validation_enabled():
+    validate = validation_enabled()
+    if validate:
         V.route_values(logits, score_func, expert_bias)
     impl = implementation("route", backend, logits.device, logits.dtype)
-    return impl(
+    routing = impl(
         logits,
         top_k,
         score_func=score_func,
@@ -76,6 +80,11 @@ def route(
         capacity=capacity,
         with_aux=with_aux,
     )
+    if not validate and expert_bias is not None:
+        # Unchecked, a non-finite bias makes every weight NaN, on the device (no sync): the loss
+        # goes NaN on the step the bias broke instead of training on silently wrong routing.
+        routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, expert_bias)
+    return routing
 
 
 def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
