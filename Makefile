@@ -4,8 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH_ARGS ?=
 TEST_ARGS ?=
+# make fuzz: every hypothesis property, random examples, FUZZ_FACTOR x its CI count; no property
+# starts after FUZZ_BUDGET_S seconds, and the whole run is killed at twice that (tests/_fuzz.py).
+FUZZ_FACTOR ?= 10
+FUZZ_BUDGET_S ?= 1200
 
-.PHONY: setup bench test clean
+.PHONY: setup bench test fuzz clean
 
 $(VENV)/.tritonmoe-setup: pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -17,6 +21,10 @@ bench: setup
 
 test: setup
 	$(PY) -m pytest $(TEST_ARGS)
+
+fuzz: setup
+	HYPOTHESIS_PROFILE=fuzz TRITONMOE_FUZZ_FACTOR=$(FUZZ_FACTOR) TRITONMOE_FUZZ_BUDGET_S=$(FUZZ_BUDGET_S) \
+		timeout -k 30 $$(( 2 * $(FUZZ_BUDGET_S) )) $(PY) -m pytest -q $(TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
