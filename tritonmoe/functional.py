@@ -126,7 +126,9 @@ def permute(
 
     Args:
         x: [T, d] tokens.
-        topk_ids: [T, k] integer expert ids; -1 means "not routed" and is skipped.
+        topk_ids: [T, k] integer expert ids; -1 means "not routed" and is skipped. Other ids
+            outside [-1, E) raise ``IndexError`` with validation on; with it off they are
+            treated as -1 on every backend.
         num_experts: E.
         pad_to: each expert's segment is padded with zero rows up to a multiple of this.
 
@@ -181,7 +183,8 @@ def grouped_gemm(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Ragged per-expert matmul: rows [offsets[e], offsets[e+1]) of x [R, K] times w[e] ([E, K, N]);
-    fp32 accumulation, output [R, N] in x's dtype."""
+    fp32 accumulation, output [R, N] in x's dtype. With validation off, offsets outside [0, R] are
+    clamped into it (decreasing offsets give unspecified values, never an out-of-bounds access)."""
     V.gemm_args(x, expert_offsets, w)
     if validation_enabled():
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
@@ -201,7 +204,8 @@ def grouped_ffn(
     """Expert FFN over a permuted buffer: grouped_gemm(act(grouped_gemm(x, w1)), w2).
 
     w1 is [E, d, 2f] for swiglu (columns [:f] gate, [f:] up; act = silu(gate) * up) and [E, d, f]
-    for "gelu" (exact erf) and "relu"; w2 is [E, f, d].
+    for "gelu" (exact erf) and "relu"; w2 is [E, f, d]. Offsets as in :func:`grouped_gemm`
+    (clamped into [0, R] with validation off).
     """
     V.ffn_args(x, expert_offsets, w1, w2, activation)
     if validation_enabled():
@@ -230,7 +234,8 @@ def moe_ffn(
 
     Args:
         x: [T, d] tokens.
-        routing: the :class:`Routing` of these tokens over E experts (ids -1 are skipped).
+        routing: the :class:`Routing` of these tokens over E experts (ids -1 are skipped; other
+            ids outside [-1, E) raise ``IndexError``, or with validation off are skipped too).
         w1: [E, d, 2f] for swiglu (gate then up), [E, d, f] for gelu / relu.
         w2: [E, f, d].
         activation: "swiglu", "gelu" (exact erf) or "relu".
