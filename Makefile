@@ -4,10 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH_ARGS ?=
 TEST_ARGS ?=
+# make fuzz: every hypothesis property, random examples, FUZZ_FACTOR x its CI count; no property
+# starts after FUZZ_BUDGET_S seconds, and the whole run is killed at twice that (tests/_fuzz.py).
+FUZZ_FACTOR ?= 10
+FUZZ_BUDGET_S ?= 1200
 
 CHECK_ARGS ?=
 
-.PHONY: setup bench test clean gpu-check gpu-profile
+.PHONY: setup bench test fuzz clean gpu-check gpu-profile
 
 $(VENV)/.tritonmoe-setup: pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -31,6 +35,10 @@ gpu-check: setup
 # The same shapes under the PyTorch profiler: the kernels each entry launches, time per call.
 gpu-profile: setup
 	$(PY) -m bench profile $(CHECK_ARGS)
+
+fuzz: setup
+	HYPOTHESIS_PROFILE=fuzz TRITONMOE_FUZZ_FACTOR=$(FUZZ_FACTOR) TRITONMOE_FUZZ_BUDGET_S=$(FUZZ_BUDGET_S) \
+		timeout -k 30 $$(( 2 * $(FUZZ_BUDGET_S) )) $(PY) -m pytest -q $(TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

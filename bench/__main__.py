@@ -2,6 +2,7 @@
 
   python -m bench [SUITE ...] [options]     run suites (default: the default set for this machine)
   python -m bench compare A.json B.json     per-entry ratios of two result files
+  python -m bench faults [--world-sizes 2,4]   expert-parallel fault table (bench/faults.py)
   python -m bench report A.json [--markdown M] [--plot P]   re-render a result file
   python -m bench check [--sections S,...]  gpu-check: gpu tests, the core set, the target table
   python -m bench profile [--sections S,...]  the core set's kernels under the PyTorch profiler
@@ -526,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if argv[:1] == ["faults"]:
+        from . import faults
+
+        return faults.main(argv[1:])
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
     if argv[:1] == ["report"]:

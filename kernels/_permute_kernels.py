@@ -27,7 +27,8 @@ a stride (:func:`row_offset`), because row * D passes 2^31 for large buffers.
 
 Ids are compared against expert numbers, never used as addresses before they are checked to lie
 in [0, E): an id outside [-1, E) (possible only with validation switched off) is treated like -1
-and never causes an out-of-bounds access.
+and never causes an out-of-bounds access. Likewise a slot row outside the buffer is skipped and
+offsets/counts are clamped to it, so metadata that fails validation never moves a row out of bounds.
 """
 
 from __future__ import annotations
@@ -246,7 +247,8 @@ def _scatter_rows_kernel(
     counts_ptr,  # int32 [E]
     out_ptr,  # out [num_rows, D], contiguous rows (WRITE_OUT)
     stride_o,
-    dot_ptr,  # [num_rows, D] rows dotted with src (HAS_DOT: y_perm in unpermute's backward)
+    dot_ptr,  # [num_rows, D] rows dotted with src (HAS_DOT: y_perm in unpermute's backward; out, when
+    # also written, has the same rows)
     stride_yr,
     stride_yd,
     dw_ptr,  # out [NSPLIT, T, K] partial row dot products (HAS_DOT), acc dtype
@@ -270,7 +272,7 @@ def _scatter_rows_kernel(
     p*BLOCK_D, (p + NSPLIT)*BLOCK_D, ... Along axis 0:
 
     * program t < T (a token) loads its row src[t] once per d chunk and stores it to its K slot
-      rows (scaled by w[t, j] in the acc dtype when HAS_W; copied bit-exactly otherwise). With
+      rows (slot rows outside [0, num_rows) are skipped) (scaled by w[t, j] in the acc dtype when HAS_W; copied bit-exactly otherwise). With
       HAS_DOT it also accumulates dw[t, j] = sum_d src[t, d] * dot[row, d] for its chunks and
       writes them to dw[p, t, :] (summed over p on the host side, in a fixed order).
     * program T + e zeros expert e's padding rows [offsets[e] + counts[e], offsets[e+1]).
@@ -292,9 +294,11 @@ def _scatter_rows_kernel(
                 va = v.to(ACC)
             for j in range(0, K):
                 row = tl.load(rows_ptr + t * K + j)
-                row_safe = tl.where(row >= 0, row, 0)
+                # a row outside [0, num_rows) (-1, or any row with validation off) is not routed
+                routed = (row >= 0) & (row < num_rows)
+                row_safe = tl.where(routed, row, 0)
                 # columns to touch: none for an unrouted slot (a vector compare, not vector & scalar)
-                m = cols < tl.where(row >= 0, D, 0)
+                m = cols < tl.where(routed, D, 0)
                 if WRITE_OUT:
                     if HAS_W:
                         wj = tl.load(w_ptr + t * K + j).to(ACC)
@@ -316,6 +320,9 @@ def _scatter_rows_kernel(
             e = pid - T
             lo = tl.load(offsets_ptr + e) + tl.load(counts_ptr + e).to(tl.int64)
             hi = tl.load(offsets_ptr + e + 1)
+            # clamped to the buffer: even metadata that fails validation (checks off) stays inside
+            lo = tl.minimum(tl.maximum(lo, 0), num_rows)
+            hi = tl.minimum(hi, num_rows)
             _zero_rows(out_ptr, stride_o, lo, hi, pid_d, D, NSPLIT, BLOCK_D)
     else:
         if WRITE_OUT:

@@ -347,7 +347,8 @@ def _scatter(
     E = counts.shape[0]
     dev = src_TD.device
     write = out is not None
-    num_rows = out.shape[0] if write else 0
+    # Rows a slot may touch: out's (written), else dot_RD's (read); slots outside are skipped.
+    num_rows = out.shape[0] if write else (dot_RD.shape[0] if dot_RD is not None else 0)
     fp64 = src_TD.dtype == torch.float64 or (dot_RD is not None and dot_RD.dtype == torch.float64)
     acc_torch = torch.float64 if fp64 else torch.float32
     elem = max(src_TD.element_size(), dot_RD.element_size() if dot_RD is not None else 1)

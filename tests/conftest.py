@@ -24,7 +24,25 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile("dev", deadline=None, max_examples=50)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# `make fuzz` (tests/_fuzz.py): random examples, every property's count scaled by
+# TRITONMOE_FUZZ_FACTOR; the default max_examples is the one properties without @settings get in CI.
+settings.register_profile(
+    "fuzz",
+    derandomize=False,
+    deadline=None,
+    print_blob=True,
+    max_examples=100,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def pytest_configure(config):
+    if HYPOTHESIS_PROFILE == "fuzz":
+        from _fuzz import make_plugin
+
+        config.pluginmanager.register(make_plugin(), "tritonmoe-fuzz")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,6 +14,7 @@ from ._settings import (
     validation,
     validation_enabled,
 )
+from .bias import check_expert_bias, expert_bias_finite
 from .config import MoEConfig
 from .functional import (
     grouped_ffn,
@@ -33,7 +34,9 @@ from . import comm, reference
 __version__ = "0.1.0"
 
 __all__ = [
+    "check_expert_bias",
     "comm",
+    "expert_bias_finite",
     "MoEConfig",
     "MoELayer",
     "PermuteInfo",

@@ -15,8 +15,12 @@ import numbers
 
 import torch
 
+from .types import PermuteInfo
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+#: Dtypes of row indices and offsets: signed (-1 marks "not routed") and wide enough for R.
+INDEX_DTYPES = (torch.int32, torch.int64)
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2sum", "max")
 ACTIVATIONS = ("swiglu", "swiglu_oai", "gelu", "relu")
@@ -179,7 +183,19 @@ def route_values(logits: torch.Tensor, score_func: str, expert_bias) -> None:
                 f"token {t} has all logits -inf; its softmax is NaN. Leave at least one expert finite"
             )
     if expert_bias is not None and not bool(torch.isfinite(expert_bias).all()):
-        raise ValueError("expert_bias contains non-finite values; it must be finite")
+        raise nonfinite_bias_error("expert_bias", expert_bias)
+
+
+def nonfinite_bias_error(name: str, bias: torch.Tensor, others: int = 0) -> ValueError:
+    """The error for a selection bias with non-finite entries (reads the bias: error path only)."""
+    bad = ~torch.isfinite(bias.detach())
+    e = int(bad.nonzero()[0, 0])
+    more = f" (and {others} more biases)" if others else ""
+    return ValueError(
+        f"{name}[{e}]={float(bias[e])} is not finite ({int(bad.sum())} of {bias.shape[0]} entries){more}: a "
+        "non-finite selection bias silently reroutes every token. The bias update diverged or the checkpoint is "
+        "corrupt: restore the bias from the last good step (or reset it to zeros) and check the update rate"
+    )
 
 
 def permute_args(x, topk_ids, num_experts, pad_to, num_rows=None) -> None:
@@ -356,4 +372,147 @@ def counts_values(routing) -> None:
         raise ValueError(
             f"routing.counts[{e}]={int(routing.counts[e])} but {int(expected[e])} slots of routing.topk_ids go to "
             f"expert {e}; counts must match the ids (recompute them after editing topk_ids)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# PermuteInfo (users build and slice it: micro-batching, expert parallelism)
+# ---------------------------------------------------------------------------------------------
+
+
+def permute_info_args(info, name: str = "info") -> None:
+    """Types, dtypes, shapes and devices of a :class:`PermuteInfo` (always checked, no sync):
+    ``expert_offsets`` int32/int64 [E+1], ``counts`` integer [E], ``slot_rows`` int32/int64
+    [num_tokens, k], ``pad_to`` a positive int, all on one device."""
+    if not isinstance(info, PermuteInfo):
+        raise TypeError(f"{name} must be the tritonmoe.PermuteInfo from permute(), got {type(info).__name__}")
+    int_tensor(f"{name}.counts", info.counts, 1)
+    E = info.counts.shape[0]
+    if E == 0:
+        raise ValueError(f"{name}.counts is empty; a PermuteInfo describes at least one expert")
+    offsets_args(f"{name}.expert_offsets", info.expert_offsets)
+    if info.expert_offsets.shape[0] != E + 1:
+        raise ValueError(
+            f"{name}.expert_offsets has {info.expert_offsets.shape[0]} entries but {name}.counts has {E} "
+            f"experts; expected {E + 1} (E+1 segment bounds)"
+        )
+    int_tensor(f"{name}.slot_rows", info.slot_rows, 2)
+    if info.slot_rows.dtype not in INDEX_DTYPES:
+        raise TypeError(
+            f"{name}.slot_rows has dtype {info.slot_rows.dtype}; use int64 (or int32): rows of the permuted "
+            "buffer, -1 for a slot that is not routed"
+        )
+    if not is_int(info.num_tokens):
+        raise TypeError(f"{name}.num_tokens must be an int, got {type(info.num_tokens).__name__} {info.num_tokens!r}")
+    if info.num_tokens != info.slot_rows.shape[0]:
+        raise ValueError(
+            f"{name}.num_tokens={info.num_tokens} but {name}.slot_rows has {info.slot_rows.shape[0]} rows "
+            "(one per token); slice slot_rows and num_tokens together"
+        )
+    positive_int(f"{name}.pad_to", info.pad_to)
+    same_device(
+        **{f"{name}.slot_rows": info.slot_rows, f"{name}.expert_offsets": info.expert_offsets, f"{name}.counts": info.counts}
+    )
+
+
+def _first(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the first True of a 1-D mask, or its length when there is none (no sync)."""
+    return torch.cat([mask, mask.new_ones(1)]).to(torch.int8).argmax()
+
+
+def permute_info_values(info: PermuteInfo, num_rows: int, *, name: str = "info", allow_tail: bool = False) -> None:
+    """Values of a :class:`PermuteInfo` against a permuted buffer of ``num_rows`` rows (one host
+    sync; run while validation is enabled). Call :func:`permute_info_args` first.
+
+    Checked, in this order (the first failure is reported):
+
+    * ``expert_offsets`` start at 0, never decrease and end at R = ``num_rows`` (with
+      ``allow_tail``: at or below it, for a buffer with zero rows past R);
+    * ``counts`` are >= 0 and each segment is exactly ``counts[e]`` rounded up to ``pad_to``;
+    * every ``slot_rows`` value lies in [-1, R) (``IndexError`` otherwise);
+    * every routed row lies in the unpadded part ``[offsets[e], offsets[e] + counts[e])`` of a
+      segment, no two slots share a row, and the slots pointing into expert e's segment number
+      ``counts[e]``: the routed slots fill the unpadded rows one to one. Inside a segment any
+      order of the slots is accepted (unpermute is correct for every such bijection).
+    """
+    o = info.expert_offsets.detach().long()
+    c = info.counts.detach().long()
+    rows = info.slot_rows.detach().reshape(-1).long()
+    E, pad = c.shape[0], int(info.pad_to)
+    R_buf = int(num_rows)
+    seg_len = o[1:] - o[:-1]
+    padded = (c.clamp_min(0) + pad - 1) // pad * pad
+    R = o[-1].clamp(0, R_buf) if allow_tail else o.new_tensor(R_buf)
+    in_range = (rows >= -1) & (rows < R)
+    ok = (rows >= 0) & in_range
+    r = torch.where(ok, rows, torch.zeros_like(rows))
+    seg = torch.searchsorted(o[1:].contiguous(), r, right=True).clamp(0, E - 1)
+    start = o[seg]
+    outside = ok & ((r < start) | (r >= start + c[seg]))
+    holders = torch.zeros(R_buf + 1, dtype=torch.int64, device=rows.device)
+    holders.scatter_add_(0, torch.where(ok, r, torch.full_like(r, R_buf)), torch.ones_like(r))
+    per_expert = torch.zeros(E + 1, dtype=torch.int64, device=rows.device)
+    per_expert.scatter_add_(0, torch.where(ok, seg, torch.full_like(seg, E)), torch.ones_like(seg))
+    end_bad = (o[-1] > R_buf) if allow_tail else (o[-1] != R_buf)
+    firsts = torch.stack(
+        [
+            (o[0] != 0).long() - 1,  # 0: offsets[0] (0 when bad, -1 when fine)
+            _first(seg_len < 0),  # 1: a decreasing step
+            end_bad.long() - 1,  # 2: offsets[E]
+            _first(c < 0),  # 3: a negative count
+            _first(seg_len != padded),  # 4: a segment that is not its padded count
+            _first(~in_range),  # 5: a row outside [-1, R)
+            _first(outside),  # 6: a row in padding or in no segment
+            _first(holders[:R_buf] > 1),  # 7: a row held by two slots
+            _first(per_expert[:E] != c),  # 8: slots per expert != counts
+        ]
+    )
+    f = firsts.tolist()  # host sync: value validation (switch off with set_validation(False))
+    n_slots, K = rows.shape[0], max(info.slot_rows.shape[1], 1)
+    O, C, SR = f"{name}.expert_offsets", f"{name}.counts", f"{name}.slot_rows"
+    if f[0] == 0:
+        raise ValueError(f"{O}[0]={int(o[0])}; segments start at row 0")
+    if f[1] < E:
+        e = f[1]
+        raise ValueError(f"{O} is not monotone: {O}[{e}]={int(o[e])} > {O}[{e + 1}]={int(o[e + 1])}")
+    if f[2] == 0:
+        if allow_tail:
+            raise ValueError(f"{O}[E]={int(o[-1])} but the buffer has only {R_buf} rows; it needs at least R = {int(o[-1])}")
+        raise ValueError(f"{O}[E]={int(o[-1])} but the buffer has {R_buf} rows; the last offset must equal R")
+    if f[3] < E:
+        raise ValueError(f"{C}[{f[3]}]={int(c[f[3]])} is negative; counts are rows per expert")
+    if f[4] < E:
+        e = f[4]
+        raise ValueError(
+            f"{O} gives expert {e} {int(seg_len[e])} rows but {C}[{e}]={int(c[e])} rounded up to pad_to={pad} is "
+            f"{int(padded[e])}; offsets must be the exclusive cumsum of the padded counts (rebuild the "
+            "PermuteInfo with permute(), or recompute offsets after slicing counts)"
+        )
+    if f[5] < n_slots:
+        s = f[5]
+        raise IndexError(
+            f"{SR}[{s // K}, {s % K}]={int(rows[s])} is outside [-1, R={int(R)}); slot rows are rows of the "
+            "permuted buffer, or -1 for a slot that is not routed"
+        )
+    if f[6] < n_slots:
+        s = f[6]
+        e = int(seg[s])
+        raise ValueError(
+            f"{SR}[{s // K}, {s % K}]={int(rows[s])} is not a data row of any expert: expert {e}'s rows are "
+            f"[{int(o[e])}, {int(o[e]) + int(c[e])}) followed by padding up to {int(o[e + 1])}; "
+            "point each routed slot at an unpadded row of its expert's segment"
+        )
+    if f[7] < R_buf:
+        row = f[7]
+        slots = (rows == row).nonzero().flatten().tolist()[:4]
+        where = ", ".join(f"[{s // K}, {s % K}]" for s in slots)
+        raise ValueError(
+            f"row {row} of the permuted buffer is held by several slots ({SR}{where}); each routed slot "
+            "needs its own row"
+        )
+    if f[8] < E:
+        e = f[8]
+        raise ValueError(
+            f"{C}[{e}]={int(c[e])} but {int(per_expert[e])} slots point into expert {e}'s rows; counts must "
+            f"equal the routed slots of each expert (every unpadded row held by one slot)"
         )

@@ -11,6 +11,7 @@ import torch
 from . import _validation as V
 from . import reference
 from ._settings import validation_enabled
+from .bias import nan_weights_if_nonfinite
 from .dispatch import implementation
 from .types import PermuteInfo, Routing
 
@@ -50,7 +51,9 @@ def route(
         score_func: "softmax" or "sigmoid", computed in fp32.
         renormalize: divide the k weights by their sum (floored at 1e-20).
         expert_bias: fp32 [E] added to the scores for selection only (auxiliary-loss-free
-            balancing); the weights stay unbiased.
+            balancing); the weights stay unbiased. It must be finite: with validation on a
+            non-finite entry raises ``ValueError``; with validation off every weight becomes NaN
+            (no host sync; see :mod:`tritonmoe.bias`).
         n_groups, topk_groups: group-limited routing: E splits into n_groups groups scored by
             ``group_score``, and only experts of the topk_groups best groups (ties: lower group)
             can be selected.
@@ -80,10 +83,11 @@ def route(
     # Integer scalars of other types (numpy.int64, ...) become Python ints before any launch.
     top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
     routed_scaling_factor = float(routed_scaling_factor)
-    if validation_enabled():
+    validate = validation_enabled()
+    if validate:
         V.route_values(logits, score_func, expert_bias)
     impl = implementation("route", backend, logits.device, logits.dtype)
-    return impl(
+    routing = impl(
         logits,
         top_k,
         score_func=score_func,
@@ -96,6 +100,11 @@ def route(
         group_score=group_score,
         routed_scaling_factor=routed_scaling_factor,
     )
+    if not validate and expert_bias is not None:
+        # Unchecked, a non-finite bias makes every weight NaN, on the device (no sync): the loss
+        # goes NaN on the step the bias broke instead of training on silently wrong routing.
+        routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, expert_bias)
+    return routing
 
 
 def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -138,7 +147,9 @@ def permute(
 
     Args:
         x: [T, d] tokens.
-        topk_ids: [T, k] integer expert ids; -1 means "not routed" and is skipped.
+        topk_ids: [T, k] integer expert ids; -1 means "not routed" and is skipped. Other ids
+            outside [-1, E) raise ``IndexError`` with validation on; with it off they are
+            treated as -1 on every backend.
         num_experts: E.
         pad_to: each expert's segment is padded with zero rows up to a multiple of this.
         num_rows: None: ``x_perm`` has exactly R = ``expert_offsets[E]`` rows, which the Triton
@@ -181,10 +192,17 @@ def unpermute(
 ) -> torch.Tensor:
     """Weighted combine: out[t] = sum over routed j of topk_weights[t, j] * y_perm[slot_rows[t, j]],
     accumulated per token in fp32 (no atomics); [T, d] in y_perm's dtype. ``y_perm`` may have
-    more rows than R (a buffer from ``permute(..., num_rows=N)``); rows past R are not read."""
+    more rows than R (a buffer from ``permute(..., num_rows=N)``); rows past R are not read.
+
+    ``info`` may come from :func:`permute` or be built or sliced by the caller; its dtypes and
+    shapes are always checked, and with validation on its values too (offsets start at 0, never
+    decrease and end at R, at or below y_perm's rows; each segment is its count rounded up to
+    ``pad_to``; slot rows in [-1, R), each routed slot on its own unpadded row of an expert's
+    segment, ``counts[e]`` slots per expert), before any launch. With validation off, a slot row
+    outside [0, R) contributes nothing to the output, on every backend (see "Semantics decided
+    here" in the README)."""
     V.float_tensor("y_perm", y_perm, 2)
-    if not isinstance(info, PermuteInfo):
-        raise TypeError(f"info must be the tritonmoe.PermuteInfo from permute(), got {type(info).__name__}")
+    V.permute_info_args(info)
     V.float_tensor("topk_weights", topk_weights, 2)
     if tuple(topk_weights.shape) != tuple(info.slot_rows.shape):
         raise ValueError(
@@ -193,7 +211,7 @@ def unpermute(
         )
     V.same_device(y_perm=y_perm, topk_weights=topk_weights, slot_rows=info.slot_rows)
     if validation_enabled():
-        V.offsets_values("info.expert_offsets", info.expert_offsets, y_perm.shape[0], allow_tail=True)
+        V.permute_info_values(info, y_perm.shape[0], allow_tail=True)
     impl = implementation("unpermute", backend, y_perm.device, y_perm.dtype)
     return impl(y_perm, info, topk_weights)
 
@@ -208,7 +226,9 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """Ragged per-expert matmul: rows [offsets[e], offsets[e+1]) of x [R, K] times w[e] ([E, K, N]),
     plus bias[e] ([E, N], x's dtype) when given; fp32 accumulation (the bias added to it), output
-    [R, N] in x's dtype. The bias gradient is the per-expert column sum of the output gradient."""
+    [R, N] in x's dtype. The bias gradient is the per-expert column sum of the output gradient.
+    With validation off, offsets outside [0, R] are clamped into it (decreasing offsets give
+    unspecified values, never an out-of-bounds access)."""
     V.gemm_args(x, expert_offsets, w)
     V.bias("bias", bias, w.shape[0], w.shape[2], x, "output columns")
     if validation_enabled():
@@ -242,6 +262,7 @@ def grouped_ffn(
     = (u + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate, swiglu_limit) and
     u = clamp(up, -swiglu_limit, swiglu_limit) (gradients pass at the limits, as torch.clamp's).
     Optional biases b1 [E, n1] and b2 [E, d] (x's dtype) are added to the fp32 accumulators.
+    Offsets as in :func:`grouped_gemm` (clamped into [0, R] with validation off).
     """
     V.ffn_args(x, expert_offsets, w1, w2, activation)
     V.ffn_biases(x, w1, w2, b1, b2)
@@ -278,7 +299,8 @@ def moe_ffn(
 
     Args:
         x: [T, d] tokens.
-        routing: the :class:`Routing` of these tokens over E experts (ids -1 are skipped).
+        routing: the :class:`Routing` of these tokens over E experts (ids -1 are skipped; other
+            ids outside [-1, E) raise ``IndexError``, or with validation off are skipped too).
         w1: [E, d, 2f] for the GLUs (gate then up), [E, d, f] for gelu / relu.
         w2: [E, f, d].
         activation: "swiglu", "swiglu_oai" (GPT-OSS, see :func:`grouped_ffn`), "gelu" (exact erf)

@@ -83,9 +83,16 @@ def scores(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     return torch.sigmoid(lf)
 
 
+def _routed(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Which ids route a slot: those in [0, E). -1 means "not routed"; any other id (possible only
+    with validation off) is treated alike on every backend, never used as an index."""
+    return (ids >= 0) & (ids < num_experts)
+
+
 def _scatter_count(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int32 [E] histogram of ids in [-1, E); -1 is not counted. No host sync (unlike bincount)."""
-    flat = ids.reshape(-1).long() + 1
+    """int32 [E] histogram of the routed ids (:func:`_routed`). No host sync (unlike bincount)."""
+    ids = ids.reshape(-1).long()
+    flat = torch.where(_routed(ids, num_experts), ids + 1, torch.zeros_like(ids))
     out = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     out.scatter_add_(0, flat, torch.ones_like(flat))
     return out[1:].to(torch.int32)
@@ -356,12 +363,12 @@ def z_loss(logits_TE: torch.Tensor, routing: Routing | None = None) -> torch.Ten
 def permute_metadata(topk_ids_TK: torch.Tensor, num_experts: int, pad_to: int = 1) -> PermuteInfo:
     """The :class:`PermuteInfo` of :func:`permute` without moving any row (no host sync): counts,
     expert_offsets padded to ``pad_to`` and slot_rows in the stable order (by expert, then token,
-    then slot); slots with id -1 get row -1."""
+    then slot); slots with id -1 (or any id outside [0, E)) get row -1."""
     T, K = topk_ids_TK.shape
     E = num_experts
     dev = topk_ids_TK.device
     flat = topk_ids_TK.reshape(-1).long()  # token-major: (t, j) -> t*K + j
-    key = torch.where(flat >= 0, flat, torch.full_like(flat, E))  # unrouted slots sort last
+    key = torch.where(_routed(flat, E), flat, torch.full_like(flat, E))  # unrouted slots sort last
     order = torch.argsort(key, stable=True)  # by expert, then token, then slot
     key_sorted = key[order]
 
@@ -417,11 +424,12 @@ def permute(
 
 
 def unpermute(y_perm_RD: torch.Tensor, info: PermuteInfo, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum over routed j of w[t,j] * y_perm[slot_rows[t,j]], accumulated in fp32."""
+    """out[t] = sum over routed j of w[t,j] * y_perm[slot_rows[t,j]], accumulated in fp32. A slot
+    whose row lies outside [0, R) (-1, or any row with validation off) contributes nothing."""
     R, D = y_perm_RD.shape
     acc = _acc_dtype(y_perm_RD.dtype)
-    rows_TK = info.slot_rows
-    routed_TK = rows_TK >= 0
+    rows_TK = info.slot_rows.long()
+    routed_TK = (rows_TK >= 0) & (rows_TK < R)
     y_ext = torch.cat([y_perm_RD.to(acc), y_perm_RD.new_zeros(1, D, dtype=acc)], dim=0)
     g_TKD = y_ext[torch.where(routed_TK, rows_TK, torch.full_like(rows_TK, R))]
     w_TK = torch.where(routed_TK, topk_weights_TK.to(acc), torch.zeros((), dtype=acc, device=y_perm_RD.device))
@@ -487,6 +495,21 @@ class _SegmentBias(torch.autograd.Function):
         return dy_RN, None, db, None
 
 
+def clamped_offsets(expert_offsets: torch.Tensor, num_rows: int) -> list[int]:
+    """The offsets as host ints, each clamped into [0, R] and never below the one before it.
+
+    Valid offsets pass unchanged. With validation off, an offset past R or below 0 is clamped
+    into the buffer (as the Triton kernels clamp it), so no slice leaves the rows and the output
+    keeps R rows; decreasing offsets are inconsistent metadata whose values are unspecified.
+    Example: [-3, 2, 9] with R = 5 -> [0, 2, 5]; [0, 4, 2, 5] -> [0, 4, 4, 5].
+    """
+    out, lo = [], 0
+    for o in expert_offsets.tolist():
+        lo = min(max(o, lo), num_rows)
+        out.append(lo)
+    return out
+
+
 def _grouped_gemm_acc(
     x_RK: torch.Tensor,
     expert_offsets: torch.Tensor,
@@ -507,7 +530,7 @@ def _grouped_gemm_acc(
     R = x_RK.shape[0]
     E, _, N = w_EKN.shape
     acc = _acc_dtype(x_RK.dtype)
-    offs = expert_offsets.tolist()  # host sync: the reference slices the rows per expert
+    offs = clamped_offsets(expert_offsets, R)  # host sync: the reference slices the rows per expert
     if x_RK.dtype == torch.float64 and w_EKN.dtype == torch.float64:
         lo, hi = offs[0], offs[E]
         if lo == 0:
@@ -518,6 +541,7 @@ def _grouped_gemm_acc(
         return y if bias_EN is None else _SegmentBias.apply(y, offs, bias_EN, wgrad)
     # Every expert contributes a (possibly empty) piece, so the output stays in the autograd
     # graph of x, w and the bias even when no row is routed (zero gradients rather than no grad_fn).
+    # Rows before offsets[0] (> 0 only with validation off) are zero, like the rows past offsets[E].
     pieces = [x_RK.new_zeros(offs[0], N, dtype=acc)]
     for e in range(E):
         piece = x_RK[offs[e] : offs[e + 1]].to(acc) @ w_EKN[e].to(acc)

@@ -1,0 +1,724 @@
+"""Fault table of expert parallelism: what every rank sees when one rank fails, and how soon.
+
+``python -m bench faults`` runs every case of :data:`CASES` on spawned gloo groups of 2 and 4
+ranks (CPU, loopback) and prints, per case and world size, each rank's outcome (a result and
+whether it is right, a typed or untyped exception, an injected exit, a crash, or a hang) and the
+time to it. ``tests/test_faults.py`` runs the same table and asserts the goal:
+
+* every **fault** ends, on every rank, in a *typed* exception (anything but a bare
+  ``RuntimeError`` / ``Exception``: ``ValueError``, ``TypeError``, torch's ``DistError`` family,
+  tritonmoe's ``ScheduleError``...) within the process-group timeout + 5 s; the rank the fault
+  is injected into may instead exit (that is the fault);
+* every **legal** case (zero tokens, ragged batches, a straggler) gives every rank the right
+  result: output, input gradient and its experts' weight gradients equal (fp64, to 1e-10) to a
+  single-process layer holding all experts, applied to each rank's batch;
+* nothing hangs: the parent kills a rank that stays in one case past the case's limit plus a
+  slack and reports it as "hang".
+
+Adding a case is one entry: a :class:`FaultCase` whose ``run(ctx)`` executes on every rank,
+usually :func:`ep_step` with a fault armed on the victim rank by :func:`inject` (an exit, an
+exception or a sleep before any method's n-th matching call). A rank dying inside a
+Lina-scheduled gradient allreduce, for instance::
+
+    def _exit_in_allreduce(ctx):
+        def arm(c, layer, x):
+            inject(RealExecutor, "all_reduce", action=c.exit, when=lambda ex, *a, **k: ex.phase == "bwd")
+            return x
+
+        return ep_step(ctx, before=on_victim(arm))  # plus the layer options that schedule it
+
+    register(FaultCase("exit in a scheduled allreduce", "rank 1 dies inside the gradient allreduce",
+                       _exit_in_allreduce, victims=(1,)))
+
+Every case runs in its own process group (a fault leaves a gloo group unusable) except the
+``shared`` ones, whose outcome leaves the group healthy (legal cases and errors that every rank
+raises together); those of one world size share one group, run one after the other. Groups run
+concurrently (``parallel``): each rank times its case from a barrier after start-up, so
+start-up contention does not count. Ranks initialize with a long timeout and run each case on a
+new group with the short one (``pg_timeout_s``), so slow start-up on a busy machine is not a
+timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = [
+    "FaultCase",
+    "RankCtx",
+    "Outcome",
+    "Row",
+    "CASES",
+    "register",
+    "inject",
+    "InjectedFault",
+    "ep_step",
+    "on_victim",
+    "run_table",
+    "format_table",
+    "main",
+]
+
+#: Exit status of a rank that leaves on purpose (an injected exit).
+EXIT_INJECTED = 77
+#: Exception classes that say nothing about what failed: an error of exactly one of these
+#: types does not meet the goal (subclasses do).
+UNTYPED = ("builtins.RuntimeError", "builtins.Exception", "builtins.BaseException", "builtins.OSError")
+#: Start-up allowance (forks, rendezvous, warm-up) of a group, and between two of its cases.
+INIT_TIMEOUT_S = 180.0
+#: How far past its limit a rank may run a case before the parent kills it as a hang.
+HANG_SLACK_S = 20.0
+
+# Shape of the expert-parallel layer every case uses (tiny: the table is about control flow).
+D_MODEL, D_FFN, TOP_K, SEED = 8, 12, 2, 1234
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+class InjectedFault(RuntimeError):
+    """The error a fault case raises on purpose on its victim rank."""
+
+
+@dataclass
+class RankCtx:
+    """What a case's ``run`` gets on each rank.
+
+    Attributes:
+        rank, world_size: this rank and P.
+        group: the case's process group (timeout ``pg_timeout_s``); pass it as ``ep_group``.
+        is_victim: whether the case injects its fault on this rank.
+        case: the case's name; ``marker_dir``: where :meth:`exit` leaves its marker.
+    """
+
+    rank: int
+    world_size: int
+    group: Any
+    pg_timeout_s: float
+    is_victim: bool
+    case: str
+    marker_dir: str
+    t0: float = field(default_factory=time.monotonic)
+
+    t_end: Optional[float] = None
+
+    def start_clock(self) -> None:
+        """Restart the case's clock once every rank is set up (a barrier on the case's group):
+        the time to an outcome then counts from the step the fault hits, not from the setup."""
+        dist.barrier(group=self.group)
+        self.t0 = time.monotonic()
+
+    def stop_clock(self) -> None:
+        """The step is done: checking its result is not timed."""
+        self.t_end = time.monotonic()
+
+    def exit(self, *args, **kwargs) -> None:
+        """Leave now, as a crashing rank would (no cleanup, no collective), after writing a
+        marker so the table can tell an injected exit from a crash. Usable as an ``inject``
+        action (ignores its arguments)."""
+        with open(os.path.join(self.marker_dir, f"{_slug(self.case)}.rank{self.rank}.exited"), "w"):
+            pass
+        os._exit(EXIT_INJECTED)
+
+    def raise_fault(self, *args, **kwargs) -> None:
+        """Raise :class:`InjectedFault` (an ``inject`` action)."""
+        raise InjectedFault(f"injected fault on rank {self.rank} ({self.case})")
+
+
+def inject(owner: Any, attr: str, *, action: Callable[..., Any], when: Optional[Callable[..., bool]] = None,
+           nth: int = 1) -> None:
+    """Wrap ``owner.attr`` (a function, method or class attribute) in this process so that the
+    ``nth`` call for which ``when(*args, **kwargs)`` holds (every call when ``when`` is None)
+    first runs ``action(*args, **kwargs)``: ``ctx.exit``, ``ctx.raise_fault``, or e.g.
+    ``lambda *a, **k: time.sleep(5)`` (the call then proceeds). Patching a class attribute
+    affects every instance; ``args`` then start with ``self``. Only the victim calls this, in
+    its own process, so nothing needs undoing."""
+    original = getattr(owner, attr)
+    seen = [0]
+
+    def wrapper(*args, **kwargs):
+        if when is None or when(*args, **kwargs):
+            seen[0] += 1
+            if seen[0] == nth:
+                action(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(owner, attr, wrapper)
+
+
+@dataclass(frozen=True)
+class FaultCase:
+    """One row of the table.
+
+    Attributes:
+        name: the row's label (unique).
+        why: what it models.
+        run: ``run(ctx) -> dict`` on every rank; for legal cases the dict has ``correct`` (bool)
+            and ``max_err``; a fault shows as the exception it raises (or the rank's exit).
+        legal: every rank must return a correct result (else: every rank must end in a typed
+            exception, or the victim in its injected exit).
+        victims: ranks the fault is injected on (``ctx.is_victim``).
+        shared: its outcome leaves the group healthy, so it may share a group with other
+            shared cases of the same world size.
+        extra_s: waiting the case adds on purpose (a straggler's sleep), added to its limit.
+        stays_up: the victim's process lives on after its outcome (it caught the error), past
+            its peers' timeout, keeping its connections open: the peers can only time out.
+            Otherwise it ends at once, as an uncaught exception ends a training process.
+    """
+
+    name: str
+    why: str
+    run: Callable[[RankCtx], dict]
+    legal: bool = False
+    victims: tuple[int, ...] = ()
+    shared: bool = False
+    extra_s: float = 0.0
+    stays_up: bool = False
+
+
+CASES: dict[str, FaultCase] = {}
+
+
+def register(case: FaultCase) -> FaultCase:
+    """Add a case to :data:`CASES` (names are unique)."""
+    if case.name in CASES:
+        raise ValueError(f"fault case {case.name!r} is already registered")
+    CASES[case.name] = case
+    return case
+
+
+# ---------------------------------------------------------------------------------------------
+# The expert-parallel step every case runs
+# ---------------------------------------------------------------------------------------------
+
+
+def ep_step(
+    ctx: RankCtx,
+    *,
+    tokens: Optional[Sequence[int]] = None,
+    pipeline_degree: int = 2,
+    dtype: torch.dtype = torch.float64,
+    pipeline_degrees: Optional[Sequence[int]] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    before: Optional[Callable[[RankCtx, Any, torch.Tensor], torch.Tensor]] = None,
+) -> dict:
+    """One forward + backward of an expert-parallel MoELayer (E = 2P experts, top-2, fp64) on
+    ``ctx.group``, checked against a single-process layer holding all experts on every rank's
+    batch (built from the same seeds on every rank).
+
+    Args:
+        tokens: tokens per rank (default 6 each).
+        pipeline_degrees, dtypes: per-rank overrides of the layer's pipeline degree and dtype
+            (ranks that disagree: construction must refuse it on every rank).
+        before: ``before(ctx, layer, x) -> x`` runs after construction, before the forward (the
+            place to inject a fault on the victim or change its input).
+
+    Returns: ``{"correct": bool, "max_err": float}`` (output, input gradient, this rank's
+    experts' weight gradients).
+    """
+    import tritonmoe as tm
+
+    P, r = ctx.world_size, ctx.rank
+    tokens = tuple(tokens) if tokens is not None else (6,) * P
+    E = 2 * P
+    n = pipeline_degrees[r] if pipeline_degrees is not None else pipeline_degree
+    layer_dtype = dtypes[r] if dtypes is not None else dtype
+    torch.manual_seed(SEED)
+    ref = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, E, TOP_K), dtype=dtype)
+    layer = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, E, TOP_K, pipeline_degree=n), ep_group=ctx.group, dtype=layer_dtype)
+    L = E // P
+    mine = slice(r * L, (r + 1) * L)
+    with torch.no_grad():
+        layer.router.weight.copy_(ref.router.weight)
+        layer.w1.copy_(ref.w1[mine])
+        layer.w2.copy_(ref.w2[mine])
+    gen = torch.Generator().manual_seed(SEED + 1)
+    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dtype) for T in tokens]
+    gs = [torch.randn(T, D_MODEL, generator=gen, dtype=dtype) for T in tokens]
+    x = xs[r].clone()
+    if before is not None:
+        x = before(ctx, layer, x)
+    x.requires_grad_()
+    ctx.start_clock()
+    out = layer(x)
+    (out * gs[r].to(out.dtype)).sum().backward()
+    ctx.stop_clock()
+
+    errs = []
+    for s in range(P):
+        xr = xs[s].clone().requires_grad_()
+        o = ref(xr)
+        (o * gs[s]).sum().backward()
+        if s == r:
+            errs += [(out.detach(), o.detach()), (x.grad, xr.grad)]
+    errs += [(layer.w1.grad, ref.w1.grad[mine]), (layer.w2.grad, ref.w2.grad[mine])]
+    correct, max_err = True, 0.0
+    for got, want in errs:
+        if got.shape != want.shape or got.dtype != want.dtype:
+            correct = False
+            continue
+        if got.numel():
+            max_err = max(max_err, float((got - want).abs().max()))
+        correct = correct and torch.allclose(got, want, **TOL)
+    return {"correct": correct, "max_err": max_err}
+
+
+def on_victim(fn: Callable[[RankCtx, Any, torch.Tensor], torch.Tensor]):
+    """An :func:`ep_step` ``before`` hook that runs ``fn(ctx, layer, x) -> x`` on the case's
+    victim ranks only (the others keep their input)."""
+
+    def before(ctx: RankCtx, layer, x):
+        return fn(ctx, layer, x) if ctx.is_victim else x
+
+    return before
+
+
+def _executor():
+    from tritonmoe.comm.executor import RealExecutor
+
+    return RealExecutor
+
+
+# ---------------------------------------------------------------------------------------------
+# The cases
+# ---------------------------------------------------------------------------------------------
+
+
+def _raise_before_dispatch(ctx: RankCtx) -> dict:
+    def arm(c, layer, x):
+        inject(layer.dispatcher, "exchange_counts", action=c.raise_fault)
+        return x
+
+    return ep_step(ctx, before=on_victim(arm))
+
+
+def _exit_mid_forward(ctx: RankCtx) -> dict:
+    def arm(c, layer, x):
+        inject(_executor(), "all_to_all", action=c.exit,
+               when=lambda ex, *a, **k: ex.phase == "fwd" and k.get("kind") == "dispatch" and k.get("micro_op") == 1)
+        return x
+
+    return ep_step(ctx, before=on_victim(arm))
+
+
+def _exit_mid_backward(ctx: RankCtx) -> dict:
+    def arm(c, layer, x):
+        inject(_executor(), "all_to_all", action=c.exit, when=lambda ex, *a, **k: ex.phase == "bwd")
+        return x
+
+    return ep_step(ctx, before=on_victim(arm))
+
+
+def _straggler(ctx: RankCtx) -> dict:
+    def arm(c, layer, x):
+        inject(_executor(), "compute", action=lambda *a, **k: time.sleep(5.0),
+               when=lambda ex, *a, **k: k.get("kind") == "expert")
+        return x
+
+    return ep_step(ctx, before=on_victim(arm))
+
+
+def _cast_after_construction(ctx: RankCtx) -> dict:
+    def cast(c, layer, x):
+        layer.float()
+        return x.float()
+
+    return ep_step(ctx, before=on_victim(cast))
+
+
+def _input_dtype(ctx: RankCtx) -> dict:
+    return ep_step(ctx, before=on_victim(lambda c, layer, x: x.float()))
+
+
+def _zero_tokens(ctx: RankCtx) -> dict:
+    return ep_step(ctx, tokens=[0] + [5 + 2 * s for s in range(1, ctx.world_size)])
+
+
+def _ragged(ctx: RankCtx) -> dict:
+    return ep_step(ctx, tokens=[(3, 17, 1, 9)[s % 4] for s in range(ctx.world_size)], pipeline_degree=4)
+
+
+def _pipeline_mismatch(ctx: RankCtx) -> dict:
+    return ep_step(ctx, pipeline_degrees=[3 if s == 1 else 2 for s in range(ctx.world_size)])
+
+
+def _dtype_at_construction(ctx: RankCtx) -> dict:
+    return ep_step(ctx, dtypes=[torch.float32 if s == 1 else torch.float64 for s in range(ctx.world_size)])
+
+
+for _case in (
+    FaultCase("zero tokens on a rank", "rank 0 has no tokens (it still takes part in every exchange)",
+              _zero_tokens, legal=True, shared=True),
+    FaultCase("ragged batches", "3, 17, 1, 9 tokens per rank, pipeline degree 4 (empty micro-batches)",
+              _ragged, legal=True, shared=True),
+    FaultCase("straggler sleeps 5 s", "rank 1 sleeps 5 s in its first expert compute; the others wait in the combine "
+              "(legal while the process-group timeout exceeds 5 s)",
+              _straggler, legal=True, victims=(1,), shared=True, extra_s=5.0),
+    FaultCase("pipeline_degree differs", "rank 1 builds its layer with pipeline_degree=3, the others with 2",
+              _pipeline_mismatch, victims=(1,), shared=True),
+    FaultCase("dtype differs at construction", "rank 1 builds its layer in fp32, the others in fp64",
+              _dtype_at_construction, victims=(1,), shared=True),
+    FaultCase("raise before dispatch", "rank 1 raises in its forward before any collective (a local error)",
+              _raise_before_dispatch, victims=(1,)),
+    FaultCase("raise before dispatch (rank stays up)",
+              "as above, but the raising rank lives on (it caught the error): its peers can only time out",
+              _raise_before_dispatch, victims=(1,), stays_up=True),
+    FaultCase("exit mid-forward", "rank 1 exits at its forward dispatch of micro-op 1 (mid-pipeline)",
+              _exit_mid_forward, victims=(1,)),
+    FaultCase("exit mid-backward", "rank 1 exits at its first backward all-to-all",
+              _exit_mid_backward, victims=(1,)),
+    FaultCase("dtype cast after construction", "rank 1 casts its layer and input to fp32 after construction",
+              _cast_after_construction, victims=(1,)),
+    FaultCase("input dtype differs", "rank 1 feeds fp32 tokens to its fp64 layer (refused locally)",
+              _input_dtype, victims=(1,)),
+):
+    register(_case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running groups
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One rank's outcome of one case.
+
+    status: "result", "error", "exited (injected)", "crashed (SIGABRT)" / "died (exit N)",
+    "hang" (killed by the parent past the deadline), "not run (an earlier case hung)" or
+    "set-up failed" (the harness's start-up or the case's group creation failed). ``exc`` is the exception's qualified class
+    name, ``typed`` whether it is more specific than :data:`UNTYPED`, ``seconds`` the time from
+    the case's start barrier (None when the rank did not report)."""
+
+    status: str
+    seconds: Optional[float] = None
+    exc: Optional[str] = None
+    typed: Optional[bool] = None
+    message: str = ""
+    value: Optional[dict] = None
+
+    def short(self) -> str:
+        t = f"{self.seconds:.1f}s" if self.seconds is not None else ""
+        if self.status == "result":
+            ok = self.value is not None and self.value.get("correct")
+            return f"result ({'right' if ok else 'WRONG'}) {t}"
+        if self.status == "error":
+            name = self.exc.rsplit(".", 1)[-1] if self.exc else "?"
+            return f"{name}{'' if self.typed else ' (untyped)'} {t}"
+        return self.status
+
+
+@dataclass
+class Row:
+    """One (case, world size): every rank's outcome and whether the goal is met."""
+
+    case: str
+    world_size: int
+    legal: bool
+    outcomes: list[Outcome]
+    limit_s: float
+    ok: bool = False
+    verdict: str = ""
+
+    def describe(self) -> str:
+        per_rank = "; ".join(f"rank {r}: {o.short()}" + (f" [{o.message[:160]}]" if o.message else "")
+                             for r, o in enumerate(self.outcomes))
+        return f"{self.case} (P={self.world_size}): {self.verdict} -- {per_rank}"
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _qualname(e: BaseException) -> str:
+    return f"{type(e).__module__}.{type(e).__qualname__}"
+
+
+def _warm_up() -> None:
+    """One local layer step, so first-call costs (autograd engine, kernels' first dispatch) are
+    not timed as part of a case."""
+    import tritonmoe as tm
+
+    layer = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 4, TOP_K), dtype=torch.float64)
+    layer(torch.randn(6, D_MODEL, dtype=torch.float64, requires_grad=True)).sum().backward()
+
+
+def _write(outdir: str, name: str, rank: int, rec: Outcome) -> None:
+    base = os.path.join(outdir, f"{_slug(name)}.rank{rank}")
+    with open(base + ".tmp", "wb") as f:
+        pickle.dump(rec, f)
+    os.replace(base + ".tmp", base + ".pkl")
+
+
+def _rank_main(rank: int, P: int, port: int, cases: list[FaultCase], pg_timeout_s: float, outdir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    import tritonmoe.comm.executor  # noqa: F401 - imported before the clock starts, not inside a case
+
+    names = [c.name for c in cases]
+    for i, case in enumerate(cases):
+        name = case.name
+        try:  # set-up: a failure here is the harness's, never a case's outcome
+            if i == 0:
+                dist.init_process_group("gloo", rank=rank, world_size=P,
+                                        timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+                _warm_up()
+            group = dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=pg_timeout_s))
+            dist.barrier()  # every rank starts the case together (start-up is not timed)
+        except BaseException as e:  # noqa: BLE001 - reported in the table
+            for n in names[i:]:
+                _write(outdir, n, rank, Outcome("set-up failed", exc=_qualname(e), message=" ".join(str(e).split())[:400]))
+            os._exit(1)
+        open(os.path.join(outdir, f"{_slug(name)}.rank{rank}.started"), "w").close()
+        ctx = RankCtx(rank, P, group, pg_timeout_s, rank in case.victims, name, outdir)
+        try:
+            rec = Outcome("result", value=case.run(ctx))
+        except BaseException as e:  # noqa: BLE001 - the outcome is the measurement
+            rec = Outcome("error", exc=_qualname(e), typed=_qualname(e) not in UNTYPED,
+                          message=" ".join(str(e).split())[:400] or traceback.format_exc(limit=2))
+        rec.seconds = (ctx.t_end if rec.status == "result" and ctx.t_end is not None else time.monotonic()) - ctx.t0
+        _write(outdir, name, rank, rec)
+        if not case.shared:
+            if rank in case.victims and case.stays_up:
+                time.sleep(_linger_s(pg_timeout_s))  # keeps its connections open past the peers' timeout
+            os._exit(0)  # the group may be broken: leave without touching it
+    dist.barrier()  # shared cases left the group healthy: close connections only when all are done
+    os._exit(0)
+
+
+def _mp_context():
+    """Ranks fork from a server process that has imported torch and tritonmoe once (the spawn
+    method would import them again in every rank, seconds of CPU each on a small machine)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tritonmoe", "tritonmoe.comm.executor", __name__])
+    return ctx
+
+
+def _linger_s(pg_timeout_s: float) -> float:
+    """How long a victim that stays up lives on after its outcome: past its peers' limit."""
+    return pg_timeout_s + 8.0
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _case_limit_s(case: FaultCase, pg_timeout_s: float) -> float:
+    """The goal's bound on a case's time to an outcome: timeout + 5 s + its deliberate waits."""
+    return pg_timeout_s + 5.0 + case.extra_s
+
+
+def _watch(procs: list, cases: list[FaultCase], outdir: str, pg_timeout_s: float, init_timeout_s: float,
+           hang_slack_s: float) -> set[int]:
+    """Wait for the ranks; kill (and return) those stuck in one case for longer than its limit +
+    ``hang_slack_s`` (a victim that stays up: its linger), or between cases for longer than
+    ``init_timeout_s`` (start-up, group creation)."""
+    P = len(procs)
+    phase = [(-1, False)] * P  # (case index, outcome written) per rank
+    since = [time.monotonic()] * P
+    killed: set[int] = set()
+    while any(p.is_alive() for p in procs):
+        time.sleep(0.05)
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if not p.is_alive():
+                continue
+            i, done = phase[r]
+            nxt = i + 1 if done or i < 0 else i
+            base = lambda k: os.path.join(outdir, f"{_slug(cases[k].name)}.rank{r}")  # noqa: E731
+            if nxt < len(cases) and (os.path.exists(base(nxt) + ".started") or os.path.exists(base(nxt) + ".pkl")):
+                i, done = nxt, False
+            if 0 <= i and not done and os.path.exists(base(i) + ".pkl"):
+                done = True
+            if (i, done) != phase[r]:
+                phase[r], since[r] = (i, done), now
+                continue
+            if i < 0 or (done and cases[i].shared):
+                allowed = init_timeout_s
+            elif done:
+                allowed = (_linger_s(pg_timeout_s) if cases[i].stays_up else 0.0) + hang_slack_s
+            else:
+                allowed = _case_limit_s(cases[i], pg_timeout_s) + hang_slack_s
+            if now - since[r] > allowed:
+                p.kill()
+                killed.add(r)
+    for p in procs:
+        p.join(5)
+    return killed
+
+
+def _run_group(P: int, cases: list[FaultCase], pg_timeout_s: float, init_timeout_s: float,
+               hang_slack_s: float) -> dict[str, list[Outcome]]:
+    """Start P ranks that run ``cases`` in order; every rank's outcome per case."""
+    ctx = _mp_context()
+    with tempfile.TemporaryDirectory() as outdir:
+        port = _free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, P, port, cases, pg_timeout_s, outdir), daemon=True)
+                 for r in range(P)]
+        for p in procs:
+            p.start()
+        killed = _watch(procs, cases, outdir, pg_timeout_s, init_timeout_s, hang_slack_s)
+        table: dict[str, list[Outcome]] = {}
+        for case in cases:
+            row = []
+            for r, p in enumerate(procs):
+                base = os.path.join(outdir, f"{_slug(case.name)}.rank{r}")
+                if os.path.exists(base + ".pkl"):
+                    with open(base + ".pkl", "rb") as f:
+                        row.append(pickle.load(f))
+                elif os.path.exists(base + ".exited"):
+                    row.append(Outcome("exited (injected)"))
+                elif r in killed:
+                    started = os.path.exists(base + ".started")
+                    row.append(Outcome("hang" if started else "not run (an earlier case hung)"))
+                elif p.exitcode is not None and p.exitcode < 0:
+                    row.append(Outcome(f"crashed ({_signal_name(p.exitcode)})"))
+                else:
+                    row.append(Outcome(f"died (exit {p.exitcode})"))
+            table[case.name] = row
+    return table
+
+
+def _judge(case: FaultCase, row: Row) -> Row:
+    bad = []
+    for r, o in enumerate(row.outcomes):
+        if case.legal:
+            if o.status != "result":
+                bad.append(f"rank {r} {o.short()}")
+            elif not o.value.get("correct"):
+                bad.append(f"rank {r} wrong result (max err {o.value.get('max_err'):.3g})")
+        elif o.status == "exited (injected)" and r in case.victims:
+            continue
+        elif o.status != "error":
+            bad.append(f"rank {r} {o.short()}")
+        elif not o.typed:
+            bad.append(f"rank {r} untyped {o.exc}")
+        elif o.seconds > row.limit_s:
+            bad.append(f"rank {r} took {o.seconds:.1f}s > {row.limit_s:.0f}s")
+    row.ok = not bad
+    row.verdict = "goal met" if row.ok else "goal NOT met: " + "; ".join(bad)
+    return row
+
+
+def run_table(
+    world_sizes: Sequence[int] = (2, 4),
+    *,
+    pg_timeout_s: float = 10.0,
+    cases: Optional[Sequence[Union[str, FaultCase]]] = None,
+    parallel: Optional[int] = None,
+    init_timeout_s: float = INIT_TIMEOUT_S,
+    hang_slack_s: float = HANG_SLACK_S,
+) -> list[Row]:
+    """Run the cases for every world size; one :class:`Row` per (case, world size), in order.
+
+    Args:
+        cases: names of :data:`CASES` or :class:`FaultCase` objects (default: all registered);
+            a case's ``run`` must be importable by the ranks (a module-level function).
+        parallel: groups running at once (default: all).
+        init_timeout_s: start-up allowance of a group (spawn, rendezvous, warm-up), also the
+            timeout of the default group the harness itself uses.
+        hang_slack_s: how far past its limit a rank may run before it is killed as a hang.
+    """
+    chosen: list[FaultCase] = []
+    for c in (list(CASES) if cases is None else list(cases)):
+        if isinstance(c, FaultCase):
+            chosen.append(c)
+        elif c in CASES:
+            chosen.append(CASES[c])
+        else:
+            raise ValueError(f"unknown fault case {c!r}; known: {', '.join(CASES)}")
+    jobs: list[tuple[int, list[FaultCase]]] = []
+    for P in world_sizes:
+        if P < 2:
+            raise ValueError(f"world size {P}: a fault table needs at least 2 ranks")
+        shared = [c for c in chosen if c.shared]
+        if shared:
+            jobs.append((P, shared))
+        jobs += [(P, [c]) for c in chosen if not c.shared]
+
+    def run(job):
+        P, group_cases = job
+        return P, _run_group(P, group_cases, pg_timeout_s, init_timeout_s, hang_slack_s)
+
+    with ThreadPoolExecutor(max_workers=parallel or len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    by_key = {(P, n): outs for P, table in results for n, outs in table.items()}
+    rows = []
+    for case in chosen:
+        for P in world_sizes:
+            row = Row(case.name, P, case.legal, by_key[(P, case.name)], limit_s=_case_limit_s(case, pg_timeout_s))
+            rows.append(_judge(case, row))
+    return rows
+
+
+def format_table(rows: list[Row], pg_timeout_s: float) -> str:
+    """The table as text: one line per (case, world size)."""
+    lines = [
+        f"expert-parallel fault table (gloo, CPU; process-group timeout {pg_timeout_s:.0f} s). Goal: faults end in a "
+        f"typed exception on every rank within timeout + 5 s (the victim may exit), legal cases give the right "
+        f"result, nothing hangs.",
+    ]
+    w = max(len(r.case) for r in rows) + 2
+    for r in rows:
+        outcome = " | ".join(f"r{i}: {o.short()}" for i, o in enumerate(r.outcomes))
+        lines.append(f"{r.case:{w}} P={r.world_size}  {'legal' if r.legal else 'fault'}  {outcome}")
+        lines.append(f"{'':{w}}       {r.verdict}")
+    met = sum(r.ok for r in rows)
+    lines.append(f"{met} of {len(rows)} rows meet the goal")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench faults", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", default="2,4", help="ranks per group, comma-separated (default 2,4)")
+    p.add_argument("--timeout", type=float, default=10.0, help="process-group timeout in seconds (default 10)")
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all); --list shows them")
+    p.add_argument("--parallel", type=int, default=None, help="groups running at once (default: all)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        for c in CASES.values():
+            print(f"{c.name:32} {'legal' if c.legal else 'fault'}  {c.why}")
+        return 0
+    try:
+        sizes = [int(s) for s in args.world_sizes.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--world-sizes {args.world_sizes!r} must be comma-separated integers")
+    cases = [c.strip() for c in args.cases.split(",")] if args.cases else None
+    t0 = time.monotonic()
+    try:
+        rows = run_table(sizes, pg_timeout_s=args.timeout, cases=cases, parallel=args.parallel)
+    except ValueError as e:
+        p.error(str(e))
+    print(format_table(rows, args.timeout))
+    print(f"({time.monotonic() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0 if all(r.ok for r in rows) else 1

@@ -1,0 +1,116 @@
+"""Checks of the selection bias ``expert_bias`` (auxiliary-loss-free load balancing).
+
+The bias is training state that a loop updates every step (DeepSeek-V3's sign rule:
+``bias += rate * sign(mean_load - load_e)``). A bad update (a NaN rate, a corrupt checkpoint, an
+overflow) leaves non-finite entries, and a non-finite entry silently reroutes every token: a NaN
+entry is ranked as -inf (its expert is never chosen), ``+inf`` forces its expert into every
+token's top-k, ``-inf`` bans it. Nothing in the output would show it. Three tools, by cost:
+
+* :func:`check_expert_bias` - for the bias update path (once per optimizer step, not per
+  forward): types and shapes, then one host sync for any number of biases, raising a
+  ``ValueError`` that names the bias, the expert and the value. The aux-loss-free update helper
+  calls it after each update; call it after loading a checkpoint.
+* :func:`expert_bias_finite` - a 0-d bool tensor on the bias's device, no host sync: log it from
+  a hook whenever the loop already synchronizes (e.g. with the loss).
+* :func:`nan_weights_if_nonfinite` - the forward's guard, no host sync: the routing weights of
+  every token become NaN when any bias entry is non-finite, so the loss is NaN on the very step
+  the bias broke (which every training loop already watches for: NaN-loss checks, AMP's grad
+  scaler skipping the step) instead of training on silently wrong routing. All tokens, because
+  one bad entry changes every token's candidate set. Costs a reduction over E and an
+  elementwise op on the [T, k] weights. The public :func:`tritonmoe.route` applies it (and, with
+  validation on, raises instead, before any launch).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+import torch
+
+from . import _validation as V
+
+__all__ = ["check_expert_bias", "expert_bias_finite", "nan_weights_if_nonfinite"]
+
+
+def _as_list(bias) -> list[torch.Tensor]:
+    if isinstance(bias, torch.Tensor):
+        return [bias]
+    if isinstance(bias, (str, bytes)) or not isinstance(bias, Iterable):
+        raise TypeError(f"expert_bias must be a tensor or a sequence of tensors, got {type(bias).__name__}")
+    return list(bias)
+
+
+def _check_args(biases: list[torch.Tensor], num_experts: Optional[int], names: list[str]) -> None:
+    if num_experts is not None:
+        V.positive_int("num_experts", num_experts)
+    for name, b in zip(names, biases):
+        V.float_tensor(name, b, 1)
+        if num_experts is not None and b.shape[0] != num_experts:
+            raise ValueError(f"{name} has shape {tuple(b.shape)}; expected [{num_experts}] (one entry per expert)")
+
+
+def check_expert_bias(
+    bias: Union[torch.Tensor, Iterable[torch.Tensor]],
+    num_experts: Optional[int] = None,
+    *,
+    name: str = "expert_bias",
+) -> None:
+    """Raise unless every selection bias is a finite 1-D float tensor (of ``num_experts`` entries).
+
+    Args:
+        bias: one bias ``[E]`` or a sequence of them (e.g. every MoE layer's ``expert_bias``
+            buffer): all are checked with a single host sync.
+        num_experts: E, when the caller knows it (a layer's ``config.num_experts``).
+        name: how the bias is called in messages; with a sequence, entry i is ``name[i]``.
+
+    Raises:
+        TypeError: not a tensor, or not a floating dtype.
+        ValueError: not 1-D or not E entries; or a non-finite entry (the message names the bias,
+            the expert and the value, and says how to recover).
+
+    Cost: always the shape and dtype checks; then one reduction per bias and one host sync in
+    all (one per device), so call it on the bias update path (once per step), not inside a forward.
+    """
+    single = isinstance(bias, torch.Tensor)
+    biases = _as_list(bias)
+    names = [name] if single else [f"{name}[{i}]" for i in range(len(biases))]
+    _check_args(biases, num_experts, names)
+    if not biases:
+        return
+    # One flag per bias, stacked per device and read back at once.
+    by_device: dict[torch.device, list[int]] = {}
+    for i, b in enumerate(biases):
+        by_device.setdefault(b.device, []).append(i)
+    bad: list[int] = []
+    for idx in by_device.values():
+        finite = torch.stack([torch.isfinite(biases[i].detach()).all() for i in idx])
+        bad += [idx[j] for j in (~finite).nonzero().flatten().tolist()]  # host sync: the verdict (one per device)
+    if not bad:
+        return
+    bad.sort()
+    raise V.nonfinite_bias_error(names[bad[0]], biases[bad[0]], others=len(bad) - 1)
+
+
+def expert_bias_finite(bias: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on ``bias``'s device: whether every entry is finite. No host sync (read
+    it where the loop synchronizes anyway, e.g. beside the loss, or pass it to a logger)."""
+    V.float_tensor("expert_bias", bias, 1)
+    return torch.isfinite(bias).all()
+
+
+def nan_weights_if_nonfinite(topk_weights: torch.Tensor, expert_bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``topk_weights`` unchanged, or all NaN when any entry of ``expert_bias`` is not finite.
+
+    No host sync: the decision stays on the device (a reduction over E, then ``w + 0`` or
+    ``w + NaN``, which keeps the weights differentiable). ``expert_bias`` None returns the
+    weights as they are. Used by :func:`tritonmoe.route`; a layer applies it to its routing
+    weights the same way.
+    """
+    if expert_bias is None:
+        return topk_weights
+    poison = torch.where(
+        torch.isfinite(expert_bias).all(),
+        torch.zeros((), dtype=topk_weights.dtype, device=topk_weights.device),
+        torch.full((), float("nan"), dtype=topk_weights.dtype, device=topk_weights.device),
+    )
+    return topk_weights + poison
