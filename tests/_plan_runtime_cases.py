@@ -30,7 +30,7 @@ def agreement(rank: int, P: int, cost_path: str) -> dict:
     """A cost-model file missing on one rank fails on every rank (none hangs); then 'auto' and
     'search' with different token counts per rank: every rank runs the same degree each step,
     and the result equals the unpipelined layer bitwise (fp64)."""
-    out = {"missing": missing_on_one_rank(rank, P, cost_path)}
+    out = {"missing": missing_on_one_rank(rank, P, cost_path), "profile": tiny_profile(rank, P)}
     gen = torch.Generator().manual_seed(100 + rank)
     # per step, this rank's token count (ranks differ; one rank sometimes has none)
     schedule = [(40, 3, 64), (40, 3, 64), (200, 17, 0), (40, 3, 64), (200, 17, 0), (5, 90, 33)] * 2
@@ -54,6 +54,17 @@ def agreement(rank: int, P: int, cost_path: str) -> dict:
             profiled=getattr(pol, "steps_profiled", None),
         )
     return out
+
+
+def tiny_profile(rank: int, P: int) -> dict | None:
+    """``tritonmoe.plan.profile`` end to end at toy sizes (the CLI's path): the fitted model's
+    JSON on rank 0."""
+    from tritonmoe.plan.profile import ProfileSpec, profile
+
+    spec = ProfileSpec(sizes=(1024, 16384, 262144), kinds=("all_to_all", "all_reduce"), reps=1, warmup=0,
+                       shapes=((16, 16, 6, 2),), tokens=(8, 64), dtype=torch.float32, log=False)
+    model = profile(spec)
+    return model.to_json() if model is not None else None
 
 
 def missing_on_one_rank(rank: int, P: int, cost_path: str) -> str:

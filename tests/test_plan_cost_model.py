@@ -89,7 +89,9 @@ def _synthetic_measurements(group_sizes=(2, 4)):
 
 
 def test_cost_model_fit_predict_and_roundtrip(tmp_path):
-    m = CostModel.fit(_synthetic_measurements(), host_compute=True, dtype="float32", lane_slots={"comm": 2})
+    m = CostModel.fit(_synthetic_measurements(), host_compute=True, dtype="float32", lane_slots={"comm": 2},
+                      host_cores=1.5, threads_per_rank=1)
+    assert m.cpu_share() == pytest.approx(1 / 1.5)
     assert m.group_sizes() == [2, 4]
     assert m.predict("all_to_all", 2**20, 4) == pytest.approx(4e-4 + 2**20 * 4 / 1e9, rel=1e-6)
     assert m.predict("copy_d2h", 2**20, 1) == pytest.approx(5e-6 + 2**20 / 2e10, rel=1e-6)

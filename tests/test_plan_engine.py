@@ -213,6 +213,30 @@ def test_interference_and_host_models():
     assert res_cpu.timings[0][2].issue == pytest.approx(1.625e-3)
 
 
+def test_ranks_share_a_cpu():
+    """CPU host model with host_cores: ranks computing at once share the node's cores; a rank
+    computing alone runs at its measured rate."""
+    world = VirtualGroup((0, 1, 2))
+    cost = _model(flops=1e9, host_compute=True)
+    cost.host_cores, cost.threads_per_rank = 2.0, 1
+
+    def progs(busy):
+        out = []
+        for r in range(3):
+            ex = SimExecutor(r, world, host_compute=True)
+            if r in busy:
+                ex.compute(None, work=Work(1e6, 0.0, "gemm", 1), kind="c")  # 1 ms alone
+            out.append(ex.program)
+        return out
+
+    three = engine.run(progs({0, 1, 2}), cost)
+    assert three.timings[0][0].end == pytest.approx(1.5e-3)  # 3 ranks on 2 cores
+    two = engine.run(progs({0, 1}), cost)
+    assert two.timings[0][0].end == pytest.approx(1e-3)  # 2 ranks on 2 cores: no slowdown
+    with pytest.raises(ValueError, match="symmetric mode cannot model ranks sharing a CPU"):
+        engine.run(progs({0})[:1], cost, symmetric=True)
+
+
 def test_collective_mismatch_and_hang_are_errors():
     world = VirtualGroup((0, 1))
     a = SimExecutor(0, world, host_compute=False)

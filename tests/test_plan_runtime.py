@@ -27,6 +27,21 @@ def test_auto_needs_a_process_group():
         tm.MoEConfig(8, 8, 4, 2, pipeline_degree="auto", cost_model=3)
 
 
+def test_default_cost_models():
+    """Without cost_model / $TRITONMOE_COST_MODEL, CPU tensors plan with the packaged model; a
+    group size it was not fitted for is an error naming the fix."""
+    import torch
+
+    from tritonmoe.plan.cost_model import CostModelError
+    from tritonmoe.plan.runtime import DEFAULT_CPU_MODEL, runtime_cost_model
+
+    cfg = tm.MoEConfig(8, 8, 4, 2, pipeline_degree="auto")
+    m = runtime_cost_model(cfg, 4, torch.device("cpu"))
+    assert m.path == DEFAULT_CPU_MODEL and m.host_compute and 4 in m.group_sizes("all_to_all")
+    with pytest.raises(CostModelError, match=r"cpu_gloo\.json.*not 3.*--nproc 3"):
+        m.check_group_size(3)
+
+
 def test_token_buckets():
     seen = {}
     for T in range(1, 5000):
@@ -56,6 +71,15 @@ def test_auto_and_search_agree_across_ranks(tmp_path):
     # the file exists on ranks 0 and 2 only: every rank raises the agreement error
     msgs = [r["missing"] for r in per_rank]
     assert all(m.startswith("ValueError") and "degree_policy" in m and "rank 1=-1" in m for m in msgs), msgs
+    # the profiler end to end (toy sizes): every kind and group size fitted, compute rates,
+    # interference, the CPU sharing of 3 ranks
+    prof = CostModel.from_json(per_rank[0]["profile"])
+    assert per_rank[1]["profile"] is None and per_rank[2]["profile"] is None
+    assert prof.group_sizes("all_to_all") == [2, 3] and prof.group_sizes("all_reduce") == [2, 3]
+    assert all(f.r2 is not None and f.n_points == 3 for f in prof.collectives.values())
+    assert {"gemm", "copy", "elementwise"} <= set(prof.compute)
+    assert ("comp", "comm") in prof.interference and ("comm", "comm") in prof.interference
+    assert prof.host_compute and prof.lane_slots.get("comm", 0) >= 1 and prof.meta["world_size"] == 3
     for mode in ("auto", "search"):
         runs = [r[mode] for r in per_rank]
         assert all(r["degrees"] == runs[0]["degrees"] for r in runs), [r["degrees"] for r in runs]

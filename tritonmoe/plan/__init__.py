@@ -39,6 +39,8 @@ from .schedules import (
 )
 from .sim_executor import Program, SimExecutor, SimOp, VirtualGroup
 from .simulate import SimTimeline, routing_counts, simulate
+from .planner import Candidate, Plan, choose
+from .search import GranularitySearch
 
 __all__ = [
     "Cluster",
@@ -75,4 +77,8 @@ __all__ = [
     "SimTimeline",
     "routing_counts",
     "simulate",
+    "Candidate",
+    "Plan",
+    "choose",
+    "GranularitySearch",
 ]

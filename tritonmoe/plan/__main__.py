@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--sizes", type=_ints, default=None, help="bytes per rank (default 1 KiB..64 MiB, x4 steps)")
     pr.add_argument("--reps", type=int, default=5, help="repetitions per point (default 5)")
     pr.add_argument("--shape", type=_shape, action="append", default=None, metavar="D,F,E,K",
-                    help="layer shape whose ops are timed (repeatable; default 256,512,8,2 and 1024,2048,8,2)")
+                    help="layer shape whose ops are timed (repeatable; default 256,512,8,2 and 512,1024,8,2)")
     pr.add_argument("--tokens", type=_ints, default=None, help="token counts per rank for the compute timings")
     pr.add_argument("--dtype", default="float32", help="activation dtype of the compute timings (default float32)")
     pr.add_argument("--quick", action="store_true", help="fewer sizes and shapes (a smoke test, ~1 minute)")

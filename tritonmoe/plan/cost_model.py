@@ -36,7 +36,7 @@ import json
 import math
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from tritonmoe.comm.executor import Work
@@ -270,8 +270,11 @@ class ComputeRate:
     """Roofline of one :class:`~tritonmoe.comm.executor.Work` kind.
 
     ``time(w) = w.launches * launch_s + t / eff(t)``, ``t = max(w.flops / flops_per_s,
-    w.bytes / bytes_per_s)`` (an infinite rate drops its term). ``curve`` is ``(t, eff)`` points,
-    sorted by t; eff is interpolated linearly in log t and clamped at the ends (no curve: 1).
+    w.bytes / bytes_per_s)`` (``combine="max"``, the roofline of a kernel that overlaps its
+    memory traffic with its arithmetic, as GPU kernels do) or their sum (``combine="sum"``, what
+    a fit of measurements gives when they do not overlap, e.g. CPU ATen ops); an infinite rate
+    drops its term. ``curve`` is ``(t, eff)`` points, sorted by t; eff is interpolated linearly in
+    log t and clamped at the ends (no curve: 1).
     """
 
     flops_per_s: float = math.inf
@@ -281,9 +284,11 @@ class ComputeRate:
     r2: Optional[float] = None
     heldout_rel_err: Optional[float] = None
     n_points: int = 0
+    combine: str = "max"
 
     def ideal(self, w: Work) -> float:
-        return max(w.flops / self.flops_per_s, w.bytes / self.bytes_per_s)
+        a, b = w.flops / self.flops_per_s, w.bytes / self.bytes_per_s
+        return a + b if self.combine == "sum" else max(a, b)
 
     def efficiency(self, t: float) -> float:
         c = self.curve
@@ -313,10 +318,13 @@ class ComputeRate:
             "r2": self.r2,
             "heldout_rel_err": self.heldout_rel_err,
             "n_points": self.n_points,
+            "combine": self.combine,
         }
 
     @classmethod
     def from_json(cls, d: Mapping) -> "ComputeRate":
+        if d.get("combine", "max") not in ("max", "sum"):
+            raise ValueError(f"combine={d.get('combine')!r}")
         return cls(
             _unnum(d["flops_per_s"]),
             _unnum(d["bytes_per_s"]),
@@ -325,64 +333,111 @@ class ComputeRate:
             d.get("r2"),
             d.get("heldout_rel_err"),
             int(d.get("n_points", 0)),
+            str(d.get("combine", "max")),
         )
 
 
-#: Work kinds priced by their FLOPs when fitted (the others by their bytes).
-FLOP_KINDS = ("gemm",)
+def _nnls_relative(cols: list[list[float]], ts: list[float]) -> list[float]:
+    """Non-negative least squares of ``t ~ sum_j c_j * cols[j]`` with relative residuals (each
+    row weighted by 1/t): the best non-negative solution over every subset of the columns (a
+    handful of columns, so exhaustive is exact and cheap)."""
+    import itertools
+
+    import torch
+
+    m = len(cols)
+    A = torch.tensor(cols, dtype=torch.float64).T  # [n, m]
+    t = torch.tensor(ts, dtype=torch.float64)
+    w = 1.0 / t
+    Aw, tw = A * w[:, None], t * w
+    best, best_res = [0.0] * m, float(((tw) ** 2).sum())
+    for k in range(1, m + 1):
+        for sub in itertools.combinations(range(m), k):
+            cols_sub = Aw[:, list(sub)]
+            if bool((cols_sub.abs().sum(0) == 0).any()):
+                continue
+            sol = torch.linalg.lstsq(cols_sub, tw[:, None]).solution[:, 0]
+            if bool((sol < 0).any()):
+                continue
+            res = float(((cols_sub @ sol - tw) ** 2).sum())
+            if res < best_res - 1e-15:
+                best_res = res
+                best = [0.0] * m
+                for j, v in zip(sub, sol.tolist()):
+                    best[j] = v
+    return best
+
+
+def _isotonic(ys: list[float]) -> list[float]:
+    """Non-decreasing least-squares fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s2, c2 = blocks.pop()
+            blocks[-1][0] += s2
+            blocks[-1][1] += c2
+    out: list[float] = []
+    for s_, c in blocks:
+        out += [s_ / c] * int(c)
+    return out
 
 
 def _fit_compute(kind: str, samples: list["ComputeSample"]) -> ComputeRate:
-    """``t = launches * L + size / rate`` by least squares (size = FLOPs for GEMM kinds, bytes
-    otherwise), then an efficiency curve over the points when it lowers the held-out error."""
-    by_flops = kind in FLOP_KINDS
-    size = [s.flops if by_flops else s.bytes for s in samples]
+    """``t = launches * L + flops / F + bytes / B`` by non-negative least squares (relative
+    residuals), then, when it lowers the held-out error, an efficiency curve over the
+    size-dependent part: the measured efficiency of each point, made non-decreasing in size
+    (isotonic: hardware is under-used at small sizes, MPMoE §IV-B, and noise must not make a
+    larger op cheaper than a smaller one)."""
     ts = [s.seconds for s in samples]
     launches = [max(1, s.launches) for s in samples]
-    # t / launches = L + (size / launches) / rate: a line in x = size / launches
-    xs = [sz / n for sz, n in zip(size, launches)]
-    tl = [t / n for t, n in zip(ts, launches)]
-    L, inv = _wls(xs, tl)
-    rate = 1.0 / inv if inv > 0 else math.inf
 
-    def make(curve):
-        return ComputeRate(
-            flops_per_s=rate if by_flops else math.inf,
-            bytes_per_s=math.inf if by_flops else rate,
-            launch_s=L,
-            curve=curve,
-        )
+    def fit(idx) -> tuple[float, float, float]:
+        cols = [[float(launches[i]) for i in idx], [samples[i].flops for i in idx], [samples[i].bytes for i in idx]]
+        L, a, b = _nnls_relative(cols, [ts[i] for i in idx])
+        return L, a, b
 
-    def curve_from(idx):
+    def make(params, curve=()):
+        L, a, b = params
+        return ComputeRate(1.0 / a if a > 0 else math.inf, 1.0 / b if b > 0 else math.inf, L, curve, combine="sum")
+
+    def curve_from(model: ComputeRate, idx) -> tuple[tuple[float, float], ...]:
         pts = []
         for i in idx:
-            t_ideal = size[i] / rate if math.isfinite(rate) else 0.0
-            rest = ts[i] - launches[i] * L
-            if t_ideal > 0 and rest > 0:
-                pts.append((t_ideal, min(max(t_ideal / rest, 0.02), 1.5)))
+            t_ideal = model.ideal(Work(samples[i].flops, samples[i].bytes, kind, launches[i]))
+            rest = ts[i] - launches[i] * model.launch_s
+            if t_ideal > 0:
+                pts.append((t_ideal, min(max(t_ideal / rest, 0.02), 1.5) if rest > 0 else 1.5))
         pts.sort()
-        merged: list[tuple[float, float]] = []
-        for t, e in pts:  # equal sizes: average the efficiencies
+        merged: list[list[float]] = []
+        for t, e in pts:  # equal sizes: average
             if merged and math.isclose(merged[-1][0], t, rel_tol=1e-9):
-                merged[-1] = (t, (merged[-1][1] + e) / 2)
+                merged[-1][1] = (merged[-1][1] * merged[-1][2] + e) / (merged[-1][2] + 1)
+                merged[-1][2] += 1
             else:
-                merged.append((t, e))
-        return tuple(merged)
+                merged.append([t, e, 1])
+        effs = _isotonic([e for _, e, _ in merged])
+        return tuple((t, e) for (t, _, _), e in zip(merged, effs))
 
     def loo(with_curve: bool) -> float:
-        if len(samples) < 3:
+        if len(samples) < 4:
             return math.nan
         errs = []
         for i in range(len(samples)):
             rest = [j for j in range(len(samples)) if j != i]
-            m = make(curve_from(rest) if with_curve else ())
+            m = make(fit(rest))
+            if with_curve:
+                m = make(fit(rest), curve_from(m, rest))
             w = Work(samples[i].flops, samples[i].bytes, kind, launches[i])
             errs.append(abs(m.time(w) - ts[i]) / ts[i])
         return statistics.median(errs)
 
+    params = fit(range(len(samples)))
     plain, curved = loo(False), loo(True)
-    use_curve = not math.isnan(curved) and curved < plain and plain > 0.05
-    model = make(curve_from(range(len(samples))) if use_curve else ())
+    use_curve = not math.isnan(curved) and plain > 0.02 and curved < 0.9 * plain  # a curve must earn its points
+    model = make(params)
+    if use_curve:
+        model = make(params, curve_from(model, range(len(samples))))
     preds = [model.time(Work(s.flops, s.bytes, kind, n)) for s, n in zip(samples, launches)]
     err = curved if use_curve else plain
     return ComputeRate(
@@ -390,6 +445,7 @@ def _fit_compute(kind: str, samples: list["ComputeSample"]) -> ComputeRate:
         r2=_r2(ts, preds) if len(ts) > 1 else None,
         heldout_rel_err=None if math.isnan(err) else err,
         n_points=len(samples),
+        combine="sum",
     )
 
 
@@ -437,9 +493,15 @@ class InterferenceSample:
 
 @dataclass(frozen=True)
 class HostSample:
-    """Host seconds to issue one asynchronous operation (Python + the backend's enqueue)."""
+    """Host seconds to issue one operation through the executor: ``what="comm"`` an
+    asynchronous collective or copy (Python + the backend's enqueue), ``"compute"`` the
+    executor's own cost around a compute (on the CPU host model, paid on the issuing thread)."""
 
     seconds: float
+    what: str = "comm"
+
+
+_SAMPLE_TYPES = {c.__name__: c for c in (CommSample, ComputeSample, InterferenceSample, HostSample)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,16 +520,24 @@ class CostModel:
         interference: ``(y, x) -> retained speed fraction`` (MPMoE's alpha(y, x)).
         host_compute: the host model of the machine (True: CPU/gloo, compute runs on the
             issuing thread; False: CUDA).
-        host_op_s: host seconds to issue one operation.
+        host_op_s: host seconds to issue one collective or copy.
+        compute_op_s: host seconds the executor adds around one compute (CPU host model).
         lane_slots: operations a lane may run at once (default 1: one CUDA stream; gloo runs
             a process group's asynchronous work on ``threads`` worker threads).
         ranks_per_node: ranks per node of the machine the model describes (None: every rank
             on one node, so every group is "intra").
+        host_cores: CPU host model only: the cores one node's ranks share for compute (measured:
+            the slowdown when every rank computes at once), None for no sharing. A compute op
+            of a rank running ``threads_per_rank`` threads then uses ``threads_per_rank /
+            host_cores`` of the node's CPU, so ops of several ranks fair-share it; the compute
+            rates are those of one rank computing alone.
         dtype: the element type the compute rates were measured or derived in.
         cluster: the :class:`~tritonmoe.plan.Cluster` of a derived model (collectives are then
             decomposed into link traffic), else None.
         source: where the model comes from ("profile", "cluster:<name>", ...); ``meta``: free
             form (machine, versions, date, load); ``path``: the file it was loaded from.
+        samples: the measurements a fitted model came from (kept in its file, so it can be
+            refitted or inspected; not part of its fingerprint).
     """
 
     collectives: dict = field(default_factory=dict)
@@ -476,13 +546,17 @@ class CostModel:
     interference: dict = field(default_factory=dict)
     host_compute: bool = False
     host_op_s: float = 0.0
+    compute_op_s: float = 0.0
     lane_slots: dict = field(default_factory=dict)
     ranks_per_node: Optional[int] = None
+    host_cores: Optional[float] = None
+    threads_per_rank: int = 1
     dtype: str = "bfloat16"
     cluster: Any = None
     source: str = "synthetic"
     meta: dict = field(default_factory=dict)
     path: Optional[str] = None
+    samples: list = field(default_factory=list)
 
     # -- fitting -------------------------------------------------------------------------------
 
@@ -495,6 +569,8 @@ class CostModel:
         dtype: str = "float32",
         lane_slots: Optional[Mapping[str, int]] = None,
         ranks_per_node: Optional[int] = None,
+        host_cores: Optional[float] = None,
+        threads_per_rank: int = 1,
         source: str = "profile",
         meta: Optional[dict] = None,
         piecewise: bool = True,
@@ -507,6 +583,8 @@ class CostModel:
         comp: dict[str, list[ComputeSample]] = {}
         inter: dict[tuple, list[float]] = {}
         host: list[float] = []
+        host_compute_s: list[float] = []
+        measurements = list(measurements)
         for m in measurements:
             if isinstance(m, CommSample):
                 if m.kind not in COLLECTIVES + COPIES:
@@ -522,17 +600,21 @@ class CostModel:
                     raise ValueError(f"InterferenceSample ({m.y!r}, {m.x!r}): classes are {OP_CLASSES} (x also 'all')")
                 inter.setdefault((m.y, m.x), []).append(min(1.0, m.alone_s / m.concurrent_s))
             elif isinstance(m, HostSample):
-                host.append(m.seconds)
+                (host_compute_s if m.what == "compute" else host).append(m.seconds)
             else:
                 raise TypeError(f"CostModel.fit: unknown measurement {type(m).__name__}")
         model = cls(
             host_compute=host_compute,
             host_op_s=statistics.median(host) if host else 0.0,
+            compute_op_s=statistics.median(host_compute_s) if host_compute_s else 0.0,
             lane_slots=dict(lane_slots or {}),
             ranks_per_node=ranks_per_node,
+            host_cores=host_cores,
+            threads_per_rank=threads_per_rank,
             dtype=dtype,
             source=source,
             meta=dict(meta or {}),
+            samples=measurements,
         )
         for key, ss in comm.items():
             fit = fit_linear([s.nbytes for s in ss], [s.seconds for s in ss], piecewise=piecewise)
@@ -544,6 +626,17 @@ class CostModel:
             model.compute[kind] = _fit_compute(kind, ss)
         model.interference = {k: statistics.median(v) for k, v in inter.items()}
         return model
+
+    def refit(self, **overrides: Any) -> "CostModel":
+        """Fit again from :attr:`samples` (e.g. after a change of the fitting procedure), keeping
+        the model's settings unless overridden."""
+        if not self.samples:
+            raise CostModelError(f"{self._where()} keeps no samples to refit (re-run `python -m tritonmoe.plan profile`)")
+        kw = dict(host_compute=self.host_compute, dtype=self.dtype, lane_slots=self.lane_slots,
+                  ranks_per_node=self.ranks_per_node, host_cores=self.host_cores,
+                  threads_per_rank=self.threads_per_rank, source=self.source, meta=self.meta)
+        kw.update(overrides)
+        return CostModel.fit(self.samples, **kw)
 
     # -- questions -----------------------------------------------------------------------------
 
@@ -615,6 +708,19 @@ class CostModel:
                 )
             total += rate.time(w)
         return total
+
+    def node_of(self, rank: int) -> int:
+        """The node a rank is on (rank // ranks_per_node; node 0 when all are on one)."""
+        if self.cluster is not None:
+            return self.cluster.node_of(rank)
+        return 0 if self.ranks_per_node is None else rank // self.ranks_per_node
+
+    def cpu_share(self) -> Optional[float]:
+        """Fraction of a node's CPU one rank's compute uses at full speed (CPU host model with
+        ``host_cores``), else None."""
+        if not self.host_compute or not self.host_cores:
+            return None
+        return min(1.0, self.threads_per_rank / self.host_cores)
 
     def retained(self, y: str, others: Iterable[str]) -> float:
         """Speed fraction an op of class ``y`` keeps while ``others`` (classes of the other
@@ -692,6 +798,7 @@ class CostModel:
         """A hash of the model's content (ranks compare it to know they plan with one model)."""
         d = self.to_json()
         d.pop("meta", None)
+        d.pop("samples", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def to_json(self) -> dict:
@@ -702,8 +809,11 @@ class CostModel:
             "dtype": self.dtype,
             "host_compute": self.host_compute,
             "host_op_s": self.host_op_s,
+            "compute_op_s": self.compute_op_s,
             "lane_slots": dict(self.lane_slots),
             "ranks_per_node": self.ranks_per_node,
+            "host_cores": self.host_cores,
+            "threads_per_rank": self.threads_per_rank,
             "collectives": [
                 {"kind": k, "group_size": p, "link": l, **f.to_json()} for (k, p, l), f in sorted(self.collectives.items())
             ],
@@ -712,6 +822,7 @@ class CostModel:
             "interference": [{"y": y, "x": x, "retained": v} for (y, x), v in sorted(self.interference.items())],
             "cluster": self.cluster.to_json() if self.cluster is not None else None,
             "meta": self.meta,
+            "samples": [{"type": type(m).__name__, **asdict(m)} for m in self.samples],
         }
 
     @classmethod
@@ -742,13 +853,18 @@ class CostModel:
                 interference={(c["y"], c["x"]): float(c["retained"]) for c in d.get("interference", [])},
                 host_compute=bool(d["host_compute"]),
                 host_op_s=float(d.get("host_op_s", 0.0)),
+                compute_op_s=float(d.get("compute_op_s", 0.0)),
                 lane_slots={k: int(v) for k, v in d.get("lane_slots", {}).items()},
                 ranks_per_node=d.get("ranks_per_node"),
+                host_cores=d.get("host_cores"),
+                threads_per_rank=int(d.get("threads_per_rank", 1)),
                 dtype=str(d.get("dtype", "bfloat16")),
                 cluster=cluster,
                 source=str(d.get("source", "file")),
                 meta=dict(d.get("meta", {})),
                 path=path,
+                samples=[_SAMPLE_TYPES[m["type"]](**{k: v for k, v in m.items() if k != "type"})
+                         for m in d.get("samples", [])],
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, CostModelError):
@@ -807,8 +923,14 @@ class CostModel:
                          f"{', ' + str(len(r.curve)) + '-point efficiency curve' if r.curve else ''}{q}")
         for (y, x), v in sorted(self.interference.items()):
             lines.append(f"  interference alpha({y}, {x}) = {v:.3f} (retained speed)")
-        if self.host_op_s:
-            lines.append(f"  host issue time {self.host_op_s * 1e6:.1f} us per operation")
+        if self.host_op_s or self.compute_op_s:
+            lines.append(f"  host time per operation: {self.host_op_s * 1e6:.1f} us to issue a collective, "
+                         f"{self.compute_op_s * 1e6:.1f} us around a compute")
+        if self.host_cores:
+            lines.append(f"  compute shares {self.host_cores:.2f} effective cores per node ({self.threads_per_rank} "
+                         "thread(s) per rank)")
+        if self.lane_slots:
+            lines.append("  lane slots " + ", ".join(f"{k}: {v}" for k, v in sorted(self.lane_slots.items())))
         return lines
 
 

@@ -22,7 +22,9 @@ recorded from the schedule code) and a :class:`~tritonmoe.plan.CostModel`. Outpu
   data phase whose busy time on each resource it crosses (a rank's NIC or intra-node link, from
   :meth:`CostModel.collective_cost`) progresses at a max-min fair share of that resource: two
   equal transfers on one link take twice as long. A compute op's data phase is its roofline time
-  (:meth:`CostModel.compute_time`) on the rank's compute resource. Each op's rate is further
+  (:meth:`CostModel.compute_time`) on the rank's compute resource (on the CPU host model with
+  ``cost.host_cores``, also a share of its node's cores, so ranks computing at once slow each
+  other down as on an oversubscribed CPU). Each op's rate is further
   capped by the interference factors (:meth:`CostModel.retained`) of the other classes running
   on its ranks.
 * **Symmetric mode** (``symmetric=True``, for large P): only some ranks' programs are given
@@ -174,6 +176,9 @@ class _Engine:
         self.done = 0
         self.total = sum(len(p.ops) for p in self.progs.values())
         self.rates_dirty = True
+        self.cpu_share = cost.cpu_share()
+        if symmetric and self.cpu_share is not None:
+            raise ValueError("symmetric mode cannot model ranks sharing a CPU (host_cores): simulate every rank")
 
     # -- host ----------------------------------------------------------------------------------
 
@@ -281,7 +286,12 @@ class _Engine:
         self.timings[r][o.index].start = self.now
         if o.op == "compute":
             work = self.cost.compute_time(o.work)
-            self.add_flow([(r, o.index)], "comp", 0.0, work, {("compute", r): work}, [r])
+            if self.cost.host_compute:
+                work += self.cost.compute_op_s  # the executor's own cost, on the issuing thread
+            demands = {("compute", r): work}
+            if self.cpu_share is not None and work > 0:  # ranks of a node share its cores
+                demands[("cpu", self.cost.node_of(r))] = work * self.cpu_share
+            self.add_flow([(r, o.index)], "comp", 0.0, work, demands, [r])
         elif o.op in COPIES:
             lat, dem = self.cost.copy_cost(o.op, r, sum(o.send_bytes))
             work = max(dem.values(), default=0.0)

@@ -9,9 +9,11 @@ or the self-spawning :func:`profile_spawned` on CPU). It measures
   member's time kept, the median over repetitions fitted;
 * the host time to issue one asynchronous collective;
 * the compute of the layer's ops at several shapes (grouped FFN forward and backward, router
-  GEMM, re-layout copies, permute, unpermute, routing, gradient accumulation) with **every rank
-  computing at once**, as in a real step (on a CPU machine with fewer cores than ranks that sets
-  the rates), with the same work descriptions the simulator uses (:class:`~tritonmoe.plan.work.WorkModel`);
+  GEMM, re-layout copies, permute, unpermute, routing, gradient accumulation), with the same
+  work descriptions the simulator uses (:class:`~tritonmoe.plan.work.WorkModel`): by one rank
+  alone (the rates) and with **every rank computing at once**, as in a real step; on a CPU
+  machine with fewer cores than ranks the slowdown between the two gives the cores the ranks
+  share (``CostModel.host_cores``), so the engine slows ranks that compute at the same time;
 * interference factors (MPMoE alpha(y, x)): compute while a collective runs and vice versa,
   either while a copy runs, and two collectives at once on one group (gloo runs a process
   group's asynchronous work on two threads);
@@ -66,8 +68,8 @@ class ProfileSpec:
     kinds: Sequence[str] = COLLECTIVES
     reps: int = 5
     warmup: int = 1
-    shapes: Sequence[tuple[int, int, int, int]] = ((256, 512, 8, 2), (1024, 2048, 8, 2))
-    tokens: Sequence[int] = (64, 256, 1024, 4096)
+    shapes: Sequence[tuple[int, int, int, int]] = ((256, 512, 8, 2), (512, 1024, 8, 2))
+    tokens: Sequence[int] = (64, 256, 1024)
     dtype: torch.dtype = torch.float32
     activation: str = "swiglu"
     group_sizes: Optional[Sequence[int]] = None
@@ -166,17 +168,27 @@ def _collective_samples(spec: ProfileSpec, device, node_of: list[int]) -> list:
 
 
 def _host_issue(device) -> list:
-    """Host seconds to issue an asynchronous 1 KiB all-to-all (median of 20)."""
-    x = torch.randn(256 * dist.get_world_size(), device=device)
-    y = torch.empty_like(x)
-    ts = []
-    for _ in range(20):
+    """Host seconds per operation issued through the real executor with a timeline recording
+    (as the layer runs it, e.g. under ``bench.ep``): an asynchronous 1-row all-to-all (the call
+    alone, median of 30), and the executor's own cost of a compute (a no-op function)."""
+    from tritonmoe.comm.executor import RealExecutor, Work
+    from tritonmoe.comm.timeline import Timeline
+
+    P = dist.get_world_size()
+    x = torch.randn(P, 4, device=device)
+    ex = RealExecutor(device, timeline=Timeline())
+    comm, comp = [], []
+    for _ in range(30):
         dist.barrier()
         t0 = time.perf_counter()
-        w = dist.all_to_all_single(y, x, async_op=True)
-        ts.append(time.perf_counter() - t0)
-        w.wait()
-    return [HostSample(statistics.median(ts))]
+        h = ex.all_to_all(x, [1] * P, [1] * P, kind="dispatch")
+        comm.append(time.perf_counter() - t0)
+        ex.wait(h)
+        t0 = time.perf_counter()
+        ex.compute(lambda: None, work=Work(), kind="expert")
+        comp.append(time.perf_counter() - t0)
+    _sync(device)
+    return [HostSample(statistics.median(comm), "comm"), HostSample(statistics.median(comp), "compute")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,20 +318,31 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
     ]
 
 
-def _compute_samples(spec: ProfileSpec, device) -> list:
-    """Every rank times the same ops at the same time (all ranks computing at once)."""
+def _compute_samples(spec: ProfileSpec, device) -> tuple[list, list[float]]:
+    """The layer's ops timed twice: by rank 0 alone (the others wait at a barrier), which gives
+    the compute rates, and by every rank at once, as in a real step; the slowdown between the
+    two (ops of >= 5 ms alone) tells how many cores the ranks share (CPU) or that they share
+    nothing (one GPU each). Returns (rank 0's samples, slowdowns)."""
     P = dist.get_world_size()
-    out = []
+    rank = dist.get_rank()
+    samples, slowdowns = [], []
     for d, f, E, k in spec.shapes:
         for T in spec.tokens:
             ops = _layer_ops(spec, d, f, E, k, T, device, P)
             for name, work, fn in ops:
+                reps = max(3, spec.reps)
                 dist.barrier()
-                t = _timed(fn, device, max(3, spec.reps), spec.warmup)
-                kind = work.leaves()[0].kind
-                out.append(ComputeSample(kind, work.flops, work.bytes, work.launches, t))
+                t_all = _timed(fn, device, reps, spec.warmup)
+                dist.barrier()
+                if rank == 0:
+                    t_alone = _timed(fn, device, reps, spec.warmup)
+                    kind = work.leaves()[0].kind
+                    samples.append(ComputeSample(kind, work.flops, work.bytes, work.launches, t_alone))
+                    if t_alone >= 5e-3:
+                        slowdowns.append(t_all / t_alone)
+                dist.barrier()
         _say(spec, f"compute at d={d} f={f} E={E} k={k}, T in {list(spec.tokens)}")
-    return out
+    return samples, slowdowns
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,16 +529,22 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
     samples += _collective_samples(spec, device, node_of)
     samples += _host_issue(device)
     samples += _comm_pair(device, max(3, spec.reps))
-    samples += _compute_samples(spec, device)
-    samples += _interference(spec, device, max(3, spec.reps))
-    samples += _copy_samples(spec, device)
+    compute, slowdowns = _compute_samples(spec, device)
+    samples += compute
+    others = _interference(spec, device, max(3, spec.reps)) + _copy_samples(spec, device)
     gathered: list = [None] * P
-    dist.all_gather_object(gathered, [s for s in samples if not isinstance(s, CommSample) or s.kind.startswith("copy")])
+    dist.all_gather_object(gathered, others)
     if rank != 0:
         dist.barrier()
         return None
-    mine_comm = [s for s in samples if isinstance(s, CommSample) and not s.kind.startswith("copy")]
-    allsamples = mine_comm + [s for part in gathered for s in part]
+    allsamples = samples + [s for part in gathered for s in part]
+    threads = torch.get_num_threads()
+    host_cores = None
+    slowdown = statistics.median(slowdowns) if slowdowns else None
+    if device.type == "cpu" and slowdown is not None:
+        # P ranks of `threads` threads computing at once run `slowdown` times slower than one:
+        # they share P * threads / slowdown cores (at least one rank's threads, at most all)
+        host_cores = min(float(P * threads), max(float(threads), P * threads / max(slowdown, 1e-9)))
     slots = {}
     if "gloo" in backend:
         slots["comm"] = int(dist.ProcessGroupGloo._Options()._threads)
@@ -525,6 +554,8 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
         dtype=str(spec.dtype).replace("torch.", ""),
         lane_slots=slots,
         ranks_per_node=ranks_per_node,
+        host_cores=host_cores,
+        threads_per_rank=threads,
         source="profile",
         meta={
             "host": names[0] if len(names) == 1 else names,
@@ -537,6 +568,8 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
             "load_average_at_start": load,
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "profile_seconds": round(time.perf_counter() - t_start, 1),
+            "compute_slowdown_all_ranks_at_once": slowdown,
+            "load_average_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "shapes": [list(s) for s in spec.shapes],
             "tokens": list(spec.tokens),
             **spec.meta,

@@ -336,7 +336,7 @@ def simulate(
         raise ValueError(f"mode={mode!r}: use 'auto', 'full' or 'symmetric'")
     if P > 1 and cost.cluster is None:
         cost.check_group_size(P, ("all_to_all",), cost.link_class(range(P)))
-    symmetric = mode == "symmetric" or (mode == "auto" and P > FULL_MODE_MAX_RANKS)
+    symmetric = mode == "symmetric" or (mode == "auto" and P > FULL_MODE_MAX_RANKS and cost.cpu_share() is None)
     ranks = None
     if symmetric:
         n = int(cand.get("pipeline_degree", 1))
