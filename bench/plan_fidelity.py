@@ -15,7 +15,9 @@ Rows: one per (world size, width, tokens, degree) with the measured time, the si
 and the relative error; one per (world size, width, tokens) with the planner's choice and its
 measured regret (measured time at the chosen degree / measured best - 1). The summary gives the
 median relative error (goal <= 20%) and the fraction of choices within 10% of the measured best
-(goal >= 80%), and the machine's load average before and after (other processes share the CPU).
+(goal >= 80%), the measurement's own spread between repetitions (the noise floor a prediction
+is judged against), and the machine's load average before and after (other processes share the
+CPU).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def run_plan_suite(ctx, progress=None) -> list[dict]:
     rows: list[dict] = []
     errors: list[float] = []
     regrets: list[float] = []
+    spreads: list[float] = []
     outdir = os.environ.get("TRITONMOE_PLAN_OUT") or tempfile.mkdtemp(prefix="tritonmoe-plan-")
     ctx.log(f"plan: world sizes {WORLD_SIZES}, widths {WIDTHS}, tokens {TOKENS}, degrees {DEGREES}, "
             f"E={NUM_EXPERTS} k={TOP_K} fp32, gloo; {reps} reps; cost models in {outdir}")
@@ -128,12 +131,16 @@ def run_plan_suite(ctx, progress=None) -> list[dict]:
                     t_sim = sim.step_time()
                     err = t_sim / med[n] - 1.0
                     errors.append(abs(err))
+                    ts = sorted(measured[n]["layer_fwd_bwd_s"])
+                    spread = (ts[int(0.8 * (len(ts) - 1))] - ts[int(0.2 * (len(ts) - 1))]) / med[n]
+                    spreads.append(spread)
                     row = new_row(suite="plan", case=f"P={P} d={d} f={f} T={T} n={n}", mode="fwd+bwd",
                                   impl="simulated-vs-measured", params={**case, "pipeline_degree": n})
                     fill_timing(row, measured[n]["layer_fwd_bwd_s"], Work(), None)
                     row["extra"] = {
                         "simulated_s": t_sim,
                         "rel_err": err,
+                        "measured_spread_p20_p80": spread,
                         "sim_pipeline_efficiency": sim.pipeline_efficiency(),
                         "measured_pipeline_efficiency": measured[n].get("pipeline_efficiency"),
                         "load_before": load_before,
@@ -169,4 +176,6 @@ def run_plan_suite(ctx, progress=None) -> list[dict]:
                 f"configurations (goal <= 20%); mean {100 * statistics.fmean(errors):.1f}%, max {100 * max(errors):.1f}%")
         ctx.log(f"plan: planner's choice within 10% of the measured best in {within}/{len(regrets)} cases "
                 f"(goal >= 80%)")
+        ctx.log(f"plan: measurement noise: (p80 - p20) / median of the measured repetitions, median over configurations "
+                f"{100 * statistics.median(spreads):.1f}% (max {100 * max(spreads):.1f}%); load average now {_load()}")
     return rows

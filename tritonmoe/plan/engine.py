@@ -45,7 +45,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from tritonmoe.comm.executor import COMPUTE
 from tritonmoe.comm.timeline import Span, Timeline
 
 from .cost_model import COLLECTIVES, COPIES, CostModel

@@ -172,6 +172,7 @@ class SearchDegree(DegreePolicy):
     def measure(timeline: Timeline, mark: int) -> float:
         """The expert block's time in one step: forward span + backward span (each first start
         to last end) of what was recorded after ``mark``; -1 when nothing was recorded."""
+        # host sync (CUDA): reading the previous step's event timestamps, only on profiling steps
         spans = timeline.spans(since=mark)
         total = 0.0
         for phase in ("fwd", "bwd"):
