@@ -114,6 +114,23 @@ def test_cost_model_fit_predict_and_roundtrip(tmp_path):
     assert other.fingerprint() != m.fingerprint()
 
 
+def test_composite_ops_fit_the_host_unit():
+    """A composite sample (the pipeline's expert op) prices its parts with the fitted kinds and
+    attributes the rest to its host units."""
+    base = _synthetic_measurements()
+    parts = (("copy", 0.0, 4096.0, 3), ("gemm", 1e8, 0.0, 10), ("host", 0.0, 0.0, 2))
+    known = 3 * 1e-5 + 4096 / 4e9 + 10 * 2e-5 + 1e8 / 5e10
+    comp = [ComputeSample("composite", 1e8, 4096.0, 15, known + 2 * 7e-4, parts)]
+    m = CostModel.fit(base + comp, host_compute=True)
+    assert m.compute["host"].launch_s == pytest.approx(7e-4, rel=1e-6)
+    w = Work(1e8, 0.0, "gemm", 10) + Work(0.0, 0.0, "host", 2)
+    assert m.compute_time(w) == pytest.approx(10 * 2e-5 + 1e8 / 5e10 + 1.4e-3, rel=1e-6)
+    back = CostModel.from_json(json.loads(json.dumps(m.to_json())))
+    assert back.samples[-1].parts == parts and back.refit().compute["host"].launch_s == pytest.approx(7e-4)
+    # models without a measured host cost (clusters, older files) price host units at 0
+    assert CostModel(compute={"gemm": m.compute["gemm"]}).compute_time(w) == pytest.approx(m.compute_time(Work(1e8, 0.0, "gemm", 10)))
+
+
 def test_retained_speed():
     m = CostModel(interference={("comm", "comp"): 0.8, ("comm", "mem"): 0.6, ("comm", "comm"): 0.5,
                                 ("comp", "all"): 0.7})

@@ -340,6 +340,7 @@ class Cluster:
             "gemm": ComputeRate(peak * self.efficiency["gemm"], mem, self.launch_s),
             "elementwise": ComputeRate(vector, mem, self.launch_s),
             "copy": ComputeRate(math.inf, mem, self.launch_s),
+            "host": ComputeRate(math.inf, math.inf, 0.0),  # the launches of the kernels cover it
         }
         return CostModel(
             compute=compute,

@@ -383,6 +383,23 @@ def _isotonic(ys: list[float]) -> list[float]:
     return out
 
 
+def _fit_host(model: "CostModel", samples: list["ComputeSample"]) -> ComputeRate:
+    """The per-unit time of the ``"host"`` parts of composite ops: the median over samples of
+    (measured time - the other parts' fitted time) / host units, at least 0."""
+    per_unit, errs = [], []
+    for s in samples:
+        units = sum(int(n) for k, _f, _b, n in s.parts if k == "host")
+        rest = sum(model.compute[k].time(Work(f, b, k, int(n))) for k, f, b, n in s.parts if k != "host")
+        if units:
+            per_unit.append(max(0.0, (s.seconds - rest) / units))
+    L = statistics.median(per_unit) if per_unit else 0.0
+    for s in samples:
+        units = sum(int(n) for k, _f, _b, n in s.parts if k == "host")
+        rest = sum(model.compute[k].time(Work(f, b, k, int(n))) for k, f, b, n in s.parts if k != "host")
+        errs.append(abs(rest + units * L - s.seconds) / s.seconds)
+    return ComputeRate(math.inf, math.inf, L, (), None, statistics.median(errs) if errs else None, len(samples), "sum")
+
+
 def _fit_compute(kind: str, samples: list["ComputeSample"]) -> ComputeRate:
     """``t = launches * L + flops / F + bytes / B`` by non-negative least squares (relative
     residuals), then, when it lowers the held-out error, an efficiency curve over the
@@ -469,13 +486,19 @@ class CommSample:
 
 @dataclass(frozen=True)
 class ComputeSample:
-    """One timed local computation with its :class:`~tritonmoe.comm.executor.Work` totals."""
+    """One timed local computation with its :class:`~tritonmoe.comm.executor.Work` totals.
+
+    A composite op (``parts``: ``(kind, flops, bytes, launches)`` of each part, e.g. the
+    pipeline's expert op: re-layouts, FFN and its host work) is not fitted as one kind: after
+    the kinds are fitted from single-kind samples, what its parts do not explain is the time of
+    its ``"host"`` parts (:data:`tritonmoe.plan.work.HOST`)."""
 
     kind: str
     flops: float
     bytes: float
     launches: int
     seconds: float
+    parts: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -502,6 +525,13 @@ class HostSample:
 
 
 _SAMPLE_TYPES = {c.__name__: c for c in (CommSample, ComputeSample, InterferenceSample, HostSample)}
+
+
+def _sample_from_json(m: Mapping) -> Any:
+    kw = {k: v for k, v in m.items() if k != "type"}
+    if "parts" in kw:
+        kw["parts"] = tuple(tuple(p) for p in kw["parts"])
+    return _SAMPLE_TYPES[m["type"]](**kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,8 +652,11 @@ class CostModel:
                 model.copies[key[0]] = fit
             else:
                 model.collectives[key] = fit
+        composite = comp.pop("composite", [])
         for kind, ss in comp.items():
             model.compute[kind] = _fit_compute(kind, ss)
+        if composite:
+            model.compute["host"] = _fit_host(model, composite)
         model.interference = {k: statistics.median(v) for k, v in inter.items()}
         return model
 
@@ -701,6 +734,8 @@ class CostModel:
         total = 0.0
         for w in work.leaves():
             rate = self.compute.get(w.kind)
+            if rate is None and w.kind == "host":
+                continue  # a model without a measured host cost prices none
             if rate is None:
                 raise CostModelError(
                     f"{self._where()}: no compute rate for Work kind {w.kind!r} (has {sorted(self.compute)}). "
@@ -863,8 +898,7 @@ class CostModel:
                 source=str(d.get("source", "file")),
                 meta=dict(d.get("meta", {})),
                 path=path,
-                samples=[_SAMPLE_TYPES[m["type"]](**{k: v for k, v in m.items() if k != "type"})
-                         for m in d.get("samples", [])],
+                samples=[_sample_from_json(m) for m in d.get("samples", [])],
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, CostModelError):

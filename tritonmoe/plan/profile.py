@@ -42,7 +42,7 @@ import torch.distributed as dist
 from tritonmoe.comm.splits import comm_device
 
 from .cost_model import COLLECTIVES, CommSample, ComputeSample, CostModel, HostSample, InterferenceSample
-from .work import WorkModel
+from .work import HOST, WorkModel
 
 __all__ = ["ProfileSpec", "profile", "profile_spawned", "DEFAULT_SIZES"]
 
@@ -243,9 +243,9 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
     xq = x.clone().requires_grad_()
     segs = int((counts_PL > 0).sum())
 
+    # forward ops run as in a training step: inputs that require grad, autograd recording
     def ffn_fwd():
-        with torch.no_grad():
-            ffn(xr, offs, w1, w2, spec.activation)
+        ffn(xr, offs, w1, w2, spec.activation)
 
     y = ffn(xr, offs, w1, w2, spec.activation)
     dy = torch.randn_like(y)
@@ -253,11 +253,11 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
     def ffn_bwd():
         torch.autograd.grad(y, [xr, w1, w2], dy, retain_graph=True)
 
-    def router_fwd():
-        with torch.no_grad():
-            router(x)
-
     xg = x.clone().requires_grad_()
+
+    def router_fwd():
+        router(xg)
+
     lg = router(xg)
     dlg = torch.randn_like(lg)
 
@@ -265,10 +265,10 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
         torch.autograd.grad(lg, [xg, router.weight], dlg, retain_graph=True)
 
     def relayout():
-        transpose_chunks(xr.detach(), counts_PL)
+        transpose_chunks(xr, counts_PL)  # inside the expert op, with autograd recording
 
     def permute_fwd():
-        permute(x, routing.topk_ids, E)
+        permute(xq, routing.topk_ids, E)
 
     xp, inf2 = permute(xq, routing.topk_ids, E)
     dxp = torch.randn_like(xp)
@@ -277,8 +277,7 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
         torch.autograd.grad(xp, [xq], dxp, retain_graph=True)
 
     def unpermute_fwd():
-        with torch.no_grad():
-            unpermute(y_perm, info, tw)
+        unpermute(y_perm, info, tw)
 
     out = unpermute(y_perm, info, tw)
     dout = torch.randn_like(out)
@@ -287,14 +286,26 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
         torch.autograd.grad(out, [y_perm, tw], dout, retain_graph=True)
 
     def route_fwd():
-        with torch.no_grad():
-            route(logits, k)
+        route(logits, k)
 
     rt = route(logits, k)
     dw_ = torch.randn_like(rt.topk_weights)
 
     def route_bwd():
         torch.autograd.grad(rt.topk_weights, [logits], dw_, retain_graph=True)
+
+    # the pipeline's expert op as it runs it: re-layout, FFN, re-layout with autograd recording,
+    # and its backward through torch.autograd.grad (tritonmoe.comm.pipeline / experts.py)
+    def expert_forward():
+        r = xr.detach().requires_grad_(True)
+        y = transpose_chunks(ffn(transpose_chunks(r, counts_PL), offs, w1, w2, spec.activation), counts_PL.t())
+        return r, y
+
+    r_e, y_e = expert_forward()
+    dy_e = torch.randn_like(y_e)
+
+    def expert_backward():
+        torch.autograd.grad(y_e, [r_e, w1, w2], dy_e, retain_graph=True)
 
     acc_a = torch.randn(L * (d * n1 + f * d), generator=g).to(device, dt)
     acc_b = torch.randn_like(acc_a)
@@ -315,6 +326,9 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
         ("route_fwd", W.route(T, backward=False), route_fwd),
         ("route_bwd", W.route(T, backward=True), route_bwd),
         ("accumulate", W.accumulate(acc_a.numel() * acc_a.element_size()), accumulate),
+        ("expert_fwd", W.expert_fwd(R, L, segs), expert_forward),
+        ("expert_bwd", W.expert_bwd(R, L, segs, defer_wgrad=False, accumulate=False, local_experts=L),
+         expert_backward),
     ]
 
 
@@ -336,8 +350,12 @@ def _compute_samples(spec: ProfileSpec, device) -> tuple[list, list[float]]:
                 dist.barrier()
                 if rank == 0:
                     t_alone = _timed(fn, device, reps, spec.warmup)
-                    kind = work.leaves()[0].kind
-                    samples.append(ComputeSample(kind, work.flops, work.bytes, work.launches, t_alone))
+                    leaves = work.leaves()
+                    if any(lf.kind != leaves[0].kind or lf.kind == HOST for lf in leaves):  # composite
+                        parts = tuple((lf.kind, lf.flops, lf.bytes, lf.launches) for lf in leaves)
+                        samples.append(ComputeSample("composite", work.flops, work.bytes, work.launches, t_alone, parts))
+                    else:
+                        samples.append(ComputeSample(leaves[0].kind, work.flops, work.bytes, work.launches, t_alone))
                     if t_alone >= 5e-3:
                         slowdowns.append(t_all / t_alone)
                 dist.barrier()

@@ -20,9 +20,16 @@ from dataclasses import dataclass
 
 from tritonmoe.comm.executor import Work
 
-__all__ = ["WorkModel", "IDS", "WEIGHTS", "ROWS"]
+__all__ = ["WorkModel", "IDS", "WEIGHTS", "ROWS", "HOST", "HOST_UNIT"]
 
 IDS, WEIGHTS, ROWS = 4, 4, 8
+
+#: Work kind of the host work around an expert op that is neither a kernel nor modelled by its
+#: kernels' launches: the autograd recording of the forward, the ``torch.autograd.grad`` call of
+#: the backward, the expert function's dispatch lookups. A fitted cost model prices one unit
+#: (``launch_s`` of this kind, measured on the real expert op); clusters price it at 0.
+HOST = "host"
+HOST_UNIT = Work(0.0, 0.0, HOST, 1)
 
 #: Ops launched per call, (reference, kernel): counted from tritonmoe.reference and the
 #: launchers (per expert where the reference loops over experts: see WorkModel).
@@ -137,8 +144,9 @@ class WorkModel:
 
     @functools.lru_cache(maxsize=4096)
     def expert_fwd(self, R: int, experts: int, segments: int) -> Work:
-        """The pipeline's expert op: to expert-major, grouped FFN, back to source-major."""
-        return self.relayout(R, segments) + self.ffn_fwd(R, experts) + self.relayout(R, segments)
+        """The pipeline's expert op: to expert-major, grouped FFN, back to source-major, and the
+        op's own host work (autograd recording, dispatch lookups: one :data:`HOST` unit)."""
+        return self.relayout(R, segments) + self.ffn_fwd(R, experts) + self.relayout(R, segments) + HOST_UNIT
 
     @functools.lru_cache(maxsize=4096)
     def expert_bwd(self, R: int, experts: int, segments: int, *, defer_wgrad: bool, accumulate: bool,
@@ -150,7 +158,7 @@ class WorkModel:
             w = w + self.ffn_dw(R, experts)
             if accumulate:
                 w = w + self.accumulate(self.wbytes(local_experts))
-        return w + self.relayout(R, segments)
+        return w + self.relayout(R, segments) + HOST_UNIT
 
     def wgrad_step(self, R: int, experts: int) -> Work:
         """The deferred W step over every micro-op's R rows."""
