@@ -953,7 +953,8 @@ class CostModel:
             rate = (f"{r.flops_per_s / 1e9:.2f} GFLOP/s" if math.isfinite(r.flops_per_s) else "")
             bw = (f"{r.bytes_per_s / 1e9:.2f} GB/s" if math.isfinite(r.bytes_per_s) else "")
             q = _quality(r.r2, r.heldout_rel_err)
-            lines.append(f"  compute {k:11} {' '.join(x for x in (rate, bw) if x)}, launch {r.launch_s * 1e6:.1f} us"
+            what = " ".join(x for x in (rate, bw) if x)
+            lines.append(f"  compute {k:11} {what + ', ' if what else ''}launch {r.launch_s * 1e6:.1f} us"
                          f"{', ' + str(len(r.curve)) + '-point efficiency curve' if r.curve else ''}{q}")
         for (y, x), v in sorted(self.interference.items()):
             lines.append(f"  interference alpha({y}, {x}) = {v:.3f} (retained speed)")
