@@ -27,7 +27,7 @@ from .functional import (
 )
 from .layer import MoELayer
 from .types import PermuteInfo, Routing
-from . import comm, reference
+from . import comm, parallel, reference
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,7 @@ __all__ = [
     "grouped_gemm",
     "load_balancing_loss",
     "moe_ffn",
+    "parallel",
     "permute",
     "reference",
     "route",

@@ -1,0 +1,180 @@
+"""Data parallelism x expert parallelism (tritonmoe.parallel) and Lina's priority communication
+(tritonmoe.comm.priority): exactness against a single process on the concatenated global batch,
+layout-independent initialization, checkpoints across expert-parallel sizes, refusal of plain
+DDP / FSDP, micro-op sizes and ordering measured at the backend, no deadlock under skew. The
+per-rank bodies are in tests/_parallel_cases.py (see its docstring for the reference design)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tritonmoe as tm
+from tritonmoe.comm.priority import CommScheduler, partition
+from tritonmoe.parallel.init import expert_seed, init_experts_
+
+from _dist import run_group, values_or_fail
+import _parallel_cases as cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Spawned groups
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_training_step_equals_single_process():
+    """4 ranks as 2 DP x 2 EP and as 4 EP: one SGD step with FIFO and with Lina equals the
+    single process on the concatenated batch (1e-12, fp64); Lina == FIFO bitwise with the
+    ordered reduction; Lina's micro-ops (measured at the backend) are <= chunk_bytes, inside one
+    gradient, tile every gradient, one at a time, never started during an all-to-all."""
+    results, _ = run_group(4, cases.training_table, [(2, 2), (1, 4)], deadline_s=300)
+    values = values_or_fail(results)
+    failures = [f"rank {r}: {f}" for r, v in enumerate(values) for f in v["failures"]]
+    assert not failures, "\n".join(failures[:30])
+    for v in values:
+        for lab, info in v["info"].items():
+            assert info["micro_ops"] > 0, (lab, info)
+            if lab.endswith("lina"):
+                assert info["max_bytes"] <= 96 and info["spans_two"] == 0, (lab, info)
+                assert info["a2a"] > 0 and info["allreduce"] == info["micro_ops"], (lab, info)
+            else:  # FIFO reduces DDP's buckets whole: some span several gradients
+                assert info["spans_two"] > 0, (lab, info)
+        # dense gradients are reduced everywhere; experts too when they have replicas (dp = 2)
+        reduced = v["info"]["dp=2 ep=2 lina"]["reduced"]
+        assert any(n.endswith("moe1.w1") for n in reduced) and any(n.endswith("inp.weight") for n in reduced)
+        assert not any(n.endswith(".w1") for n in v["info"]["dp=1 ep=4 lina"]["reduced"])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_layouts_checkpoints_misuse_fsdp():
+    """One seed gives the same global model at EP = 1, 2, 4; DCP save at EP=2 loads at EP=1 and
+    EP=4, save at EP=4 loads at EP=2 (outputs equal); the plain full state dict scatters across
+    sizes; plain DDP raises, DDP ignoring the experts warns, fully_shard over EP ranks raises; the
+    FSDP2 recipe trains like the single process and checkpoints into EP=4."""
+    ckdir = cases.new_ckdir()
+    try:
+        results, _ = run_group(4, cases.layouts_table, ckdir, deadline_s=300)
+    finally:
+        shutil.rmtree(ckdir, ignore_errors=True)
+    values = values_or_fail(results)
+    failures = [f"rank {r}: {f}" for r, v in enumerate(values) for f in v["failures"]]
+    assert not failures, "\n".join(failures[:30])
+    mis = [v["info"]["misuse"] for v in values]
+    for m in mis:
+        assert m["ddp"] is not None and "DistributedDataParallel reduces the expert parameters ['w1', 'w2']" in m["ddp"]
+        assert "tritonmoe.parallel.data_parallel" in m["ddp"]
+        assert len(m["ddp_ignored_warnings"]) == 2, m["ddp_ignored_warnings"]  # once per layer, not per step
+        assert m["fsdp"] is not None and "expert-parallel ranks" in m["fsdp"] and "fully_shard_moe" in m["fsdp"]
+        assert m["names"] == ["moe1.w1", "moe1.w2", "moe2.w1", "moe2.w2"]
+    for r, m in enumerate(mis):  # each rank names its own expert-parallel group: {0, 1} or {2, 3}
+        assert f"contains expert-parallel ranks {[0, 1] if r < 2 else [2, 3]}" in m["fsdp"], m["fsdp"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_lina_no_deadlock_under_skew():
+    """2 ranks whose dense and expert-parallel groups are the same ranks; one rank sleeps at
+    random before every gradient micro-op and in forward and backward, 4 steps: the run finishes
+    (every wait is bounded by the group timeout) with parameters bitwise equal to a calm run."""
+    results, wall = run_group(2, cases.skew, 1, 4, 0, deadline_s=90, pg_timeout_s=30)
+    values = values_or_fail(results)
+    for v in values:
+        assert v["equal"] and not v["failures"], v
+    assert wall < 90
+
+
+# ---------------------------------------------------------------------------------------------
+# Single process
+# ---------------------------------------------------------------------------------------------
+
+
+@given(
+    sizes=st.lists(st.integers(0, 200), min_size=1, max_size=8),
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    chunk=st.one_of(st.none(), st.integers(1, 400)),
+)
+def test_partition_properties(sizes, itemsize, chunk):
+    """Micro-ops tile each gradient in order, never span two, are <= chunk_bytes, and have
+    torch.chunk's sizes for ceil(bytes / chunk_bytes) chunks (all equal but a smaller last one)."""
+    if chunk is not None and chunk < itemsize:
+        with pytest.raises(ValueError, match="smaller than one element"):
+            partition([(0, 1)], itemsize, chunk)
+        return
+    ranges, start = [], 0
+    for n in sizes:
+        ranges.append((start, n))
+        start += n + 3  # gaps between gradients
+    ops = partition(ranges, itemsize, chunk)
+    for g, (a0, n) in enumerate(ranges):
+        mine = [(a, b) for gg, a, b in ops if gg == g]
+        if n == 0:
+            assert mine == []
+            continue
+        assert mine[0][0] == a0 and mine[-1][1] == a0 + n
+        assert all(b1 == a2 for (_, b1), (a2, _) in zip(mine, mine[1:]))
+        if chunk is None:
+            assert len(mine) == 1
+        else:
+            count = -(-n // (chunk // itemsize))  # ceil(bytes / chunk) with whole elements
+            size = -(-n // count)  # torch.chunk's piece size
+            lens = [b - a for a, b in mine]
+            assert all(k * itemsize <= chunk for k in lens)
+            assert lens[:-1] == [size] * (len(lens) - 1) and 0 < lens[-1] <= size and len(lens) <= count
+    assert [g for g, _, _ in ops] == sorted(g for g, _, _ in ops)
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        (dict(priority=True, chunk_bytes=0), ValueError, "chunk_bytes=0"),
+        (dict(priority=True, chunk_bytes=2.5), TypeError, "chunk_bytes must be an int"),
+        (dict(priority=False, reduction="ring"), ValueError, "reduction='ring'"),
+    ],
+)
+def test_scheduler_rejects_bad_settings(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        CommScheduler(**kwargs)
+
+
+def test_partition_rejects_chunk_below_itemsize():
+    with pytest.raises(ValueError, match="chunk_bytes=4 is smaller than one element \\(8 bytes\\)"):
+        partition([(0, 10)], 8, 4)
+
+
+def test_expert_init_depends_on_seed_and_index_only():
+    """Experts [2, 6) initialized as a slice starting at global expert 2 equal the same experts
+    of a full initialization; different experts and seeds differ."""
+    E, d, f = 8, 5, 3
+    full1, full2 = torch.empty(E, d, 2 * f, dtype=torch.float64), torch.empty(E, f, d, dtype=torch.float64)
+    init_experts_(full1, full2, base_seed=123, expert_start=0, d_model=d, d_ffn=f)
+    part1, part2 = torch.empty(4, d, 2 * f, dtype=torch.float64), torch.empty(4, f, d, dtype=torch.float64)
+    init_experts_(part1, part2, base_seed=123, expert_start=2, d_model=d, d_ffn=f)
+    assert torch.equal(part1, full1[2:6]) and torch.equal(part2, full2[2:6])
+    assert not torch.equal(full1[0], full1[1])
+    assert expert_seed(123, 0) != expert_seed(124, 0) and expert_seed(123, 0) != expert_seed(123, 1)
+    assert full1.abs().max() <= d**-0.5 and full2.abs().max() <= f**-0.5
+
+
+def test_layer_init_reproducible_from_seed():
+    cfg = tm.MoEConfig(8, 6, 4, 2)
+    torch.manual_seed(3)
+    a = tm.MoELayer(cfg)
+    torch.manual_seed(3)
+    b = tm.MoELayer(cfg)
+    assert a.init_seed == b.init_seed
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    assert tm.parallel.named_expert_parameters(torch.nn.Sequential(a)).__next__()[0] == "0.w1"
+    assert [n for n, _ in tm.parallel.named_expert_parameters(a)] == ["w1", "w2"]
+
+
+def test_layer_rejects_mesh_and_group_together():
+    with pytest.raises(ValueError, match="pass mesh= or ep_group=, not both"):
+        tm.MoELayer(tm.MoEConfig(8, 6, 4, 2), mesh=object(), ep_group=object())
