@@ -45,7 +45,6 @@ from .suites import (
     Context,
     attach_layer_fractions,
     count_entries,
-    ep_cases,
     plan,
     run_suite,
 )
@@ -172,12 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     suites_text = "\n".join(f"  {s.name:8} {s.about}" for s in SUITES.values())
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (the default)",
+        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (the default: all but lina)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=report.__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("suites", nargs="*", type=suite_name, metavar="SUITE",
-                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: all; see Suites above)")
+                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: every suite but lina; see Suites above)")
     g = p.add_argument_group("shapes")
     g.add_argument("--preset", type=preset_list, action="extend", metavar="NAMES",
                    help=f"comma-separated presets ('all' = the four model presets): {presets_help}. "
@@ -342,7 +341,8 @@ def run(args, parser, argv: list[str]) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = args.dtype or (torch.bfloat16 if use_cuda else torch.float32)
     presets, chosen = resolve_presets(args, parser, device)
-    suites = list(SUITE_ORDER) if not args.suites or "all" in args.suites else list(dict.fromkeys(args.suites))
+    suites = (list(SUITE_ORDER) if "all" in args.suites else list(dict.fromkeys(args.suites))) if args.suites else \
+        [s for s in SUITE_ORDER if SUITES[s].default]
     backends = args.backend or (("triton", "torch") if use_cuda else ("torch",))
     baselines = BASELINES if args.baselines is None else args.baselines
 
@@ -360,11 +360,8 @@ def run(args, parser, argv: list[str]) -> int:
     plans = {s: plan(ctx, s) for s in suites}
     if args.list:
         for s in suites:
-            if SUITES[s].run is not None:
-                runs, dt, where = ep_cases(ctx)
-                for pr, T in runs:
-                    print(f"{s}/{pr.name} T/rank={T} world sizes {ctx.ep_world_sizes} degrees {ctx.ep_degrees} "
-                          f"[bench.ep.run_ep, {dtype_name(dt)}, {where}]")
+            for line in SUITES[s].describe(ctx) if SUITES[s].describe is not None else ():
+                print(f"{s}/{line}")
             for c in plans[s]:
                 for e in c.entries:
                     print(f"{s}/{c.label}/{e.mode} [{e.impl}]")
@@ -418,7 +415,7 @@ def run(args, parser, argv: list[str]) -> int:
     }
     doc = new_doc(env, config, ctx.roofs, notes)
     total = sum(count_entries(c) for c in plans.values())
-    total += len(ep_cases(ctx)[0]) * sum(1 for s in suites if SUITES[s].run)
+    total += sum(len(SUITES[s].describe(ctx)) for s in suites if SUITES[s].describe is not None)
     progress_on = args.progress if args.progress is not None else (sys.stdout.isatty() and sys.stderr.isatty())
     progress = Progress(total, progress_on)
 

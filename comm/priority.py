@@ -377,7 +377,7 @@ class CommScheduler:
         if t.is_cuda:
             stream = _grad_stream(t.device)
             stream.wait_event(item.ready)
-            with torch.cuda.stream(stream):
+            with torch.cuda.device(t.device), torch.cuda.stream(stream):  # this thread's device is not the caller's
                 self._reduce(t, item.group)
                 done = torch.cuda.Event()
                 done.record(stream)

@@ -484,7 +484,13 @@ def skew(rank: int, P: int, slow_rank: int, steps: int, seed: int) -> dict:
     equal = all(torch.equal(a, b) for a, b in zip(slow.parameters(), calm.parameters()))
     failures: list[str] = []
     check_priority(failures, "skewed", rec.calls)
-    return {"equal": equal, "elapsed": elapsed, "failures": failures}
+    from bench.lina import _measure_priority
+
+    return {"equal": equal, "elapsed": elapsed, "failures": failures, "bench": _measure_priority(rank, P, BENCH_SPEC)}
+
+
+#: bench.lina's all-to-all part at a tiny shape (measured by the skew group).
+BENCH_SPEC = dict(a2a_mb=0.25, grad_mb=1.0, grad_tensors=4, delay_ms=1.0, chunk_mb=(0.0625,), reps=2, warmup=0, d_model=16)
 
 
 def new_ckdir() -> str:

@@ -89,6 +89,19 @@ def test_lina_no_deadlock_under_skew():
         assert v["equal"] and not v["failures"], v
     assert wall < 90
 
+    # The same group also measured bench.lina's all-to-all part (python -m bench lina) at a tiny
+    # shape: one dict per variant with the agreed keys; standalone sees no gradient lane.
+    from bench.lina import _aggregate_priority
+
+    res = _aggregate_priority([v["bench"] for v in values], cases.BENCH_SPEC, 2)
+    assert [r["variant"] for r in res] == ["standalone", "fifo", "lina/0.0625MB"]
+    for r in res:
+        assert {"name", "world_size", "a2a_s", "a2a_bytes", "grad_bytes", "a2a_slowdown_median", "a2a_slowdown_p90",
+                "a2a_overlap_frac", "chunk_bytes"} <= set(r)
+        assert len(r["a2a_s"]) == 2 and all(t > 0 for t in r["a2a_s"])
+    assert res[0]["a2a_overlap_frac"] == 0.0 and res[0]["a2a_slowdown_median"] == pytest.approx(1.0)
+    assert res[2]["chunk_bytes"] == 2**16
+
 
 # ---------------------------------------------------------------------------------------------
 # Single process
@@ -178,3 +191,29 @@ def test_layer_init_reproducible_from_seed():
 def test_layer_rejects_mesh_and_group_together():
     with pytest.raises(ValueError, match="pass mesh= or ep_group=, not both"):
         tm.MoELayer(tm.MoEConfig(8, 6, 4, 2), mesh=object(), ep_group=object())
+
+
+def test_bench_lina_step_aggregation():
+    """The training-step part's figures from synthetic per-rank measurements: per-rep max over
+    ranks, slowdown per (rank, all-to-all) against that all-to-all's standalone median."""
+    from bench.lina import DEFAULTS, _aggregate_steps
+
+    spec = dict(DEFAULTS, chunk_mb=(1.0,))
+
+    def rep(step, a2a, micro):
+        return {"step_s": step, "a2a": {"0/combine/0": a2a, "0/dispatch/0": 2 * a2a}, "a2a_total_s": 3 * a2a,
+                "overlap_s": 0.5 * a2a if micro else 0.0, "grad_micro_ops": micro}
+
+    ranks = [
+        {"reps": {"standalone": [rep(1.0, 0.1, 0)] * 3, "fifo": [rep(2.0, 0.2, 2)] * 3, "lina/1MB": [rep(1.5, 0.11, 9)] * 3},
+         "grad_bytes": 100},
+        {"reps": {"standalone": [rep(1.2, 0.1, 0)] * 3, "fifo": [rep(1.0, 0.3, 2)] * 3, "lina/1MB": [rep(1.0, 0.1, 9)] * 3},
+         "grad_bytes": 100},
+    ]
+    out = {r["variant"]: r for r in _aggregate_steps(ranks, spec, 2)}
+    assert out["standalone"]["step_s"] == [1.2] * 3 and out["fifo"]["step_s"] == [2.0] * 3
+    assert out["standalone"]["a2a_slowdown_median"] == pytest.approx(1.0)
+    assert out["fifo"]["a2a_slowdown_median"] == pytest.approx(2.5)  # ratios 2 (rank 0) and 3 (rank 1)
+    assert out["lina/1MB"]["a2a_slowdown_max"] == pytest.approx(1.1)
+    assert out["lina/1MB"]["step_speedup_vs_fifo"] == pytest.approx(2.0 / 1.5)
+    assert out["fifo"]["a2a_overlap_frac"] == pytest.approx(0.5 / 3) and out["lina/1MB"]["chunk_bytes"] == 2**20
