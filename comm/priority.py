@@ -80,6 +80,7 @@ __all__ = [
     "partition",
     "ordered_all_reduce_",
     "scheduled_allreduce_hook",
+    "issue_gradient_sync",
 ]
 
 #: Lina's partition size (001 section 7.1: 30 MB).
@@ -481,6 +482,58 @@ def _ranges(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> list[tuple[int
         if a + n > b:
             raise ValueError("gradients overlap in the buffer being reduced")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The gradient lane as executor operations (what the simulator records)
+# ---------------------------------------------------------------------------------------------
+
+
+def issue_gradient_sync(
+    ex,
+    grads: Sequence[Any],
+    *,
+    group=None,
+    chunk_bytes: Optional[int] = None,
+    bucket_bytes: Optional[int] = None,
+    priority: int = PRIORITY_GRADIENT,
+    lane: str = "comm2",
+    kind: str = "allreduce",
+    after: Sequence[Any] = (),
+) -> list:
+    """Issue the reduction of ``grads`` (tensors or :class:`~tritonmoe.comm.VirtualTensor`, in the
+    order they became ready) through executor ``ex`` as the gradient lane runs it: with
+    ``chunk_bytes`` (Lina) every gradient in micro-ops of at most ``chunk_bytes``
+    (:func:`partition`); without (FIFO) consecutive gradients fused into buckets of at most
+    ``bucket_bytes`` as DDP does (one gradient per bucket when None), one all-reduce each. Every
+    operation carries ``priority`` (:data:`PRIORITY_GRADIENT`: behind the exchanges under a
+    priority policy) on ``lane``. Returns the handles in issue order."""
+    from .executor import VirtualTensor
+
+    handles: list = []
+
+    def issue(like, numel: int) -> None:
+        x = VirtualTensor((numel,), like.dtype) if isinstance(like, VirtualTensor) else like.new_empty(numel)
+        handles.append(ex.all_reduce(x, group=group, kind=kind, micro_op=len(handles), lane=lane, priority=priority,
+                                     after=after))
+
+    if chunk_bytes is not None:
+        for g in grads:
+            for _, a, b in partition([(0, g.numel())], g.dtype.itemsize, chunk_bytes):
+                issue(g, b - a)
+        return handles
+    bucket: list = []
+    size = 0
+    for g in grads:
+        nb = g.numel() * g.dtype.itemsize
+        if bucket and (bucket_bytes is None or size + nb > bucket_bytes):
+            issue(bucket[0], sum(x.numel() for x in bucket))
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nb
+    if bucket:
+        issue(bucket[0], sum(x.numel() for x in bucket))
+    return handles
 
 
 # ---------------------------------------------------------------------------------------------

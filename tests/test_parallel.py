@@ -217,3 +217,65 @@ def test_bench_lina_step_aggregation():
     assert out["lina/1MB"]["a2a_slowdown_max"] == pytest.approx(1.1)
     assert out["lina/1MB"]["step_speedup_vs_fifo"] == pytest.approx(2.0 / 1.5)
     assert out["fifo"]["a2a_overlap_frac"] == pytest.approx(0.5 / 3) and out["lina/1MB"]["chunk_bytes"] == 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# Planner options (pure functions)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_packing_candidates():
+    from tritonmoe.plan.lina import packing_candidates
+
+    assert packing_candidates(16, 16) == [1, 2, 4, 8, 16]
+    assert packing_candidates(8, 4) == [2, 4, 8]  # E=4 on 8 devices: the EP group has at most 4 ranks
+    assert packing_candidates(6, 6) == [1, 2]  # powers of two dividing P
+    with pytest.raises(ValueError, match="must be >= 1"):
+        packing_candidates(0, 4)
+
+
+@pytest.mark.parametrize(
+    "ffn, a2a, fits, want_p, why",
+    [
+        # FFN time grows with p (more experts' rows per device), all-to-all shrinks (smaller group)
+        ({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0}, {1: 6.0, 2: 5.0, 4: 3.0, 8: 1.0, 16: 0.0}, None, 4, "outlasts"),
+        ({1: 7.0}, {1: 6.0}, None, 1, "outlasts"),  # FFN already longer: no packing
+        ({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0}, {1: 6.0, 2: 5.0, 4: 5.0, 8: 9.0, 16: 0.0}, None, 16, "outlasts"),
+        ({1: 1.0, 2: 2.0, 4: 4.0}, {1: 6.0, 2: 5.0, 4: 5.0}, lambda p: p <= 2, 2, "memory"),
+    ],
+)
+def test_expert_packing_rule(ffn, a2a, fits, want_p, why):
+    """001 section 4.2 on synthetic timings: powers of two until the FFN micro-op outlasts the
+    all-to-all micro-op; memory caps the search; P (pure data parallelism) at most."""
+    from tritonmoe.plan.lina import expert_packing
+
+    c = expert_packing(ffn, a2a, world_size=16, num_experts=16, fits=fits)
+    assert c.p == want_p and c.ep == 16 // want_p and c.experts_per_device == want_p, c
+    assert why in c.reason, c.reason
+    assert [p for p, _, _ in c.trace] == [p for p in (1, 2, 4, 8, 16) if p <= want_p]
+
+
+def test_expert_packing_needs_timings():
+    from tritonmoe.plan.lina import expert_packing
+
+    with pytest.raises(ValueError, match="no all-to-all time for packing p=2"):
+        expert_packing({1: 1.0, 2: 2.0}, {1: 5.0}, world_size=4, num_experts=4)
+
+
+def test_gradient_sync_as_executor_ops():
+    """The gradient lane as recorded by the simulator's executor: Lina cuts each gradient into
+    micro-ops <= chunk_bytes (the same partition as the DDP hook), FIFO fuses DDP-like buckets;
+    every op carries the gradient priority on the second communication lane."""
+    from tritonmoe.comm import VirtualTensor
+    from tritonmoe.comm.priority import PRIORITY_GRADIENT, issue_gradient_sync
+    from tritonmoe.plan import SimExecutor, VirtualGroup
+
+    grads = [VirtualTensor((n,), torch.float32) for n in (1000, 300, 5000)]
+    world = VirtualGroup((0, 1))
+    lina = SimExecutor(0, world, host_compute=True, phase="bwd")
+    issue_gradient_sync(lina, grads, chunk_bytes=4096)
+    assert [o.nbytes for o in lina.program.ops] == [4000, 1200] + [4000] * 5
+    assert {(o.op, o.lane, o.priority, o.kind) for o in lina.program.ops} == {("all_reduce", "comm2", PRIORITY_GRADIENT, "allreduce")}
+    fifo = SimExecutor(0, world, host_compute=True, phase="bwd")
+    issue_gradient_sync(fifo, grads, bucket_bytes=6000)
+    assert [o.nbytes for o in fifo.program.ops] == [5200, 20000]
