@@ -197,6 +197,10 @@ class CommScheduler:
         chunk_bytes: cut each gradient into micro-ops of at most this many bytes (None: one
             reduction per submitted buffer).
         reduction: "allreduce" or "ordered" (see the module docstring).
+        gate_timeout_s: how long queued gradient micro-ops may be held back by exchanges before
+            the lane fails (every pending reduction then raises instead of waiting forever; an
+            exchange itself is bounded by its group's timeout, so this only fires on a broken
+            announcement).
 
     Attributes:
         timeline: a :class:`~tritonmoe.comm.Timeline` the gradient lane records its micro-ops
@@ -208,15 +212,20 @@ class CommScheduler:
     stopped by :meth:`close` (or when the scheduler is garbage-collected).
     """
 
-    def __init__(self, *, priority: bool, chunk_bytes: Optional[int] = None, reduction: str = "allreduce") -> None:
+    def __init__(
+        self, *, priority: bool, chunk_bytes: Optional[int] = None, reduction: str = "allreduce", gate_timeout_s: float = 300.0
+    ) -> None:
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}; use one of {REDUCTIONS}")
         if chunk_bytes is not None:
             partition([], 1, chunk_bytes)  # validates the type
             if chunk_bytes < 1:
                 raise ValueError(f"chunk_bytes={chunk_bytes} must be positive (or None: no partitioning)")
+        if not gate_timeout_s > 0:
+            raise ValueError(f"gate_timeout_s={gate_timeout_s} must be > 0")
         self.priority = bool(priority)
         self.chunk_bytes = chunk_bytes
+        self.gate_timeout_s = float(gate_timeout_s)
         self.reduction = reduction
         self.timeline: Optional[Timeline] = None
         self._cv = threading.Condition()
@@ -227,17 +236,20 @@ class CommScheduler:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self._micro_op = 0
+        self._held_since: Optional[float] = None
 
     @classmethod
-    def fifo(cls, *, reduction: str = "allreduce") -> "CommScheduler":
-        """Today's behaviour: buckets reduced whole, in order, concurrently with exchanges."""
-        return cls(priority=False, chunk_bytes=None, reduction=reduction)
+    def fifo(cls, **kwargs) -> "CommScheduler":
+        """Today's behaviour: buckets reduced whole, in order, concurrently with exchanges
+        (``kwargs``: ``reduction``, ``gate_timeout_s``)."""
+        return cls(priority=False, chunk_bytes=None, **kwargs)
 
     @classmethod
-    def lina(cls, chunk_bytes: Optional[int] = DEFAULT_CHUNK_BYTES, *, reduction: str = "allreduce") -> "CommScheduler":
+    def lina(cls, chunk_bytes: Optional[int] = DEFAULT_CHUNK_BYTES, **kwargs) -> "CommScheduler":
         """Lina: gradients partitioned into micro-ops of at most ``chunk_bytes``, exchanges first
-        (``chunk_bytes=None``: priority without partitioning, the paper's variant (b))."""
-        return cls(priority=True, chunk_bytes=chunk_bytes, reduction=reduction)
+        (``chunk_bytes=None``: priority without partitioning, the paper's variant (b));
+        ``kwargs``: ``reduction``, ``gate_timeout_s``."""
+        return cls(priority=True, chunk_bytes=chunk_bytes, **kwargs)
 
     @property
     def policy(self) -> str:
@@ -353,20 +365,32 @@ class CommScheduler:
             weakref.finalize(self, _stop_worker, self._cv, self._thread)
 
     def _next_item(self, timeout_s: float) -> Optional[_Item]:
-        """Worker: the next micro-op once the gate opens (None after ``timeout_s`` or at stop)."""
-        deadline = time.monotonic() + timeout_s
+        """Worker: the next micro-op once the gate opens (None after ``timeout_s`` or at stop).
+        Raises :class:`TimeoutError` when queued micro-ops have been held back for
+        ``gate_timeout_s``."""
+        now = time.monotonic()
+        deadline = now + timeout_s
         with self._cv:
             while True:
                 if self._stop:
                     return None
-                if self._queue and self._gate_open():
-                    item = self._queue.popleft()
-                    return item
-                left = deadline - time.monotonic()
+                if self._queue:
+                    if self._gate_open():
+                        self._held_since = None
+                        return self._queue.popleft()
+                    if self._held_since is None:
+                        self._held_since = now
+                    elif now - self._held_since > self.gate_timeout_s:
+                        raise TimeoutError(
+                            f"gradient micro-ops were held back for {now - self._held_since:.0f} s by exchanges "
+                            f"({self._exchanges.count} running, {self._imminent} announced) that never completed"
+                        )
+                left = deadline - now
                 if left <= 0:
                     return None
                 poll = _GATE_POLL_S if self._exchanges.events else left
                 self._cv.wait(min(left, poll))
+                now = time.monotonic()
 
     def _run(self, item: _Item) -> None:
         """Worker: one gradient micro-op, start to end."""
@@ -395,20 +419,23 @@ class CommScheduler:
             dist.all_reduce(t, group=group)
 
     def _finish(self, item: _Item, error: Optional[BaseException]) -> None:
-        b = item.bucket
         if error is not None:
-            with self._cv:
-                self._error = error
-                dropped = list(self._queue)
-                self._queue.clear()
-            msg = f"gradient micro-op on ranks {_ranks(item.group)} failed: {error}"
-            for it in [item] + dropped:
-                if not it.bucket.future.done():
-                    it.bucket.future.set_exception(RuntimeError(msg))
+            self._fail(f"gradient micro-op on ranks {_ranks(item.group)} failed: {error}", error, [item])
             return
+        b = item.bucket
         b.left -= 1
         if b.left == 0:
             b.future.set_result(b.flat)
+
+    def _fail(self, msg: str, error: BaseException, items: Sequence[_Item] = ()) -> None:
+        """The lane is broken: every pending reduction's future raises ``msg``; later ones too."""
+        with self._cv:
+            self._error = error
+            dropped = list(self._queue)
+            self._queue.clear()
+        for it in list(items) + dropped:
+            if not it.bucket.future.done():
+                it.bucket.future.set_exception(RuntimeError(msg))
 
     def close(self) -> None:
         """Stop the worker thread (queued micro-ops are dropped)."""
@@ -426,7 +453,11 @@ def _worker_main(ref) -> None:
         s = ref()
         if s is None or s._stop:
             return
-        item = s._next_item(0.5)
+        try:
+            item = s._next_item(0.5)
+        except TimeoutError as e:
+            s._fail(str(e), e)
+            return
         if item is None:
             del s
             continue

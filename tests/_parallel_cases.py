@@ -486,7 +486,28 @@ def skew(rank: int, P: int, slow_rank: int, steps: int, seed: int) -> dict:
     check_priority(failures, "skewed", rec.calls)
     from bench.lina import _measure_priority
 
-    return {"equal": equal, "elapsed": elapsed, "failures": failures, "bench": _measure_priority(rank, P, BENCH_SPEC)}
+    return {"equal": equal, "elapsed": elapsed, "failures": failures, "bench": _measure_priority(rank, P, BENCH_SPEC),
+            "held": held_back(rank, P)}
+
+
+def held_back(rank: int, P: int) -> dict:
+    """An announced exchange that never comes: the gradient lane fails after gate_timeout_s and
+    the reduction's future raises (bounded wait), on every rank."""
+    from tritonmoe.comm import CommScheduler
+
+    sched = CommScheduler.lina(64, gate_timeout_s=0.5)
+    group = dist.new_group(list(range(P)))
+    sched.exchange_imminent()
+    t0 = time.monotonic()
+    fut = sched.reduce(torch.ones(100, dtype=F64), None, group)
+    try:
+        fut.wait()
+        out = {"raised": None}
+    except RuntimeError as e:
+        out = {"raised": str(e)}
+    out["elapsed"] = time.monotonic() - t0
+    sched.close()
+    return out
 
 
 #: bench.lina's all-to-all part at a tiny shape (measured by the skew group).
