@@ -286,6 +286,29 @@ def train(rank: int, mesh: MoEMesh, steps_data, *, comm: str, reduction: str = "
     return model
 
 
+def accumulation(rank: int, mesh: MoEMesh, failures: list, label: str) -> None:
+    """Two micro-steps, the first under ``ddp.no_sync()`` (gradients accumulate locally, no
+    communication, experts' hooks skip too), then one optimizer step: equals the single process
+    stepping on the sum of the two global mean losses."""
+    data = batches(dist.get_world_size(), steps=2, seed=5)
+    torch.manual_seed(SEED)
+    ref = Net(None)
+    for d in data:
+        loss_fn(ref(torch.cat([x for x, _ in d])), torch.cat([t for _, t in d])).backward()
+    with torch.no_grad():
+        want = {n: p - 0.1 * p.grad for n, p in ref.named_parameters()}
+    torch.manual_seed(SEED)
+    model = Net(mesh)
+    ddp = data_parallel(model, mesh, comm="lina", chunk_bytes=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ddp.no_sync():
+        loss_fn(ddp(data[0][rank][0]), data[0][rank][1]).backward()
+    loss_fn(ddp(data[1][rank][0]), data[1][rank][1]).backward()
+    opt.step()
+    ddp._tritonmoe_data_parallel.scheduler.close()
+    compare(failures, label, model, want)
+
+
 def training_table(rank: int, P: int, layouts: list[tuple[int, int]]) -> dict:
     """For each (dp, ep): FIFO and Lina (allreduce) vs the single-process reference; Lina vs FIFO
     bitwise with the ordered reduction; measured micro-op sizes and ordering."""
@@ -315,6 +338,8 @@ def training_table(rank: int, P: int, layouts: list[tuple[int, int]]) -> dict:
             if not torch.equal(a, b):
                 failures.append(f"{lab} ordered: lina {n} not bitwise equal to fifo ({(a - b).abs().max().item():.3g})")
         compare(failures, f"{lab} ordered vs reference", lina, want)
+        if dp > 1:
+            accumulation(rank, mesh, failures, f"{lab} no_sync accumulation")
     return {"failures": failures, "info": info}
 
 

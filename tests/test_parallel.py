@@ -32,7 +32,8 @@ def test_training_step_equals_single_process():
     """4 ranks as 2 DP x 2 EP and as 4 EP: one SGD step with FIFO and with Lina equals the
     single process on the concatenated batch (1e-12, fp64); Lina == FIFO bitwise with the
     ordered reduction; Lina's micro-ops (measured at the backend) are <= chunk_bytes, inside one
-    gradient, tile every gradient, one at a time, never started during an all-to-all."""
+    gradient, tile every gradient, one at a time, never started during an all-to-all; gradient
+    accumulation under no_sync equals the single process on the summed losses."""
     results, _ = run_group(4, cases.training_table, [(2, 2), (1, 4)], deadline_s=300)
     values = values_or_fail(results)
     failures = [f"rank {r}: {f}" for r, v in enumerate(values) for f in v["failures"]]
