@@ -105,11 +105,11 @@ def loss_fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return ((y - t) ** 2).mean()
 
 
-def reference_params(steps_data, lr: float = 0.1) -> dict[str, torch.Tensor]:
+def reference_params(steps_data, lr: float = 0.1, optim=torch.optim.SGD) -> dict[str, torch.Tensor]:
     """The single-process model trained on the concatenated global batches."""
     torch.manual_seed(SEED)
     ref = Net(None)
-    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    opt = optim(ref.parameters(), lr=lr)
     for data in steps_data:
         opt.zero_grad()
         loss_fn(ref(torch.cat([x for x, _ in data])), torch.cat([t for _, t in data])).backward()
@@ -422,6 +422,37 @@ def layouts_table(rank: int, P: int, ckdir: str) -> dict:
     dst = built(4, seed=SEED + 300)
     dst.load_state_dict(torch.load(path))
     check_outputs("load_state_dict(full) at ep=4", dst)
+
+    # Optimizer state across layouts: an Adam step at EP=2, model and optimizer saved with DCP,
+    # loaded at EP=4 into a model from another seed, a second step: equals the single process
+    # taking both steps (Adam's per-expert moments must land on the experts' new owners).
+    from tritonmoe.parallel import load_optimizer_state_dict, optimizer_state_dict
+
+    adam_data = batches(P, steps=2, seed=9)
+    want_adam = reference_params(adam_data, lr=1e-2, optim=torch.optim.Adam)
+
+    def adam_step(ep: int, seed: int, data):
+        m = built(ep, seed=seed)
+        ddp = data_parallel(m, meshes[ep])
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        return m, ddp, opt
+
+    m, ddp, opt = adam_step(2, SEED, adam_data)
+    loss_fn(ddp(adam_data[0][rank][0]), adam_data[0][rank][1]).backward()
+    opt.step()
+    path = os.path.join(ckdir, "dcp_adam_ep2")
+    dcp.save({"model": m.state_dict(), "optim": optimizer_state_dict(m, opt)}, checkpoint_id=path)
+    ddp._tritonmoe_data_parallel.scheduler.close()
+    m, ddp, opt = adam_step(4, SEED + 500, adam_data)
+    sd = {"model": m.state_dict(), "optim": optimizer_state_dict(m, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    m.load_state_dict(sd["model"])
+    load_optimizer_state_dict(m, opt, sd["optim"])
+    opt.zero_grad()
+    loss_fn(ddp(adam_data[1][rank][0]), adam_data[1][rank][1]).backward()
+    opt.step()
+    ddp._tritonmoe_data_parallel.scheduler.close()
+    compare(failures, "adam step at ep=2, dcp (model + optimizer), step at ep=4", m, want_adam, tol=1e-10)
 
     # Misuse: plain DDP and FSDP over expert-parallel ranks.
     info["misuse"] = misuse(rank, meshes[2])

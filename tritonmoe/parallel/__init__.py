@@ -13,13 +13,15 @@ that would corrupt expert-parallel layers.
 * :func:`fully_shard_moe` (:mod:`.fsdp`): the FSDP2 recipe with the same semantics.
 * :func:`full_state_dict` / :func:`load_full_state_dict` (:mod:`.checkpoint`): global plain state
   dicts; an expert-parallel layer's own ``state_dict()`` is in global DTensors, so
-  ``torch.distributed.checkpoint`` reshards across expert-parallel sizes.
+  ``torch.distributed.checkpoint`` reshards across expert-parallel sizes;
+  :func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` do the same for the
+  optimizer's per-expert states.
 * :class:`ExpertParallelWrapError` (:mod:`.guard`): raised when plain DDP or FSDP would treat
   different experts as replicas.
 * :mod:`.init`: per-expert generators (expert e's weights depend on the seed and e alone).
 """
 
-from .checkpoint import full_state_dict, load_full_state_dict
+from .checkpoint import full_state_dict, load_full_state_dict, load_optimizer_state_dict, optimizer_state_dict
 from .data_parallel import COMM_POLICIES, DataParallelState, ExpertGradSync, data_parallel
 from .fsdp import fully_shard_moe
 from .guard import ExpertParallelWrapError
@@ -41,6 +43,8 @@ __all__ = [
     "fully_shard_moe",
     "is_expert_parameter",
     "load_full_state_dict",
+    "load_optimizer_state_dict",
     "moe_layers",
     "named_expert_parameters",
+    "optimizer_state_dict",
 ]

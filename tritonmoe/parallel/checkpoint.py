@@ -20,6 +20,13 @@ Plain (non-DCP) state dicts: :func:`full_state_dict` gathers a global state dict
 full, as a single process would hold it; collective), and :func:`load_full_state_dict` scatters
 one from a single rank (each rank receives only its experts) and loads it.
 
+Optimizer state: :func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` wrap
+``torch.distributed.checkpoint.state_dict``'s optimizer helpers and describe the per-expert
+states (Adam's moments, momentum) by global expert index the same way, so
+``dcp.save({"model": model.state_dict(), "optim": optimizer_state_dict(model, opt)})`` resumes on
+another expert-parallel size. (A plain ``optimizer.state_dict()`` is keyed by parameter index and
+holds this rank's experts only: do not save it with DCP across ranks.)
+
 Layers without expert parallelism keep plain local tensors (they are already global).
 """
 
@@ -31,7 +38,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["expert_state_dict_hook", "expert_load_pre_hook", "full_state_dict", "load_full_state_dict"]
+__all__ = [
+    "expert_state_dict_hook",
+    "expert_load_pre_hook",
+    "full_state_dict",
+    "load_full_state_dict",
+    "optimizer_state_dict",
+    "load_optimizer_state_dict",
+]
 
 
 def _dtensor_cls():
@@ -91,42 +105,112 @@ def expert_state_dict_hook(layer, state_dict: dict, prefix: str, local_metadata)
             state_dict[key] = _to_global(layer, name, state_dict[key])
 
 
+def _to_local(layer, name: str, value, key: str):
+    """``value`` for expert parameter ``name`` (a global DTensor of this layout or a full
+    ``[E, ...]`` tensor) as what the parameter holds on this rank (its local experts, or FSDP's
+    shard of them); None when ``value`` already has the local shape (or a shape to report)."""
+    DTensor = _dtensor_cls()
+    param = getattr(layer, name)
+    E = layer.config.num_experts
+    if isinstance(value, DTensor):
+        mine = _to_global(layer, name, param.detach())
+        if value.device_mesh != mine.device_mesh or value.placements != mine.placements or value.shape != mine.shape:
+            raise ValueError(
+                f"{key} is a DTensor for another layout ({value.device_mesh}, {value.placements}, shape "
+                f"{tuple(value.shape)}) than this layer's ({mine.device_mesh}, {mine.placements}); load it into this "
+                "layer's own state_dict() with torch.distributed.checkpoint.load (which reshards), or pass a full "
+                "global tensor (tritonmoe.parallel.full_state_dict)"
+            )
+        local = value.to_local()
+    elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == E and E != layer.num_local_experts:
+        local = value[layer.expert_start : layer.expert_start + layer.num_local_experts]
+    else:
+        return None
+    if isinstance(param, DTensor):  # FSDP-sharded: this rank's shard of its experts
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape_l, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local = DTensor.from_local(
+            local.narrow(0, offset[0], shape_l[0]), param.device_mesh, param.placements, run_check=False,
+            shape=param.shape, stride=param.stride(),
+        )
+    return local
+
+
 def expert_load_pre_hook(layer, state_dict: dict, prefix: str, *args: Any) -> None:
     """``load_state_dict`` pre-hook: turn a global DTensor or a full ``[E, ...]`` tensor into this
     rank's experts (see the module docstring)."""
     if not _is_expert_parallel(layer):
         return
-    DTensor = _dtensor_cls()
     for name in layer.expert_parameter_names:
         key = prefix + name
-        if key not in state_dict:
-            continue
-        value = state_dict[key]
-        param = getattr(layer, name)
-        E = layer.config.num_experts
-        if isinstance(value, DTensor):
-            mine = _to_global(layer, name, param.detach())
-            if value.device_mesh != mine.device_mesh or value.placements != mine.placements or value.shape != mine.shape:
-                raise ValueError(
-                    f"{key} is a DTensor for another layout ({value.device_mesh}, {value.placements}, shape "
-                    f"{tuple(value.shape)}) than this layer's ({mine.device_mesh}, {mine.placements}); load it into this "
-                    "layer's own state_dict() with torch.distributed.checkpoint.load (which reshards), or pass a full "
-                    "global tensor (tritonmoe.parallel.full_state_dict)"
-                )
-            local = value.to_local()
-        elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == E and E != layer.num_local_experts:
-            local = value[layer.expert_start : layer.expert_start + layer.num_local_experts]
-        else:
-            continue  # a tensor of this rank's local shape (or a mismatch load_state_dict reports)
-        if isinstance(param, DTensor):  # FSDP-sharded: this rank's shard of its experts
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        if key in state_dict:
+            local = _to_local(layer, name, state_dict[key], key)
+            if local is not None:
+                state_dict[key] = local
 
-            shape_l, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-            local = DTensor.from_local(
-                local.narrow(0, offset[0], shape_l[0]), param.device_mesh, param.placements, run_check=False,
-                shape=param.shape, stride=param.stride(),
-            )
-        state_dict[key] = local
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer state
+# ---------------------------------------------------------------------------------------------
+
+
+def _expert_fqns(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
+    """Canonical FQN (as ``torch.distributed.checkpoint.state_dict`` names it, DDP prefix
+    removed) -> (layer, parameter name) of every expert parameter of an expert-parallel layer."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    from .params import moe_layers
+
+    owners = {}
+    for _, layer in moe_layers(model):
+        if _is_expert_parallel(layer):
+            for n in layer.expert_parameter_names:
+                owners[id(getattr(layer, n))] = (layer, n)
+    out = {}
+    for name, p in model.named_parameters():
+        if id(p) in owners:
+            for fqn in _get_fqns(model, name):
+                out[fqn] = owners[id(p)]
+    return out
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict keyed by parameter FQN
+    (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``), with the per-expert
+    states of expert-parallel layers (tensors shaped like the parameter: Adam's ``exp_avg``,
+    ``exp_avg_sq``, momentum buffers) as global DTensors like the model's ``state_dict()``, so
+    ``torch.distributed.checkpoint`` stores them by global expert index and reshards them. Load
+    with :func:`load_optimizer_state_dict`. Initializes an empty optimizer's state (as
+    ``get_optimizer_state_dict`` does) so it can serve as the template of ``dcp.load``."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    DTensor = _dtensor_cls()
+    osd = get_optimizer_state_dict(model, optimizer)
+    for fqn, (layer, name) in _expert_fqns(model).items():
+        param = getattr(layer, name)
+        for k, v in osd["state"].get(fqn, {}).items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == param.shape:
+                osd["state"][fqn][k] = _to_global(layer, name, v)
+            elif isinstance(v, DTensor) and v.placements == getattr(param, "placements", None) and v.shape == param.shape:
+                osd["state"][fqn][k] = _to_global(layer, name, v)
+    return osd
+
+
+def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Load an optimizer state dict from :func:`optimizer_state_dict` (after ``dcp.load`` into one
+    of this layout, or full global tensors) into ``optimizer``
+    (``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict``)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    for fqn, (layer, name) in _expert_fqns(model).items():
+        st = state_dict["state"].get(fqn, {})
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor):
+                local = _to_local(layer, name, v, f"state[{fqn!r}][{k!r}]")
+                if local is not None:
+                    st[k] = local
+    set_optimizer_state_dict(model, optimizer, state_dict)
 
 
 # ---------------------------------------------------------------------------------------------
