@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
@@ -282,3 +282,125 @@ def test_gradient_sync_as_executor_ops():
     fifo = SimExecutor(0, world, host_compute=True, phase="bwd")
     issue_gradient_sync(fifo, grads, bucket_bytes=6000)
     assert [o.nbytes for o in fifo.program.ops] == [5200, 20000]
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler's invariants, in one process (a fake backend records what it is asked to do)
+# ---------------------------------------------------------------------------------------------
+
+
+class _FakeDist:
+    """Stands in for torch.distributed inside comm.priority: a 2-rank group whose all_reduce
+    doubles the tensor after a short delay, recording (start, end, data_ptr, bytes)."""
+
+    def __init__(self, delay_s: float) -> None:
+        import threading as th
+
+        self.delay_s = delay_s
+        self.calls: list = []
+        self.lock = th.Lock()
+
+    def get_world_size(self, group=None) -> int:
+        return 2
+
+    def get_process_group_ranks(self, group) -> list:
+        return [0, 1]
+
+    def all_reduce(self, t, group=None, async_op=False):
+        import time as tm_
+
+        start = tm_.perf_counter()
+        tm_.sleep(self.delay_s)
+        t.mul_(2)
+        with self.lock:
+            self.calls.append((start, tm_.perf_counter(), t.data_ptr(), t.numel() * t.element_size()))
+
+
+class _FakeWork:
+    """An exchange that completes ``duration_s`` after launch (on a timer thread)."""
+
+    def __init__(self, duration_s: float, log: list) -> None:
+        import threading as th
+        import time as tm_
+
+        self.fut = torch.futures.Future()
+        self.start = tm_.perf_counter()
+
+        def done():
+            log.append((self.start, tm_.perf_counter()))
+            self.fut.set_result(None)
+
+        th.Timer(duration_s, done).start()
+
+    def get_future(self):
+        return self.fut
+
+
+_EVENT = st.one_of(
+    st.tuples(st.just("grad"), st.lists(st.integers(1, 40), min_size=1, max_size=3)),
+    st.tuples(st.just("exchange"), st.floats(0.0005, 0.003)),
+    st.tuples(st.just("announce"), st.floats(0.0, 0.003)),
+)
+
+
+@settings(max_examples=40)
+@given(events=st.lists(_EVENT, min_size=1, max_size=8), lina=st.booleans())
+def test_scheduler_invariants(events, lina):
+    """Random programs of gradient submissions, exchanges and announcements: every gradient
+    micro-op runs once, in submission order, one at a time, <= chunk_bytes, and (Lina) none
+    starts while an exchange is running or announced (except one that had already passed the
+    gate when it began); every reduction's future completes with the reduced buffer."""
+    import time as tm_
+
+    from tritonmoe.comm import priority as pr
+
+    fake = _FakeDist(0.0003)
+    real = pr.dist
+    pr.dist = fake
+    try:
+        sched = CommScheduler.lina(32) if lina else CommScheduler.fifo()
+        exchanges: list = []
+        announced: list = []
+        futs, bufs, order = [], [], []
+        for kind, arg in events:
+            if kind == "grad":
+                flat = torch.ones(sum(arg), dtype=torch.float64)
+                grads = list(flat.split(arg))
+                futs.append(sched.reduce(flat, grads, group=None))
+                bufs.append(flat)
+                order += [(g.data_ptr(), g.numel()) for g in grads]
+            elif kind == "exchange":  # the work (and its start time) is made inside run, after the gate closed
+                sched.launch(lambda d=arg: (None, _FakeWork(d, exchanges)))
+                tm_.sleep(arg / 2)
+            else:  # an announcement, lifted after a while (the layer's backward)
+                sched.exchange_imminent()
+                t0 = tm_.perf_counter()
+                tm_.sleep(arg)
+                announced.append((t0, tm_.perf_counter()))
+                sched.exchanges_done()
+        for f, b in zip(futs, bufs):
+            assert f.wait() is b and torch.equal(b, torch.full_like(b, 2.0))
+        tm_.sleep(0.005)  # let the exchange timers finish
+        sched.close()
+    finally:
+        pr.dist = real
+    calls = fake.calls
+    starts = [c[0] for c in calls]
+    assert starts == sorted(starts)
+    for (s1, e1, _, _), (s2, _, _, _) in zip(calls, calls[1:]):
+        assert s2 >= e1  # one micro-op at a time
+    if lina:
+        # every gradient tiled in order by micro-ops of <= 32 bytes
+        pieces = [(p, n) for _, _, p, n in calls]
+        want = []
+        for ptr, numel in order:
+            for _, a, b in partition([(0, numel)], 8, 32):
+                want.append((ptr + 8 * a, 8 * (b - a)))
+        assert pieces == want
+        # Inside an exchange or an announcement at most one micro-op starts: one that had passed
+        # the gate just before (never pre-empted); no second one until the window closes.
+        for a, b in exchanges + announced:
+            inside = [s for s, _, _, _ in calls if a < s < b]
+            assert len(inside) <= 1, f"{len(inside)} gradient micro-ops started during one exchange/announcement"
+    else:
+        assert len(calls) == len(futs)  # FIFO: one reduction per submitted buffer
