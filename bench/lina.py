@@ -50,7 +50,7 @@ __all__ = ["run_lina", "DEFAULTS"]
 
 #: Shapes (tokens per rank) and reps of the CPU run.
 DEFAULTS = dict(
-    a2a_mb=8.0, grad_mb=64.0, grad_tensors=4, delay_ms=2.0,
+    a2a_mb=8.0, grad_mb=64.0, grad_tensors=4, delay_ms=2.0, a2a_reps=40,
     steps=True, tokens=1024, d_model=1024, d_ffn=64, num_experts=8, top_k=2, blocks=3, table_rows=4096,
     bucket_mb=25.0, chunk_mb=(1.0, 4.0), reps=10, warmup=2,
 )
@@ -96,7 +96,7 @@ def _measure_priority(rank: int, P: int, spec: dict) -> dict:
     grad = torch.ones(n_grad)
     views = list(grad.chunk(spec["grad_tensors"]))
     out: dict = {v: [] for v in ["standalone", *scheds]}
-    for it in range(spec["warmup"] + spec["reps"]):
+    for it in range(spec["warmup"] + spec["a2a_reps"]):
         for v in out:
             sched = scheds.get(v)
             grad.fill_(1.0)

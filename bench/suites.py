@@ -811,7 +811,8 @@ def run_lina_suite(ctx: Context, progress=None) -> list[dict]:
         progress.step("lina P=2")
     reps = max(ctx.timer.reps // 2, 5) if ctx.timer is not None else lina.DEFAULTS["reps"]
     try:
-        results = lina.run_lina(world_size=2, reps=reps, timeout_s=max(ctx.ep_timeout_s, 60.0))
+        results = lina.run_lina(world_size=2, reps=reps, a2a_reps=max(ctx.timer.reps if ctx.timer else 0, 20),
+                                timeout_s=max(ctx.ep_timeout_s, 120.0))
     except Exception as exc:  # a failed spawn, a timeout: one error row, the run goes on
         row = new_row(suite="lina", case="P=2", mode="a2a", impl="lina", params={})
         row["status"], row["note"] = "error", first_line(exc)

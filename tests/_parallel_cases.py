@@ -475,6 +475,26 @@ def layouts_table(rank: int, P: int, ckdir: str) -> dict:
     dcp.load(sd, checkpoint_id=path)
     dst.load_state_dict(sd)
     compare(failures, "dcp fsdp(ep=2) -> ep=4", dst, want_step)
+    # Re-initializing the sharded model (the meta-device flow: fully_shard, to_empty,
+    # reset_parameters) still gives expert e the weights of (seed, e), on every shard.
+    from tritonmoe.parallel.init import init_experts_
+
+    torch.manual_seed(SEED + 600)
+    for name in ("moe1", "moe2"):
+        layer = getattr(m, name)
+        layer.reset_parameters()
+        seeds = [None] * P
+        dist.all_gather_object(seeds, layer.init_seed)
+        if len(set(seeds)) != 1:
+            failures.append(f"fsdp reset_parameters: {name} drew different seeds on different ranks: {seeds}")
+        c = layer.config
+        w1 = torch.empty(c.num_experts, c.d_model, c.n1, dtype=F64)
+        w2 = torch.empty(c.num_experts, c.d_ffn, c.d_model, dtype=F64)
+        init_experts_(w1, w2, base_seed=layer.init_seed, expert_start=0, d_model=c.d_model, d_ffn=c.d_ffn)
+        mine = slice(layer.expert_start, layer.expert_start + layer.num_local_experts)
+        for pname, want_w in (("w1", w1[mine]), ("w2", w2[mine])):
+            if not torch.equal(getattr(layer, pname).full_tensor(), want_w):
+                failures.append(f"fsdp reset_parameters: {name}.{pname} is not the experts of (seed, e)")
     return {"failures": failures, "info": info}
 
 
@@ -567,7 +587,8 @@ def held_back(rank: int, P: int) -> dict:
 
 
 #: bench.lina's all-to-all part at a tiny shape (measured by the skew group).
-BENCH_SPEC = dict(a2a_mb=0.25, grad_mb=1.0, grad_tensors=4, delay_ms=1.0, chunk_mb=(0.0625,), reps=2, warmup=0, d_model=16)
+BENCH_SPEC = dict(a2a_mb=0.25, grad_mb=1.0, grad_tensors=4, delay_ms=1.0, chunk_mb=(0.0625,), a2a_reps=2, warmup=0,
+                  d_model=16)
 
 
 def new_ckdir() -> str:

@@ -196,10 +196,14 @@ class MoELayer(nn.Module):
         default CPU generator, then global expert e from a generator seeded with (init_seed, e)."""
         self.router.reset_parameters()
         self.init_seed = draw_seed()
-        init_experts_(
-            self.w1, self.w2, base_seed=self.init_seed, expert_start=self.expert_start,
-            d_model=self.config.d_model, d_ffn=self.config.d_ffn,
-        )
+        w1, w2, first = self.w1, self.w2, self.expert_start
+        if hasattr(w1, "device_mesh"):  # sharded by FSDP (e.g. meta init, fully_shard, to_empty): this shard's experts
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
+            w1, w2, first = w1.to_local(), w2.to_local(), first + int(offset[0])
+        init_experts_(w1, w2, base_seed=self.init_seed, expert_start=first, d_model=self.config.d_model,
+                      d_ffn=self.config.d_ffn)
 
     def extra_repr(self) -> str:
         c = self.config
