@@ -171,12 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     suites_text = "\n".join(f"  {s.name:8} {s.about}" for s in SUITES.values())
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (the default: all but lina)",
+        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (without suite names: all but plan and lina)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=report.__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("suites", nargs="*", type=suite_name, metavar="SUITE",
-                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: every suite but lina; see Suites above)")
+                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: every suite but plan and lina; see Suites above)")
     g = p.add_argument_group("shapes")
     g.add_argument("--preset", type=preset_list, action="extend", metavar="NAMES",
                    help=f"comma-separated presets ('all' = the four model presets): {presets_help}. "
@@ -341,8 +341,8 @@ def run(args, parser, argv: list[str]) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = args.dtype or (torch.bfloat16 if use_cuda else torch.float32)
     presets, chosen = resolve_presets(args, parser, device)
-    suites = (list(SUITE_ORDER) if "all" in args.suites else list(dict.fromkeys(args.suites))) if args.suites else \
-        [s for s in SUITE_ORDER if SUITES[s].default]
+    suites = ([s for s in SUITE_ORDER if SUITES[s].default] if not args.suites else
+              list(SUITE_ORDER) if "all" in args.suites else list(dict.fromkeys(args.suites)))
     backends = args.backend or (("triton", "torch") if use_cuda else ("torch",))
     baselines = BASELINES if args.baselines is None else args.baselines
 

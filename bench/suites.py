@@ -777,6 +777,12 @@ def ep_rows(results: list[dict], preset: str | None = None) -> list[dict]:
     return rows
 
 
+def _run_plan_suite(ctx: Context, progress=None) -> list[dict]:
+    from .plan_fidelity import run_plan_suite
+
+    return run_plan_suite(ctx, progress)
+
+
 def _ep_key(r: dict):
     p = r["params"]
     return (p["preset"], p["world_size"], p["T"], p["d"], p["f"], p["E"], p["k"], p["dtype"])
@@ -843,7 +849,7 @@ class Suite:
     plan: Callable[[Context], list[Case]] | None = None
     run: Callable[..., list[dict]] | None = None
     describe: Callable[[Context], list[str]] | None = None
-    default: bool = True
+    default: bool = True  # part of `python -m bench` without suite names
 
 
 SUITES: dict[str, Suite] = {
@@ -857,8 +863,11 @@ SUITES: dict[str, Suite] = {
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
         Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
               "and the layer per world size and pipeline degree", run=run_ep_suite, describe=describe_ep),
+        Suite("plan", "simulator fidelity: a cost model fitted here vs the measured expert-parallel layer (gloo, "
+              "2 and 4 ranks, degrees 1-8), and the planner's choice (bench/plan_fidelity.py; ~10 min, not default)",
+              run=_run_plan_suite, default=False),
         Suite("lina", "Lina's priority communication vs FIFO over gloo (2 ranks): an all-to-all beside a gradient "
-              "reduction, and training steps (all-to-all slowdown, step time); run when named", run=run_lina_suite,
+              "reduction, and training steps (all-to-all slowdown, step time); not default", run=run_lina_suite,
               describe=describe_lina, default=False),
     ]
 }
