@@ -197,7 +197,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
 
     from .schedules import _backward_epilogue, _backward_prologue, _prologue
 
-    W, d, dt, plan, T = st.work, st.config.d_model, st.dtype, st.plan, st.tokens
+    W, d, dt, plan = st.work, st.config.d_model, st.dtype, st.plan
     rows, active, segs = st.expert_stats()
     L = plan.num_local_experts
     like = lambda i: VirtualTensor((rows[i], d), dt)  # noqa: E731
