@@ -48,7 +48,6 @@ from .suites import (
     Context,
     attach_layer_fractions,
     count_entries,
-    ep_cases,
     plan,
     run_suite,
 )
@@ -175,12 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     suites_text = "\n".join(f"  {s.name:8} {s.about}" for s in SUITES.values())
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (without suite names: all but plan)",
+        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (without suite names: all but plan and lina)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=report.__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("suites", nargs="*", type=suite_name, metavar="SUITE",
-                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: all; see Suites above)")
+                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: every suite but plan and lina; see Suites above)")
     g = p.add_argument_group("shapes")
     g.add_argument("--preset", type=preset_list, action="extend", metavar="NAMES",
                    help=f"comma-separated presets ('all' = the four model presets): {presets_help}. "
@@ -364,11 +363,8 @@ def run(args, parser, argv: list[str]) -> int:
     plans = {s: plan(ctx, s) for s in suites}
     if args.list:
         for s in suites:
-            if s == "ep":
-                runs, dt, where = ep_cases(ctx)
-                for pr, T in runs:
-                    print(f"{s}/{pr.name} T/rank={T} world sizes {ctx.ep_world_sizes} degrees {ctx.ep_degrees} "
-                          f"[bench.ep.run_ep, {dtype_name(dt)}, {where}]")
+            for line in SUITES[s].describe(ctx) if SUITES[s].describe is not None else ():
+                print(f"{s}/{line}")
             for c in plans[s]:
                 for e in c.entries:
                     print(f"{s}/{c.label}/{e.mode} [{e.impl}]")
@@ -422,7 +418,7 @@ def run(args, parser, argv: list[str]) -> int:
     }
     doc = new_doc(env, config, ctx.roofs, notes)
     total = sum(count_entries(c) for c in plans.values())
-    total += len(ep_cases(ctx)[0]) * suites.count("ep")
+    total += sum(len(SUITES[s].describe(ctx)) for s in suites if SUITES[s].describe is not None)
     progress_on = args.progress if args.progress is not None else (sys.stdout.isatty() and sys.stderr.isatty())
     progress = Progress(total, progress_on)
 

@@ -174,7 +174,10 @@ def _aggregate(per_rank: list[list[dict]], spec: dict, P: int, backend: str) -> 
     return results
 
 
-def _spawned_rank(rank: int, P: int, port: int, spec: dict, outdir: str, timeout_s: float) -> None:
+def _spawned_rank(rank: int, P: int, port: int, spec: dict, outdir: str, timeout_s: float, measure=None) -> None:
+    """A spawned rank: init gloo, run ``measure(rank, P, spec, device, progress)`` (default: this
+    module's), write its result for the parent."""
+    measure = measure or _measure_rank
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
@@ -187,7 +190,7 @@ def _spawned_rank(rank: int, P: int, port: int, spec: dict, outdir: str, timeout
     try:
         dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=timeout_s))
         progress()
-        result = {"ok": _measure_rank(rank, P, spec, torch.device("cpu"), progress)}
+        result = {"ok": measure(rank, P, spec, torch.device("cpu"), progress)}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = {"error": traceback.format_exc()}
     tmp = os.path.join(outdir, f"rank{rank}.tmp")
@@ -204,13 +207,14 @@ def _spawned_rank(rank: int, P: int, port: int, spec: dict, outdir: str, timeout
     os._exit(1)
 
 
-def _run_spawned(P: int, spec: dict, timeout_s: float) -> list[list[dict]]:
-    """Spawn P gloo ranks; kill them if none makes progress for timeout_s seconds."""
+def _run_spawned(P: int, spec: dict, timeout_s: float, measure=None, what: str = "bench.ep") -> list:
+    """Spawn P gloo ranks running ``measure`` (default: this module's); kill them if none makes
+    progress for timeout_s seconds. Every rank's result, in rank order."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
         procs = [
-            ctx.Process(target=_spawned_rank, args=(r, P, port, spec, outdir, timeout_s), daemon=True)
+            ctx.Process(target=_spawned_rank, args=(r, P, port, spec, outdir, timeout_s, measure), daemon=True)
             for r in range(P)
         ]
         for p in procs:
@@ -245,7 +249,7 @@ def _run_spawned(P: int, spec: dict, timeout_s: float) -> list[list[dict]]:
             else:
                 errors.append(f"rank {r}:\n{res['error']}")
         if errors:
-            raise RuntimeError(f"bench.ep with {P} ranks failed:\n" + "\n".join(errors))
+            raise RuntimeError(f"{what} with {P} ranks failed:\n" + "\n".join(errors))
         return per_rank
 
 

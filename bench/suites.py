@@ -53,6 +53,7 @@ from .harness import (
     new_row,
 )
 from .presets import PRESETS, Preset, RoutingSpec, parse_routing
+from .roofs import dtype_name
 
 MODES = ("fwd", "fwd+bwd")
 
@@ -826,15 +827,62 @@ def _ep_key(r: dict):
 # ---------------------------------------------------------------------------------------------
 
 
+def describe_ep(ctx: Context) -> list[str]:
+    """The ep suite's runs, one line each (``--list`` and the progress count)."""
+    runs, dt, where = ep_cases(ctx)
+    return [f"{pr.name} T/rank={T} world sizes {ctx.ep_world_sizes} degrees {ctx.ep_degrees} "
+            f"[bench.ep.run_ep, {dtype_name(dt)}, {where}]" for pr, T in runs]
+
+
+def describe_lina(ctx: Context) -> list[str]:
+    from . import lina
+
+    d = lina.DEFAULTS
+    return [f"P=2 a2a {d['a2a_mb']:g} MB vs {d['grad_mb']:g} MB gradient, training step; fifo, lina {d['chunk_mb']} MB "
+            "[bench.lina.run_lina, float32, gloo on CPU processes]"]
+
+
+def run_lina_suite(ctx: Context, progress=None) -> list[dict]:
+    """``bench.lina.run_lina`` (2 gloo ranks on CPU): the all-to-all alone and beside a gradient
+    reduction (FIFO, Lina), and training steps with each; rows per variant."""
+    from . import lina
+
+    if progress is not None:
+        progress.step("lina P=2")
+    reps = max(ctx.timer.reps // 2, 5) if ctx.timer is not None else lina.DEFAULTS["reps"]
+    try:
+        results = lina.run_lina(world_size=2, reps=reps, a2a_reps=max(ctx.timer.reps if ctx.timer else 0, 20),
+                                timeout_s=max(ctx.ep_timeout_s, 120.0))
+    except Exception as exc:  # a failed spawn, a timeout: one error row, the run goes on
+        row = new_row(suite="lina", case="P=2", mode="a2a", impl="lina", params={})
+        row["status"], row["note"] = "error", first_line(exc)
+        return [row]
+    rows = []
+    for d in results:
+        params = {k: d.get(k) for k in ("world_size", "chunk_bytes", "a2a_bytes", "grad_bytes", "tokens", "d_model",
+                                        "d_ffn", "num_experts", "top_k", "blocks") if d.get(k) is not None}
+        params["dtype"] = "float32"
+        a2a = d["bench"] == "a2a"
+        row = new_row(suite="lina", case=f"P={d['world_size']} {'a2a beside a gradient reduction' if a2a else 'training step'}",
+                      mode="a2a" if a2a else "fwd+bwd", impl=d["variant"], params=params)
+        fill_timing(row, d["a2a_s"] if a2a else d["step_s"], Work(bytes=d["a2a_bytes"]) if a2a else Work(), None)
+        row["extra"] = {k: d[k] for k in ("a2a_slowdown_median", "a2a_slowdown_p90", "a2a_overlap_frac",
+                                          "step_speedup_vs_fifo", "grad_micro_ops") if d.get(k) is not None}
+        rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True)
 class Suite:
     """A suite either plans cases (run entry by entry by :func:`run_case`) or runs itself
-    (``run(ctx, progress) -> rows``, for the ep suite whose ranks are separate processes)."""
+    (``run(ctx, progress) -> rows``, for suites whose ranks are separate processes; ``describe``
+    lists its runs). ``default``: part of the run when no suite is named."""
 
     name: str
     about: str
     plan: Callable[[Context], list[Case]] | None = None
     run: Callable[..., list[dict]] | None = None
+    describe: Callable[[Context], list[str]] | None = None
     default: bool = True  # part of `python -m bench` without suite names
 
 
@@ -848,10 +896,13 @@ SUITES: dict[str, Suite] = {
               "the routed FFN x -> out (fused moe_ffn vs permute + grouped_ffn + unpermute)", plan=plan_ffn),
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
         Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
-              "and the layer per world size and pipeline degree", run=run_ep_suite),
+              "and the layer per world size and pipeline degree", run=run_ep_suite, describe=describe_ep),
         Suite("plan", "simulator fidelity: a cost model fitted here vs the measured expert-parallel layer (gloo, "
               "2 and 4 ranks, degrees 1-8), and the planner's choice (bench/plan_fidelity.py; ~10 min, not default)",
               run=_run_plan_suite, default=False),
+        Suite("lina", "Lina's priority communication vs FIFO over gloo (2 ranks): an all-to-all beside a gradient "
+              "reduction, and training steps (all-to-all slowdown, step time); not default", run=run_lina_suite,
+              describe=describe_lina, default=False),
     ]
 }
 

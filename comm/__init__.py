@@ -14,6 +14,9 @@ package never imports the layer.
 * :class:`Executor` - the interface schedules issue their operations through (lanes,
   dependencies); :class:`RealExecutor` runs them on torch.distributed, and
   :class:`tritonmoe.plan.SimExecutor` records them for the simulator (:mod:`.executor`).
+* :class:`CommScheduler` - a rank's communication scheduler: token exchanges first, gradient
+  reductions one micro-op at a time behind them (Lina, :mod:`.priority`), or FIFO; the DDP
+  communication hook :func:`scheduled_allreduce_hook`.
 * :class:`Timeline` - per-operation spans (rank, lane, kind, micro-op, phase), the pipelining
   efficiency and a step-time breakdown.
 """
@@ -32,10 +35,28 @@ from .splits import (
     plan_from_counts,
 )
 from .executor import COMM, COMM2, COMPUTE, COPY, Executor, Handle, RealExecutor, ScheduleError, TraceEntry, VirtualTensor, Work
+from .priority import (
+    DEFAULT_CHUNK_BYTES,
+    PRIORITY_EXCHANGE,
+    PRIORITY_GRADIENT,
+    CommScheduler,
+    GradSyncState,
+    ordered_all_reduce_,
+    partition,
+    scheduled_allreduce_hook,
+)
 from .timeline import Span, Timeline
 
 __all__ = [
     "AllToAllDispatcher",
+    "CommScheduler",
+    "DEFAULT_CHUNK_BYTES",
+    "GradSyncState",
+    "PRIORITY_EXCHANGE",
+    "PRIORITY_GRADIENT",
+    "ordered_all_reduce_",
+    "partition",
+    "scheduled_allreduce_hook",
     "DispatchPlan",
     "ExpertFn",
     "Span",

@@ -51,7 +51,9 @@ class AllToAllDispatcher:
             or None for the process default.
 
     Attributes: ``rank``, ``world_size`` (P), ``num_local_experts`` (L), ``local_expert_start``
-    (r*L), and ``timeline``: a :class:`~tritonmoe.comm.Timeline` to record into, or None.
+    (r*L), ``timeline``: a :class:`~tritonmoe.comm.Timeline` to record into, or None, and
+    ``scheduler``: a :class:`~tritonmoe.comm.CommScheduler` the pipelined exchanges are started
+    through, or None.
     """
 
     def __init__(self, num_experts: int, group=None, *, backend: Optional[str] = None) -> None:
@@ -71,6 +73,7 @@ class AllToAllDispatcher:
         self.local_expert_start = rank * self.num_local_experts
         self.backend = backend
         self.timeline: Optional[Timeline] = None
+        self.scheduler = None
 
     # -- communication steps ------------------------------------------------------------------
 
@@ -139,4 +142,6 @@ class AllToAllDispatcher:
     ) -> list[torch.Tensor]:
         """Dispatch, ``expert_fn`` and combine of every micro-op, overlapped (forward and
         backward); see :func:`tritonmoe.comm.run_pipelined`."""
-        return run_pipelined(sends, plan, expert_fn, params, group=self.group, timeline=self.timeline, trace=trace)
+        return run_pipelined(
+            sends, plan, expert_fn, params, group=self.group, timeline=self.timeline, trace=trace, scheduler=self.scheduler
+        )

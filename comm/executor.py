@@ -323,9 +323,13 @@ class RealExecutor(Executor):
     operation, on every rank that waits for it.
     """
 
-    def __init__(self, device: torch.device, *, phase: str = "fwd", timeline: Optional[Timeline] = None) -> None:
+    def __init__(
+        self, device: torch.device, *, phase: str = "fwd", timeline: Optional[Timeline] = None, scheduler=None
+    ) -> None:
         super().__init__(phase=phase, timeline=timeline)
         self.device = device
+        #: a :class:`~tritonmoe.comm.CommScheduler` collectives are started through (None: directly)
+        self.scheduler = scheduler
         self.cuda = device.type == "cuda"
         self._count = 0
         if self.cuda:
@@ -413,10 +417,14 @@ class RealExecutor(Executor):
 
     # -- communication -------------------------------------------------------------------------
 
-    def _collective(self, lane, entry, deps, run: Callable[[], tuple[Any, Any]], kind, micro_op) -> Handle:
-        """Issue ``run() -> (out, work)`` on ``lane`` after ``deps``."""
+    def _collective(self, lane, entry, deps, run: Callable[[], tuple[Any, Any]], kind, micro_op, priority=0) -> Handle:
+        """Issue ``run() -> (out, work)`` on ``lane`` after ``deps`` (through the installed
+        scheduler, which may gate other traffic behind it, when there is one)."""
         if not lane.startswith("comm"):
             raise ValueError(f"collectives run on a communication lane ('comm', 'comm2'), not {lane!r}")
+        sched = self.scheduler
+        if sched is not None:
+            run = functools.partial(sched.launch, run, priority=priority, cuda=self.cuda)
         if self.cuda:
             stream = self._stream(lane)
             self._await(deps, lane)
@@ -432,6 +440,8 @@ class RealExecutor(Executor):
                     self.timeline.stop(rec, stream=stream)
                 done = torch.cuda.Event()
                 done.record(stream)
+            if sched is not None:
+                sched.track_cuda_exchange(done)
             h = self._new(lane, entry, out)
             h._ready = done
             return h
@@ -467,7 +477,7 @@ class RealExecutor(Executor):
             work = dist.all_to_all_single(out, t, list(recv_splits), list(send_splits), group=group, async_op=True)
             return out, work
 
-        return self._collective(lane, entry, deps, run, kind, micro_op)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
 
     def all_gather(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "all_gather", kind, micro_op)
@@ -481,7 +491,7 @@ class RealExecutor(Executor):
             work = dist.all_gather_into_tensor(out, t, group=group, async_op=True)
             return out, work
 
-        return self._collective(lane, entry, deps, run, kind, micro_op)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
 
     def all_reduce(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "all_reduce", kind, micro_op)
@@ -492,7 +502,7 @@ class RealExecutor(Executor):
             work = dist.all_reduce(t, group=group, async_op=True)
             return t, work
 
-        return self._collective(lane, entry, deps, run, kind, micro_op)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
 
     def reduce_scatter(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "reduce_scatter", kind, micro_op)
@@ -508,7 +518,7 @@ class RealExecutor(Executor):
             work = dist.reduce_scatter_tensor(out, t, group=group, async_op=True)
             return out, work
 
-        return self._collective(lane, entry, deps, run, kind, micro_op)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
 
     def send_recv(self, sends, recvs, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "send_recv", kind, micro_op)
@@ -527,7 +537,7 @@ class RealExecutor(Executor):
             works = dist.batch_isend_irecv(ops) if ops else []
             return outs, _Works(works)
 
-        return self._collective(lane, entry, deps, run, kind, micro_op)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
 
     # -- copies --------------------------------------------------------------------------------
 

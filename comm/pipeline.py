@@ -174,6 +174,7 @@ class _State:
     expert_fn: ExpertFn
     timeline: Optional[Timeline]
     trace: Optional[list]
+    scheduler: Any = None
     params: list[torch.Tensor] = field(default_factory=list)
     wgrads: Optional[WeightGradStore] = None
     graphs: list = field(default_factory=list)
@@ -200,7 +201,7 @@ class _PipelinedExperts(torch.autograd.Function):
             state.graphs[i] = (r, y)
             return y.detach()
 
-        ex = RealExecutor(sends[0].device, phase="fwd", timeline=state.timeline)
+        ex = RealExecutor(sends[0].device, phase="fwd", timeline=state.timeline, scheduler=state.scheduler)
         backs = forward_pass(ex, sends, state.plan, expert_fwd, group=state.group)
         if state.trace is not None:
             state.trace.extend(ex.trace)
@@ -251,8 +252,12 @@ class _PipelinedExperts(torch.autograd.Function):
                 if g is not None:
                     acc[j] = g if acc[j] is None else acc[j] + g
 
-        ex = RealExecutor(dys[0].device, phase="bwd", timeline=state.timeline)
-        d_sends = backward_pass(ex, dys, plan, expert_bwd, group=state.group, weight_step=weight_step)
+        ex = RealExecutor(dys[0].device, phase="bwd", timeline=state.timeline, scheduler=state.scheduler)
+        try:
+            d_sends = backward_pass(ex, dys, plan, expert_bwd, group=state.group, weight_step=weight_step)
+        finally:
+            if state.scheduler is not None:
+                state.scheduler.exchanges_done()  # the exchanges announced at the layer output are over
         if state.trace is not None:
             state.trace.extend(ex.trace)
         it = iter(acc)
@@ -275,6 +280,7 @@ def run_pipelined(
     group=None,
     timeline: Optional[Timeline] = None,
     trace: Optional[list[TraceEntry]] = None,
+    scheduler: Any = None,
 ) -> list[torch.Tensor]:
     """Run N micro-ops (dispatch, expert compute, combine) pipelined; differentiable.
 
@@ -287,6 +293,9 @@ def run_pipelined(
         timeline: record each step's span (:class:`~tritonmoe.comm.Timeline`).
         trace: a list that receives every issued operation (:class:`~tritonmoe.comm.executor.TraceEntry`)
             of the forward and, later, the backward pass, in issue order.
+        scheduler: a :class:`~tritonmoe.comm.CommScheduler` the exchanges are started through
+            (forward and backward); its ``exchanges_done`` is called when the backward pass's
+            exchanges are over (the caller announces them with ``exchange_imminent``).
 
     Returns: N buffers, micro-op i's expert outputs back on this rank in the order of
     ``sends[i]``. Backward runs the same pipeline in reverse (see the module docstring). Weight
@@ -303,11 +312,11 @@ def run_pipelined(
                 f"send buffer {i} has {s.shape[0]} rows but the plan sends {plan.send_rows(i)}; build the "
                 "plan from the counts of the same permutation"
             )
-    state = _State(group, plan, expert_fn, timeline, trace)
+    state = _State(group, plan, expert_fn, timeline, trace, scheduler)
     tensors = (*sends, *params)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return list(_PipelinedExperts.apply(state, *tensors))
-    ex = RealExecutor(sends[0].device, phase="fwd", timeline=timeline)
+    ex = RealExecutor(sends[0].device, phase="fwd", timeline=timeline, scheduler=scheduler)
     out = forward_pass(ex, sends, plan, lambda i, r: expert_fn(i, r, list(params), None), group=group)
     if trace is not None:
         trace.extend(ex.trace)

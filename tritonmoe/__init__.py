@@ -29,7 +29,7 @@ from .functional import (
 )
 from .layer import MoELayer
 from .types import PermuteInfo, Routing
-from . import comm, reference
+from . import comm, parallel, reference
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "load_balancing_loss",
     "max_permuted_rows",
     "moe_ffn",
+    "parallel",
     "permute",
     "reference",
     "route",

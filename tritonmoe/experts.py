@@ -162,6 +162,10 @@ class ExpertParallelExperts(ExpertPath):
             (:class:`~tritonmoe.comm.executor.TraceEntry`, forward then backward).
         degree_policy: the run-time degree policy ("auto"/"search"), else None.
         degree_used: the pipeline degree of the last forward.
+        scheduler: a :class:`~tritonmoe.comm.CommScheduler` the exchanges go through (None:
+            issued directly). When set, the backward announces its exchanges
+            (``exchange_imminent``) as soon as it reaches the path's output, before the
+            combine's backward (Lina's look-ahead stop), and the pipeline ends the announcement.
     """
 
     def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
@@ -200,6 +204,7 @@ class ExpertParallelExperts(ExpertPath):
         self.num_local_experts = self.dispatcher.num_local_experts
         self.expert_start = self.dispatcher.local_expert_start
         self.trace: Optional[list] = None
+        self.scheduler = None
 
     def expert_fn(self, plan, x_like: torch.Tensor):
         """The expert compute of micro-op i on its received rows (the schedule's ExpertFn)."""
@@ -224,6 +229,7 @@ class ExpertParallelExperts(ExpertPath):
         if self.degree_policy is not None:
             n, timeline = self.degree_policy.step(x_TD.shape[0], self.timeline)
         disp.timeline = timeline
+        disp.scheduler = sched = self.scheduler
         self.degree_used = n
         self.path_used = "expert_parallel"
         bounds = micro_batch_bounds(x_TD.shape[0], n)
@@ -237,7 +243,21 @@ class ExpertParallelExperts(ExpertPath):
         backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD), weights.params(), trace=self.trace)
         unpermute = self.impl("unpermute", x_TD)
         outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        if sched is not None and backs[0].requires_grad:
+            # backs require grad exactly when the pipelined block is in the graph, whose backward
+            # ends the announcement (comm.pipeline), so an announcement is never left open.
+            out.register_hook(_announce(sched))
+        return out
+
+
+def _announce(scheduler):
+    """A gradient hook that announces the backward's exchanges to ``scheduler``."""
+
+    def hook(grad: torch.Tensor) -> None:
+        scheduler.exchange_imminent()
+
+    return hook
 
 
 def make_expert_path(config: MoEConfig, *, ep_group: Any = None, dtype: Optional[torch.dtype] = None) -> ExpertPath:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import reference
 from .config import MoEConfig
 from .dispatch import implementation
 from .experts import ExpertPath, ExpertWeights, make_expert_path, micro_batch_bounds
+from .parallel.guard import check_ddp
+from .parallel.init import draw_seed, init_experts_
 from .types import Routing
 
 __all__ = ["MoELayer"]
@@ -48,20 +49,56 @@ class MoELayer(nn.Module):
       group must use the same n. Routing is decided once for the whole local batch, so n changes
       the schedule, not the result: bitwise in fp64 on the reference backend (see that module).
     * Set ``layer.timeline = tritonmoe.comm.Timeline()`` to record each micro-op's spans.
+
+    Parallel layout on a mesh (``mesh``, a :class:`tritonmoe.parallel.MoEMesh` or a
+    ``DeviceMesh`` with dimensions named "dp" and/or "ep"): the expert-parallel group is the
+    mesh's "ep" dimension (none when it is absent or of size 1); ``layer.mesh`` keeps the mesh
+    for :func:`tritonmoe.parallel.data_parallel`, :func:`tritonmoe.parallel.fully_shard_moe` and
+    checkpoints. ``ep_group=`` alone still works (``layer.mesh`` is then None).
+
+    * Expert parameters are named by ``expert_parameter_names`` (``("w1", "w2")``) and found by
+      :func:`tritonmoe.parallel.expert_parameters`.
+    * Initialization does not depend on the layout: the router first (default generator), then a
+      base seed drawn from the default CPU generator (``layer.init_seed``), then each global expert
+      e from its own generator seeded with (base seed, e) (:mod:`tritonmoe.parallel.init`). A layer
+      built from one seed holds the same global experts on 1, 2 or 4 expert-parallel ranks. With a
+      group, construction checks that every rank drew the same base seed (seed every rank alike).
+    * ``state_dict()`` gives an expert-parallel layer's ``w1``/``w2`` as DTensors of the global
+      experts ``[E, ...]`` (views, no copy), so ``torch.distributed.checkpoint`` saves experts by
+      global index and reshards them on load; ``load_state_dict`` also takes full ``[E, ...]``
+      tensors (:mod:`tritonmoe.parallel.checkpoint`).
+    * Wrapping an expert-parallel layer in plain ``DistributedDataParallel`` or ``fully_shard``
+      over expert-parallel ranks raises :class:`tritonmoe.parallel.ExpertParallelWrapError`
+      (:mod:`tritonmoe.parallel.guard`).
+    * ``layer.comm_scheduler``: a :class:`tritonmoe.comm.CommScheduler` the expert path's
+      all-to-alls go through (set by :func:`tritonmoe.parallel.data_parallel`; None: issued
+      directly).
     """
+
+    #: The parameters that hold experts (partitioned under expert parallelism).
+    expert_parameter_names = ("w1", "w2")
 
     def __init__(
         self,
         config: MoEConfig,
         *,
         ep_group=None,
+        mesh=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
+        if mesh is not None:
+            if ep_group is not None:
+                raise ValueError("pass mesh= or ep_group=, not both (the mesh's 'ep' dimension is the expert-parallel group)")
+            from .parallel.mesh import as_moe_mesh
+
+            mesh = as_moe_mesh(mesh)
+            ep_group = mesh.ep_group
         self.config = config
+        self.mesh = mesh
         self.ep_group = ep_group
         #: The expert computation of this layout (:mod:`tritonmoe.experts`).
         self.expert_path: ExpertPath = make_expert_path(config, ep_group=ep_group, dtype=dtype)
@@ -77,9 +114,51 @@ class MoELayer(nn.Module):
             self.expert_bias = None
         self.aux_loss: torch.Tensor = torch.zeros((), device=device)
         self.last_routing: Routing | None = None
+        self.init_seed: int = 0
         self.reset_parameters()
+        seed_group = mesh.dense_group if mesh is not None else ep_group
+        if seed_group is not None and dist.get_world_size(seed_group) > 1:
+            from .comm import check_agreement
+
+            check_agreement(
+                {"init_seed": self.init_seed},
+                group=seed_group,
+                what="the layer's initialization seed (seed every rank identically, e.g. torch.manual_seed(s), before "
+                "building the model: the replicated router and the experts' seeds come from it)",
+            )
+        if self.expert_parallel:
+            from .parallel.checkpoint import expert_load_pre_hook, expert_state_dict_hook
+
+            self.register_state_dict_post_hook(expert_state_dict_hook)
+            self.register_load_state_dict_pre_hook(expert_load_pre_hook)
 
     # -- the layout, as attributes users and tests read ------------------------------------------
+
+    @property
+    def expert_parallel(self) -> bool:
+        """True when the experts are partitioned over an expert-parallel group of 2+ ranks."""
+        return self.ep_group is not None and dist.get_world_size(self.ep_group) > 1
+
+    @property
+    def comm_scheduler(self):
+        """The :class:`~tritonmoe.comm.CommScheduler` the expert path's collectives go through
+        (None: issued directly)."""
+        return getattr(self.expert_path, "scheduler", None)
+
+    @comm_scheduler.setter
+    def comm_scheduler(self, value) -> None:
+        if not hasattr(self.expert_path, "scheduler"):
+            raise ValueError("comm_scheduler applies to expert-parallel layers (built with ep_group= or a mesh with ep > 1)")
+        self.expert_path.scheduler = value
+
+    def __setattr__(self, name: str, value) -> None:
+        # fully_shard installs sharded parameters through setattr when a module defines it: the
+        # detection point for FSDP over expert-parallel ranks (tritonmoe.parallel.guard).
+        if name in type(self).expert_parameter_names and hasattr(value, "device_mesh") and hasattr(value, "placements"):
+            from .parallel.guard import check_sharded_expert
+
+            check_sharded_expert(self, name, value)
+        super().__setattr__(name, value)
 
     @property
     def num_local_experts(self) -> int:
@@ -112,13 +191,19 @@ class MoELayer(nn.Module):
         return self.expert_path.path_used
 
     def reset_parameters(self) -> None:
-        """nn.Linear's default init per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        """nn.Linear's default init per expert, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), independent of
+        the layout: the router from the default generator, then ``init_seed`` drawn from the
+        default CPU generator, then global expert e from a generator seeded with (init_seed, e)."""
         self.router.reset_parameters()
-        with torch.no_grad():
-            b1 = 1.0 / math.sqrt(self.config.d_model)
-            b2 = 1.0 / math.sqrt(self.config.d_ffn)
-            self.w1.uniform_(-b1, b1)
-            self.w2.uniform_(-b2, b2)
+        self.init_seed = draw_seed()
+        w1, w2, first = self.w1, self.w2, self.expert_start
+        if hasattr(w1, "device_mesh"):  # sharded by FSDP (e.g. meta init, fully_shard, to_empty): this shard's experts
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
+            w1, w2, first = w1.to_local(), w2.to_local(), first + int(offset[0])
+        init_experts_(w1, w2, base_seed=self.init_seed, expert_start=first, d_model=self.config.d_model,
+                      d_ffn=self.config.d_ffn)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -169,12 +254,14 @@ class MoELayer(nn.Module):
             raise TypeError(f"x is {x.dtype} but the layer's parameters are {self.w1.dtype}; cast one of them")
         if x.device != self.w1.device:
             raise ValueError(f"x is on {x.device} but the layer is on {self.w1.device}; move one of them")
+        if self.expert_parallel:
+            check_ddp(self)  # before any collective: plain DDP over different experts is refused
         x_TD = x.reshape(-1, c.d_model)
         logits_TE, routing = self.route(x_TD)
         self.aux_loss = self.compute_aux_loss(logits_TE, routing)
         self.last_routing = routing
         out_TD = self.expert_path(x_TD, routing, self.expert_weights())
-        return out_TD.view(x.shape)
+        return out_TD if x.dim() == 2 else out_TD.view(x.shape)
 
 
 #: Kept for callers of the v0 private helper.

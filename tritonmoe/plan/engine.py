@@ -12,6 +12,10 @@ recorded from the schedule code) and a :class:`~tritonmoe.plan.CostModel`. Outpu
 * **Lanes.** Ops of one lane of one rank start in issue order (FIFO), at most
   ``cost.lane_slots[lane]`` at a time (default 1), each once its dependencies (``SimOp.deps``)
   have ended.
+* **Priority** (:mod:`tritonmoe.comm.priority`, Lina): a collective of negative priority (a
+  gradient micro-op) starts only while its rank has no collective of priority >= 0 (a token
+  exchange) issued and not yet ended -- the real scheduler's gate. A running one is never
+  pre-empted.
 * **Collectives** are matched across their group's members by per-group sequence (the k-th
   collective a rank issues on a group meets every member's k-th): a mismatch of op or sizes
   between members raises :class:`CollectiveMismatchError` (on a real cluster: a hang, or gloo
@@ -170,6 +174,7 @@ class _Engine:
         self.op_match: dict[tuple, tuple] = {}
         self.flows: list[_Flow] = []
         self.active_classes: dict[int, dict[str, int]] = {r: {} for r in self.progs}
+        self.exchanges_open: dict[int, int] = {r: 0 for r in self.progs}  # issued, not ended (priority >= 0)
         self.heap: list = []
         self.counter = 0
         self.done = 0
@@ -207,6 +212,8 @@ class _Engine:
             self.queues[r].setdefault(o.lane, deque()).append(i)
             if o.op in COLLECTIVES:
                 self.register(r, o)
+                if o.priority >= 0:
+                    self.exchanges_open[r] += 1
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -277,6 +284,9 @@ class _Engine:
                 i = q[0]
                 if self.pending[r][i] > 0:
                     break
+                o = prog.ops[i]
+                if o.priority < 0 and o.op in COLLECTIVES and self.exchanges_open[r] > 0:
+                    break  # gated behind the rank's token exchanges (priority scheduling)
                 q.popleft()
                 self.running[(r, lane)] = self.running.get((r, lane), 0) + 1
                 self.start(r, prog.ops[i])
@@ -389,6 +399,8 @@ class _Engine:
             self.timings[r][i].end = self.now
             o = self.progs[r].ops[i]
             self.running[(r, o.lane)] -= 1
+            if o.op in COLLECTIVES and o.priority >= 0:
+                self.exchanges_open[r] -= 1
             for j in self.dependents[r][i]:
                 self.pending[r][j] -= 1
             self.done += 1
