@@ -16,6 +16,10 @@ package never imports the layer.
   :class:`tritonmoe.plan.SimExecutor` records them for the simulator (:mod:`.executor`).
 * :class:`Timeline` - per-operation spans (rank, lane, kind, micro-op, phase), the pipelining
   efficiency and a step-time breakdown.
+* :func:`saa` - Parm's simultaneous all-to-all and all-gather (two lanes, two process groups).
+* :func:`hierarchical_all_to_all` / :func:`hierarchical_groups` - SE-MoE's two-step all-to-all
+  (intra-node, layout transform, inter-node among same-local-rank GPUs).
+* :mod:`.parm` - Parm's schedules (baseline, pause-before-gate, pause-after-gate) as executor code.
 """
 
 from .all_to_all import all_to_all
@@ -33,6 +37,8 @@ from .splits import (
 )
 from .executor import COMM, COMM2, COMPUTE, COPY, Executor, Handle, RealExecutor, ScheduleError, TraceEntry, VirtualTensor, Work
 from .timeline import Span, Timeline
+from .saa import saa
+from .hierarchical import HierarchicalGroups, hierarchical_all_to_all, hierarchical_groups
 
 __all__ = [
     "AllToAllDispatcher",
@@ -63,4 +69,8 @@ __all__ = [
     "COMM2",
     "COPY",
     "transpose_chunks",
+    "saa",
+    "HierarchicalGroups",
+    "hierarchical_all_to_all",
+    "hierarchical_groups",
 ]

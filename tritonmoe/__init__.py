@@ -26,6 +26,7 @@ from .functional import (
     z_loss,
 )
 from .layer import MoELayer
+from .parm_layout import LayoutError, ParmGroups, ParmLayout
 from .types import PermuteInfo, Routing
 from . import comm, reference
 
@@ -35,6 +36,9 @@ __all__ = [
     "comm",
     "MoEConfig",
     "MoELayer",
+    "LayoutError",
+    "ParmGroups",
+    "ParmLayout",
     "PermuteInfo",
     "Routing",
     "get_backend",

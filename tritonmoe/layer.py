@@ -10,10 +10,24 @@ from torch import nn
 from . import reference
 from .config import MoEConfig
 from .dispatch import implementation
+from .exact import rowwise_mm
 from .experts import ExpertPath, ExpertWeights, make_expert_path, micro_batch_bounds
 from .types import Routing
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "router_logits"]
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None) -> torch.Tensor:
+    """The router's logits ``x @ weight.T``. In fp64 (the exact-reference dtype of the tests) a
+    row-invariant product (:func:`tritonmoe.exact.rowwise_mm`): a token's logits do not depend on
+    how many other tokens share the call, so a schedule that routes a slice of the tokens (Parm's
+    S1) makes the same routing decisions as one that routes them all. Otherwise the router module
+    (``router(x)`` when given, so its hooks run) or ``F.linear``."""
+    if x_TD.dtype == torch.float64:
+        return rowwise_mm(x_TD, weight_ED.t())
+    if router is not None:
+        return router(x_TD)
+    return torch.nn.functional.linear(x_TD, weight_ED)
 
 
 class MoELayer(nn.Module):
@@ -55,6 +69,10 @@ class MoELayer(nn.Module):
         config: MoEConfig,
         *,
         ep_group=None,
+        mp_group=None,
+        esp_group=None,
+        ep_esp_group=None,
+        parm_groups=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -64,13 +82,16 @@ class MoELayer(nn.Module):
         self.config = config
         self.ep_group = ep_group
         #: The expert computation of this layout (:mod:`tritonmoe.experts`).
-        self.expert_path: ExpertPath = make_expert_path(config, ep_group=ep_group, dtype=dtype)
+        self.expert_path: ExpertPath = make_expert_path(
+            config, ep_group=ep_group, mp_group=mp_group, esp_group=esp_group, ep_esp_group=ep_esp_group,
+            parm_groups=parm_groups, dtype=dtype,
+        )
         factory = {"device": device, "dtype": dtype}
-        E, d, f = config.num_experts, config.d_model, config.d_ffn
-        E_local = self.expert_path.num_local_experts
+        E, d = config.num_experts, config.d_model
+        w1_shape, w2_shape = self.expert_path.weight_shapes()
         self.router = nn.Linear(d, E, bias=False, **factory)
-        self.w1 = nn.Parameter(torch.empty(E_local, d, config.n1, **factory))
-        self.w2 = nn.Parameter(torch.empty(E_local, f, d, **factory))
+        self.w1 = nn.Parameter(torch.empty(*w1_shape, **factory))
+        self.w2 = nn.Parameter(torch.empty(*w2_shape, **factory))
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32))
         else:
@@ -132,7 +153,7 @@ class MoELayer(nn.Module):
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """Router logits and routing for flattened tokens."""
         c = self.config
-        logits_TE = self.router(x_TD)
+        logits_TE = router_logits(x_TD, self.router.weight, self.router)
         need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
         routing = implementation("route", c.backend, x_TD.device, logits_TE.dtype)(
             logits_TE,
@@ -170,10 +191,8 @@ class MoELayer(nn.Module):
         if x.device != self.w1.device:
             raise ValueError(f"x is on {x.device} but the layer is on {self.w1.device}; move one of them")
         x_TD = x.reshape(-1, c.d_model)
-        logits_TE, routing = self.route(x_TD)
-        self.aux_loss = self.compute_aux_loss(logits_TE, routing)
+        out_TD, routing, self.aux_loss = self.expert_path.layer_forward(self, x_TD)
         self.last_routing = routing
-        out_TD = self.expert_path(x_TD, routing, self.expert_weights())
         return out_TD.view(x.shape)
 
 
