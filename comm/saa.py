@@ -104,6 +104,7 @@ def saa_schedule(
     chunks[me_mp][0] = own
     prev_a: Optional[Handle] = None
     prev_b: Optional[Handle] = None
+    issued: list[Handle] = []  # every point-to-point batch: the result waits for all (sends too)
 
     def gather_step(t: int, chunk: Any, chunk_deps: tuple) -> None:
         nonlocal prev_b
@@ -123,6 +124,7 @@ def saa_schedule(
         after = chunk_deps + ((prev_b,) if prev_b is not None else ())
         h = ex.send_recv(sends, recvs, group=mp_group, kind=gather_kind, micro_op=t, lane=COMM2, after=after)
         prev_b = h
+        issued.append(h)
         for j, q in enumerate(who):
             chunks[q][t] = (h, j)
 
@@ -135,6 +137,7 @@ def saa_schedule(
                 after = x_dep + ((prev_a,) if prev_a is not None else ())
                 h = ex.send_recv(sends, recvs, group=group, kind=kind, micro_op=t, lane=COMM, after=after)
                 prev_a = h
+                issued.append(h)
                 if recvs:
                     chunks[me_mp][t] = (h, 0)
         # lane B: all-gather the chunk of phase t - 1 over the MP group while phase t runs
@@ -179,7 +182,7 @@ def saa_schedule(
     row_bytes = src.row_bytes() if isinstance(src, VirtualTensor) else src.element_size() * math.prod(src.shape[1:])
     return ex.compute(
         assemble, *handles, work=Work(bytes=2.0 * total * row_bytes, kind="copy"), kind="saa_assemble",
-        out=empty_rows(src, total), after=x_dep,
+        out=empty_rows(src, total), after=x_dep + tuple(issued),
     )
 
 

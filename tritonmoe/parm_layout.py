@@ -256,9 +256,10 @@ class ParmLayout:
         rows = table.view(W, n).tolist()  # host sync: the verdict is a host decision
         differ = [r for r in range(W) if rows[r] != rows[0]]
         if differ:
+            sizes = ", ".join(f"rank {r}: n_mp={rows[r][0]} n_ep={rows[r][1]} n_esp={rows[r][2]}" for r in [0] + differ)
             raise LayoutError(
-                f"ranks {differ} passed another layout than rank 0 ({self.describe()}); every rank of the "
-                "default group must build the same ParmLayout"
+                f"ranks {differ} passed another layout than rank 0 ({sizes}); every rank of the default group "
+                "must build the same ParmLayout"
             )
         me = dist.get_rank()
         cache = {} if cache is None else cache
@@ -426,8 +427,8 @@ def _layout_from_table(table: list[list[int]], names: list[str], what: str):
         for (size, lo, fp), rs in buckets.items():
             if len(rs) != size or min(rs) != lo:
                 problems.append(
-                    f"ranks {rs} name a {role} group of {size} ranks starting at rank {lo}, but only ranks {rs} "
-                    f"name it (each rank of a group must pass that same group)"
+                    f"ranks {rs} pass a {role.upper()} group of {size} ranks starting at rank {lo}, but only ranks "
+                    f"{rs} pass it (every member of a group must pass that same group as its {role}_group)"
                 )
     vals = [row[15:] for row in table]
     for j, name in enumerate(names):

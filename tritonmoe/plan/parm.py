@@ -242,3 +242,178 @@ def measure_cost_model(
         ag_mp=fit_alpha_beta(ag_x, ag_t), a2a=fit_alpha_beta(a2a_x, a2a_t), overlap=fit_alpha_beta(a2a_x, ov_t),
         source=f"measured on {lay.describe()} ({dtype}, rows {list(rows)})",
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedules on the simulator: one program per rank, from the same executor code
+# ---------------------------------------------------------------------------------------------
+
+
+def sim_groups(layout, rank: int):
+    """The :class:`~tritonmoe.parm_layout.ParmGroups` of layout rank ``rank`` with
+    :class:`~tritonmoe.plan.VirtualGroup` members (None for groups of one rank)."""
+    from ..parm_layout import ParmGroups
+    from .sim_executor import VirtualGroup
+
+    def vg(members):
+        return VirtualGroup(tuple(layout.ranks[j] for j in members)) if len(members) > 1 else None
+
+    mp = vg(layout.mp_group_of(rank))
+    return ParmGroups(
+        layout=layout, rank=rank, mp=mp, ep=vg(layout.ep_group_of(rank)), esp=vg(layout.esp_group_of(rank)),
+        ep_esp=vg(tuple(range(layout.P))), mp_lane=mp,
+    )
+
+
+def _slice_counts(batch_counts: Sequence[int], n_mp: int, m: int) -> list[int]:
+    from ..comm.parm import s2_part_counts
+
+    return s2_part_counts(batch_counts, n_mp, m)
+
+
+def parm_step_programs(
+    config,
+    layout,
+    schedule: str,
+    *,
+    tokens: Sequence[int],
+    batch_counts: Sequence[Sequence[int]],
+    dtype: torch.dtype = torch.bfloat16,
+    host_compute: bool = False,
+    slice_counts: Optional[Sequence[Sequence[int]]] = None,
+):
+    """The forward + backward of one Parm MoE layer step, recorded for every rank of
+    ``layout`` on :class:`~tritonmoe.plan.SimExecutor` (one :class:`~tritonmoe.plan.Program`
+    per layout rank, global ranks ``layout.ranks``).
+
+    The communication steps are the functions the real layer runs (:mod:`tritonmoe.comm.parm`,
+    :mod:`tritonmoe.comm.saa`), in the order autograd runs them; the local work around them
+    (gate, permute, Dump, combine, unpermute and their backward) is recorded as compute with
+    its FLOPs and bytes.
+
+    Args:
+        schedule: "baseline", "s1" or "s2".
+        tokens: tokens of each MP group's batch (``layout.num_batches`` entries).
+        batch_counts: per batch, routed rows per expert (after capacity).
+        slice_counts: S1 only: per layout rank, the routed rows per expert of its token slice
+            (default: each expert's rows of the batch split like S2's parts, contiguous and
+            even -- a uniform spread of the experts over the slices).
+    """
+    from ..comm.executor import VirtualTensor, Work
+    from ..comm.parm import (
+        ExpertShard, baseline_backward, baseline_forward, baseline_plan, pause_backward, pause_forward,
+        pause_plan, run_collective, s2_part_counts, saa_plan,
+    )
+    from ..experts import micro_batch_bounds
+    from ..parm_experts import _ffn_work
+    from .sim_executor import SimExecutor, VirtualGroup
+
+    if schedule not in ("baseline", "s1", "s2"):
+        raise ValueError(f"schedule={schedule!r}; use 'baseline', 's1' or 's2'")
+    c = config
+    E, K, D = c.num_experts, c.top_k, c.d_model
+    lay = layout
+    layout.check_model(E, c.d_ffn)
+    P = lay.P
+    item = torch.empty((), dtype=dtype).element_size()
+    world = VirtualGroup(tuple(lay.ranks))
+    shard_w = c.d_ffn // lay.n_esp
+    ffn_work = _ffn_work(c, shard_w, dtype)
+    shard = ExpertShard(fn=None, work=ffn_work)
+    need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+
+    def rows(n: int) -> VirtualTensor:
+        return VirtualTensor((int(n), D), dtype)
+
+    def copy(n: float) -> Work:
+        return Work(bytes=2.0 * n * D * item, kind="copy")
+
+    def gate(n: int, backward: bool) -> Work:
+        f = 2.0 * n * D * E * (2 if backward else 1)
+        return Work(flops=f, bytes=float(item * (n * D + D * E + n * E)), kind="gemm")
+
+    # What each rank sends (the table every split derives from).
+    send_table, token_table = [], []
+    for i in range(P):
+        g, m = lay.mp_group[i], lay.mp_rank[i]
+        T = int(tokens[g])
+        if schedule == "baseline":
+            send_table.append([int(v) for v in batch_counts[g]])
+            token_table.append(T)
+        elif schedule == "s1":
+            sc = slice_counts[i] if slice_counts is not None else _slice_counts(batch_counts[g], lay.n_mp, m)
+            send_table.append([int(v) for v in sc])
+            token_table.append(micro_batch_bounds(T, lay.n_mp)[m][1] - micro_batch_bounds(T, lay.n_mp)[m][0])
+        else:
+            send_table.append(s2_part_counts(batch_counts[g], lay.n_mp, m))
+            token_table.append(T)
+
+    programs = []
+    for i in range(P):
+        G = sim_groups(lay, i)
+        g, m = lay.mp_group[i], lay.mp_rank[i]
+        T = int(tokens[g])
+        ex = SimExecutor(lay.ranks[i], world, host_compute=host_compute, phase="fwd")
+        sizes = [b - a for a, b in micro_batch_bounds(T, lay.n_mp)]
+        tm_ = sizes[m] if schedule == "s1" else T
+        R_batch = sum(int(v) for v in batch_counts[g])
+        counts_vt = VirtualTensor((1 + E,), torch.int64)
+        # ---- forward
+        ex.compute(None, work=gate(tm_, False), kind="gate", out=VirtualTensor((tm_, E), torch.float32))
+        if schedule == "s1" and G.mp is not None:
+            if c.capacity_factor is not None or c.aux_loss_coef > 0:
+                run_collective(ex, "all_gather", VirtualTensor((K, E), torch.int64), group=G.mp, kind="mp_counts")
+            if need_aux:
+                run_collective(ex, "all_reduce", VirtualTensor((E + 1,), torch.float32), group=G.mp, kind="mp_scores")
+        if schedule == "baseline":
+            plan = baseline_plan(lay, i, token_table, send_table, E)
+            run_collective(ex, "all_gather", counts_vt, group=G.ep_esp, kind="counts")
+            if G.esp is not None:
+                run_collective(ex, "all_gather", rows(plan.tokens_max), group=G.esp, kind="esp_allgather")
+                run_collective(ex, "all_gather", VirtualTensor((plan.tokens_max, K), torch.int32), group=G.esp,
+                               kind="esp_ids")
+            n_rows = sum(plan.send_splits)
+            ex.compute(None, work=copy(2 * n_rows), kind="permute", out=rows(n_rows))
+            baseline_forward(ex, rows(n_rows), plan, None, shard, ep_group=G.ep, esp_group=G.esp)
+            own = plan.own_rows[plan.own]
+            ex.compute(None, work=copy(own + T), kind="unpermute", out=rows(T))
+            # ---- backward
+            ex.phase = "bwd"
+            ex.compute(None, work=copy(own + T), kind="unpermute", out=rows(own))
+            baseline_backward(ex, rows(own), plan, None, shard, ep_group=G.ep, esp_group=G.esp)
+            ex.compute(None, work=copy(2 * n_rows), kind="permute", out=rows(len(plan.origins) * plan.tokens_max))
+            if G.esp is not None:
+                run_collective(ex, "reduce_scatter", rows(len(plan.origins) * plan.tokens_max), group=G.esp,
+                               kind="esp_reduce_scatter")
+            ex.compute(None, work=gate(T, True), kind="gate", out=rows(T))
+        else:
+            R = sum(send_table[i])
+            if schedule == "s2":
+                ex.compute(None, work=copy(R_batch), kind="permute", out=rows(R_batch))
+            else:
+                ex.compute(None, work=copy(R), kind="permute", out=rows(R))
+            run_collective(ex, "all_gather", counts_vt, group=G.ep_esp, kind="counts")
+            plan = pause_plan(lay, i, send_table, E)
+            sp = saa_plan(lay, i, batch_counts[g], E) if schedule == "s2" and G.mp is not None else None
+            ex.compute(None, work=copy(plan.send_rows), kind="dump", out=rows(plan.send_rows))
+            back = pause_forward(ex, rows(plan.send_rows), plan, None, shard, group=G.ep_esp, saa=sp, rank=i,
+                                 mp_group=G.mp_lane)
+            n_comb = R_batch if sp is not None else R
+            t_out = T if schedule == "s2" else sizes[m]
+            ex.compute(None, work=copy(lay.n_esp * n_comb + t_out), kind="combine", out=rows(t_out))
+            if schedule == "s1" and G.mp is not None:
+                run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather")
+            # ---- backward
+            ex.phase = "bwd"
+            ex.compute(None, work=copy(lay.n_esp * n_comb + t_out), kind="combine", out=back)
+            pause_backward(ex, back, plan, None, shard, group=G.ep_esp, saa=sp, rank=i)
+            ex.compute(None, work=copy(plan.send_rows + R), kind="dump", out=rows(R))
+            if sp is not None:
+                run_collective(ex, "all_gather", rows(max(sp.part_rows)), group=G.mp, kind="mp_allgather_grad")
+            ex.compute(None, work=copy(R_batch if schedule == "s2" else R), kind="permute", out=rows(t_out))
+            ex.compute(None, work=gate(tm_, True), kind="gate", out=rows(tm_))
+            if schedule == "s1" and G.mp is not None:
+                run_collective(ex, "all_reduce", VirtualTensor((E, D), dtype), group=G.mp, kind="router_grad")
+                run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather_grad")
+        programs.append(ex.program)
+    return programs
