@@ -808,6 +808,7 @@ SUITES: dict[str, Suite] = {
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
         Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
               "and the layer per world size and pipeline degree", run=run_ep_suite),
+        Suite("parm", "Parm's schedules of an MP+EP+ESP layer over gloo, and the pick of parm_schedule='auto'", run=lambda ctx, progress=None: importlib.import_module("bench.parm").run_parm_suite(ctx, progress)),
     ]
 }
 

@@ -352,10 +352,39 @@ def test_algorithm1_flips_once_in_the_capacity_factor(f, n_esp, n_mp):
         assert algorithm1(_model(), capacity_factor=2 * f, **kw) == "s1"
 
 
-def test_step_times_count_the_backward_mirror():
-    m = _model()
-    kw = dict(tokens=1024, d_model=256, num_experts=8, top_k=2, capacity_factor=1.0, n_esp=2, n_mp=2)
-    t = step_times(m, **kw)
-    x, y = 1024 * 256, 2 * 1.0 * 1024 * 256 * 2
-    assert t["s1"] == pytest.approx(4 * m.a2a(y / 2) + 2 * m.ag_mp(x))
-    assert t["s2"] == pytest.approx(3 * m.a2a(y / 2) + m.overlap(y / 2) + m.ag_mp(y / 2))
+def test_step_model_ranks_by_the_fitted_terms():
+    """The complete model: n_mp times fewer expert rows and all-to-all elements for S1/S2, more
+    collectives; with free collectives the baseline (n_mp times the rows) is slowest, with free
+    compute and expensive startups it is fastest (fewest collectives)."""
+    from tritonmoe.plan.parm import COLLECTIVES, choose_schedule
+
+    lay = ParmLayout.make(2, 2, 2)
+    cfg = tm.MoEConfig(64, 128, 8, 2)
+    free = {k: AlphaBeta(0.0, 0.0) for k in COLLECTIVES}
+    compute_bound = ParmCostModel(ag_mp=free["ag_mp"], a2a=free["a2a_all"], overlap=free["saa"], collectives=free,
+                                  flops_per_s=1e9, copy_bytes_per_s=1e10, local=AlphaBeta(0.0, 1e-5))
+    t = step_times(compute_bound, cfg, lay, 512)
+    assert t["baseline"] > t["s1"] and choose_schedule(compute_bound, cfg, lay, 512) != "baseline"
+    latency = {k: AlphaBeta(1e-3, 0.0) for k in COLLECTIVES}
+    latency_bound = ParmCostModel(ag_mp=latency["ag_mp"], a2a=latency["a2a_all"], overlap=latency["saa"],
+                                  collectives=latency, flops_per_s=1e15, copy_bytes_per_s=1e15, local=AlphaBeta(0.0, 0.0))
+    lay1 = ParmLayout.make(2, 4, 1)
+    assert choose_schedule(latency_bound, cfg, lay1, 16) == "baseline"
+
+
+def test_bench_parm_rows_follow_the_schema():
+    from bench import schema
+    from bench.parm import parm_rows, summary
+
+    times = {"baseline": [0.03, 0.031], "s1": [0.02, 0.021], "s2": [0.025, 0.026]}
+    r = dict(name="parm/P4/mp2-ep2-esp2/T64-d64-k1", world_size=4, n_mp=2, n_ep=2, n_esp=2, tokens=64, d_model=64,
+             d_ffn=128, num_experts=8, top_k=1, capacity_factor=None, dtype="float32", times_s=times,
+             median_s={k: sum(v) / 2 for k, v in times.items()}, fastest="s1", auto="s1", algorithm1="s1",
+             predicted_s={"baseline": 0.03, "s1": 0.02, "s2": 0.03}, pick_vs_fastest=1.0, algorithm1_vs_fastest=1.0,
+             s1_speedup=1.5, s2_speedup=1.2)
+    rows = parm_rows([r])
+    assert [x["impl"] for x in rows] == ["baseline", "s1", "s2"]
+    assert all(x["suite"] == "parm" and x["extra"]["auto"] == "s1" for x in rows)
+    for x in rows:
+        schema._check(x, schema._resolve("#/$defs/result", schema.SCHEMA), schema.SCHEMA, "$")
+    assert summary([r])["auto_hit_rate"] == 1.0

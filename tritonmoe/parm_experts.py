@@ -378,7 +378,9 @@ class ParmExperts(ExpertPath):
         from .plan.parm import choose_schedule, measure_cost_model
 
         if self.cost_model is None:
-            self.cost_model = measure_cost_model(self.groups, dtype=x_TD.dtype, device=x_TD.device, d_model=c.d_model)
+            self.cost_model = measure_cost_model(
+                self.groups, dtype=x_TD.dtype, device=x_TD.device, d_model=c.d_model, config=c
+            )
         T = x_TD.shape[0]
         g = self.groups.ep_esp
         if g is not None:

@@ -1,5 +1,5 @@
-"""Parm's automatic schedule choice: alpha-beta costs fitted by least squares and Algorithm 1
-(paper 003 section V; PAPERS.md 3.4).
+"""Parm's automatic schedule choice: alpha-beta costs fitted by least squares, Algorithm 1
+(paper 003 section V; PAPERS.md 3.4), and the step model ``parm_schedule="auto"`` uses.
 
 Each collective costs ``alpha + beta * x`` seconds for x elements (Eq. 12). Parm fits one
 (alpha, beta) per collective and group from measured times at a few sizes, then compares
@@ -9,22 +9,29 @@ Each collective costs ``alpha + beta * x`` seconds for x elements (Eq. 12). Parm
 * ``t_D2 = A2A(y / N_MP) + Overlap(y / N_MP)`` (S2: the dispatch all-to-all and SAA),
 
 with ``y = k * f * B * L * M * N_ESP`` the dumped dispatch tensor of a batch (E experts times
-capacity T = k*f*B*L/E rows of M, once per shard), picking S1 when ``t_D1 <= t_D2``.
+capacity T = k*f*B*L/E rows of M, once per shard), picking S1 when ``t_D1 <= t_D2``
+(:func:`algorithm1`).
 
 Readings of the garbled text (PAPERS.md 3.4 ambiguities 1-4): T = k*f*B*L/E (not times M), the
 all-to-all size keeps N_ESP, t_D2 has no separate AG term (Overlap already is the concurrent
 all-to-all and all-gather), and Overlap is fitted against the same size it is evaluated at, the
-all-to-all's input y/N_MP. Sizes are per-rank input elements for the all-to-alls and gathered
-(output) elements for the all-gather. Dropless routing uses f = 1.
+all-to-all's input y/N_MP. Sizes are per-rank input elements for all-to-alls and reduce-scatters,
+gathered (output) elements for all-gathers, elements for all-reduces. Dropless routing: f = 1.
 
-:func:`algorithm1` is the paper's selector; :func:`choose_schedule` is what ``parm_schedule=
-"auto"`` calls (Algorithm 1, or, with a cost model that carries backward and local-compute fits,
-the same comparison over the whole forward + backward step: PAPERS.md 3.4 ambiguity 6 allows the
-gate as an optional term, and the backward mirrors the collectives, 3.2 ambiguity 5).
+Algorithm 1 compares forward communication only, and only S1 with S2 (the paper proves both beat
+the baseline). Measured on a real transport that is not always so: at small batches the
+baseline, with fewer collectives, wins when per-collective latency dominates (gloo), and on CPUs
+the experts' compute, which the baseline repeats N_MP times, matters. So ``auto`` predicts the
+whole forward + backward step of all three schedules (:func:`step_times`): every collective of
+each schedule and its backward mirror (PAPERS.md 3.2 ambiguity 5) with alpha-beta fitted per
+(collective, group), plus the gate, the expert shards (forward, input and weight gradients) and
+the local copies at measured rates (PAPERS.md 3.4 ambiguity 6), and picks the least. With a
+model that has only Algorithm 1's three fits, ``auto`` is Algorithm 1.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -39,6 +46,8 @@ __all__ = [
     "step_times",
     "choose_schedule",
     "measure_cost_model",
+    "sim_groups",
+    "parm_step_programs",
 ]
 
 
@@ -73,28 +82,51 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
     return AlphaBeta(alpha, beta)
 
 
+#: The collectives of the step model, keyed "<op>_<group>": op in a2a, ag, ar, rs, saa; group in
+#: all (the P ranks), ep, esp, mp.
+COLLECTIVES = ("a2a_all", "a2a_ep", "ag_mp", "ar_mp", "ag_esp", "ar_esp", "rs_esp", "ag_all", "saa")
+
+
 @dataclass(frozen=True)
 class ParmCostModel:
-    """The fitted costs Algorithm 1 needs, per (collective, group) of one layout.
+    """Fitted costs of one layout.
 
     Attributes:
-        ag_mp: MP all-gather, by gathered elements.
-        a2a: EP&ESP all-to-all, by per-rank input elements.
-        overlap: SAA (the all-to-all with the MP all-gather of its output), by per-rank input.
-        local: optional per-row cost of the local work around the exchanges (routing, permute,
-            Dump, combine, unpermute: seconds per token row and per routed row), the extension of
-            PAPERS.md 3.4 ambiguity 6; None: communication only, as the paper.
+        ag_mp, a2a, overlap: Algorithm 1's three fits (MP all-gather by gathered elements,
+            EP&ESP all-to-all and SAA by per-rank input elements).
+        collectives: every collective of the three schedules, :data:`COLLECTIVES` -> fit (empty:
+            Algorithm 1 only).
+        flops_per_s: the expert GEMMs' rate; ``copy_bytes_per_s``: the local copies' rate (None:
+            no compute terms).
+        local: when measured for a layer (``measure_cost_model(..., config=...)``): seconds of
+            this rank's local work of a step (route, permute, expert shard FFN, unpermute,
+            forward and backward) by routed row; replaces the rate-based compute terms.
         source: where the fits come from ("measured on ...", a calibration entry).
     """
 
     ag_mp: AlphaBeta
     a2a: AlphaBeta
     overlap: AlphaBeta
+    collectives: dict = field(default_factory=dict)
+    flops_per_s: Optional[float] = None
+    copy_bytes_per_s: Optional[float] = None
     local: Optional[AlphaBeta] = None
     source: str = ""
 
+    def c(self, name: str, x: float) -> float:
+        """Predicted seconds of collective ``name`` on x elements."""
+        ab = self.collectives.get(name)
+        if ab is None:
+            ab = {"a2a_all": self.a2a, "ag_mp": self.ag_mp, "saa": self.overlap}.get(name)
+        return ab(x) if ab is not None else 0.0
 
-def _sizes(tokens: int, d_model: int, num_experts: int, top_k: int, capacity_factor: Optional[float], n_esp: int):
+    @property
+    def complete(self) -> bool:
+        """Whether the model can predict whole steps (every collective fitted, compute rates)."""
+        return all(k in self.collectives for k in COLLECTIVES) and bool(self.flops_per_s) and bool(self.copy_bytes_per_s)
+
+
+def _sizes(tokens: int, d_model: int, top_k: int, capacity_factor: Optional[float], n_esp: int):
     f = 1.0 if capacity_factor is None else float(capacity_factor)
     x = float(tokens) * d_model  # B*L*M
     y = top_k * f * tokens * d_model * n_esp  # E * T * M * N_ESP with T = k*f*B*L/E
@@ -115,55 +147,82 @@ def algorithm1(
     """Parm's Algorithm 1 (with the readings of the module docstring): "s1" or "s2"."""
     if n_mp == 1:
         return "s1"  # no MP: S1 and S2 are the same schedule (no MP split, no all-gather)
-    x, y = _sizes(tokens, d_model, num_experts, top_k, capacity_factor, n_esp)
+    x, y = _sizes(tokens, d_model, top_k, capacity_factor, n_esp)
     t_d1 = 2 * model.a2a(y / n_mp) + model.ag_mp(x)
     t_d2 = model.a2a(y / n_mp) + model.overlap(y / n_mp)
     return "s1" if t_d1 <= t_d2 else "s2"
 
 
-def step_times(
-    model: ParmCostModel,
-    *,
-    tokens: int,
-    d_model: int,
-    num_experts: int,
-    top_k: int,
-    capacity_factor: Optional[float],
-    n_esp: int,
-    n_mp: int,
-) -> dict[str, float]:
-    """Predicted forward + backward communication (and, with ``model.local``, local work) of S1
-    and S2: the forward terms of Algorithm 1 plus their mirrors (S1's backward: two all-to-alls
-    and the all-gather of the input gradient, x; S2's: two all-to-alls and the all-gather of the
-    routed rows' gradients, y / N_ESP gathered) and the local work (S1 on T/N_MP tokens, S2 on
-    all T)."""
-    x, y = _sizes(tokens, d_model, num_experts, top_k, capacity_factor, n_esp)
-    a = model.a2a(y / n_mp)
-    if n_mp == 1:
-        t = 4 * a
-        return {"s1": t, "s2": t}
-    s1 = 2 * a + model.ag_mp(x) + 2 * a + model.ag_mp(x)
-    s2 = a + model.overlap(y / n_mp) + 2 * a + model.ag_mp(y / n_esp)
-    if model.local is not None:
-        f = 1.0 if capacity_factor is None else float(capacity_factor)
-        rows1 = tokens / n_mp * (1 + top_k * f)
-        rows2 = tokens * (1 + top_k * f)
-        s1 += model.local(rows1)
-        s2 += model.local(rows2)
-    return {"s1": s1, "s2": s2}
+def step_times(model: ParmCostModel, config, layout, tokens: int, *, itemsize: int = 4) -> dict[str, float]:
+    """Predicted forward + backward seconds of one step of each schedule for a batch of
+    ``tokens`` tokens per MP group (see the module docstring). Collectives of a group of one
+    rank cost nothing; a term whose fit is missing counts 0."""
+    c = config
+    n_mp, n_ep, n_esp, P = layout.n_mp, layout.n_ep, layout.n_esp, layout.P
+    M, E, K = c.d_model, c.num_experts, c.top_k
+    f = 1.0 if c.capacity_factor is None else float(c.capacity_factor)
+    T = float(tokens)
+    x, y = _sizes(tokens, M, K, c.capacity_factor, n_esp)
+    routed = K * f * T  # routed rows of a batch
+    Fs = c.d_ffn / n_esp
+    n1 = 2 * Fs if c.activation == "swiglu" else Fs
+    row_flops = 2.0 * M * n1 + 2.0 * Fs * M
+    need_caps = c.capacity_factor is not None or c.aux_loss_coef > 0
+    need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+    m = model
+
+    def copies(rows: float) -> float:
+        return 2.0 * rows * M * itemsize / m.copy_bytes_per_s if m.copy_bytes_per_s else 0.0
+
+    def compute(expert_rows: float, gate_tokens: float, extra_rows: float) -> float:
+        """Expert shard rows (forward, input and weight gradients), the gate on
+        ``gate_tokens``, and ``extra_rows`` rows of local copies beyond the expert rows'."""
+        if m.local is not None:  # measured on the layer's own local ops, by routed row
+            return m.local(expert_rows) + copies(extra_rows)
+        if not m.flops_per_s:
+            return 0.0
+        t = 3.0 * row_flops * expert_rows / m.flops_per_s + 3.0 * 2.0 * gate_tokens * M * E / m.flops_per_s
+        return t + copies(4.0 * expert_rows + extra_rows)
+
+    counts = m.c("ag_all", P * (1 + E)) if P > 1 else 0.0
+    # baseline: every MP rank processes its copy; each rank gathers its ESP group's n_esp batches
+    yb = routed * n_esp * M  # per-rank EP all-to-all input
+    base = counts
+    if n_esp > 1:
+        base += m.c("ag_esp", n_esp * x) + m.c("ag_esp", n_esp * T * K) + m.c("ar_esp", yb)
+        base += m.c("ag_esp", n_esp * routed * M) + m.c("rs_esp", n_esp * x)
+    if n_ep > 1:
+        base += 4 * m.c("a2a_ep", yb)
+    base += compute(routed * n_esp, T, 0.0)
+    # S1: the slice of T / n_mp tokens
+    s1 = counts + 4 * m.c("a2a_all", y / n_mp) if P > 1 else 0.0
+    if n_mp > 1:
+        s1 += 2 * m.c("ag_mp", x) + m.c("ar_mp", E * M)
+        s1 += m.c("ag_mp", n_mp * K * E) if need_caps else 0.0
+        s1 += m.c("ar_mp", E + 1) if need_aux else 0.0
+    s1 += compute(routed * n_esp / n_mp, T / n_mp, 0.0)
+    # S2: the gate on all T, a part of every expert's rows, SAA
+    s2 = counts + (3 * m.c("a2a_all", y / n_mp) if P > 1 else 0.0)
+    if n_mp > 1:
+        s2 += m.c("saa", y / n_mp) + m.c("ag_mp", routed * M)
+    elif P > 1:
+        s2 += m.c("a2a_all", y / n_mp)
+    # S2 gates, permutes, combines and unpermutes the whole batch on every MP rank
+    s2 += compute(routed * n_esp / n_mp, T, routed * (1 + n_esp) * (1 - 1 / n_mp))
+    return {"baseline": base, "s1": s1, "s2": s2}
 
 
 def choose_schedule(model: ParmCostModel, config, layout, tokens: int, *, dtype=None) -> str:
     """The schedule ``parm_schedule="auto"`` runs for a batch of ``tokens`` tokens per MP group:
-    Algorithm 1 when ``model.local`` is None, else the cheaper of :func:`step_times`."""
-    kw = dict(
-        tokens=tokens, d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
-        capacity_factor=config.capacity_factor, n_esp=layout.n_esp, n_mp=layout.n_mp,
-    )
-    if model.local is None:
-        return algorithm1(model, **kw)
-    t = step_times(model, **kw)
-    return "s1" if t["s1"] <= t["s2"] else "s2"
+    the least predicted step (:func:`step_times`) when the model is complete, else Algorithm 1."""
+    if not model.complete:
+        return algorithm1(
+            model, tokens=tokens, d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
+            capacity_factor=config.capacity_factor, n_esp=layout.n_esp, n_mp=layout.n_mp,
+        )
+    item = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+    t = step_times(model, config, layout, tokens, itemsize=item)
+    return min(("s1", "s2", "baseline"), key=lambda s: t[s])  # ties: the paper's order
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,12 +249,15 @@ def measure_cost_model(
     d_model: int = 64,
     rows: Sequence[int] = (16, 128, 512),
     reps: int = 5,
+    config=None,
 ) -> ParmCostModel:
-    """Fit :class:`ParmCostModel` on this rank's groups (:class:`~tritonmoe.parm_layout.ParmGroups`)
-    by timing the MP all-gather, the EP&ESP all-to-all and SAA at a few sizes (``rows`` rows of
-    ``d_model`` per rank and peer). Collective over the P ranks: every rank measures, the
-    medians are max-reduced over the P ranks, so every rank fits the same model (and takes the
-    same decisions)."""
+    """Fit a complete :class:`ParmCostModel` on this rank's groups
+    (:class:`~tritonmoe.parm_layout.ParmGroups`): every collective of :data:`COLLECTIVES` timed
+    at a few sizes (``rows`` rows of ``d_model`` per rank and peer) on its group, a GEMM and a
+    row copy for the compute rates. Collective over the P ranks: every rank measures, each
+    measurement's median over the P ranks is what every rank fits, so every rank fits the same
+    model (and takes the same decisions). With ``config`` (the layer's :class:`~tritonmoe.MoEConfig`) the local work
+    of a step is timed too, on this layout's expert shard (:attr:`ParmCostModel.local`)."""
     import torch.distributed as dist
 
     from tritonmoe.comm.splits import comm_device
@@ -206,42 +268,116 @@ def measure_cost_model(
     lay = groups.layout
     P = lay.P
     dev = device if device is not None else comm_device(groups.ep_esp)
-    ms = list(lay.mp_group_of(groups.rank))
-    ag, a2a, ov = [], [], []
+    peers = list(lay.mp_group_of(groups.rank))
+    mp = groups.mp_lane if groups.mp_lane is not None else groups.mp
+    spec = {  # name -> (group, group size, run(rows) -> None, elements(rows))
+        "a2a_all": (groups.ep_esp, P),
+        "a2a_ep": (groups.ep, lay.n_ep),
+        "ag_mp": (mp, lay.n_mp),
+        "ar_mp": (mp, lay.n_mp),
+        "ag_esp": (groups.esp, lay.n_esp),
+        "ar_esp": (groups.esp, lay.n_esp),
+        "rs_esp": (groups.esp, lay.n_esp),
+        "ag_all": (groups.ep_esp, P),
+        "saa": (groups.ep_esp, P),
+    }
+    names = list(spec)
+    times = {n: [] for n in names}
+    sizes = {n: [] for n in names}
     for r in rows:
-        x = torch.randn(r * P, d_model, dtype=dtype, device=dev)
-        if groups.ep_esp is not None:
-            a2a.append(_time(lambda: dist.all_to_all_single(torch.empty_like(x), x, group=groups.ep_esp), reps))
-        else:
-            a2a.append(0.0)
-        if groups.mp_lane is not None and lay.n_mp > 1:
-            y = torch.randn(r * P // lay.n_mp, d_model, dtype=dtype, device=dev)
-            out = y.new_empty((r * P,) + tuple(y.shape[1:]))
-            ag.append(_time(lambda: dist.all_gather_into_tensor(out, y, group=groups.mp_lane), reps))
+        for name in names:
+            g, n = spec[name]
+            if g is None or n < 2 or (name == "saa" and (mp is None or lay.n_mp < 2)):
+                times[name].append(0.0)
+                sizes[name].append(float(r * d_model))
+                continue
+            x = torch.randn(r * n, d_model, dtype=dtype, device=dev)
+            op = name.split("_")[0]
+            if op == "a2a":
+                fn = lambda x=x, g=g: dist.all_to_all_single(torch.empty_like(x), x, group=g)  # noqa: E731
+                elems = x.numel()
+            elif op == "ag":
+                part = x[:r]
+                fn = lambda x=x, part=part, g=g: dist.all_gather_into_tensor(torch.empty_like(x), part, group=g)  # noqa: E731
+                elems = x.numel()
+            elif op == "ar":
+                fn = lambda x=x, g=g: dist.all_reduce(x.clone(), group=g)  # noqa: E731
+                elems = x.numel()
+            elif op == "rs":
+                fn = lambda x=x, g=g, r=r: dist.reduce_scatter_tensor(x.new_empty((r,) + x.shape[1:]), x, group=g)  # noqa: E731
+                elems = x.numel()
+            else:  # saa: the all-to-all of r rows per peer with the MP all-gather of the result
+                def fn(x=x, r=r):
+                    ex = RealExecutor(dev)
+                    ex.wait(saa_schedule(
+                        ex, x, [r] * P, [r] * P, group=groups.ep_esp, rank=groups.rank, mp_group=mp,
+                        mp_peers=peers, peer_recv_splits=[[r] * P for _ in peers],
+                    ))
 
-            def run_saa():
-                ex = RealExecutor(dev)
-                ex.wait(saa_schedule(
-                    ex, x, [r] * P, [r] * P, group=groups.ep_esp, rank=groups.rank, mp_group=groups.mp_lane,
-                    mp_peers=ms, peer_recv_splits=[[r] * P for _ in ms],
-                ))
-
-            ov.append(_time(run_saa, reps))
-        else:
-            ag.append(0.0)
-            ov.append(a2a[-1])
-    t = torch.tensor(ag + a2a + ov, dtype=torch.float64, device=comm_device(groups.ep_esp))
+                elems = x.numel()
+            times[name].append(_time(fn, reps))
+            sizes[name].append(float(elems))
+    # compute rates: a GEMM of this layer's width and a row gather
+    a = torch.randn(512, d_model, dtype=dtype, device=dev)
+    b = torch.randn(d_model, 2 * d_model, dtype=dtype, device=dev)
+    t_gemm = _time(lambda: a @ b, reps)
+    idx = torch.randperm(4096, device=dev)
+    big = torch.randn(4096, d_model, dtype=dtype, device=dev)
+    t_copy = _time(lambda: big.index_select(0, idx), reps)
+    local_rows, local_t = [], []
+    if config is not None:
+        local_rows, local_t = _time_local_step(config, lay, dtype, dev, reps)
+    vec = [times[n][k] for n in names for k in range(len(rows))] + local_t + [t_gemm, t_copy]
+    t = torch.tensor(vec, dtype=torch.float64, device=comm_device(groups.ep_esp))
     if groups.ep_esp is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.ep_esp)
+        # Every rank fits the same model: the median over ranks of each measurement (robust to
+        # one rank descheduled during a measurement; deterministic, so the same everywhere).
+        table = torch.empty(P * t.numel(), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(table, t, group=groups.ep_esp)
+        t = table.view(P, -1).median(dim=0).values
     vals = t.tolist()  # host sync: the fit is a host computation
-    n = len(rows)
-    ag_t, a2a_t, ov_t = vals[:n], vals[n : 2 * n], vals[2 * n :]
-    a2a_x = [r * P * d_model for r in rows]  # per-rank input elements
-    ag_x = [r * P * d_model for r in rows]  # gathered elements
+    fits = {}
+    for j, n in enumerate(names):
+        fits[n] = fit_alpha_beta(sizes[n], vals[j * len(rows) : (j + 1) * len(rows)])
+    item = torch.empty((), dtype=dtype).element_size()
+    nl = len(local_rows)
+    local = fit_alpha_beta(local_rows, vals[len(names) * len(rows) : len(names) * len(rows) + nl]) if nl else None
     return ParmCostModel(
-        ag_mp=fit_alpha_beta(ag_x, ag_t), a2a=fit_alpha_beta(a2a_x, a2a_t), overlap=fit_alpha_beta(a2a_x, ov_t),
-        source=f"measured on {lay.describe()} ({dtype}, rows {list(rows)})",
+        ag_mp=fits["ag_mp"], a2a=fits["a2a_all"], overlap=fits["saa"], collectives=fits,
+        flops_per_s=2.0 * 512 * d_model * 2 * d_model / max(vals[-2], 1e-9),
+        copy_bytes_per_s=2.0 * 4096 * d_model * item / max(vals[-1], 1e-9), local=local,
+        source=f"measured on {lay.describe()} ({dtype}, rows {list(rows)}, d_model {d_model})",
     )
+
+
+def _time_local_step(config, layout, dtype, device, reps: int) -> tuple[list[float], list[float]]:
+    """(routed rows, seconds) of this rank's local work of a step -- route, permute, the expert
+    shard's grouped FFN, unpermute, forward and backward -- at two batch sizes, on the layer's
+    shapes (d_model, d_ffn / n_esp, E, top_k). No communication."""
+    from .. import reference
+
+    c = config
+    Fs = c.d_ffn // layout.n_esp
+    n1 = 2 * Fs if c.activation == "swiglu" else Fs
+    E = c.num_experts
+    out_rows, out_t = [], []
+    for T in (64, 512):
+        g = torch.Generator(device="cpu").manual_seed(T)
+        x = torch.randn(T, c.d_model, generator=g, dtype=dtype).to(device)
+        wr = torch.randn(E, c.d_model, generator=g, dtype=dtype).to(device)
+        w1 = (torch.randn(E, c.d_model, n1, generator=g, dtype=dtype) * 0.1).to(device).requires_grad_()
+        w2 = (torch.randn(E, Fs, c.d_model, generator=g, dtype=dtype) * 0.1).to(device).requires_grad_()
+
+        def step():
+            xi = x.clone().requires_grad_()
+            r = reference.route(xi @ wr.t(), c.top_k)
+            xp, info = reference.permute(xi, r.topk_ids, E)
+            y = reference.grouped_ffn(xp, info.expert_offsets, w1, w2, c.activation)
+            reference.unpermute(y, info, r.topk_weights).sum().backward()
+
+        out_t.append(_time(step, reps))
+        out_rows.append(float(T * c.top_k))
+    return out_rows, out_t
 
 
 # ---------------------------------------------------------------------------------------------
