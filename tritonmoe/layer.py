@@ -62,6 +62,15 @@ class MoELayer(nn.Module):
       group must use the same n. Routing is decided once for the whole local batch, so n changes
       the schedule, not the result: bitwise in fp64 on the reference backend (see that module).
     * Set ``layer.timeline = tritonmoe.comm.Timeline()`` to record each micro-op's spans.
+
+    Model + expert + expert-sharding parallelism (``mp_group`` and/or ``esp_group`` beside
+    ``ep_group``, or ``parm_groups`` from :meth:`tritonmoe.ParmLayout.process_groups` /
+    :meth:`tritonmoe.ParmGroups.from_device_mesh`): Parm's layouts and schedules
+    (:mod:`tritonmoe.parm_experts`, ``config.parm_schedule``). The input and output are replicated
+    over the MP group; ``w1``/``w2`` hold this rank's shard of its EP rank's experts
+    (``[E/n_ep, d, n1/n_esp]``, ``[E/n_ep, F/n_esp, d]``). Construction from process groups is
+    collective over the default group (one small exchange checks that every rank passes
+    consistent groups and the same config).
     """
 
     def __init__(

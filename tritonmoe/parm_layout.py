@@ -219,6 +219,22 @@ class ParmLayout:
                 "holds d_ffn/n_esp hidden units (use a multiple of n_esp)"
             )
 
+    def device_meshes(self, device_type: str = "cpu"):
+        """``(moe_mesh, dense_mesh)``: a DeviceMesh with dimensions ("ep", "esp") over the P
+        ranks as this layout places them, and one with ("dp", "mp") (MP groups innermost, the
+        dense model's tensor-parallel mesh). Collective over the default group.
+        ``ParmGroups.from_device_mesh(moe_mesh, dense_mesh["mp"])`` gives the layer's groups."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        grid = torch.empty(self.n_ep, self.n_esp, dtype=torch.int64)
+        for i in range(self.P):
+            grid[self.ep[i], self.esp[i]] = self.ranks[i]
+        dense = torch.empty(self.num_batches, self.n_mp, dtype=torch.int64)
+        for i in range(self.P):
+            dense[self.mp_group[i], self.mp_rank[i]] = self.ranks[i]
+        moe = DeviceMesh(device_type, grid, mesh_dim_names=("ep", "esp"))
+        return moe, DeviceMesh(device_type, dense, mesh_dim_names=("dp", "mp"))
+
     def describe(self) -> str:
         return f"ParmLayout(n_mp={self.n_mp}, n_ep={self.n_ep}, n_esp={self.n_esp}, P={self.P})"
 
@@ -313,6 +329,38 @@ class ParmGroups:
     esp: Any = None
     ep_esp: Any = None
     mp_lane: Any = None
+
+    @classmethod
+    def from_device_mesh(cls, mesh, mp_mesh=None, *, values: Optional[dict] = None) -> "ParmGroups":
+        """This rank's groups from a DeviceMesh with dimensions named "ep" and "esp" (either may
+        be absent: size 1) over the P ranks of the layer, and ``mp_mesh`` (a 1-D DeviceMesh, or
+        one with an "mp" dimension) for the model-parallel group; the EP&ESP group is the
+        flattened mesh. Collective over the default group (the same check as
+        :func:`groups_from_process_groups`)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        names = tuple(mesh.mesh_dim_names or ())
+        extra = [n for n in names if n not in ("ep", "esp")]
+        if not names or extra:
+            raise LayoutError(
+                f"the Parm mesh has dimensions {list(names)}; name them 'ep' and/or 'esp' (build it with "
+                "ParmLayout.device_meshes or init_device_mesh(..., mesh_dim_names=('ep', 'esp')))"
+            )
+        ep = mesh.get_group("ep") if "ep" in names and mesh.size(names.index("ep")) > 1 else None
+        esp = mesh.get_group("esp") if "esp" in names and mesh.size(names.index("esp")) > 1 else None
+        union = None
+        if len(names) == 2 and mesh.size() > 1:
+            union = mesh._flatten("ep_esp").get_group()
+        mp = None
+        if mp_mesh is not None:
+            if not isinstance(mp_mesh, DeviceMesh):
+                raise TypeError(f"mp_mesh must be a DeviceMesh, got {type(mp_mesh).__name__}")
+            mp_names = tuple(mp_mesh.mesh_dim_names or ())
+            sub = mp_mesh["mp"] if "mp" in mp_names and len(mp_names) > 1 else mp_mesh
+            mp = sub.get_group() if sub.size() > 1 else None
+        return groups_from_process_groups(ep_group=ep, esp_group=esp, mp_group=mp, ep_esp_group=union, values=values)
 
     @property
     def a(self) -> int:
