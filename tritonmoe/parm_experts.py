@@ -424,7 +424,7 @@ class ParmExperts(ExpertPath):
         if g is None:
             return [vec.tolist()]
         dev = comm_device(g)
-        ex = RealExecutor(vec.device if dev.type == vec.device.type else dev, timeline=self.timeline)
+        ex = RealExecutor(dev, timeline=self.timeline)
         out = run_collective(ex, "all_gather", vec.to(dev), group=g, kind="counts")
         _record(self, ex)
         return out.view(self.layout.P, -1).tolist()  # host sync: split sizes are host ints
