@@ -45,8 +45,8 @@ from torch.autograd.function import once_differentiable
 
 from tritonmoe.exact import WeightGradStore
 
-from .executor import COMM, Executor, Handle, RealExecutor, VirtualTensor, Work
-from .saa import empty_rows, rows_of, saa_schedule
+from .executor import Executor, Handle, RealExecutor, VirtualTensor, Work
+from .saa import rows_of, saa_schedule
 
 __all__ = [
     "BASELINE",
@@ -647,7 +647,7 @@ class _ParmBlock(torch.autograd.Function):
     def backward(ctx, grad):
         state: ParmBlockState = ctx.state
         graph = state.graph
-        if graph is None or (graph.recv is None and graph.out is None and not graph.params):
+        if graph is None:
             raise RuntimeError("the Parm block was back-propagated twice (retain_graph is not supported through it)")
         want = [p for p in graph.params if p.requires_grad]
         deferred: list = [None] * len(want)

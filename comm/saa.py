@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .executor import COMM, COMM2, COMPUTE, Executor, Handle, RealExecutor, VirtualTensor, Work
+from .executor import COMM, COMM2, Executor, Handle, RealExecutor, VirtualTensor, Work
 from .splits import _as_int_list, check_splits, comm_device, exchange_splits, group_rank_size
 
 __all__ = ["saa", "saa_schedule", "rows_of", "empty_rows"]

@@ -20,8 +20,6 @@ description of each schedule, independently of the code under test.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -35,7 +33,7 @@ import tritonmoe as tm
 from tritonmoe import reference
 from tritonmoe.layer import router_logits
 from tritonmoe.parm_experts import shard_expert_weights
-from tritonmoe.parm_layout import LayoutError, ParmLayout
+from tritonmoe.parm_layout import ParmLayout
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 24, 8
 TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=3e-5, atol=3e-5)}
@@ -220,7 +218,7 @@ def expected_sends(sched: str, cfg, lay: ParmLayout, i: int, tokens, ref_ids, it
             s = e
         return b
 
-    g, m, a, s = lay.mp_group[i], lay.mp_rank[i], lay.ep[i], lay.esp[i]
+    g, m, a = lay.mp_group[i], lay.mp_rank[i], lay.ep[i]
     mine = (a * L, (a + 1) * L)
     T = tokens[g]
     fwd, bwd, p2p = [], [], {}
@@ -670,8 +668,6 @@ def error_checks(rank: int, P: int, cache: dict) -> list[tuple[str, str, str]]:
 
 
 def auto_and_trace(rank: int, P: int, cache: dict) -> dict:
-    from tritonmoe.plan.parm import parm_step_programs
-
     lay = ParmLayout.make(2, P // 2, 2)
     groups = lay.process_groups(cache=cache)
     i = groups.rank

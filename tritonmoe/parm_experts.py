@@ -47,14 +47,12 @@ unsharded experts on the de-duplicated batches):
 
 from __future__ import annotations
 
-import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from . import reference
 from .comm.executor import RealExecutor, Work
 from .comm.parm import (
     BASELINE,
@@ -66,7 +64,6 @@ from .comm.parm import (
     parm_block,
     pause_plan,
     run_collective,
-    s2_part_counts,
     saa_plan,
 )
 from .comm.partition import _transpose_chunks
@@ -432,7 +429,7 @@ class ParmExperts(ExpertPath):
     # -- S1: pause MP before the gate ---------------------------------------------------------------
 
     def _pause_before_gate(self, layer, x_TD: torch.Tensor):
-        c, G, lay = self.config, self.groups, self.layout
+        G, lay = self.groups, self.layout
         T = x_TD.shape[0]
         sizes = [b - a for a, b in micro_batch_bounds(T, lay.n_mp)]
         m = G.m

@@ -31,7 +31,6 @@ model that has only Algorithm 1's three fits, ``auto`` is Algorithm 1.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
