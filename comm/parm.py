@@ -148,9 +148,11 @@ class PausePlan:
         return sum(self.recv_splits)
 
 
-def pause_plan(layout, rank: int, table: Sequence[Sequence[int]], num_experts: int, device=None) -> PausePlan:
+def pause_plan(
+    layout, rank: int, table: Sequence[Sequence[int]], num_experts: int, device=None, *, indices: bool = True
+) -> PausePlan:
     """The :class:`PausePlan` of ``rank`` when layout rank j's buffer holds ``table[j][e]`` rows
-    of expert e."""
+    of expert e. ``indices=False`` skips the row indices (the simulator needs the splits only)."""
     P, E = layout.P, num_experts
     L = E // layout.n_ep
     c = [int(v) for v in table[rank]]
@@ -161,19 +163,22 @@ def pause_plan(layout, rank: int, table: Sequence[Sequence[int]], num_experts: i
     a_me = layout.ep[rank]
     recv_counts = [[int(table[j][a_me * L + l]) for l in range(L)] for j in range(P)]
     recv = [sum(r) for r in recv_counts]
-    dump = ranges([bst[layout.ep[d]] for d in range(P)], send)
-    cs = _excl(send)
-    pos = torch.zeros(sum(c), layout.n_esp, dtype=torch.int64)
-    for a in range(layout.n_ep):
-        if bs[a]:
-            r = torch.arange(bs[a])
-            for s in range(layout.n_esp):
-                pos[bst[a] : bst[a] + bs[a], s] = cs[layout.holder(a, s)] + r
+    dump = pos = None
+    if indices:
+        dump = ranges([bst[layout.ep[d]] for d in range(P)], send).to(device)
+        cs = _excl(send)
+        pos = torch.zeros(sum(c), layout.n_esp, dtype=torch.int64)
+        for a in range(layout.n_ep):
+            if bs[a]:
+                r = torch.arange(bs[a])
+                for s in range(layout.n_esp):
+                    pos[bst[a] : bst[a] + bs[a], s] = cs[layout.holder(a, s)] + r
+        pos = pos.to(device)
     order = sorted(range(P), key=lambda j: (layout.mp_group[j], layout.mp_rank[j]))
     return PausePlan(
         counts=c, send_splits=send, recv_splits=recv,
         recv_counts=torch.tensor(recv_counts, dtype=torch.int64, device=device).view(P, L),
-        dump_index=dump.to(device), combine_pos=pos.to(device), wgrad_groups=order,
+        dump_index=dump, combine_pos=pos, wgrad_groups=order,
     )
 
 
@@ -211,9 +216,12 @@ def s2_part_counts(batch_counts: Sequence[int], n_mp: int, m: int) -> list[int]:
     return out
 
 
-def saa_plan(layout, rank: int, batch_counts: Sequence[int], num_experts: int, device=None) -> SaaPlan:
+def saa_plan(
+    layout, rank: int, batch_counts: Sequence[int], num_experts: int, device=None, *, indices: bool = True
+) -> SaaPlan:
     """The :class:`SaaPlan` of ``rank``, whose MP group's batch has ``batch_counts[e]`` routed
-    rows of expert e (its permuted buffer, grouped by expert)."""
+    rows of expert e (its permuted buffer, grouped by expert). ``indices=False`` skips the row
+    indices."""
     E, P = num_experts, layout.P
     L = E // layout.n_ep
     n_mp = layout.n_mp
@@ -223,7 +231,7 @@ def saa_plan(layout, rank: int, batch_counts: Sequence[int], num_experts: int, d
     off = _excl(c)
     bounds = [[_part_bounds(c[e], n_mp, q) for e in range(E)] for q in range(n_mp)]
     part_counts = [[hi - lo for lo, hi in bounds[q]] for q in range(n_mp)]
-    part_index = ranges([off[e] + bounds[m][e][0] for e in range(E)], part_counts[m])
+    part_index = ranges([off[e] + bounds[m][e][0] for e in range(E)], part_counts[m]) if indices else None
     peer_send = []
     for q in range(n_mp):
         pc = part_counts[q]
@@ -231,6 +239,9 @@ def saa_plan(layout, rank: int, batch_counts: Sequence[int], num_experts: int, d
         peer_send.append([bs[layout.ep[d]] for d in range(P)])
     part_rows = [sum(pc) for pc in part_counts]
     base = _excl([sum(s) for s in peer_send])
+    if not indices:
+        return SaaPlan(part_index=None, part_counts=part_counts, mp_peers=peers, peer_recv_splits=peer_send,
+                       full_pos=None, part_rows=part_rows)
     pos = torch.zeros(sum(c), layout.n_esp, dtype=torch.int64)
     for q in range(n_mp):
         pc = part_counts[q]
@@ -295,9 +306,13 @@ class BaselinePlan:
         return [sum(c) for c in self.origin_counts]
 
 
-def baseline_plan(layout, rank: int, tokens: Sequence[int], table: Sequence[Sequence[int]], num_experts: int, device=None) -> BaselinePlan:
+def baseline_plan(
+    layout, rank: int, tokens: Sequence[int], table: Sequence[Sequence[int]], num_experts: int, device=None, *,
+    indices: bool = True,
+) -> BaselinePlan:
     """The :class:`BaselinePlan` of ``rank``; layout rank j holds ``tokens[j]`` tokens whose
-    permuted buffer has ``table[j][e]`` rows of expert e."""
+    permuted buffer has ``table[j][e]`` rows of expert e. ``indices=False`` skips the row
+    indices."""
     E = num_experts
     L = E // layout.n_ep
     n_ep, n_esp = layout.n_ep, layout.n_esp
@@ -326,7 +341,7 @@ def baseline_plan(layout, rank: int, tokens: Sequence[int], table: Sequence[Sequ
             recv_counts.append(row)
             tot += sum(row)
         recv.append(tot)
-    origin_pos = [ranges([p for p, _ in parts], [n for _, n in parts], device) for parts in pos_parts]
+    origin_pos = [ranges([p for p, _ in parts], [n for _, n in parts], device) for parts in pos_parts] if indices else None
     groups = []
     for a_src in range(n_ep):
         for k in range(n_esp):
@@ -335,7 +350,7 @@ def baseline_plan(layout, rank: int, tokens: Sequence[int], table: Sequence[Sequ
                 groups.append((layout.mp_group[o], a_src * n_esp + k))
     return BaselinePlan(
         origins=origins, tokens=[int(tokens[o]) for o in origins], tokens_max=max(int(tokens[o]) for o in origins),
-        origin_counts=oc, send_index=ranges(starts, lens, device), send_splits=send, recv_splits=recv,
+        origin_counts=oc, send_index=ranges(starts, lens, device) if indices else None, send_splits=send, recv_splits=recv,
         recv_counts=torch.tensor(recv_counts, dtype=torch.int64, device=device).view(n_ep * n_esp, L),
         origin_pos=origin_pos, wgrad_groups=[g for _, g in sorted(groups)], mp_duplicates=layout.n_mp,
         own=s_me,
@@ -511,8 +526,8 @@ def baseline_forward(
     if esp_group is not None:
         y = ex.all_reduce(y, group=esp_group, kind="esp_allreduce")
     back = _a2a(ex, y, plan.recv_splits, plan.send_splits, ep_group, "combine")
-    own = plan.origin_pos[plan.own]
-    rows = own.numel()
+    own = plan.origin_pos[plan.own] if plan.origin_pos is not None else None
+    rows = plan.own_rows[plan.own]
     split = ex.compute(lambda t: t.index_select(0, own.to(t.device)), back, kind="esp_split",
                        work=Work(bytes=2.0 * rows * _row_bytes(send), kind="copy"), out=_out_rows(send, rows))
     return ex.wait(split)

@@ -47,6 +47,11 @@ __all__ = [
     "measure_cost_model",
     "sim_groups",
     "parm_step_programs",
+    "batch_counts",
+    "simulate_parm",
+    "choose_parm",
+    "simulate_all_to_all",
+    "choose_all_to_all",
 ]
 
 
@@ -416,9 +421,10 @@ def parm_step_programs(
     dtype: torch.dtype = torch.bfloat16,
     host_compute: bool = False,
     slice_counts: Optional[Sequence[Sequence[int]]] = None,
+    ranks: Optional[Sequence[int]] = None,
 ):
     """The forward + backward of one Parm MoE layer step, recorded for every rank of
-    ``layout`` on :class:`~tritonmoe.plan.SimExecutor` (one :class:`~tritonmoe.plan.Program`
+    ``layout`` (or the layout ranks in ``ranks``) on :class:`~tritonmoe.plan.SimExecutor` (one :class:`~tritonmoe.plan.Program`
     per layout rank, global ranks ``layout.ranks``).
 
     The communication steps are the functions the real layer runs (:mod:`tritonmoe.comm.parm`,
@@ -484,7 +490,7 @@ def parm_step_programs(
             token_table.append(T)
 
     programs = []
-    for i in range(P):
+    for i in (range(P) if ranks is None else ranks):
         G = sim_groups(lay, i)
         g, m = lay.mp_group[i], lay.mp_rank[i]
         T = int(tokens[g])
@@ -501,7 +507,7 @@ def parm_step_programs(
             if need_aux:
                 run_collective(ex, "all_reduce", VirtualTensor((E + 1,), torch.float32), group=G.mp, kind="mp_scores")
         if schedule == "baseline":
-            plan = baseline_plan(lay, i, token_table, send_table, E)
+            plan = baseline_plan(lay, i, token_table, send_table, E, indices=False)
             run_collective(ex, "all_gather", counts_vt, group=G.ep_esp, kind="counts")
             if G.esp is not None:
                 run_collective(ex, "all_gather", rows(plan.tokens_max), group=G.esp, kind="esp_allgather")
@@ -528,8 +534,8 @@ def parm_step_programs(
             else:
                 ex.compute(None, work=copy(R), kind="permute", out=rows(R))
             run_collective(ex, "all_gather", counts_vt, group=G.ep_esp, kind="counts")
-            plan = pause_plan(lay, i, send_table, E)
-            sp = saa_plan(lay, i, batch_counts[g], E) if schedule == "s2" and G.mp is not None else None
+            plan = pause_plan(lay, i, send_table, E, indices=False)
+            sp = saa_plan(lay, i, batch_counts[g], E, indices=False) if schedule == "s2" and G.mp is not None else None
             ex.compute(None, work=copy(plan.send_rows), kind="dump", out=rows(plan.send_rows))
             back = pause_forward(ex, rows(plan.send_rows), plan, None, shard, group=G.ep_esp, saa=sp, rank=i,
                                  mp_group=G.mp_lane)
@@ -552,3 +558,113 @@ def parm_step_programs(
                 run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather_grad")
         programs.append(ex.program)
     return programs
+
+
+def batch_counts(config, tokens: int, *, padded: bool = False) -> list[int]:
+    """Rows per expert of one batch of ``tokens`` tokens under uniform routing: ``tokens * k``
+    spread evenly over the E experts (capped at the capacity), or, with ``padded``, the capacity
+    ``ceil(k * f * tokens / E)`` of every expert (DeepSpeed-MoE's dispatch tensor is E x capacity
+    x M whatever the routing; Parm's volumes, ``ETM``, count it so)."""
+    E, k = config.num_experts, config.top_k
+    cap = config.capacity(tokens)
+    if padded:
+        if cap is None:
+            raise ValueError("padded counts need a capacity_factor")
+        return [cap] * E
+    base, extra = divmod(tokens * k, E)
+    out = [base + (1 if e < extra else 0) for e in range(E)]
+    return [min(c, cap) for c in out] if cap is not None else out
+
+
+def simulate_parm(
+    config,
+    layout,
+    schedule: str,
+    cluster_or_cost,
+    *,
+    tokens: int,
+    dtype: str = "float32",
+    padded: bool = False,
+    symmetric: bool = True,
+):
+    """One forward + backward step of a Parm schedule on every rank of ``layout`` (layout rank
+    i on the cluster's GPU ``layout.ranks[i]``, node = rank // GPUs per node), through the
+    discrete-event engine (:mod:`tritonmoe.plan.engine`) on ``cluster_or_cost`` (a
+    :class:`~tritonmoe.plan.Cluster`, a :class:`~tritonmoe.plan.CostModel` or its file).
+
+    Every MP group holds ``tokens`` tokens, routed uniformly (:func:`batch_counts`; ``padded``:
+    capacity-padded). ``symmetric``: simulate one rank (exact here: uniform routing makes every
+    rank's program the same up to its peers). Returns the engine's result
+    (``.step_time()``, ``.timeline``)."""
+    from . import engine
+    from .simulate import parse_dtype, resolve_cost
+
+    cost = resolve_cost(cluster_or_cost, dtype)
+    dt = parse_dtype(dtype)
+    counts = batch_counts(config, tokens, padded=padded)
+    progs = parm_step_programs(
+        config, layout, schedule, tokens=[tokens] * layout.num_batches, batch_counts=[counts] * layout.num_batches,
+        dtype=dt, host_compute=False, ranks=[0] if symmetric else None,
+    )
+    return engine.run(progs, cost, symmetric=symmetric, timeline=not symmetric)
+
+
+def choose_parm(config, layout, cluster_or_cost, *, tokens: int, dtype: str = "float32",
+                padded: bool = False) -> tuple[str, dict]:
+    """The Parm schedule ("baseline", "s1", "s2") the simulator predicts fastest for this layer,
+    layout and batch on a cluster (every candidate simulated through the schedule code the
+    layer runs), and every candidate's predicted step time."""
+    t = {s: simulate_parm(config, layout, s, cluster_or_cost, tokens=tokens, dtype=dtype, padded=padded).step_time()
+         for s in ("baseline", "s1", "s2")}
+    return min(("s1", "s2", "baseline"), key=lambda s: t[s]), t
+
+
+def simulate_all_to_all(
+    send: Sequence[Sequence[int]], cluster_or_cost, *, row_bytes: int, local_size: int, hierarchical: bool,
+    dtype: str = "float16",
+):
+    """One all-to-all of rows (``send[r][d]`` rows from rank r to rank d, ``row_bytes`` each)
+    over ranks 0..P-1 of a cluster, flat or hierarchical (:func:`tritonmoe.comm.
+    hierarchical_schedule` with ``local_size`` ranks per node), through the engine. Returns the
+    engine's result."""
+    from ..comm.executor import VirtualTensor
+    from ..comm.hierarchical import hierarchical_plan, hierarchical_schedule
+    from . import engine
+    from .simulate import resolve_cost
+    from .sim_executor import SimExecutor, VirtualGroup
+
+    cost = resolve_cost(cluster_or_cost, dtype)
+    P = len(send)
+    p = local_size
+    n = P // p
+    width = max(1, row_bytes // 4)
+    world = VirtualGroup(tuple(range(P)))
+    progs = []
+    for r in range(P):
+        ex = SimExecutor(r, world, host_compute=False)
+        x = VirtualTensor((sum(send[r]), width), torch.float32)
+        recv = [send[s][r] for s in range(P)]
+        if not hierarchical or p == 1 or n == 1:
+            ex.wait(ex.all_to_all(x, send[r], recv, kind="dispatch"))
+        else:
+            a, j = divmod(r, p)
+            peer = [[send[a * p + i][b * p + j] for b in range(n)] for i in range(p)]
+            plan = hierarchical_plan(send[r], recv, peer, r, p)
+            intra = VirtualGroup(tuple(a * p + i for i in range(p)))
+            inter = VirtualGroup(tuple(b * p + j for b in range(n)))
+            ex.wait(hierarchical_schedule(ex, x, send[r], plan, intra=intra, inter=inter, local_size=p))
+        progs.append(ex.program)
+    return engine.run(progs, cost, timeline=False)
+
+
+def choose_all_to_all(send: Sequence[Sequence[int]], cluster_or_cost, *, row_bytes: int, local_size: int,
+                      dtype: str = "float16") -> tuple[str, dict]:
+    """"flat" or "hierarchical": the all-to-all the cost model predicts faster for this exchange
+    (SE-MoE: the hierarchical one pays where per-message inter-node costs dominate), and both
+    predicted times."""
+    t = {
+        name: simulate_all_to_all(send, cluster_or_cost, row_bytes=row_bytes, local_size=local_size,
+                                  hierarchical=name == "hierarchical", dtype=dtype).step_time()
+        for name in ("flat", "hierarchical")
+    }
+    return min(t, key=t.get), t
