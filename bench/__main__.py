@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     suites_text = "\n".join(f"  {s.name:8} {s.about}" for s in SUITES.values())
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (the default)",
+        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (without suite names: all but plan)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=report.__doc__.split("\n\n", 1)[1],
     )
@@ -342,7 +342,8 @@ def run(args, parser, argv: list[str]) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = args.dtype or (torch.bfloat16 if use_cuda else torch.float32)
     presets, chosen = resolve_presets(args, parser, device)
-    suites = list(SUITE_ORDER) if not args.suites or "all" in args.suites else list(dict.fromkeys(args.suites))
+    suites = ([s for s in SUITE_ORDER if SUITES[s].default] if not args.suites else
+              list(SUITE_ORDER) if "all" in args.suites else list(dict.fromkeys(args.suites)))
     backends = args.backend or (("triton", "torch") if use_cuda else ("torch",))
     baselines = BASELINES if args.baselines is None else args.baselines
 
@@ -360,7 +361,7 @@ def run(args, parser, argv: list[str]) -> int:
     plans = {s: plan(ctx, s) for s in suites}
     if args.list:
         for s in suites:
-            if SUITES[s].run is not None:
+            if s == "ep":
                 runs, dt, where = ep_cases(ctx)
                 for pr, T in runs:
                     print(f"{s}/{pr.name} T/rank={T} world sizes {ctx.ep_world_sizes} degrees {ctx.ep_degrees} "
@@ -418,7 +419,7 @@ def run(args, parser, argv: list[str]) -> int:
     }
     doc = new_doc(env, config, ctx.roofs, notes)
     total = sum(count_entries(c) for c in plans.values())
-    total += len(ep_cases(ctx)[0]) * sum(1 for s in suites if SUITES[s].run)
+    total += len(ep_cases(ctx)[0]) * suites.count("ep")
     progress_on = args.progress if args.progress is not None else (sys.stdout.isatty() and sys.stderr.isatty())
     progress = Progress(total, progress_on)
 

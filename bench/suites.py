@@ -776,6 +776,12 @@ def ep_rows(results: list[dict], preset: str | None = None) -> list[dict]:
     return rows
 
 
+def _run_plan_suite(ctx: Context, progress=None) -> list[dict]:
+    from .plan_fidelity import run_plan_suite
+
+    return run_plan_suite(ctx, progress)
+
+
 def _ep_key(r: dict):
     p = r["params"]
     return (p["preset"], p["world_size"], p["T"], p["d"], p["f"], p["E"], p["k"], p["dtype"])
@@ -795,6 +801,7 @@ class Suite:
     about: str
     plan: Callable[[Context], list[Case]] | None = None
     run: Callable[..., list[dict]] | None = None
+    default: bool = True  # part of `python -m bench` without suite names
 
 
 SUITES: dict[str, Suite] = {
@@ -808,7 +815,10 @@ SUITES: dict[str, Suite] = {
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
         Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
               "and the layer per world size and pipeline degree", run=run_ep_suite),
-        Suite("parm", "Parm's schedules of an MP+EP+ESP layer over gloo, and the pick of parm_schedule='auto'", run=lambda ctx, progress=None: importlib.import_module("bench.parm").run_parm_suite(ctx, progress)),
+        Suite("parm", "Parm's schedules of an MP+EP+ESP layer over gloo, and the pick of parm_schedule='auto'", run=lambda ctx, progress=None: importlib.import_module("bench.parm").run_parm_suite(ctx, progress), default=False),
+        Suite("plan", "simulator fidelity: a cost model fitted here vs the measured expert-parallel layer (gloo, "
+              "2 and 4 ranks, degrees 1-8), and the planner's choice (bench/plan_fidelity.py; ~10 min, not default)",
+              run=_run_plan_suite, default=False),
     ]
 }
 

@@ -81,16 +81,28 @@ class Work:
     """What a ``compute`` costs, for the simulator's roofline: ``flops`` floating-point
     operations and ``bytes`` of memory traffic, of ``kind`` (a key of the cost model's compute
     rates: "gemm" for tensor-core GEMMs, "elementwise", "copy"), in ``launches`` kernel launches.
-    The real executor ignores it."""
+    The real executor ignores it.
+
+    A sum of works (``a + b``) is a composite: its totals are the sums and ``parts`` keeps the
+    summands (flattened), so a cost model prices each kernel by its own kind and adds the
+    times (a GEMM followed by a copy is not one roofline). ``leaves()`` is ``parts``, or the work
+    itself when it is a single kernel group."""
 
     flops: float = 0.0
     bytes: float = 0.0
     kind: str = "gemm"
     launches: int = 1
+    parts: tuple["Work", ...] = ()
+
+    def leaves(self) -> tuple["Work", ...]:
+        return self.parts if self.parts else (self,)
 
     def __add__(self, other: "Work") -> "Work":
         kind = self.kind if self.flops >= other.flops else other.kind
-        return Work(self.flops + other.flops, self.bytes + other.bytes, kind, self.launches + other.launches)
+        return Work(
+            self.flops + other.flops, self.bytes + other.bytes, kind, self.launches + other.launches,
+            parts=self.leaves() + other.leaves(),
+        )
 
 
 @dataclass(frozen=True)

@@ -152,10 +152,17 @@ class Timeline:
             self._open = []
             self._cuda_base = None
 
-    def spans(self, phase: Optional[str] = None) -> list[Span]:
-        """Closed spans (of ``phase`` if given), in start order. Synchronizes CUDA events."""
+    def mark(self) -> int:
+        """A position in the record: ``spans(since=mark)`` returns only what was recorded after
+        it (to time one step without clearing a user's timeline)."""
         with self._lock:
-            recs = list(self._open)
+            return len(self._open)
+
+    def spans(self, phase: Optional[str] = None, since: int = 0) -> list[Span]:
+        """Closed spans (of ``phase`` if given; recorded after ``since``, a :meth:`mark`), in
+        start order. Synchronizes CUDA events."""
+        with self._lock:
+            recs = list(self._open[since:])
         out = []
         for rec in recs:
             if phase is not None and rec.phase != phase:

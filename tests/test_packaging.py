@@ -25,7 +25,8 @@ def test_wheel_installs_only_tritonmoe(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"tritonmoe", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for mod in ("kernels/__init__.py", "comm/__init__.py", "reference.py", "layer.py"):
+    for mod in ("kernels/__init__.py", "comm/__init__.py", "reference.py", "layer.py", "plan/engine.py",
+                "plan/data/cpu_gloo.json"):
         assert f"tritonmoe/{mod}" in names
 
     venv = tmp_path / "venv"

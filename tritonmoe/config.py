@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from fractions import Fraction
 from dataclasses import dataclass
 from typing import Optional
@@ -15,6 +16,8 @@ FFN_PATHS = ("auto", "fused", "unfused")
 #: Values of MoEConfig.parm_schedule ("s1"/"s2" are Parm's names: pause model parallelism before /
 #: after the gate; see tritonmoe.parm_experts).
 PARM_SCHEDULES = ("auto", "baseline", "s1", "s2")
+#: Non-integer values of MoEConfig.pipeline_degree: chosen at run time (tritonmoe.plan.runtime).
+PIPELINE_DEGREE_MODES = ("auto", "search")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,13 @@ class MoEConfig:
         aux_loss_coef, z_loss_coef: weights of the load-balancing and z losses in ``aux_loss``.
         expert_bias: keep an fp32 [E] selection bias buffer (auxiliary-loss-free balancing, as in
             DeepSeek-V3); the layer never updates it, the training loop does.
-        pipeline_degree: micro-batches for expert-parallel pipelining (1 = none).
+        pipeline_degree: micro-batches for expert-parallel pipelining (1 = none), or chosen per
+            forward by the expert-parallel path: "auto" (the planner simulates the candidates
+            with a cost model, ``tritonmoe.plan.choose``; cached per token-count bucket) or
+            "search" (MPMoE's profile-based search over 2..8); see :mod:`tritonmoe.plan.runtime`.
+            Both need ``ep_group``.
+        cost_model: path of a cost-model file for ``pipeline_degree="auto"`` (default: the
+            ``TRITONMOE_COST_MODEL`` environment variable, else a built-in default).
         backend: backend of the layer's ops, or None for the process default.
         ffn_path: how the layer runs its experts: "fused" (:func:`tritonmoe.moe_ffn`, token gather
             and weighted combine fused into the expert GEMMs), "unfused" (permute ->
@@ -60,10 +69,11 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     expert_bias: bool = False
-    pipeline_degree: int = 1
+    pipeline_degree: int | str = 1
     backend: Optional[str] = None
     ffn_path: str = "auto"
     parm_schedule: str = "auto"
+    cost_model: Optional[str] = None
 
     def __post_init__(self) -> None:
         V.positive_int("d_model", self.d_model)
@@ -87,7 +97,19 @@ class MoEConfig:
                 raise ValueError(f"{name}={v} must be finite and >= 0")
         if not isinstance(self.expert_bias, bool):
             raise TypeError(f"expert_bias must be a bool, got {type(self.expert_bias).__name__}")
-        V.positive_int("pipeline_degree", self.pipeline_degree)
+        if isinstance(self.pipeline_degree, str):
+            V.choice("pipeline_degree", self.pipeline_degree, PIPELINE_DEGREE_MODES)
+        elif not V.is_int(self.pipeline_degree):
+            raise TypeError(
+                f"pipeline_degree must be a positive int, 'auto' or 'search', got {type(self.pipeline_degree).__name__} "
+                f"{self.pipeline_degree!r}"
+            )
+        else:
+            V.positive_int("pipeline_degree", self.pipeline_degree)
+        if self.cost_model is not None:
+            if not isinstance(self.cost_model, (str, os.PathLike)):
+                raise TypeError(f"cost_model must be a file path or None, got {type(self.cost_model).__name__}")
+            object.__setattr__(self, "cost_model", os.fspath(self.cost_model))
         if self.backend is not None:
             V.choice("backend", self.backend, BACKENDS)
         V.choice("ffn_path", self.ffn_path, FFN_PATHS)
@@ -95,7 +117,7 @@ class MoEConfig:
         # Store plain Python numbers (numpy scalars pass validation but must not reach kernels).
         for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree"):
             v = getattr(self, name)
-            if v is not None:
+            if v is not None and not isinstance(v, str):
                 object.__setattr__(self, name, int(v))
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
             v = getattr(self, name)

@@ -145,6 +145,15 @@ class LocalExperts(ExpertPath):
 
 #: dtypes as small ints for the cross-rank agreement check.
 _DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+#: run-time pipeline degrees as ints for the agreement check
+_DEGREE_CODES = {"auto": -1, "search": -2}
+
+
+def _group_device(group: Any) -> torch.device:
+    """The device a group's layer runs on: the current CUDA device for NCCL, else CPU."""
+    from .comm.splits import comm_device
+
+    return comm_device(group)
 
 
 class ExpertParallelExperts(ExpertPath):
@@ -162,10 +171,16 @@ class ExpertParallelExperts(ExpertPath):
     Construction is collective (one small all-to-all): every rank of the group must agree on the
     settings that size later collectives, or every rank raises the same ``ValueError``.
 
+    ``config.pipeline_degree`` "auto" or "search" chooses the degree per forward through
+    ``self.degree_policy`` (:mod:`tritonmoe.plan.runtime`: one small all-reduce per forward makes
+    every rank choose the same degree although their token counts differ).
+
     Attributes:
         dispatcher: the :class:`~tritonmoe.comm.AllToAllDispatcher` of the group.
         trace: when set to a list, receives every operation the schedule issues
             (:class:`~tritonmoe.comm.executor.TraceEntry`, forward then backward).
+        degree_policy: the run-time degree policy ("auto"/"search"), else None.
+        degree_used: the pipeline degree of the last forward.
     """
 
     def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
@@ -177,11 +192,28 @@ class ExpertParallelExperts(ExpertPath):
         # make gloo abort mid-forward, so compare them once here (one small collective), before
         # any check that could fail on some ranks only.
         dtype_code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+        self.degree_policy = None
+        policy_code = 0
+        if isinstance(c.pipeline_degree, str):
+            from .plan.runtime import make_policy
+
+            # built on every rank before the agreement check; a rank that failed (a missing cost
+            # model file) reports -1 so that every rank raises, not only that one
+            policy = make_policy(c, group, _group_device(group), dtype)
+            policy_code = -1 if isinstance(policy, Exception) else policy.fingerprint
         check_agreement(
-            dict(num_experts=c.num_experts, d_model=c.d_model, pipeline_degree=c.pipeline_degree, dtype=dtype_code),
+            dict(
+                num_experts=c.num_experts, d_model=c.d_model, dtype=dtype_code,
+                pipeline_degree=_DEGREE_CODES.get(c.pipeline_degree, c.pipeline_degree), degree_policy=policy_code,
+            ),
             group=group,
-            what="the expert-parallel MoEConfig",
+            what="the expert-parallel MoEConfig (degree_policy: the cost model's fingerprint, -1 where it failed to load)",
         )
+        if isinstance(c.pipeline_degree, str):
+            if isinstance(policy, Exception):
+                raise policy
+            self.degree_policy = policy
+        self.degree_used: Optional[int] = None
         self.group = group
         self.dispatcher = AllToAllDispatcher(c.num_experts, group, backend=c.backend)
         self.num_local_experts = self.dispatcher.num_local_experts
@@ -207,9 +239,13 @@ class ExpertParallelExperts(ExpertPath):
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
         c = self.config
         disp = self.dispatcher
-        disp.timeline = self.timeline
+        n, timeline = c.pipeline_degree, self.timeline
+        if self.degree_policy is not None:
+            n, timeline = self.degree_policy.step(x_TD.shape[0], self.timeline)
+        disp.timeline = timeline
+        self.degree_used = n
         self.path_used = "expert_parallel"
-        bounds = micro_batch_bounds(x_TD.shape[0], c.pipeline_degree)
+        bounds = micro_batch_bounds(x_TD.shape[0], n)
         permute = self.impl("permute", x_TD)
         sends, infos = [], []
         for a, b in bounds:
@@ -244,6 +280,12 @@ def make_expert_path(
         )
     if ep_group is not None:
         return ExpertParallelExperts(config, ep_group, dtype)
+    if isinstance(config.pipeline_degree, str):
+        raise ValueError(
+            f"pipeline_degree={config.pipeline_degree!r} chooses the degree of the expert-parallel pipeline at run "
+            "time and needs ep_group (a torch.distributed process group); without expert parallelism use "
+            "pipeline_degree=1"
+        )
     if config.pipeline_degree != 1:
         raise ValueError(
             f"pipeline_degree={config.pipeline_degree} overlaps expert-parallel communication with "

@@ -1,10 +1,84 @@
-"""Planning schedules: the simulated executor, cost models, the simulator and the planner.
+"""Planning schedules: cost models, cluster descriptions, the simulator and the planner.
 
+* :class:`CostModel` (:mod:`.cost_model`): alpha-beta collectives per (kind, group size, link
+  class) fitted by least squares, compute rooflines, interference factors; versioned JSON.
+* :class:`Cluster` (:mod:`.cluster`): a cluster from its hardware, and presets for the papers'
+  testbeds and DGX H100/H200 nodes; ``cluster.cost_model(dtype)``.
 * :class:`SimExecutor` / :class:`VirtualGroup` / :class:`Program` / :class:`SimOp`
   (:mod:`.sim_executor`): the schedule code of :mod:`tritonmoe.comm` recorded for every rank of a
   virtual cluster, without a process group or real tensors.
+* :mod:`.engine`: the discrete-event engine (lanes, dependencies, collectives matched across
+  ranks, fair-share links, interference).
+* :func:`simulate` (:mod:`.simulate`): one layer step of every rank -> :class:`SimTimeline`.
+* :func:`choose` (:mod:`.planner`): evaluate candidates (registered schedules and dimensions,
+  :mod:`.schedules`) and pick the fastest -> :class:`Plan`.
 """
 
+from .cluster import GPU, GPUS, LINKS, PRESETS, Cluster, Link
+from .cost_model import (
+    CommSample,
+    ComputeRate,
+    ComputeSample,
+    CostModel,
+    CostModelError,
+    HostSample,
+    InterferenceSample,
+    LinearFit,
+    fit_linear,
+)
+from .engine import CollectiveMismatchError, EngineResult, ScheduleHangError, SimulationError
+from .schedules import (
+    DIMENSIONS,
+    SCHEDULES,
+    Dimension,
+    PlanContext,
+    RankStep,
+    ScheduleSpec,
+    register_dimension,
+    register_schedule,
+)
 from .sim_executor import Program, SimExecutor, SimOp, VirtualGroup
+from .simulate import SimTimeline, routing_counts, simulate
+from .planner import Candidate, Plan, choose
+from .search import GranularitySearch
 
-__all__ = ["Program", "SimExecutor", "SimOp", "VirtualGroup"]
+__all__ = [
+    "Cluster",
+    "GPU",
+    "GPUS",
+    "LINKS",
+    "Link",
+    "PRESETS",
+    "CommSample",
+    "ComputeRate",
+    "ComputeSample",
+    "CostModel",
+    "CostModelError",
+    "HostSample",
+    "InterferenceSample",
+    "LinearFit",
+    "fit_linear",
+    "CollectiveMismatchError",
+    "EngineResult",
+    "ScheduleHangError",
+    "SimulationError",
+    "DIMENSIONS",
+    "SCHEDULES",
+    "Dimension",
+    "PlanContext",
+    "RankStep",
+    "ScheduleSpec",
+    "register_dimension",
+    "register_schedule",
+    "Program",
+    "SimExecutor",
+    "SimOp",
+    "VirtualGroup",
+    "SimTimeline",
+    "routing_counts",
+    "simulate",
+    "Candidate",
+    "Plan",
+    "choose",
+    "GranularitySearch",
+]

@@ -18,7 +18,10 @@ Host model (what the engine needs to know about the issuing thread):
 * ``host_compute=False`` (CUDA): ``compute`` is an asynchronous launch and ``wait`` only orders
   the compute lane after the awaited op; the host runs ahead.
 
-Every op records ``host_after``: the op whose end the host awaited last before issuing it.
+Every op records ``host_after``: the highest-numbered op whose end the host awaited before
+issuing it, and ``host_waits``: every op the host awaited since it issued the previous op (a
+compute on the CPU host model counts: the thread ran it), so the engine issues an op only after
+all of them ended.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class SimOp:
         lane, op, kind, micro_op, phase: as in :class:`~tritonmoe.comm.executor.TraceEntry`.
         deps: indices (same rank) of the ops whose results it uses or that it must follow.
         host_after: index of the op the host last waited for before issuing it (None: none).
+        host_waits: the ops the host waited for between the previous op's issue and this one's.
         group: the collective's :class:`VirtualGroup` (None for compute and copies).
         send_bytes: bytes sent to each group member, in group-rank order (collectives); for a
             copy, ``(bytes,)``.
@@ -79,6 +83,7 @@ class SimOp:
     phase: str
     deps: tuple[int, ...] = ()
     host_after: Optional[int] = None
+    host_waits: tuple[int, ...] = ()
     group: Optional[VirtualGroup] = None
     send_bytes: tuple[int, ...] = ()
     recv_bytes: tuple[int, ...] = ()
@@ -100,6 +105,8 @@ class Program:
     ops: list[SimOp] = field(default_factory=list)
     #: the op the host waited for last (the next op's ``host_after``)
     host_after: Optional[int] = None
+    #: ops the host waited for since the last issued op (the next op's ``host_waits``)
+    host_pending: set = field(default_factory=set)
     #: CUDA model: ops the compute lane was told to wait for (a stream wait), applied to its next op
     compute_waits: set = field(default_factory=set)
 
@@ -160,8 +167,9 @@ class SimExecutor(Executor):
             prog.compute_waits = set()
         sim = SimOp(
             rank=self.rank, index=index, lane=lane, op=op, kind=kind, micro_op=int(micro_op), phase=self.phase,
-            deps=deps, host_after=prog.host_after, **fields,
+            deps=deps, host_after=prog.host_after, host_waits=tuple(sorted(prog.host_pending)), **fields,
         )
+        prog.host_pending = set()
         self.program.ops.append(sim)
         return Handle(self, index, lane, entry, value)
 
@@ -181,6 +189,7 @@ class SimExecutor(Executor):
         h = self._record(lane, "compute", kind, micro_op, self._deps(args, after), out, work=work)
         if self.program.host_compute and lane == COMPUTE:
             self.program.host_after = h.index  # the issuing thread ran it
+            self.program.host_pending.add(h.index)
         return h
 
     def all_to_all(self, x, send_splits, recv_splits, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
@@ -245,10 +254,19 @@ class SimExecutor(Executor):
             send_bytes=(v.nbytes,),
         )
 
+    def host_sync(self, h: Handle) -> Any:
+        """The host blocks until ``h`` ends, on either host model (a ``.tolist()`` of a device
+        tensor on CUDA, e.g. the split sizes after the counts exchange)."""
+        prog = self.program
+        prog.host_after = max(h.index, prog.host_after if prog.host_after is not None else -1)
+        prog.host_pending.add(h.index)
+        return h.value
+
     def wait(self, h: Handle) -> Any:
         prog = self.program
         if prog.host_compute:  # the issuing thread blocks until h ends
             prog.host_after = max(h.index, prog.host_after if prog.host_after is not None else -1)
+            prog.host_pending.add(h.index)
         else:  # CUDA: the compute stream waits for h's event; the host runs on
             prog.compute_waits.add(h.index)
         return h.value

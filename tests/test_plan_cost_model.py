@@ -1,0 +1,224 @@
+"""tritonmoe.plan cost models: least-squares fits, files and their errors, cluster-derived costs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tritonmoe as tm
+from tritonmoe.comm.executor import Work
+from tritonmoe.plan import (
+    Cluster,
+    CommSample,
+    ComputeSample,
+    CostModel,
+    CostModelError,
+    HostSample,
+    InterferenceSample,
+    fit_linear,
+    simulate,
+)
+from tritonmoe.plan.cost_model import VERSION
+
+SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as the profiler measures
+
+
+@settings(max_examples=25)
+@given(
+    alpha=st.floats(1e-6, 1e-3),
+    inv_bw=st.floats(1e-11, 1e-8),
+    noise=st.lists(st.floats(-0.02, 0.02), min_size=9, max_size=9),
+)
+def test_fit_recovers_alpha_beta(alpha, inv_bw, noise):
+    """Least squares on 9 sizes with <= 2% multiplicative noise recovers alpha and beta."""
+    ts = [(alpha + inv_bw * x) * (1 + e) for x, e in zip(SIZES, noise)]
+    fit = fit_linear(SIZES, ts)
+    assert len(fit.pieces) == 1  # a line fits: no piecewise model
+    assert fit.beta == pytest.approx(inv_bw, rel=0.05)
+    # alpha is identifiable when it is a visible part of the small messages' time
+    if alpha > 0.2 * inv_bw * SIZES[1]:
+        assert fit.alpha == pytest.approx(alpha, rel=0.1)
+    assert fit.r2 > 0.99
+    assert fit.heldout_rel_err < 0.05
+    assert fit.n_points == 9 and fit.x_range == (SIZES[0], SIZES[-1])
+
+
+def test_fit_exact_and_piecewise():
+    ts = [2e-5 + 1e-9 * x for x in SIZES]
+    fit = fit_linear(SIZES, ts)
+    assert fit.alpha == pytest.approx(2e-5, rel=1e-9) and fit.beta == pytest.approx(1e-9, rel=1e-9)
+    assert fit(5e6) == pytest.approx(2e-5 + 5e-3)
+    # two regimes (a protocol switch at 256 KiB): one line misses by far more than 15%, so the
+    # fit is piecewise and predicts both regimes
+    two = [(1e-4 + 1e-10 * x) if x <= 256 * 1024 else (5e-3 + 1e-9 * x) for x in SIZES]
+    pw = fit_linear(SIZES, two)
+    line = fit_linear(SIZES, two, piecewise=False)
+    assert len(pw.pieces) >= 2
+    assert pw.heldout_rel_err < line.heldout_rel_err
+    for x, t in zip(SIZES, two):
+        assert pw(x) == pytest.approx(t, rel=0.05)
+
+
+def test_fit_rejects_bad_samples():
+    with pytest.raises(ValueError, match="equally many"):
+        fit_linear([1, 2], [1.0])
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fit_linear([1, 2, 3], [1.0, 0.0, 2.0])
+
+
+def _synthetic_measurements(group_sizes=(2, 4)):
+    out = []
+    for P in group_sizes:
+        for kind in ("all_to_all", "all_gather", "all_reduce"):
+            for x in SIZES:
+                out.append(CommSample(kind, P, "intra", x, 1e-4 * P + x / (1e9 / P)))
+    for x in SIZES:
+        out.append(CommSample("copy_d2h", 1, "intra", x, 5e-6 + x / 2e10))
+    for R in (64, 256, 1024, 4096):
+        w = Work(2.0 * R * 256 * 512, 0.0, "gemm", 10)
+        out.append(ComputeSample("gemm", w.flops, w.bytes, w.launches, 10 * 2e-5 + w.flops / 5e10))
+        out.append(ComputeSample("copy", 0.0, R * 1024.0, 3, 3 * 1e-5 + R * 1024 / 4e9))
+    out += [InterferenceSample("comm", "comp", 1.0, 1.25), InterferenceSample("comm", "comp", 1.0, 1.15)]
+    out += [HostSample(3e-5), HostSample(5e-5), HostSample(4e-5)]
+    return out
+
+
+def test_cost_model_fit_predict_and_roundtrip(tmp_path):
+    m = CostModel.fit(_synthetic_measurements(), host_compute=True, dtype="float32", lane_slots={"comm": 2},
+                      host_cores=1.5, threads_per_rank=1)
+    assert m.cpu_share() == pytest.approx(1 / 1.5)
+    assert m.group_sizes() == [2, 4]
+    assert m.predict("all_to_all", 2**20, 4) == pytest.approx(4e-4 + 2**20 * 4 / 1e9, rel=1e-6)
+    assert m.predict("copy_d2h", 2**20, 1) == pytest.approx(5e-6 + 2**20 / 2e10, rel=1e-6)
+    g = m.compute["gemm"]
+    assert g.launch_s == pytest.approx(2e-5, rel=1e-6) and g.flops_per_s == pytest.approx(5e10, rel=1e-6)
+    assert not g.curve  # exact data: no efficiency curve
+    assert m.compute_time(Work(1e9, 0.0, "gemm", 4)) == pytest.approx(4 * 2e-5 + 1e9 / 5e10, rel=1e-6)
+    # a composite work is priced part by part, each by its own kind
+    both = Work(1e9, 0.0, "gemm", 4) + Work(0.0, 4e6, "copy", 2)
+    assert m.compute_time(both) == pytest.approx(4 * 2e-5 + 1e9 / 5e10 + 2e-5 + 4e6 / 4e9, rel=1e-6)
+    assert m.interference[("comm", "comp")] == pytest.approx(1 / 1.2, rel=0.05)  # the median of 0.8 and 0.87
+    assert m.host_op_s == pytest.approx(4e-5)
+    path = tmp_path / "cm.json"
+    m.save(path)
+    back = CostModel.load(path)
+    assert back.to_json() == m.to_json() and back.path == str(path)
+    assert back.fingerprint() == m.fingerprint()
+    assert back.predict("all_reduce", 12345, 2) == m.predict("all_reduce", 12345, 2)
+    # a model for another machine fingerprints differently
+    other = CostModel.fit(_synthetic_measurements((2,)), host_compute=True)
+    assert other.fingerprint() != m.fingerprint()
+
+
+def test_retained_speed():
+    m = CostModel(interference={("comm", "comp"): 0.8, ("comm", "mem"): 0.6, ("comm", "comm"): 0.5,
+                                ("comp", "all"): 0.7})
+    assert m.retained("comm", []) == 1.0
+    assert m.retained("comm", ["comp"]) == 0.8
+    assert m.retained("comm", ["comp", "mem"]) == 0.6  # no ("comm", "all"): the worst present
+    assert m.retained("comm", ["comm", "comp"]) == pytest.approx(0.4)  # same class beyond fair share
+    assert m.retained("comp", ["comm", "mem"]) == 0.7
+    assert m.retained("comp", ["comm"]) == 1.0  # not given: no slowdown
+
+
+def test_cost_model_file_errors(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(FileNotFoundError, match=r"nope\.json.*python -m tritonmoe\.plan profile"):
+        CostModel.load(missing)
+    m = CostModel.fit(_synthetic_measurements(), host_compute=True)
+    d = m.to_json()
+    d["version"] = VERSION + 1
+    bad = tmp_path / "future.json"
+    bad.write_text(json.dumps(d))
+    with pytest.raises(CostModelError, match=rf"future\.json has version {VERSION + 1}.*reads version {VERSION}.*profile"):
+        CostModel.load(bad)
+    notmodel = tmp_path / "other.json"
+    notmodel.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(CostModelError, match=r"other\.json is not a tritonmoe cost model"):
+        CostModel.load(notmodel)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    with pytest.raises(CostModelError, match=r"garbage\.json is not JSON"):
+        CostModel.load(garbage)
+    damaged = tmp_path / "damaged.json"
+    d = m.to_json()
+    del d["collectives"][0]["pieces"]
+    damaged.write_text(json.dumps(d))
+    with pytest.raises(CostModelError, match=r"damaged\.json is damaged"):
+        CostModel.load(damaged)
+    # a group size the model was not fitted for: named with the file and the fix, before simulating
+    good = tmp_path / "fitted.json"
+    m.save(good)
+    loaded = CostModel.load(good)
+    with pytest.raises(CostModelError, match=r"fitted\.json: all_to_all was fitted for group sizes \[2, 4\], not 8.*--nproc 8"):
+        loaded.predict("all_to_all", 1024, 8)
+    cfg = tm.MoEConfig(16, 32, 8, 2)
+    with pytest.raises(CostModelError, match=r"fitted\.json.*not 8"):
+        simulate(cfg, 64, str(good), world_size=8)
+    with pytest.raises(CostModelError, match="reduce_scatter was not measured"):
+        loaded.predict("reduce_scatter", 1024, 2)
+    with pytest.raises(CostModelError, match="fitted for link class intra only"):
+        loaded.predict("all_to_all", 1024, 2, link_class="inter")
+    with pytest.raises(CostModelError, match="no compute rate for Work kind 'elementwise'"):
+        loaded.compute_time(Work(0.0, 10.0, "elementwise"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Clusters
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cluster_collectives_from_first_principles():
+    c = Cluster.preset("dgx-h100", nodes=2)
+    eff = c.efficiency["link"]
+    x = 64 * 2**20
+    # all-to-all on one node: (P-1)/P of the buffer over each GPU's NVLink, plus latency
+    line = c.collective_line("all_to_all", 8, "intra")
+    assert line(x) == pytest.approx(c.intra.latency + 7 * c.per_peer_s + x * 7 / 8 / (c.intra.bw * eff))
+    # across 2 nodes: half of the buffer leaves the node through each GPU's own NIC (8 per node)
+    inter = c.collective_line("all_to_all", 16, "inter")
+    assert inter(x) == pytest.approx(c.inter.latency + 15 * c.per_peer_s + x * 8 / 16 / (c.inter.bw * eff))
+    # ring all-gather on one node: P-1 steps of the shard; all-reduce = RS + AG
+    ag = c.collective_line("all_gather", 8, "intra")
+    assert ag(x) == pytest.approx(7 * c.intra.latency + 7 * x / (c.intra.bw * eff))
+    ar = c.collective_line("all_reduce", 8, "intra")
+    rs = c.collective_line("reduce_scatter", 8, "intra")
+    assert ar(x) == pytest.approx(rs(x) + ag(x / 8))
+    # NIC sharing: Parm's testbed B has one 100 Gb NIC for 4 GPUs, so 4 GPUs' inter-node bytes
+    # queue on it
+    b = Cluster.preset("parm-b", nodes=2)
+    lat, dem = b.collective_cost("all_to_all", list(range(8)), [[x / 8] * 8] * 8, [[x / 8] * 8] * 8)
+    nic = dem[("nic", 0, 0)]
+    assert nic == pytest.approx(4 * (x * 4 / 8) / (b.inter.bw * eff))
+    # ... and PCIe carries a GPU's intra- and inter-node traffic alike
+    assert dem[("gpu", 0)] == pytest.approx(x * 7 / 8 / (b.intra.bw * eff))
+    # the symmetric shortcut (one listed member) charges the NIC for every GPU that shares it
+    lat1, dem1 = b.collective_cost("all_to_all", list(range(8)), [[x / 8] * 8], [[x / 8] * 8], members=[0])
+    assert dem1[("nic", 0, 0)] == pytest.approx(nic) and lat1 == lat
+
+
+def test_cluster_presets_and_model_roundtrip(tmp_path):
+    for name in ("lina", "parm-a", "parm-b", "mpmoe-adira", "mpmoe-valor", "se-moe", "dgx-h100", "dgx-h200"):
+        c = Cluster.preset(name)
+        assert c.notes and c.num_gpus >= 8
+        m = c.cost_model("float16")
+        assert m.predict("all_to_all", 2**20, 2) > 0
+    big = Cluster.preset("dgx-h100", nodes=128)
+    assert big.num_gpus == 1024
+    m = big.cost_model(torch.bfloat16)
+    assert m.predict("all_to_all", 2**20, 1024, "inter") > m.predict("all_to_all", 2**20, 8, "intra")
+    m.save(tmp_path / "h100.json")
+    back = CostModel.load(tmp_path / "h100.json")
+    assert back.cluster == big and back.predict("all_gather", 4096, 16, "inter") == m.predict("all_gather", 4096, 16, "inter")
+    with pytest.raises(ValueError, match="unknown cluster preset"):
+        Cluster.preset("dgx-z9")
+    with pytest.raises(ValueError, match="no float64 rate"):
+        Cluster.preset("mpmoe-valor").cost_model("float64")
+    with pytest.raises(ValueError, match="does not fit on a node"):
+        Cluster.preset("dgx-h100").collective_line("all_to_all", 16, "intra")
+    with pytest.raises(ValueError, match="needs an inter-node link"):
+        Cluster("x", 2, 8, big.gpu, big.intra, None, 0, big.host_link)

@@ -1,0 +1,242 @@
+"""``python -m tritonmoe.plan``: profile a machine, simulate a layer, plan its schedule.
+
+  profile    measure collectives, compute rates and interference here; write a cost model
+  simulate   one layer step on a virtual cluster: step-time breakdown, pipelining efficiency
+  plan       evaluate the candidate schedules and print the choice
+  calibrate  the papers' testbed results next to the simulator's (PAPERS.md §6)
+  clusters   the built-in cluster descriptions
+
+Each command has ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+__all__ = ["main"]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
+    return vals
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    v = _ints(text)
+    if len(v) != 4 or min(v) < 1:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected d_model,d_ffn,num_experts,top_k (positive)")
+    return tuple(v)
+
+
+def _layer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("layer")
+    g.add_argument("--d-model", type=int, default=4096, help="model width (default 4096)")
+    g.add_argument("--d-ffn", type=int, default=1536, help="expert hidden width (default 1536)")
+    g.add_argument("-E", "--num-experts", type=int, default=64, help="experts (default 64)")
+    g.add_argument("-k", "--top-k", type=int, default=8, help="experts per token (default 8)")
+    g.add_argument("--activation", choices=("swiglu", "gelu", "relu"), default="swiglu")
+    g.add_argument("--capacity-factor", type=float, default=None, help="capacity factor (default: dropless)")
+    g.add_argument("--tokens", type=_ints, required=True, metavar="T[,T2,...]",
+                   help="tokens per rank: one count for every rank, or one per rank")
+    g.add_argument("--routing", default="uniform", help="uniform or zipf:S (default uniform)")
+    g.add_argument("--dtype", default=None, help="activation dtype (default: the cost model's; bfloat16 for clusters)")
+    g = p.add_argument_group("machine (one of)")
+    m = g.add_mutually_exclusive_group(required=True)
+    m.add_argument("--cluster", help="a built-in cluster (see `python -m tritonmoe.plan clusters`)")
+    m.add_argument("--cost-model", metavar="FILE", help="a cost-model file from `profile`")
+    g.add_argument("--nodes", type=int, default=None, help="nodes of --cluster (default: the preset's)")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default: the cluster's GPUs, or the number of --tokens entries)")
+    g.add_argument("--mode", choices=("auto", "full", "symmetric"), default="auto",
+                   help="simulate every rank, or one representative (auto: full up to 64 ranks)")
+
+
+def _setup(args):
+    import tritonmoe as tm
+    from .cluster import Cluster
+    from .cost_model import CostModel
+
+    cfg = tm.MoEConfig(args.d_model, args.d_ffn, args.num_experts, args.top_k, activation=args.activation,
+                       capacity_factor=args.capacity_factor)
+    machine = Cluster.preset(args.cluster, nodes=args.nodes) if args.cluster else CostModel.load(args.cost_model)
+    toks = args.tokens[0] if len(args.tokens) == 1 else args.tokens
+    return cfg, machine, toks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tritonmoe.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pr = sub.add_parser("profile", help="measure this machine and write a cost model",
+                        description="Measure every collective the schedules use (1 KiB..64 MiB per rank), the layer's "
+                        "compute with all ranks computing at once, interference and copies; fit alpha/beta per (kind, "
+                        "group size) by least squares; print R^2 and held-out errors; write the JSON cost model. "
+                        "Launch under torchrun (gloo or NCCL), or use --nproc N to spawn N local gloo ranks.")
+    pr.add_argument("--out", default="cost_model.json", help="output file (default cost_model.json)")
+    pr.add_argument("--nproc", type=int, default=None, help="spawn N local ranks on gloo (CPU) instead of torchrun")
+    pr.add_argument("--sizes", type=_ints, default=None, help="bytes per rank (default 1 KiB..64 MiB, x4 steps)")
+    pr.add_argument("--reps", type=int, default=5, help="repetitions per point (default 5)")
+    pr.add_argument("--shape", type=_shape, action="append", default=None, metavar="D,F,E,K",
+                    help="layer shape whose ops are timed (repeatable; default 256,512,8,2 and 512,1024,8,2)")
+    pr.add_argument("--tokens", type=_ints, default=None, help="token counts per rank for the compute timings")
+    pr.add_argument("--dtype", default="float32", help="activation dtype of the compute timings (default float32)")
+    pr.add_argument("--quick", action="store_true", help="fewer sizes and shapes (a smoke test, ~1 minute)")
+
+    for name, helptext in (("simulate", "simulate one layer step"), ("plan", "choose the schedule")):
+        sp = sub.add_parser(name, help=helptext, description={
+            "simulate": "Simulate the expert-parallel MoE layer's forward+backward on every rank of a virtual "
+                        "cluster and print the step-time breakdown (compute, exposed communication, overlap) and the "
+                        "pipelining efficiency.",
+            "plan": "Evaluate every candidate (pipeline degree, and the dimensions other schedulers register) in the "
+                    "simulator and print each candidate's predicted step time and the choice.",
+        }[name])
+        _layer_args(sp)
+        if name == "simulate":
+            sp.add_argument("--degree", type=int, default=1, help="pipeline degree (default 1)")
+            sp.add_argument("--spans", action="store_true", help="also print the spans of the slowest rank")
+        else:
+            sp.add_argument("--degrees", type=_ints, default=None, help="pipeline degrees to try (default 1..8)")
+        sp.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+
+    cal = sub.add_parser("calibrate", help="the papers' results next to the simulator's",
+                         description="For each entry of PAPERS.md §6 the simulator can express, the simulated "
+                         "ratio next to the paper's; the entries it cannot express yet, and why.")
+    cal.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    cal.add_argument("--only", default=None, help="comma-separated entry ids (e.g. CAL-13,CAL-14)")
+    sub.add_parser("clusters", help="list the built-in cluster descriptions")
+    return p
+
+
+def _profile(args) -> int:
+    from .profile import ProfileSpec, profile, profile_spawned
+    from .simulate import parse_dtype
+
+    spec = ProfileSpec(dtype=parse_dtype(args.dtype), reps=args.reps)
+    if args.sizes:
+        spec.sizes = tuple(args.sizes)
+    if args.shape:
+        spec.shapes = tuple(args.shape)
+    if args.tokens:
+        spec.tokens = tuple(args.tokens)
+    if args.quick:
+        spec.sizes = tuple(spec.sizes[::2]) if not args.sizes else spec.sizes
+        spec.shapes = tuple(spec.shapes[:1])
+        spec.tokens = tuple(spec.tokens[:3])
+        spec.reps = min(spec.reps, 3)
+    if args.nproc:
+        model = profile_spawned(args.nproc, spec, out=args.out)
+    else:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        if "RANK" not in os.environ:
+            print("profile: launch under torchrun, or pass --nproc N to spawn N local ranks", file=sys.stderr)
+            return 2
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+        model = profile(spec, out=args.out)
+        dist.destroy_process_group()
+        if model is None:
+            return 0
+    for line in model.describe():
+        print(line)
+    print(f"written: {args.out}")
+    return 0
+
+
+def _simulate(args) -> int:
+    from .simulate import simulate
+
+    cfg, machine, toks = _setup(args)
+    tl = simulate(cfg, toks, machine, world_size=args.world_size, routing=args.routing, pipeline_degree=args.degree,
+                  dtype=args.dtype, mode=args.mode)
+    b = tl.breakdown()
+    P = tl.world_size
+    print(f"{tl.cost.source}: P={P}{' (one representative rank simulated)' if tl.symmetric else ''}, "
+          f"tokens/rank {tl.tokens_per_rank[0] if len(set(tl.tokens_per_rank)) == 1 else list(tl.tokens_per_rank)}, "
+          f"d={cfg.d_model} f={cfg.d_ffn} E={cfg.num_experts} k={cfg.top_k}, degree {args.degree}, {tl.cost.dtype}")
+    print(f"step (forward+backward, slowest rank) {b['step'] * 1e3:.3f} ms")
+    for key in ("compute", "comm", "overlap", "exposed_comm", "idle"):
+        print(f"  {key:13} {b[key] * 1e3:10.3f} ms  ({100 * b[key] / b['step'] if b['step'] else 0:5.1f}%)")
+    eff = tl.pipeline_efficiency()
+    print(f"  pipelining efficiency (comm time with expert compute running) {eff if eff is None else round(eff, 3)}")
+    for phase in ("fwd", "bwd"):
+        print(f"  {phase}: {tl.step_time(phase) * 1e3:.3f} ms")
+    if args.spans:
+        rank = max(tl.ranks(), key=lambda r: tl.result.rank_end(r))
+        for s in tl.spans():
+            if s.rank == rank:
+                print(f"    {s.phase} {s.lane:8} {s.kind:10}[{s.micro_op}] {s.start * 1e3:9.3f} .. {s.end * 1e3:9.3f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"breakdown": b, "pipeline_efficiency": eff, "candidate": tl.candidate, "world_size": P,
+                       "tokens_per_rank": list(tl.tokens_per_rank), "cost": tl.cost.source}, f, indent=1)
+    return 0
+
+
+def _plan(args) -> int:
+    from .planner import choose
+
+    cfg, machine, toks = _setup(args)
+    over = {"pipeline_degree": args.degrees} if args.degrees else {}
+    plan = choose(cfg, toks, machine, world_size=args.world_size, routing=args.routing, dtype=args.dtype,
+                  mode=args.mode, candidates_override=over)
+    print(f"{plan.cost_source}: P={plan.world_size}, d={cfg.d_model} f={cfg.d_ffn} E={cfg.num_experts} k={cfg.top_k}")
+    print(plan.table())
+    print(f"choice: {plan.choice} ({plan.step_time * 1e3:.3f} ms predicted)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"choice": plan.choice, "step_time_s": plan.step_time,
+                       "candidates": [{"values": c.values, "step_time_s": c.step_time} for c in plan.candidates]}, f,
+                      indent=1)
+    return 0
+
+
+def _calibrate(args) -> int:
+    from .calibrate import format_table, run_calibration
+
+    only = [s.strip() for s in args.only.split(",")] if args.only else None
+    rows = run_calibration(only)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _clusters(_args) -> int:
+    from .cluster import PRESETS, Cluster
+
+    for name in PRESETS:
+        c = Cluster.preset(name)
+        print(f"{name:12} {c.describe()}")
+        print(f"{'':12} {c.notes}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"profile": _profile, "simulate": _simulate, "plan": _plan, "calibrate": _calibrate,
+                "clusters": _clusters}[args.cmd](args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"python -m tritonmoe.plan {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
