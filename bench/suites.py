@@ -897,6 +897,7 @@ SUITES: dict[str, Suite] = {
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
         Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
               "and the layer per world size and pipeline degree", run=run_ep_suite, describe=describe_ep),
+        Suite("parm", "Parm's schedules of an MP+EP+ESP layer over gloo, and the pick of parm_schedule='auto'", run=lambda ctx, progress=None: importlib.import_module("bench.parm").run_parm_suite(ctx, progress), default=False),
         Suite("plan", "simulator fidelity: a cost model fitted here vs the measured expert-parallel layer (gloo, "
               "2 and 4 ranks, degrees 1-8), and the planner's choice (bench/plan_fidelity.py; ~10 min, not default)",
               run=_run_plan_suite, default=False),

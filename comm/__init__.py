@@ -19,6 +19,10 @@ package never imports the layer.
   communication hook :func:`scheduled_allreduce_hook`.
 * :class:`Timeline` - per-operation spans (rank, lane, kind, micro-op, phase), the pipelining
   efficiency and a step-time breakdown.
+* :func:`saa` - Parm's simultaneous all-to-all and all-gather (two lanes, two process groups).
+* :func:`hierarchical_all_to_all` / :func:`hierarchical_groups` - SE-MoE's two-step all-to-all
+  (intra-node, layout transform, inter-node among same-local-rank GPUs).
+* :mod:`.parm` - Parm's schedules (baseline, pause-before-gate, pause-after-gate) as executor code.
 """
 
 from .all_to_all import all_to_all
@@ -46,6 +50,8 @@ from .priority import (
     scheduled_allreduce_hook,
 )
 from .timeline import Span, Timeline
+from .saa import saa
+from .hierarchical import HierarchicalGroups, hierarchical_all_to_all, hierarchical_groups
 
 __all__ = [
     "AllToAllDispatcher",
@@ -84,4 +90,8 @@ __all__ = [
     "COMM2",
     "COPY",
     "transpose_chunks",
+    "saa",
+    "HierarchicalGroups",
+    "hierarchical_all_to_all",
+    "hierarchical_groups",
 ]

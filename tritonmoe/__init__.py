@@ -28,6 +28,7 @@ from .functional import (
     z_loss,
 )
 from .layer import MoELayer
+from .parm_layout import LayoutError, ParmGroups, ParmLayout
 from .types import PermuteInfo, Routing
 from . import comm, parallel, reference
 
@@ -39,6 +40,9 @@ __all__ = [
     "expert_bias_finite",
     "MoEConfig",
     "MoELayer",
+    "LayoutError",
+    "ParmGroups",
+    "ParmLayout",
     "PermuteInfo",
     "Routing",
     "get_backend",

@@ -13,6 +13,9 @@ from ._settings import BACKENDS
 
 #: Values of MoEConfig.ffn_path.
 FFN_PATHS = ("auto", "fused", "unfused")
+#: Values of MoEConfig.parm_schedule ("s1"/"s2" are Parm's names: pause model parallelism before /
+#: after the gate; see tritonmoe.parm_experts).
+PARM_SCHEDULES = ("auto", "baseline", "s1", "s2")
 #: Non-integer values of MoEConfig.pipeline_degree: chosen at run time (tritonmoe.plan.runtime).
 PIPELINE_DEGREE_MODES = ("auto", "search")
 
@@ -46,6 +49,11 @@ class MoEConfig:
             and weighted combine fused into the expert GEMMs), "unfused" (permute ->
             grouped_ffn -> unpermute) or "auto" (the layer picks per call and records the choice
             in ``MoELayer.ffn_path_used``; see :meth:`MoELayer.choose_ffn_path`).
+        parm_schedule: the schedule of a layer with model-parallel or expert-sharding groups
+            (``MoELayer(..., mp_group=..., esp_group=...)``, paper 003 "Parm"): "baseline"
+            (DeepSpeed-MoE's order), "s1" (pause model parallelism before the gate), "s2" (after
+            the gate, with the SAA collective) or "auto" (Parm's Algorithm 1 on fitted alpha-beta
+            costs picks s1 or s2 per batch size). Ignored by other layouts.
     """
 
     d_model: int
@@ -64,6 +72,7 @@ class MoEConfig:
     pipeline_degree: int | str = 1
     backend: Optional[str] = None
     ffn_path: str = "auto"
+    parm_schedule: str = "auto"
     cost_model: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -104,6 +113,7 @@ class MoEConfig:
         if self.backend is not None:
             V.choice("backend", self.backend, BACKENDS)
         V.choice("ffn_path", self.ffn_path, FFN_PATHS)
+        V.choice("parm_schedule", self.parm_schedule, PARM_SCHEDULES)
         # Store plain Python numbers (numpy scalars pass validation but must not reach kernels).
         for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree"):
             v = getattr(self, name)
@@ -117,7 +127,7 @@ class MoEConfig:
     @property
     def n1(self) -> int:
         """Output columns of w1: 2*d_ffn for swiglu (gate then up), d_ffn otherwise."""
-        return 2 * self.d_ffn if self.activation == "swiglu" else self.d_ffn
+        return 2 * self.d_ffn if self.activation in V.GLU_ACTIVATIONS else self.d_ffn
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity for a batch of ``num_tokens`` tokens (None when dropless)."""

@@ -147,23 +147,30 @@ class WeightGradStore:
             sites.append([None] * self.num_micro_ops)
         sites[site][micro_op] = (x, dy, offsets, wgrad)
 
-    def flush(self, group_counts: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    def flush(
+        self, group_counts: Sequence[torch.Tensor], groups: Optional[Sequence[int]] = None
+    ) -> list[Optional[torch.Tensor]]:
         """The W step: per parameter, its deferred weight gradient (None when nothing deferred).
 
         ``group_counts[i]`` is an int [G, E] tensor: piece i's rows of expert e come as G
-        consecutive groups of ``group_counts[i][g, e]`` rows. Frees the recorded rows."""
+        consecutive groups of ``group_counts[i][g, e]`` rows. ``groups`` (default: all G in
+        order) lists the groups whose rows enter the weight gradients, in the order they enter:
+        a schedule that computes some rows more than once (Parm's baseline processes every token
+        once per model-parallel rank) keeps one copy of each, and one whose groups arrive in
+        another order than the unscheduled computation's puts them back in that order. Frees the
+        recorded rows."""
         out: list[Optional[torch.Tensor]] = [None] * len(self.params)
         counts = [c.tolist() for c in group_counts]  # host sync: row ranges per (group, expert)
         for j, sites in sorted(self._pieces.items()):
             for per_op in sites:
-                g = self._site_grad(per_op, counts, self.params[j].shape[0])
+                g = self._site_grad(per_op, counts, self.params[j].shape[0], groups)
                 if g is not None:
                     out[j] = g if out[j] is None else out[j] + g
         self._pieces = {}
         self._calls = {}
         return out
 
-    def _site_grad(self, per_op, counts, E: int) -> Optional[torch.Tensor]:
+    def _site_grad(self, per_op, counts, E: int, groups: Optional[Sequence[int]]) -> Optional[torch.Tensor]:
         ops = [i for i, piece in enumerate(per_op) if piece is not None]
         if not ops:
             return None
@@ -185,9 +192,10 @@ class WeightGradStore:
                     )
             base += x.shape[0]
         G = len(counts[ops[0]])
+        order = range(G) if groups is None else groups
         index, new_offs = [], [0]
         for e in range(E):
-            for g in range(G):
+            for g in order:
                 for i in ops:
                     n = counts[i][g][e]
                     index.extend(range(starts[(i, g, e)], starts[(i, g, e)] + n))

@@ -12,6 +12,9 @@ sum of the chosen experts' FFN outputs per token, wherever those experts live::
   [r*E/P, (r+1)*E/P); the tokens travel to their experts and back (all-to-all), in
   ``pipeline_degree`` micro-ops whose communication overlaps expert compute
   (:mod:`tritonmoe.comm.pipeline`).
+* :class:`tritonmoe.parm_experts.ParmExperts`: model + expert + expert-sharding parallelism
+  (paper 003), with Parm's schedules. Its S1 schedule routes only this model-parallel rank's
+  slice of the tokens, so it takes over the layer's whole step (:meth:`ExpertPath.layer_forward`).
 
 A new parallel layout or schedule is a new expert path (or a new schedule inside one), not a new
 branch in the layer. Every path takes the layer's expert parameters as :class:`ExpertWeights`
@@ -91,6 +94,22 @@ class ExpertPath:
     def impl(self, op: str, x: torch.Tensor):
         """The implementation of ``op`` for the layer's backend and ``x``'s device and dtype."""
         return implementation(op, self.config.backend, x.device, x.dtype)
+
+    def weight_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """Shapes of this rank's ``w1`` and ``w2`` (a layout that shards the experts' hidden
+        dimension holds a slice of it)."""
+        c = self.config
+        return (self.num_local_experts, c.d_model, c.n1), (self.num_local_experts, c.d_ffn, c.d_model)
+
+    def layer_forward(self, layer, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing, torch.Tensor]:
+        """The layer's step on flattened tokens: ``(output, routing, aux_loss)``.
+
+        The default routes every token (``layer.route``), runs this path on them and computes the
+        layer's auxiliary loss. A path whose schedule routes differently overrides it (Parm's S1
+        routes only this model-parallel rank's slice and reduces the counts over the MP group)."""
+        logits_TE, routing = layer.route(x_TD)
+        aux = layer.compute_aux_loss(logits_TE, routing)
+        return self(x_TD, routing, layer.expert_weights()), routing, aux
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
         raise NotImplementedError
@@ -260,10 +279,27 @@ def _announce(scheduler):
     return hook
 
 
-def make_expert_path(config: MoEConfig, *, ep_group: Any = None, dtype: Optional[torch.dtype] = None) -> ExpertPath:
+def make_expert_path(
+    config: MoEConfig,
+    *,
+    ep_group: Any = None,
+    mp_group: Any = None,
+    esp_group: Any = None,
+    ep_esp_group: Any = None,
+    parm_groups: Any = None,
+    dtype: Optional[torch.dtype] = None,
+) -> ExpertPath:
     """The expert path of a layer with this config and layout."""
+    dtype = dtype if dtype is not None else torch.get_default_dtype()
+    if parm_groups is not None or mp_group is not None or esp_group is not None or ep_esp_group is not None:
+        from .parm_experts import ParmExperts
+
+        return ParmExperts.from_groups(
+            config, ep_group=ep_group, mp_group=mp_group, esp_group=esp_group, ep_esp_group=ep_esp_group,
+            groups=parm_groups, dtype=dtype,
+        )
     if ep_group is not None:
-        return ExpertParallelExperts(config, ep_group, dtype if dtype is not None else torch.get_default_dtype())
+        return ExpertParallelExperts(config, ep_group, dtype)
     if isinstance(config.pipeline_degree, str):
         raise ValueError(
             f"pipeline_degree={config.pipeline_degree!r} chooses the degree of the expert-parallel pipeline at run "

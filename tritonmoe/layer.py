@@ -9,12 +9,26 @@ from torch import nn
 from . import reference
 from .config import MoEConfig
 from .dispatch import implementation
+from .exact import rowwise_mm
 from .experts import ExpertPath, ExpertWeights, make_expert_path, micro_batch_bounds
 from .parallel.guard import check_ddp
 from .parallel.init import draw_seed, init_experts_
 from .types import Routing
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "router_logits"]
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None) -> torch.Tensor:
+    """The router's logits ``x @ weight.T``. In fp64 (the exact-reference dtype of the tests) a
+    row-invariant product (:func:`tritonmoe.exact.rowwise_mm`): a token's logits do not depend on
+    how many other tokens share the call, so a schedule that routes a slice of the tokens (Parm's
+    S1) makes the same routing decisions as one that routes them all. Otherwise the router module
+    (``router(x)`` when given, so its hooks run) or ``F.linear``."""
+    if x_TD.dtype == torch.float64:
+        return rowwise_mm(x_TD, weight_ED.t())
+    if router is not None:
+        return router(x_TD)
+    return torch.nn.functional.linear(x_TD, weight_ED)
 
 
 class MoELayer(nn.Module):
@@ -73,6 +87,15 @@ class MoELayer(nn.Module):
     * ``layer.comm_scheduler``: a :class:`tritonmoe.comm.CommScheduler` the expert path's
       all-to-alls go through (set by :func:`tritonmoe.parallel.data_parallel`; None: issued
       directly).
+
+    Model + expert + expert-sharding parallelism (``mp_group`` and/or ``esp_group`` beside
+    ``ep_group``, or ``parm_groups`` from :meth:`tritonmoe.ParmLayout.process_groups` /
+    :meth:`tritonmoe.ParmGroups.from_device_mesh`): Parm's layouts and schedules
+    (:mod:`tritonmoe.parm_experts`, ``config.parm_schedule``). The input and output are replicated
+    over the MP group; ``w1``/``w2`` hold this rank's shard of its EP rank's experts
+    (``[E/n_ep, d, n1/n_esp]``, ``[E/n_ep, F/n_esp, d]``). Construction from process groups is
+    collective over the default group (one small exchange checks that every rank passes
+    consistent groups and the same config).
     """
 
     #: The parameters that hold experts (partitioned under expert parallelism).
@@ -84,6 +107,10 @@ class MoELayer(nn.Module):
         *,
         ep_group=None,
         mesh=None,
+        mp_group=None,
+        esp_group=None,
+        ep_esp_group=None,
+        parm_groups=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -101,13 +128,16 @@ class MoELayer(nn.Module):
         self.mesh = mesh
         self.ep_group = ep_group
         #: The expert computation of this layout (:mod:`tritonmoe.experts`).
-        self.expert_path: ExpertPath = make_expert_path(config, ep_group=ep_group, dtype=dtype)
+        self.expert_path: ExpertPath = make_expert_path(
+            config, ep_group=ep_group, mp_group=mp_group, esp_group=esp_group, ep_esp_group=ep_esp_group,
+            parm_groups=parm_groups, dtype=dtype,
+        )
         factory = {"device": device, "dtype": dtype}
-        E, d, f = config.num_experts, config.d_model, config.d_ffn
-        E_local = self.expert_path.num_local_experts
+        E, d = config.num_experts, config.d_model
+        w1_shape, w2_shape = self.expert_path.weight_shapes()
         self.router = nn.Linear(d, E, bias=False, **factory)
-        self.w1 = nn.Parameter(torch.empty(E_local, d, config.n1, **factory))
-        self.w2 = nn.Parameter(torch.empty(E_local, f, d, **factory))
+        self.w1 = nn.Parameter(torch.empty(*w1_shape, **factory))
+        self.w2 = nn.Parameter(torch.empty(*w2_shape, **factory))
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32))
         else:
@@ -202,8 +232,12 @@ class MoELayer(nn.Module):
 
             _, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
             w1, w2, first = w1.to_local(), w2.to_local(), first + int(offset[0])
-        init_experts_(w1, w2, base_seed=self.init_seed, expert_start=first, d_model=self.config.d_model,
-                      d_ffn=self.config.d_ffn)
+        init_shards = getattr(self.expert_path, "init_weights_", None)
+        if init_shards is not None:  # a path that shards experts (Parm's ESP) slices the whole experts
+            init_shards(w1, w2, base_seed=self.init_seed, expert_start=first)
+        else:
+            init_experts_(w1, w2, base_seed=self.init_seed, expert_start=first, d_model=self.config.d_model,
+                          d_ffn=self.config.d_ffn)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -217,7 +251,7 @@ class MoELayer(nn.Module):
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """Router logits and routing for flattened tokens."""
         c = self.config
-        logits_TE = self.router(x_TD)
+        logits_TE = router_logits(x_TD, self.router.weight, self.router)
         need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
         routing = implementation("route", c.backend, x_TD.device, logits_TE.dtype)(
             logits_TE,
@@ -257,10 +291,8 @@ class MoELayer(nn.Module):
         if self.expert_parallel:
             check_ddp(self)  # before any collective: plain DDP over different experts is refused
         x_TD = x.reshape(-1, c.d_model)
-        logits_TE, routing = self.route(x_TD)
-        self.aux_loss = self.compute_aux_loss(logits_TE, routing)
+        out_TD, routing, self.aux_loss = self.expert_path.layer_forward(self, x_TD)
         self.last_routing = routing
-        out_TD = self.expert_path(x_TD, routing, self.expert_weights())
         return out_TD if x.dim() == 2 else out_TD.view(x.shape)
 
 

@@ -390,3 +390,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"| {r['id']} | {r['paper']} | {r['metric']} | {r['testbed']} | {_fmt(r['paper_value'])} | {sim} | "
                      f"{diff} | {note} |")
     return "\n".join(lines)
+
+
+# Parm and SE-MoE entries (tritonmoe/plan/parm_calibration.py): they register themselves here.
+from . import parm_calibration as _parm_calibration  # noqa: E402,F401

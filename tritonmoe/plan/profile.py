@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+
+from .._validation import GLU_ACTIVATIONS
 import torch.distributed as dist
 
 from tritonmoe.comm.splits import comm_device
@@ -218,7 +220,7 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
 
     dt = spec.dtype
     g = torch.Generator(device="cpu").manual_seed(T * 131 + d)
-    n1 = 2 * f if spec.activation == "swiglu" else f
+    n1 = 2 * f if spec.activation in GLU_ACTIVATIONS else f
     L = max(1, E // P)
     ffn = implementation("grouped_ffn", None, device, dt)
     W = WorkModel(d, f, n1, E, k, torch.empty((), dtype=dt).element_size(), ffn is not reference.grouped_ffn)

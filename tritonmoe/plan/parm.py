@@ -1,0 +1,672 @@
+"""Parm's automatic schedule choice: alpha-beta costs fitted by least squares, Algorithm 1
+(paper 003 section V; PAPERS.md 3.4), and the step model ``parm_schedule="auto"`` uses.
+
+Each collective costs ``alpha + beta * x`` seconds for x elements (Eq. 12). Parm fits one
+(alpha, beta) per collective and group from measured times at a few sizes, then compares
+
+* ``t_D1 = 2 * A2A(y / N_MP) + AG_MP(x)`` (S1: two EP&ESP all-to-alls of the dumped slice,
+  and the MP all-gather of the output, x = B*L*M elements gathered), and
+* ``t_D2 = A2A(y / N_MP) + Overlap(y / N_MP)`` (S2: the dispatch all-to-all and SAA),
+
+with ``y = k * f * B * L * M * N_ESP`` the dumped dispatch tensor of a batch (E experts times
+capacity T = k*f*B*L/E rows of M, once per shard), picking S1 when ``t_D1 <= t_D2``
+(:func:`algorithm1`).
+
+Readings of the garbled text (PAPERS.md 3.4 ambiguities 1-4): T = k*f*B*L/E (not times M), the
+all-to-all size keeps N_ESP, t_D2 has no separate AG term (Overlap already is the concurrent
+all-to-all and all-gather), and Overlap is fitted against the same size it is evaluated at, the
+all-to-all's input y/N_MP. Sizes are per-rank input elements for all-to-alls and reduce-scatters,
+gathered (output) elements for all-gathers, elements for all-reduces. Dropless routing: f = 1.
+
+Algorithm 1 compares forward communication only, and only S1 with S2 (the paper proves both beat
+the baseline). Measured on a real transport that is not always so: at small batches the
+baseline, with fewer collectives, wins when per-collective latency dominates (gloo), and on CPUs
+the experts' compute, which the baseline repeats N_MP times, matters. So ``auto`` predicts the
+whole forward + backward step of all three schedules (:func:`step_times`): every collective of
+each schedule and its backward mirror (PAPERS.md 3.2 ambiguity 5) with alpha-beta fitted per
+(collective, group), plus the gate, the expert shards (forward, input and weight gradients) and
+the local copies at measured rates (PAPERS.md 3.4 ambiguity 6), and picks the least. With a
+model that has only Algorithm 1's three fits, ``auto`` is Algorithm 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .._validation import GLU_ACTIVATIONS
+
+__all__ = [
+    "AlphaBeta",
+    "ParmCostModel",
+    "fit_alpha_beta",
+    "algorithm1",
+    "step_times",
+    "choose_schedule",
+    "measure_cost_model",
+    "sim_groups",
+    "parm_step_programs",
+    "batch_counts",
+    "simulate_parm",
+    "choose_parm",
+    "simulate_all_to_all",
+    "choose_all_to_all",
+]
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """``alpha + beta * x`` seconds for x elements (alpha: startup seconds, beta: seconds per
+    element)."""
+
+    alpha: float
+    beta: float
+
+    def __call__(self, x: float) -> float:
+        return self.alpha + self.beta * x
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
+    """Least-squares fit of ``t = alpha + beta * x`` (both clamped at >= 0: a negative startup or
+    per-element time is noise). One size gives alpha = 0."""
+    if len(sizes) != len(times) or not sizes:
+        raise ValueError(f"need matching, non-empty sizes and times, got {len(sizes)} and {len(times)}")
+    x = torch.tensor([float(s) for s in sizes], dtype=torch.float64)
+    t = torch.tensor([float(v) for v in times], dtype=torch.float64)
+    if len(sizes) == 1 or float(x.max() - x.min()) == 0.0:
+        return AlphaBeta(0.0, max(0.0, float(t.mean() / max(float(x.mean()), 1.0))))
+    A = torch.stack([torch.ones_like(x), x], dim=1)
+    sol = torch.linalg.lstsq(A, t.unsqueeze(1)).solution.squeeze(1)
+    alpha, beta = float(sol[0]), float(sol[1])
+    if beta < 0:
+        return AlphaBeta(max(0.0, float(t.mean())), 0.0)
+    if alpha < 0:  # refit through the origin
+        return AlphaBeta(0.0, max(0.0, float((x * t).sum() / (x * x).sum())))
+    return AlphaBeta(alpha, beta)
+
+
+#: The collectives of the step model, keyed "<op>_<group>": op in a2a, ag, ar, rs, saa; group in
+#: all (the P ranks), ep, esp, mp.
+COLLECTIVES = ("a2a_all", "a2a_ep", "ag_mp", "ar_mp", "ag_esp", "ar_esp", "rs_esp", "ag_all", "saa")
+
+
+@dataclass(frozen=True)
+class ParmCostModel:
+    """Fitted costs of one layout.
+
+    Attributes:
+        ag_mp, a2a, overlap: Algorithm 1's three fits (MP all-gather by gathered elements,
+            EP&ESP all-to-all and SAA by per-rank input elements).
+        collectives: every collective of the three schedules, :data:`COLLECTIVES` -> fit (empty:
+            Algorithm 1 only).
+        flops_per_s: the expert GEMMs' rate; ``copy_bytes_per_s``: the local copies' rate (None:
+            no compute terms).
+        local: when measured for a layer (``measure_cost_model(..., config=...)``): seconds of
+            this rank's local work of a step (route, permute, expert shard FFN, unpermute,
+            forward and backward) by routed row; replaces the rate-based compute terms.
+        source: where the fits come from ("measured on ...", a calibration entry).
+    """
+
+    ag_mp: AlphaBeta
+    a2a: AlphaBeta
+    overlap: AlphaBeta
+    collectives: dict = field(default_factory=dict)
+    flops_per_s: Optional[float] = None
+    copy_bytes_per_s: Optional[float] = None
+    local: Optional[AlphaBeta] = None
+    source: str = ""
+
+    def c(self, name: str, x: float) -> float:
+        """Predicted seconds of collective ``name`` on x elements."""
+        ab = self.collectives.get(name)
+        if ab is None:
+            ab = {"a2a_all": self.a2a, "ag_mp": self.ag_mp, "saa": self.overlap}.get(name)
+        return ab(x) if ab is not None else 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Whether the model can predict whole steps (every collective fitted, compute rates)."""
+        return all(k in self.collectives for k in COLLECTIVES) and bool(self.flops_per_s) and bool(self.copy_bytes_per_s)
+
+
+def _sizes(tokens: int, d_model: int, top_k: int, capacity_factor: Optional[float], n_esp: int):
+    f = 1.0 if capacity_factor is None else float(capacity_factor)
+    x = float(tokens) * d_model  # B*L*M
+    y = top_k * f * tokens * d_model * n_esp  # E * T * M * N_ESP with T = k*f*B*L/E
+    return x, y
+
+
+def algorithm1(
+    model: ParmCostModel,
+    *,
+    tokens: int,
+    d_model: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: Optional[float],
+    n_esp: int,
+    n_mp: int,
+) -> str:
+    """Parm's Algorithm 1 (with the readings of the module docstring): "s1" or "s2"."""
+    if n_mp == 1:
+        return "s1"  # no MP: S1 and S2 are the same schedule (no MP split, no all-gather)
+    x, y = _sizes(tokens, d_model, top_k, capacity_factor, n_esp)
+    t_d1 = 2 * model.a2a(y / n_mp) + model.ag_mp(x)
+    t_d2 = model.a2a(y / n_mp) + model.overlap(y / n_mp)
+    return "s1" if t_d1 <= t_d2 else "s2"
+
+
+def step_times(model: ParmCostModel, config, layout, tokens: int, *, itemsize: int = 4) -> dict[str, float]:
+    """Predicted forward + backward seconds of one step of each schedule for a batch of
+    ``tokens`` tokens per MP group (see the module docstring). Collectives of a group of one
+    rank cost nothing; a term whose fit is missing counts 0."""
+    c = config
+    n_mp, n_ep, n_esp, P = layout.n_mp, layout.n_ep, layout.n_esp, layout.P
+    M, E, K = c.d_model, c.num_experts, c.top_k
+    f = 1.0 if c.capacity_factor is None else float(c.capacity_factor)
+    T = float(tokens)
+    x, y = _sizes(tokens, M, K, c.capacity_factor, n_esp)
+    routed = K * f * T  # routed rows of a batch
+    Fs = c.d_ffn / n_esp
+    n1 = 2 * Fs if c.activation in GLU_ACTIVATIONS else Fs
+    row_flops = 2.0 * M * n1 + 2.0 * Fs * M
+    need_caps = c.capacity_factor is not None or c.aux_loss_coef > 0
+    need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+    m = model
+
+    def copies(rows: float) -> float:
+        return 2.0 * rows * M * itemsize / m.copy_bytes_per_s if m.copy_bytes_per_s else 0.0
+
+    def compute(expert_rows: float, gate_tokens: float, extra_rows: float) -> float:
+        """Expert shard rows (forward, input and weight gradients), the gate on
+        ``gate_tokens``, and ``extra_rows`` rows of local copies beyond the expert rows'."""
+        if m.local is not None:  # measured on the layer's own local ops, by routed row
+            return m.local(expert_rows) + copies(extra_rows)
+        if not m.flops_per_s:
+            return 0.0
+        t = 3.0 * row_flops * expert_rows / m.flops_per_s + 3.0 * 2.0 * gate_tokens * M * E / m.flops_per_s
+        return t + copies(4.0 * expert_rows + extra_rows)
+
+    counts = m.c("ag_all", P * (1 + E)) if P > 1 else 0.0
+    # baseline: every MP rank processes its copy; each rank gathers its ESP group's n_esp batches
+    yb = routed * n_esp * M  # per-rank EP all-to-all input
+    base = counts
+    if n_esp > 1:
+        base += m.c("ag_esp", n_esp * x) + m.c("ag_esp", n_esp * T * K) + m.c("ar_esp", yb)
+        base += m.c("ag_esp", n_esp * routed * M) + m.c("rs_esp", n_esp * x)
+    if n_ep > 1:
+        base += 4 * m.c("a2a_ep", yb)
+    base += compute(routed * n_esp, T, 0.0)
+    # S1: the slice of T / n_mp tokens
+    s1 = counts + 4 * m.c("a2a_all", y / n_mp) if P > 1 else 0.0
+    if n_mp > 1:
+        s1 += 2 * m.c("ag_mp", x) + m.c("ar_mp", E * M)
+        s1 += m.c("ag_mp", n_mp * K * E) if need_caps else 0.0
+        s1 += m.c("ar_mp", E + 1) if need_aux else 0.0
+    s1 += compute(routed * n_esp / n_mp, T / n_mp, 0.0)
+    # S2: the gate on all T, a part of every expert's rows, SAA
+    s2 = counts + (3 * m.c("a2a_all", y / n_mp) if P > 1 else 0.0)
+    if n_mp > 1:
+        s2 += m.c("saa", y / n_mp) + m.c("ag_mp", routed * M)
+    elif P > 1:
+        s2 += m.c("a2a_all", y / n_mp)
+    # S2 gates, permutes, combines and unpermutes the whole batch on every MP rank
+    s2 += compute(routed * n_esp / n_mp, T, routed * (1 + n_esp) * (1 - 1 / n_mp))
+    return {"baseline": base, "s1": s1, "s2": s2}
+
+
+def choose_schedule(model: ParmCostModel, config, layout, tokens: int, *, dtype=None) -> str:
+    """The schedule ``parm_schedule="auto"`` runs for a batch of ``tokens`` tokens per MP group:
+    the least predicted step (:func:`step_times`) when the model is complete, else Algorithm 1."""
+    if not model.complete:
+        return algorithm1(
+            model, tokens=tokens, d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
+            capacity_factor=config.capacity_factor, n_esp=layout.n_esp, n_mp=layout.n_mp,
+        )
+    item = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+    t = step_times(model, config, layout, tokens, itemsize=item)
+    return min(("s1", "s2", "baseline"), key=lambda s: t[s])  # ties: the paper's order
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting on the real groups
+# ---------------------------------------------------------------------------------------------
+
+
+def _time(fn, reps: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def measure_cost_model(
+    groups,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Optional[torch.device] = None,
+    d_model: int = 64,
+    rows: Sequence[int] = (16, 128, 512),
+    reps: int = 5,
+    config=None,
+) -> ParmCostModel:
+    """Fit a complete :class:`ParmCostModel` on this rank's groups
+    (:class:`~tritonmoe.parm_layout.ParmGroups`): every collective of :data:`COLLECTIVES` timed
+    at a few sizes (``rows`` rows of ``d_model`` per rank and peer) on its group, a GEMM and a
+    row copy for the compute rates. Collective over the P ranks: every rank measures, each
+    measurement's median over the P ranks is what every rank fits, so every rank fits the same
+    model (and takes the same decisions). With ``config`` (the layer's :class:`~tritonmoe.MoEConfig`) the local work
+    of a step is timed too, on this layout's expert shard (:attr:`ParmCostModel.local`)."""
+    import torch.distributed as dist
+
+    from tritonmoe.comm.splits import comm_device
+
+    from ..comm.executor import RealExecutor
+    from ..comm.saa import saa_schedule
+
+    lay = groups.layout
+    P = lay.P
+    dev = device if device is not None else comm_device(groups.ep_esp)
+    peers = list(lay.mp_group_of(groups.rank))
+    mp = groups.mp_lane if groups.mp_lane is not None else groups.mp
+    spec = {  # name -> (group, group size, run(rows) -> None, elements(rows))
+        "a2a_all": (groups.ep_esp, P),
+        "a2a_ep": (groups.ep, lay.n_ep),
+        "ag_mp": (mp, lay.n_mp),
+        "ar_mp": (mp, lay.n_mp),
+        "ag_esp": (groups.esp, lay.n_esp),
+        "ar_esp": (groups.esp, lay.n_esp),
+        "rs_esp": (groups.esp, lay.n_esp),
+        "ag_all": (groups.ep_esp, P),
+        "saa": (groups.ep_esp, P),
+    }
+    names = list(spec)
+    times = {n: [] for n in names}
+    sizes = {n: [] for n in names}
+    for r in rows:
+        for name in names:
+            g, n = spec[name]
+            if g is None or n < 2 or (name == "saa" and (mp is None or lay.n_mp < 2)):
+                times[name].append(0.0)
+                sizes[name].append(float(r * d_model))
+                continue
+            x = torch.randn(r * n, d_model, dtype=dtype, device=dev)
+            op = name.split("_")[0]
+            if op == "a2a":
+                fn = lambda x=x, g=g: dist.all_to_all_single(torch.empty_like(x), x, group=g)  # noqa: E731
+                elems = x.numel()
+            elif op == "ag":
+                part = x[:r]
+                fn = lambda x=x, part=part, g=g: dist.all_gather_into_tensor(torch.empty_like(x), part, group=g)  # noqa: E731
+                elems = x.numel()
+            elif op == "ar":
+                fn = lambda x=x, g=g: dist.all_reduce(x.clone(), group=g)  # noqa: E731
+                elems = x.numel()
+            elif op == "rs":
+                fn = lambda x=x, g=g, r=r: dist.reduce_scatter_tensor(x.new_empty((r,) + x.shape[1:]), x, group=g)  # noqa: E731
+                elems = x.numel()
+            else:  # saa: the all-to-all of r rows per peer with the MP all-gather of the result
+                def fn(x=x, r=r):
+                    ex = RealExecutor(dev)
+                    ex.wait(saa_schedule(
+                        ex, x, [r] * P, [r] * P, group=groups.ep_esp, rank=groups.rank, mp_group=mp,
+                        mp_peers=peers, peer_recv_splits=[[r] * P for _ in peers],
+                    ))
+
+                elems = x.numel()
+            times[name].append(_time(fn, reps))
+            sizes[name].append(float(elems))
+    # compute rates: a GEMM of this layer's width and a row gather
+    a = torch.randn(512, d_model, dtype=dtype, device=dev)
+    b = torch.randn(d_model, 2 * d_model, dtype=dtype, device=dev)
+    t_gemm = _time(lambda: a @ b, reps)
+    idx = torch.randperm(4096, device=dev)
+    big = torch.randn(4096, d_model, dtype=dtype, device=dev)
+    t_copy = _time(lambda: big.index_select(0, idx), reps)
+    local_rows, local_t = [], []
+    if config is not None:
+        local_rows, local_t = _time_local_step(config, lay, dtype, dev, reps)
+    vec = [times[n][k] for n in names for k in range(len(rows))] + local_t + [t_gemm, t_copy]
+    t = torch.tensor(vec, dtype=torch.float64, device=comm_device(groups.ep_esp))
+    if groups.ep_esp is not None:
+        # Every rank fits the same model: the median over ranks of each measurement (robust to
+        # one rank descheduled during a measurement; deterministic, so the same everywhere).
+        table = torch.empty(P * t.numel(), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(table, t, group=groups.ep_esp)
+        t = table.view(P, -1).median(dim=0).values
+    vals = t.tolist()  # host sync: the fit is a host computation
+    fits = {}
+    for j, n in enumerate(names):
+        fits[n] = fit_alpha_beta(sizes[n], vals[j * len(rows) : (j + 1) * len(rows)])
+    item = torch.empty((), dtype=dtype).element_size()
+    nl = len(local_rows)
+    local = fit_alpha_beta(local_rows, vals[len(names) * len(rows) : len(names) * len(rows) + nl]) if nl else None
+    return ParmCostModel(
+        ag_mp=fits["ag_mp"], a2a=fits["a2a_all"], overlap=fits["saa"], collectives=fits,
+        flops_per_s=2.0 * 512 * d_model * 2 * d_model / max(vals[-2], 1e-9),
+        copy_bytes_per_s=2.0 * 4096 * d_model * item / max(vals[-1], 1e-9), local=local,
+        source=f"measured on {lay.describe()} ({dtype}, rows {list(rows)}, d_model {d_model})",
+    )
+
+
+def _time_local_step(config, layout, dtype, device, reps: int) -> tuple[list[float], list[float]]:
+    """(routed rows, seconds) of this rank's local work of a step -- route, permute, the expert
+    shard's grouped FFN, unpermute, forward and backward -- at two batch sizes, on the layer's
+    shapes (d_model, d_ffn / n_esp, E, top_k). No communication."""
+    from .. import reference
+
+    c = config
+    Fs = c.d_ffn // layout.n_esp
+    n1 = 2 * Fs if c.activation in GLU_ACTIVATIONS else Fs
+    E = c.num_experts
+    out_rows, out_t = [], []
+    for T in (64, 512):
+        g = torch.Generator(device="cpu").manual_seed(T)
+        x = torch.randn(T, c.d_model, generator=g, dtype=dtype).to(device)
+        wr = torch.randn(E, c.d_model, generator=g, dtype=dtype).to(device)
+        w1 = (torch.randn(E, c.d_model, n1, generator=g, dtype=dtype) * 0.1).to(device).requires_grad_()
+        w2 = (torch.randn(E, Fs, c.d_model, generator=g, dtype=dtype) * 0.1).to(device).requires_grad_()
+
+        def step():
+            xi = x.clone().requires_grad_()
+            r = reference.route(xi @ wr.t(), c.top_k)
+            xp, info = reference.permute(xi, r.topk_ids, E)
+            y = reference.grouped_ffn(xp, info.expert_offsets, w1, w2, c.activation)
+            reference.unpermute(y, info, r.topk_weights).sum().backward()
+
+        out_t.append(_time(step, reps))
+        out_rows.append(float(T * c.top_k))
+    return out_rows, out_t
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedules on the simulator: one program per rank, from the same executor code
+# ---------------------------------------------------------------------------------------------
+
+
+def sim_groups(layout, rank: int):
+    """The :class:`~tritonmoe.parm_layout.ParmGroups` of layout rank ``rank`` with
+    :class:`~tritonmoe.plan.VirtualGroup` members (None for groups of one rank)."""
+    from ..parm_layout import ParmGroups
+    from .sim_executor import VirtualGroup
+
+    def vg(members):
+        return VirtualGroup(tuple(layout.ranks[j] for j in members)) if len(members) > 1 else None
+
+    mp = vg(layout.mp_group_of(rank))
+    return ParmGroups(
+        layout=layout, rank=rank, mp=mp, ep=vg(layout.ep_group_of(rank)), esp=vg(layout.esp_group_of(rank)),
+        ep_esp=vg(tuple(range(layout.P))), mp_lane=mp,
+    )
+
+
+def _slice_counts(batch_counts: Sequence[int], n_mp: int, m: int) -> list[int]:
+    from ..comm.parm import s2_part_counts
+
+    return s2_part_counts(batch_counts, n_mp, m)
+
+
+def parm_step_programs(
+    config,
+    layout,
+    schedule: str,
+    *,
+    tokens: Sequence[int],
+    batch_counts: Sequence[Sequence[int]],
+    dtype: torch.dtype = torch.bfloat16,
+    host_compute: bool = False,
+    slice_counts: Optional[Sequence[Sequence[int]]] = None,
+    ranks: Optional[Sequence[int]] = None,
+):
+    """The forward + backward of one Parm MoE layer step, recorded for every rank of
+    ``layout`` (or the layout ranks in ``ranks``) on :class:`~tritonmoe.plan.SimExecutor` (one :class:`~tritonmoe.plan.Program`
+    per layout rank, global ranks ``layout.ranks``).
+
+    The communication steps are the functions the real layer runs (:mod:`tritonmoe.comm.parm`,
+    :mod:`tritonmoe.comm.saa`), in the order autograd runs them; the local work around them
+    (gate, permute, Dump, combine, unpermute and their backward) is recorded as compute with
+    its FLOPs and bytes.
+
+    Args:
+        schedule: "baseline", "s1" or "s2".
+        tokens: tokens of each MP group's batch (``layout.num_batches`` entries).
+        batch_counts: per batch, routed rows per expert (after capacity).
+        slice_counts: S1 only: per layout rank, the routed rows per expert of its token slice
+            (default: each expert's rows of the batch split like S2's parts, contiguous and
+            even -- a uniform spread of the experts over the slices).
+    """
+    from ..comm.executor import VirtualTensor, Work
+    from ..comm.parm import (
+        ExpertShard, baseline_backward, baseline_forward, baseline_plan, pause_backward, pause_forward,
+        pause_plan, run_collective, s2_part_counts, saa_plan,
+    )
+    from ..experts import micro_batch_bounds
+    from ..parm_experts import _ffn_work
+    from .sim_executor import SimExecutor, VirtualGroup
+
+    if schedule not in ("baseline", "s1", "s2"):
+        raise ValueError(f"schedule={schedule!r}; use 'baseline', 's1' or 's2'")
+    c = config
+    E, K, D = c.num_experts, c.top_k, c.d_model
+    lay = layout
+    layout.check_model(E, c.d_ffn)
+    P = lay.P
+    item = torch.empty((), dtype=dtype).element_size()
+    world = VirtualGroup(tuple(lay.ranks))
+    shard_w = c.d_ffn // lay.n_esp
+    ffn_work = _ffn_work(c, shard_w, dtype)
+    shard = ExpertShard(fn=None, work=ffn_work)
+    need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+
+    def rows(n: int) -> VirtualTensor:
+        return VirtualTensor((int(n), D), dtype)
+
+    def copy(n: float) -> Work:
+        return Work(bytes=2.0 * n * D * item, kind="copy")
+
+    def gate(n: int, backward: bool) -> Work:
+        f = 2.0 * n * D * E * (2 if backward else 1)
+        return Work(flops=f, bytes=float(item * (n * D + D * E + n * E)), kind="gemm")
+
+    # What each rank sends (the table every split derives from).
+    send_table, token_table = [], []
+    for i in range(P):
+        g, m = lay.mp_group[i], lay.mp_rank[i]
+        T = int(tokens[g])
+        if schedule == "baseline":
+            send_table.append([int(v) for v in batch_counts[g]])
+            token_table.append(T)
+        elif schedule == "s1":
+            sc = slice_counts[i] if slice_counts is not None else _slice_counts(batch_counts[g], lay.n_mp, m)
+            send_table.append([int(v) for v in sc])
+            token_table.append(micro_batch_bounds(T, lay.n_mp)[m][1] - micro_batch_bounds(T, lay.n_mp)[m][0])
+        else:
+            send_table.append(s2_part_counts(batch_counts[g], lay.n_mp, m))
+            token_table.append(T)
+
+    programs = []
+    for i in (range(P) if ranks is None else ranks):
+        G = sim_groups(lay, i)
+        g, m = lay.mp_group[i], lay.mp_rank[i]
+        T = int(tokens[g])
+        ex = SimExecutor(lay.ranks[i], world, host_compute=host_compute, phase="fwd")
+        sizes = [b - a for a, b in micro_batch_bounds(T, lay.n_mp)]
+        tm_ = sizes[m] if schedule == "s1" else T
+        R_batch = sum(int(v) for v in batch_counts[g])
+        counts_vt = VirtualTensor((1 + E,), torch.int64)
+        # ---- forward
+        ex.compute(None, work=gate(tm_, False), kind="gate", out=VirtualTensor((tm_, E), torch.float32))
+        if schedule == "s1" and G.mp is not None:
+            if c.capacity_factor is not None or c.aux_loss_coef > 0:
+                run_collective(ex, "all_gather", VirtualTensor((K, E), torch.int64), group=G.mp, kind="mp_counts")
+            if need_aux:
+                run_collective(ex, "all_reduce", VirtualTensor((E + 1,), torch.float32), group=G.mp, kind="mp_scores")
+        if schedule == "baseline":
+            plan = baseline_plan(lay, i, token_table, send_table, E, indices=False)
+            run_collective(ex, "all_gather", counts_vt, group=G.ep_esp, kind="counts")
+            if G.esp is not None:
+                run_collective(ex, "all_gather", rows(plan.tokens_max), group=G.esp, kind="esp_allgather")
+                run_collective(ex, "all_gather", VirtualTensor((plan.tokens_max, K), torch.int32), group=G.esp,
+                               kind="esp_ids")
+            n_rows = sum(plan.send_splits)
+            ex.compute(None, work=copy(2 * n_rows), kind="permute", out=rows(n_rows))
+            baseline_forward(ex, rows(n_rows), plan, None, shard, ep_group=G.ep, esp_group=G.esp)
+            own = plan.own_rows[plan.own]
+            ex.compute(None, work=copy(own + T), kind="unpermute", out=rows(T))
+            # ---- backward
+            ex.phase = "bwd"
+            ex.compute(None, work=copy(own + T), kind="unpermute", out=rows(own))
+            baseline_backward(ex, rows(own), plan, None, shard, ep_group=G.ep, esp_group=G.esp)
+            ex.compute(None, work=copy(2 * n_rows), kind="permute", out=rows(len(plan.origins) * plan.tokens_max))
+            if G.esp is not None:
+                run_collective(ex, "reduce_scatter", rows(len(plan.origins) * plan.tokens_max), group=G.esp,
+                               kind="esp_reduce_scatter")
+            ex.compute(None, work=gate(T, True), kind="gate", out=rows(T))
+        else:
+            R = sum(send_table[i])
+            if schedule == "s2":
+                ex.compute(None, work=copy(R_batch), kind="permute", out=rows(R_batch))
+            else:
+                ex.compute(None, work=copy(R), kind="permute", out=rows(R))
+            run_collective(ex, "all_gather", counts_vt, group=G.ep_esp, kind="counts")
+            plan = pause_plan(lay, i, send_table, E, indices=False)
+            sp = saa_plan(lay, i, batch_counts[g], E, indices=False) if schedule == "s2" and G.mp is not None else None
+            ex.compute(None, work=copy(plan.send_rows), kind="dump", out=rows(plan.send_rows))
+            back = pause_forward(ex, rows(plan.send_rows), plan, None, shard, group=G.ep_esp, saa=sp, rank=i,
+                                 mp_group=G.mp_lane)
+            n_comb = R_batch if sp is not None else R
+            t_out = T if schedule == "s2" else sizes[m]
+            ex.compute(None, work=copy(lay.n_esp * n_comb + t_out), kind="combine", out=rows(t_out))
+            if schedule == "s1" and G.mp is not None:
+                run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather")
+            # ---- backward
+            ex.phase = "bwd"
+            ex.compute(None, work=copy(lay.n_esp * n_comb + t_out), kind="combine", out=back)
+            pause_backward(ex, back, plan, None, shard, group=G.ep_esp, saa=sp, rank=i)
+            ex.compute(None, work=copy(plan.send_rows + R), kind="dump", out=rows(R))
+            if sp is not None:
+                run_collective(ex, "all_gather", rows(max(sp.part_rows)), group=G.mp, kind="mp_allgather_grad")
+            ex.compute(None, work=copy(R_batch if schedule == "s2" else R), kind="permute", out=rows(t_out))
+            ex.compute(None, work=gate(tm_, True), kind="gate", out=rows(tm_))
+            if schedule == "s1" and G.mp is not None:
+                run_collective(ex, "all_reduce", VirtualTensor((E, D), dtype), group=G.mp, kind="router_grad")
+                run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather_grad")
+        programs.append(ex.program)
+    return programs
+
+
+def batch_counts(config, tokens: int, *, padded: bool = False) -> list[int]:
+    """Rows per expert of one batch of ``tokens`` tokens under uniform routing: ``tokens * k``
+    spread evenly over the E experts (capped at the capacity), or, with ``padded``, the capacity
+    ``ceil(k * f * tokens / E)`` of every expert (DeepSpeed-MoE's dispatch tensor is E x capacity
+    x M whatever the routing; Parm's volumes, ``ETM``, count it so)."""
+    E, k = config.num_experts, config.top_k
+    cap = config.capacity(tokens)
+    if padded:
+        if cap is None:
+            raise ValueError("padded counts need a capacity_factor")
+        return [cap] * E
+    base, extra = divmod(tokens * k, E)
+    out = [base + (1 if e < extra else 0) for e in range(E)]
+    return [min(c, cap) for c in out] if cap is not None else out
+
+
+def simulate_parm(
+    config,
+    layout,
+    schedule: str,
+    cluster_or_cost,
+    *,
+    tokens: int,
+    dtype: str = "float32",
+    padded: bool = False,
+    symmetric: bool = True,
+):
+    """One forward + backward step of a Parm schedule on every rank of ``layout`` (layout rank
+    i on the cluster's GPU ``layout.ranks[i]``, node = rank // GPUs per node), through the
+    discrete-event engine (:mod:`tritonmoe.plan.engine`) on ``cluster_or_cost`` (a
+    :class:`~tritonmoe.plan.Cluster`, a :class:`~tritonmoe.plan.CostModel` or its file).
+
+    Every MP group holds ``tokens`` tokens, routed uniformly (:func:`batch_counts`; ``padded``:
+    capacity-padded). ``symmetric``: simulate one rank (exact here: uniform routing makes every
+    rank's program the same up to its peers). Returns the engine's result
+    (``.step_time()``, ``.timeline``)."""
+    from . import engine
+    from .simulate import parse_dtype, resolve_cost
+
+    cost = resolve_cost(cluster_or_cost, dtype)
+    dt = parse_dtype(dtype)
+    counts = batch_counts(config, tokens, padded=padded)
+    progs = parm_step_programs(
+        config, layout, schedule, tokens=[tokens] * layout.num_batches, batch_counts=[counts] * layout.num_batches,
+        dtype=dt, host_compute=False, ranks=[0] if symmetric else None,
+    )
+    return engine.run(progs, cost, symmetric=symmetric, timeline=not symmetric)
+
+
+def choose_parm(config, layout, cluster_or_cost, *, tokens: int, dtype: str = "float32",
+                padded: bool = False) -> tuple[str, dict]:
+    """The Parm schedule ("baseline", "s1", "s2") the simulator predicts fastest for this layer,
+    layout and batch on a cluster (every candidate simulated through the schedule code the
+    layer runs), and every candidate's predicted step time."""
+    t = {s: simulate_parm(config, layout, s, cluster_or_cost, tokens=tokens, dtype=dtype, padded=padded).step_time()
+         for s in ("baseline", "s1", "s2")}
+    return min(("s1", "s2", "baseline"), key=lambda s: t[s]), t
+
+
+def simulate_all_to_all(
+    send: Sequence[Sequence[int]], cluster_or_cost, *, row_bytes: int, local_size: int, hierarchical: bool,
+    dtype: str = "float16",
+):
+    """One all-to-all of rows (``send[r][d]`` rows from rank r to rank d, ``row_bytes`` each)
+    over ranks 0..P-1 of a cluster, flat or hierarchical (:func:`tritonmoe.comm.
+    hierarchical_schedule` with ``local_size`` ranks per node), through the engine. Returns the
+    engine's result."""
+    from ..comm.executor import VirtualTensor
+    from ..comm.hierarchical import hierarchical_plan, hierarchical_schedule
+    from . import engine
+    from .simulate import resolve_cost
+    from .sim_executor import SimExecutor, VirtualGroup
+
+    cost = resolve_cost(cluster_or_cost, dtype)
+    P = len(send)
+    p = local_size
+    n = P // p
+    width = max(1, row_bytes // 4)
+    world = VirtualGroup(tuple(range(P)))
+    progs = []
+    for r in range(P):
+        ex = SimExecutor(r, world, host_compute=False)
+        x = VirtualTensor((sum(send[r]), width), torch.float32)
+        recv = [send[s][r] for s in range(P)]
+        if not hierarchical or p == 1 or n == 1:
+            ex.wait(ex.all_to_all(x, send[r], recv, kind="dispatch"))
+        else:
+            a, j = divmod(r, p)
+            peer = [[send[a * p + i][b * p + j] for b in range(n)] for i in range(p)]
+            plan = hierarchical_plan(send[r], recv, peer, r, p)
+            intra = VirtualGroup(tuple(a * p + i for i in range(p)))
+            inter = VirtualGroup(tuple(b * p + j for b in range(n)))
+            ex.wait(hierarchical_schedule(ex, x, send[r], plan, intra=intra, inter=inter, local_size=p))
+        progs.append(ex.program)
+    return engine.run(progs, cost, timeline=False)
+
+
+def choose_all_to_all(send: Sequence[Sequence[int]], cluster_or_cost, *, row_bytes: int, local_size: int,
+                      dtype: str = "float16") -> tuple[str, dict]:
+    """"flat" or "hierarchical": the all-to-all the cost model predicts faster for this exchange
+    (SE-MoE: the hierarchical one pays where per-message inter-node costs dominate), and both
+    predicted times."""
+    t = {
+        name: simulate_all_to_all(send, cluster_or_cost, row_bytes=row_bytes, local_size=local_size,
+                                  hierarchical=name == "hierarchical", dtype=dtype).step_time()
+        for name in ("flat", "hierarchical")
+    }
+    return min(t, key=t.get), t
