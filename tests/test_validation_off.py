@@ -69,8 +69,10 @@ def test_out_of_range_ids_in_moe_ffn(backend):
     routed = tm.route(_x(T, E, seed=4), K)
     for bad in (E + 3, 2**32, -5):
         ids, want_ids = _bad_ids(bad)
-        got_r = dataclasses.replace(routed, topk_ids=ids)
-        want_r = dataclasses.replace(routed, topk_ids=want_ids.to(torch.int32))
+        # counts describe the routed (in-range) slots, as moe_ffn requires of any Routing
+        counts = torch.bincount(want_ids[want_ids >= 0].long(), minlength=E).to(torch.int32)
+        got_r = dataclasses.replace(routed, topk_ids=ids, counts=counts)
+        want_r = dataclasses.replace(routed, topk_ids=want_ids.to(torch.int32), counts=counts)
         with tm.validation(False):
             got = tm.moe_ffn(x, got_r, w1, w2, backend=backend)
         torch.testing.assert_close(got, ref.moe_ffn(x, want_r, w1, w2), rtol=1e-5, atol=1e-5)

@@ -15,20 +15,31 @@ from .parallel.guard import check_ddp
 from .parallel.init import draw_seed, init_experts_
 from .types import Routing
 
-__all__ = ["MoELayer", "router_logits"]
+__all__ = ["MoELayer", "Router", "router_logits"]
 
 
 def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None) -> torch.Tensor:
-    """The router's logits ``x @ weight.T``. In fp64 (the exact-reference dtype of the tests) a
-    row-invariant product (:func:`tritonmoe.exact.rowwise_mm`): a token's logits do not depend on
-    how many other tokens share the call, so a schedule that routes a slice of the tokens (Parm's
-    S1) makes the same routing decisions as one that routes them all. Otherwise the router module
-    (``router(x)`` when given, so its hooks run) or ``F.linear``."""
-    if x_TD.dtype == torch.float64:
-        return rowwise_mm(x_TD, weight_ED.t())
+    """The router's logits ``x @ weight.T``: ``router(x)`` when the module is given (so its hooks
+    run, e.g. FSDP's unshard), else the product itself, which in fp64 (the exact-reference dtype
+    of the tests) is row-invariant (:func:`tritonmoe.exact.rowwise_mm`): a token's logits do not
+    depend on how many other tokens share the call, so a schedule that routes a slice of the
+    tokens (Parm's S1) makes the same routing decisions as one that routes them all."""
     if router is not None:
         return router(x_TD)
+    if x_TD.dtype == torch.float64:
+        return rowwise_mm(x_TD, weight_ED.t())
     return torch.nn.functional.linear(x_TD, weight_ED)
+
+
+class Router(nn.Linear):
+    """The gate: an ``nn.Linear`` (same parameters and state-dict keys) whose fp64 forward is the
+    row-invariant product of :func:`router_logits`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            out = rowwise_mm(x, self.weight.t())
+            return out if self.bias is None else out + self.bias
+        return super().forward(x)
 
 
 class MoELayer(nn.Module):
@@ -135,7 +146,7 @@ class MoELayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         E, d = config.num_experts, config.d_model
         w1_shape, w2_shape = self.expert_path.weight_shapes()
-        self.router = nn.Linear(d, E, bias=False, **factory)
+        self.router = Router(d, E, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(*w1_shape, **factory))
         self.w2 = nn.Parameter(torch.empty(*w2_shape, **factory))
         if config.expert_bias:
