@@ -195,8 +195,9 @@ def _decode_meta_kernel(
 ):
     """All metadata of the fused path in one program (decode: S = T * k <= 2**LOG_SP slots).
 
-    Sorts the keys ``(id' << LOG_SP) | s`` of the slots s (id' = id + 1 in [0, E], 0 for unrouted
-    ids < 0, E + 1 for ids >= E) in registers: the sorted order is the stable sort of the ids, so
+    Sorts the keys ``(id' << LOG_SP) | s`` of the slots s (id' = id + 1 in [1, E] for ids in
+    [0, E), 0 for every other id: unrouted, like -1, as the validation-off contract says) in
+    registers: the sorted order is the stable sort of the ids, so
     ``row_map[r] = key_r & (2**LOG_SP - 1)`` lists unrouted slots first, then each expert's slots
     in token order. Offsets come from the router's ``counts`` (not recounted), and the tile map
     from the offsets, as :func:`_tile_map_kernel` (FROM_COUNTS) would build it.
@@ -206,7 +207,7 @@ def _decode_meta_kernel(
     s = tl.arange(0, SP)
     ok = s < S
     ids = tl.load(ids_ptr + s, mask=ok, other=0)
-    idp = tl.minimum(tl.maximum(ids + 1, 0), E + 1)
+    idp = tl.where((ids >= 0) & (ids < E), ids + 1, 0)
     key = tl.where(ok, (idp << LOG_SP) | s, 2147483647)
     key = tl.sort(key, 0)
     tl.store(row_map_ptr + s, (key & (SP - 1)).to(tl.int64), mask=ok)

@@ -62,6 +62,7 @@ import torch
 import triton
 from torch.autograd.function import once_differentiable
 
+from .._settings import validation_enabled
 from ..types import Routing
 from . import _gemm_config as C
 from ._grouped_gemm_kernels import (
@@ -191,9 +192,12 @@ def route_rows(topk_ids_TK: torch.Tensor, counts_E: torch.Tensor, num_experts: i
     dev = topk_ids_TK.device
     offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
     ids_S = topk_ids_TK.reshape(-1)
-    # Ids outside [0, E) are "not routed" (the validation-off contract): map them to -1 so that
-    # the stable sort puts them in the unrouted head that offsets[0] = T*k - sum(counts) assumes.
-    ids_S = torch.where((ids_S >= 0) & (ids_S < E), ids_S, torch.full_like(ids_S, -1))
+    if not decode and not validation_enabled():
+        # Ids outside [-1, E) are "not routed" (the validation-off contract; with validation on
+        # the public API has refused them): map them to -1 so that the stable sort puts them in
+        # the unrouted head that offsets[0] = T*k - sum(counts) assumes. The decode kernel does
+        # this in registers.
+        ids_S = torch.where((ids_S >= 0) & (ids_S < E), ids_S, torch.full_like(ids_S, -1))
     if decode and S > 0:
         row_map = torch.empty(S, device=dev, dtype=torch.int64)
         tm = _new_tile_map(BM, tile_bound(S, E, BM), dev)
