@@ -360,6 +360,58 @@ def _dtype_at_construction(ctx: RankCtx) -> dict:
     return ep_step(ctx, dtypes=[torch.float32 if s == 1 else torch.float64 for s in range(ctx.world_size)])
 
 
+def _exit_in_lina_allreduce(ctx: RankCtx) -> dict:
+    """A data-parallel step (4 dense params and an MoE layer, replicated: dp = P) whose gradient
+    allreduce runs in Lina's micro-ops on the scheduler's lane; the victim dies in its first
+    gradient micro-op. The mesh spans the default group (its timeout is the long start-up one;
+    a dead peer is reported at once)."""
+    import tritonmoe as tm
+    from tritonmoe.comm.priority import CommScheduler
+    from tritonmoe.parallel import MoEMesh, data_parallel
+
+    P = ctx.world_size
+    mesh = MoEMesh.build(dp=P, ep=1)
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(D_MODEL, D_MODEL, dtype=torch.float64),
+        tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 2 * P, TOP_K), mesh=mesh, dtype=torch.float64),
+    )
+    ddp = data_parallel(model, mesh, comm="lina", chunk_bytes=256)
+    if ctx.is_victim:
+        inject(CommScheduler, "_reduce", action=ctx.exit)
+    x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + ctx.rank))
+    ctx.start_clock()
+    try:
+        ddp(x).square().sum().backward()
+    finally:
+        ddp._tritonmoe_data_parallel.scheduler.close()
+    ctx.stop_clock()
+    return {"correct": True, "max_err": 0.0}
+
+
+def _exit_in_saa(ctx: RankCtx) -> dict:
+    """Parm's S2 with MP = 2 over the P ranks (ParmLayout.make(2, P, 1)): the victim dies inside
+    the SAA collective (between two of its point-to-point phases) of its forward."""
+    import tritonmoe as tm
+    from tritonmoe.comm.executor import RealExecutor
+    from tritonmoe.parm_layout import ParmLayout
+
+    P = ctx.world_size
+    lay = ParmLayout.make(2, P, 1)
+    groups = lay.process_groups()
+    torch.manual_seed(SEED)
+    layer = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 2 * P, TOP_K, parm_schedule="s2"), parm_groups=groups,
+                        dtype=torch.float64)
+    torch.manual_seed(SEED + lay.mp_group[groups.rank])  # the MP group's ranks hold the same tokens
+    x = torch.randn(8, D_MODEL, dtype=torch.float64, requires_grad=True)
+    if ctx.is_victim:
+        inject(RealExecutor, "send_recv", action=ctx.exit, nth=2)
+    ctx.start_clock()
+    layer(x).sum().backward()
+    ctx.stop_clock()
+    return {"correct": True, "max_err": 0.0}
+
+
 for _case in (
     FaultCase("zero tokens on a rank", "rank 0 has no tokens (it still takes part in every exchange)",
               _zero_tokens, legal=True, shared=True),
@@ -385,6 +437,9 @@ for _case in (
               _cast_after_construction, victims=(1,)),
     FaultCase("input dtype differs", "rank 1 feeds fp32 tokens to its fp64 layer (refused locally)",
               _input_dtype, victims=(1,)),
+    FaultCase("exit in a Lina allreduce", "rank 1 dies in its first gradient micro-op of a Lina-scheduled "
+              "data-parallel step (data_parallel(..., comm='lina'))", _exit_in_lina_allreduce, victims=(1,)),
+    FaultCase("exit in SAA", "rank 1 dies inside Parm S2's SAA collective (MP = 2)", _exit_in_saa, victims=(1,)),
 ):
     register(_case)
 

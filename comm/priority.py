@@ -68,6 +68,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .executor import ScheduleError
 from .timeline import Timeline
 
 __all__ = [
@@ -168,6 +169,10 @@ class _Bucket:
     flat: torch.Tensor
     left: int
     future: torch.futures.Future
+    #: Reduced inside a backward pass: a failure completes the future with the unreduced buffer
+    #: and raises ScheduleError from the scheduler's final autograd callback instead (DDP's
+    #: reducer turns a failed hook future into an untyped RuntimeError).
+    in_backward: bool = False
 
 
 @dataclass
@@ -237,6 +242,9 @@ class CommScheduler:
         self._thread: Optional[threading.Thread] = None
         self._micro_op = 0
         self._held_since: Optional[float] = None
+        self._check_queued = False
+        self._backward_error: Optional[str] = None
+        self._pass_buckets: list[_Bucket] = []
 
     @classmethod
     def fifo(cls, **kwargs) -> "CommScheduler":
@@ -334,8 +342,9 @@ class CommScheduler:
         if not flat.is_contiguous():
             raise ValueError("reduce needs a contiguous buffer (reduce a contiguous copy and copy it back)")
         fut: torch.futures.Future = torch.futures.Future()
+        in_backward = self._queue_backward_check()
         if self._error is not None:
-            fut.set_exception(RuntimeError(f"the gradient lane failed earlier: {self._error}"))
+            self._fail_bucket(_Bucket(flat, 1, fut, in_backward), f"the gradient lane failed earlier: {self._error}")
             return fut
         if flat.numel() == 0 or group_size(group) == 1:
             fut.set_result(flat)
@@ -343,7 +352,9 @@ class CommScheduler:
         base = flat.view(-1)
         ranges = _ranges(base, grads) if (self.chunk_bytes is not None and grads is not None) else [(0, base.numel())]
         pieces = [base[a:b] for _, a, b in partition(ranges, base.element_size(), self.chunk_bytes)]
-        bucket = _Bucket(flat, len(pieces), fut)
+        bucket = _Bucket(flat, len(pieces), fut, in_backward)
+        if in_backward:
+            self._pass_buckets.append(bucket)
         ready = None
         if flat.is_cuda:
             ready = torch.cuda.Event()
@@ -354,6 +365,47 @@ class CommScheduler:
             self._ensure_worker()
             self._cv.notify_all()
         return fut
+
+    def _queue_backward_check(self) -> bool:
+        """Inside a backward pass (a DDP comm hook), queue :meth:`_check_backward` as a final
+        autograd callback (once per pass; it runs after DDP's own, which waits for the
+        reductions) and return True; outside one, return False."""
+        if self._check_queued:
+            return True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._check_backward)
+        except RuntimeError:  # not inside a backward pass: failures go through the futures
+            return False
+        self._check_queued = True
+        return True
+
+    def _check_backward(self) -> None:
+        """Final autograd callback: wait for this backward pass's reductions, then raise the
+        typed error of one that failed (every rank whose lane failed raises it; the gradients
+        were not reduced)."""
+        self._check_queued = False
+        buckets, self._pass_buckets = self._pass_buckets, []
+        deadline = time.monotonic() + self.gate_timeout_s
+        for b in buckets:  # the pass's reductions (each bounded by its group's timeout)
+            while not b.future.done() and time.monotonic() < deadline:
+                time.sleep(_GATE_POLL_S)
+        with self._cv:
+            msg, self._backward_error = self._backward_error, None
+        if msg is not None:
+            raise ScheduleError(f"{msg}; the gradients of this step were not reduced (do not step the optimizer)")
+
+    def _fail_bucket(self, bucket: "_Bucket", msg: str) -> None:
+        """Deliver a failed reduction: in a backward pass through :meth:`_check_backward`, else
+        as the future's exception."""
+        if bucket.future.done():
+            return
+        if bucket.in_backward:
+            with self._cv:
+                if self._backward_error is None:
+                    self._backward_error = msg
+            bucket.future.set_result(bucket.flat)
+        else:
+            bucket.future.set_exception(ScheduleError(msg))
 
     def _ensure_worker(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -434,8 +486,7 @@ class CommScheduler:
             dropped = list(self._queue)
             self._queue.clear()
         for it in list(items) + dropped:
-            if not it.bucket.future.done():
-                it.bucket.future.set_exception(RuntimeError(msg))
+            self._fail_bucket(it.bucket, msg)
 
     def close(self) -> None:
         """Stop the worker thread (queued micro-ops are dropped)."""

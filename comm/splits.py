@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .executor import ScheduleError
+
 __all__ = [
     "SplitMismatchError",
     "DispatchPlan",
@@ -100,13 +102,29 @@ def _encode(splits, world_size: int) -> tuple[int, list[int]]:
     return len(vals), vals
 
 
-def _exchange_rows(vec: torch.Tensor, group) -> torch.Tensor:
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group, what: str) -> None:
+    """``dist.all_to_all_single`` whose backend failure (a peer that died or raised before the
+    collective, a timeout) becomes a typed :class:`~comm.executor.ScheduleError` naming the step,
+    as the pipelined exchanges' failures do."""
+    try:
+        dist.all_to_all_single(recv, send, group=group)
+    except RuntimeError as e:
+        if isinstance(e, ScheduleError):
+            raise
+        rank = dist.get_rank(group) if dist.is_initialized() else -1
+        raise ScheduleError(
+            f"{what} failed on rank {rank} of the expert-parallel group: {type(e).__name__}: {e}. A peer failed or "
+            "left before this collective (its own first error says why), or the process-group timeout expired"
+        ) from e
+
+
+def _exchange_rows(vec: torch.Tensor, group, what: str = "the settings exchange") -> torch.Tensor:
     """Every rank's copy of ``vec`` ([m] int64) as a [P, m] matrix: one all-to-all with equal
     splits in which each rank sends its vector to every rank (gloo and NCCL both support it)."""
     _, P = group_rank_size(group)
     send = vec.repeat(P)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    _all_to_all(recv, send, group, what)
     return recv.view(P, -1)
 
 
@@ -135,7 +153,7 @@ def check_splits(
     rows_in = -1 if input_rows is None else int(input_rows)
     rows_out = -1 if output_rows is None else int(output_rows)
     vec = torch.tensor([n_in, n_out, rows_in, rows_out] + ins + outs, dtype=torch.int64, device=comm_device(group))
-    table = _exchange_rows(vec, group).tolist()  # host sync: the verdict is a host decision
+    table = _exchange_rows(vec, group, "the all-to-all split check").tolist()  # host sync: the verdict is a host decision
     problems: list[str] = []
     offending: set[int] = set()
     for r, row in enumerate(table):
@@ -187,7 +205,7 @@ def exchange_splits(input_split_sizes: Sequence[int], *, group=None, input_rows:
     n_in, ins = _encode(input_split_sizes, P)
     ok = n_in == P and all(v >= 0 for v in ins) and (input_rows is None or sum(ins) == input_rows)
     vec = torch.tensor([1 if ok else 0] + ins, dtype=torch.int64, device=comm_device(group))
-    table = _exchange_rows(vec, group).tolist()  # host sync: split sizes are host values
+    table = _exchange_rows(vec, group, "the split exchange").tolist()  # host sync: split sizes are host values
     bad = [r for r in range(P) if table[r][0] == 0]
     if bad:
         raise SplitMismatchError(
@@ -206,7 +224,7 @@ def check_agreement(values: dict[str, int], *, group=None, what: str = "settings
     _, P = group_rank_size(group)
     names = list(values)
     vec = torch.tensor([int(values[k]) for k in names], dtype=torch.int64, device=comm_device(group))
-    table = _exchange_rows(vec, group).tolist()  # host sync: the verdict is a host decision
+    table = _exchange_rows(vec, group, f"the agreement check on {what}").tolist()  # host sync: a host verdict
     diffs = [
         f"{name}: " + ", ".join(f"rank {r}={table[r][j]}" for r in range(P))
         for j, name in enumerate(names)
@@ -267,17 +285,34 @@ class DispatchPlan:
         return sum(self.recv_splits[i])
 
 
-def exchange_counts(counts_NE: torch.Tensor, *, group=None) -> DispatchPlan:
+#: Row dtypes :func:`exchange_counts` can compare across ranks (their index is the wire code).
+_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def exchange_counts(
+    counts_NE: torch.Tensor,
+    *,
+    group=None,
+    row_dtype: Optional[torch.dtype] = None,
+    row_width: Optional[int] = None,
+) -> DispatchPlan:
     """Exchange per-expert row counts and derive every micro-op's splits.
 
     Args:
         counts_NE: integer [N, E] (or [E] for one micro-op): rows this rank sends to each global
             expert in each micro-op (``PermuteInfo.counts`` of each micro-batch, stacked).
         group: the expert-parallel process group (None = the default group).
+        row_dtype, row_width: the dtype and width (elements per row) of the rows the exchanges
+            that follow will move. When given, they travel in the same message and every rank
+            checks that all ranks agree: ranks whose rows differ (one cast its layer after
+            construction) raise the same ``TypeError`` on every rank before any row moves,
+            instead of a backend abort on mismatched byte counts.
 
-    Collective: one all-to-all of N*E integers, then one host sync (the all-to-all split sizes
-    of the data exchanges must be Python ints; this is the only sync of the expert-parallel
-    forward besides the backend's own).
+    Collective: one all-to-all of N*E (+2) integers, then one host sync (the all-to-all split
+    sizes of the data exchanges must be Python ints; this is the only sync of the
+    expert-parallel forward besides the backend's own). A backend failure (a peer that died or
+    raised before this exchange, or the process-group timeout) raises
+    :class:`~comm.executor.ScheduleError`.
     """
     rank, P = group_rank_size(group)
     if not isinstance(counts_NE, torch.Tensor):
@@ -292,15 +327,31 @@ def exchange_counts(counts_NE: torch.Tensor, *, group=None) -> DispatchPlan:
     N, E = counts_NE.shape
     if E % P != 0:
         raise ValueError(f"num_experts={E} is not divisible by the expert-parallel group size {P}")
+    if row_dtype is not None and row_dtype not in _ROW_DTYPES:
+        raise TypeError(f"row_dtype={row_dtype}; expert-parallel rows are one of {_ROW_DTYPES}")
+    if row_width is not None and (not isinstance(row_width, int) or row_width < 0):
+        raise ValueError(f"row_width={row_width!r} must be an int >= 0 (elements per row)")
     L = E // P
     c_NPL = counts_NE.to(torch.int64).reshape(N, P, L)
-    send_PNL = c_NPL.transpose(0, 1).contiguous()  # block j goes to rank j
-    recv_PNL = torch.empty_like(send_PNL)
-    dist.all_to_all_single(recv_PNL, send_PNL, group=group)
-    recv_NPL = recv_PNL.transpose(0, 1).contiguous()
-    splits = torch.cat([c_NPL.sum(-1), recv_NPL.sum(-1)], dim=0)  # [2N, P]
+    send_PNL = c_NPL.transpose(0, 1).reshape(P, N * L)  # block j goes to rank j
+    code = -1 if row_dtype is None else _ROW_DTYPES.index(row_dtype)
+    width = -1 if row_width is None else row_width
+    header = torch.tensor([code, width], dtype=torch.int64, device=send_PNL.device).expand(P, 2)
+    send = torch.cat([send_PNL, header], dim=1).contiguous()  # [P, N*L + 2]
+    recv = torch.empty_like(send)
+    _all_to_all(recv, send, group, "the expert-parallel counts exchange (the first collective of the forward)")
+    recv_NPL = recv[:, : N * L].reshape(P, N, L).transpose(0, 1).contiguous()
+    splits = torch.cat([c_NPL.sum(-1), recv_NPL.sum(-1), recv[:, N * L :].t()], dim=0)  # [2N + 2, P]
     # Host sync (the one unavoidable one): all_to_all_single takes its split sizes as Python ints.
     host = splits.tolist()
+    codes, widths = host[2 * N], host[2 * N + 1]
+    if len(set(codes)) > 1 or len(set(widths)) > 1:  # every rank sees every header: the same verdict
+        names = ["unset" if c < 0 else str(_ROW_DTYPES[c]).replace("torch.", "") for c in codes]
+        ranks = ", ".join(f"rank {r}: {names[r]} x {widths[r]}" for r in range(P))
+        raise TypeError(
+            f"the ranks of the expert-parallel group would exchange different rows ({ranks}); every rank's layer "
+            "and input must have the same dtype and d_model (a rank cast its layer or its input after construction)"
+        )
     return DispatchPlan(
         rank=rank,
         world_size=P,

@@ -92,12 +92,6 @@ def test_route_nan_weights_with_validation_off(value, backend):
     assert torch.equal(ok.topk_weights, impl(logits, 2, expert_bias=_bias(at=None)).topk_weights)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MoELayer.route calls the route implementation directly (no guard); the fix is one line in "
-    "tritonmoe/layer.py, which the integrator owns: routing.topk_weights = "
-    "tritonmoe.bias.nan_weights_if_nonfinite(routing.topk_weights, self.expert_bias)",
-)
 def test_layer_output_is_nan_with_nonfinite_bias():
     layer = tm.MoELayer(tm.MoEConfig(8, 12, 6, 2, expert_bias=True))
     with torch.no_grad():

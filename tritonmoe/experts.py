@@ -258,7 +258,8 @@ class ExpertParallelExperts(ExpertPath):
             x_perm, info = permute(x_TD[a:b], routing.topk_ids[a:b], c.num_experts)
             sends.append(x_perm)
             infos.append(info)
-        plan = disp.exchange_counts(torch.stack([info.counts for info in infos]))
+        plan = disp.exchange_counts(torch.stack([info.counts for info in infos]), row_dtype=x_TD.dtype,
+                                    row_width=x_TD.shape[1])
         backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD), weights.params(), trace=self.trace)
         unpermute = self.impl("unpermute", x_TD)
         outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]

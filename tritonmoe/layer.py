@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import reference
+from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
 from .dispatch import implementation
 from .exact import rowwise_mm
@@ -275,6 +276,10 @@ class MoELayer(nn.Module):
             capacity=c.capacity(x_TD.shape[0]),
             with_aux=need_aux,
         )
+        if self.expert_bias is not None:
+            # A non-finite bias (an update gone wrong) would silently reroute every token: the
+            # weights become NaN instead, on the device (no host sync on the forward).
+            routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, self.expert_bias)
         return logits_TE, routing
 
     def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
