@@ -19,6 +19,9 @@ The rules, in order:
 5. ``"triton"`` -> the kernel; on CPU tensors only with Triton's interpreter switched on
    (``TRITON_INTERPRET=1`` before tritonmoe is imported), otherwise a clear error.
 
+Before these rules: tensors on the ``meta`` device get the shape-only implementations of
+:mod:`tritonmoe.meta` on every backend (no data, no kernels, no host syncs).
+
 Kernel modules are imported on first use (plain imports in :func:`_kernel`), so importing
 tritonmoe never imports triton, and a machine without triton still runs the reference.
 """
@@ -119,6 +122,10 @@ def implementation(
     docstring for the rules). ``dtype`` None skips rule 3 (the caller has no float input)."""
     spec = _spec(op)
     b = resolve_backend(backend)
+    if device.type == "meta":  # shapes only, on every backend (tritonmoe.meta)
+        from . import meta
+
+        return getattr(meta, op)
     if b == "torch":
         return spec.reference
     if dtype is not None and spec.kernel_dtypes is not None and dtype not in spec.kernel_dtypes:

@@ -28,6 +28,12 @@ __all__ = [
 ]
 
 
+def _check_values(t: torch.Tensor) -> bool:
+    """Whether to run the value checks (a host sync) on a call with input ``t``: validation on,
+    and real data (meta tensors have none: they get shape checks only)."""
+    return validation_enabled() and not t.is_meta
+
+
 def route(
     logits: torch.Tensor,
     top_k: int,
@@ -83,7 +89,7 @@ def route(
     # Integer scalars of other types (numpy.int64, ...) become Python ints before any launch.
     top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
     routed_scaling_factor = float(routed_scaling_factor)
-    validate = validation_enabled()
+    validate = _check_values(logits)
     if validate:
         V.route_values(logits, score_func, expert_bias)
     impl = implementation("route", backend, logits.device, logits.dtype)
@@ -165,7 +171,7 @@ def permute(
     """
     V.permute_args(x, topk_ids, num_experts, pad_to, num_rows)
     num_experts, pad_to = int(num_experts), int(pad_to)
-    if validation_enabled():
+    if _check_values(x):
         V.ids_values(topk_ids, num_experts)
     impl = implementation("permute", backend, x.device, x.dtype)
     if num_rows is None:
@@ -210,7 +216,7 @@ def unpermute(
             f"[T, k] = {tuple(info.slot_rows.shape)}"
         )
     V.same_device(y_perm=y_perm, topk_weights=topk_weights, slot_rows=info.slot_rows)
-    if validation_enabled():
+    if _check_values(y_perm):
         V.permute_info_values(info, y_perm.shape[0], allow_tail=True)
     impl = implementation("unpermute", backend, y_perm.device, y_perm.dtype)
     return impl(y_perm, info, topk_weights)
@@ -231,7 +237,7 @@ def grouped_gemm(
     unspecified values, never an out-of-bounds access)."""
     V.gemm_args(x, expert_offsets, w)
     V.bias("bias", bias, w.shape[0], w.shape[2], x, "output columns")
-    if validation_enabled():
+    if _check_values(x):
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
     impl = implementation("grouped_gemm", backend, x.device, x.dtype)
     return impl(x, expert_offsets, w, bias)
@@ -267,7 +273,7 @@ def grouped_ffn(
     V.ffn_args(x, expert_offsets, w1, w2, activation)
     V.ffn_biases(x, w1, w2, b1, b2)
     kw = _swiglu_kw(activation, swiglu_limit, swiglu_alpha)
-    if validation_enabled():
+    if _check_values(x):
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0])
     impl = implementation("grouped_ffn", backend, x.device, x.dtype)
     return impl(x, expert_offsets, w1, w2, activation, b1, b2, **kw)
@@ -329,7 +335,7 @@ def moe_ffn(
     V.ffn_biases(x, w1, w2, b1, b2)
     kw = _swiglu_kw(activation, swiglu_limit, swiglu_alpha)
     V.same_device(x=x, topk_ids=routing.topk_ids, topk_weights=routing.topk_weights, counts=routing.counts)
-    if validation_enabled():
+    if _check_values(x):
         V.ids_values(routing.topk_ids, E)
         V.counts_values(routing)
     impl = implementation("moe_ffn", backend, x.device, x.dtype)

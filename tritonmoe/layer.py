@@ -147,7 +147,11 @@ class MoELayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         E, d = config.num_experts, config.d_model
         w1_shape, w2_shape = self.expert_path.weight_shapes()
-        self.router = Router(d, E, bias=False, **factory)
+        # Built without initializing (reset_parameters does, once): the initialization consumes the
+        # default generator the same way whether the layer is built here or on meta + to_empty.
+        self.router = torch.nn.utils.skip_init(
+            Router, d, E, bias=False, device=device if device is not None else torch.get_default_device(), dtype=dtype
+        )
         self.w1 = nn.Parameter(torch.empty(*w1_shape, **factory))
         self.w2 = nn.Parameter(torch.empty(*w2_shape, **factory))
         if config.expert_bias:
