@@ -359,7 +359,7 @@ def exchange_counts(
         send_counts=c_NPL.reshape(N, E),
         recv_counts=recv_NPL,
         send_splits=host[:N],
-        recv_splits=host[N:],
+        recv_splits=host[N : 2 * N],
     )
 
 

@@ -50,6 +50,9 @@ class Case:
     tokens: tuple[int, ...]
     seed: int
     why: str = ""
+    #: the layers real models use: expert biases, GPT-OSS's clamped SwiGLU, a router bias, a
+    #: routed scaling factor, DeepSeek-V2's group score, a gated shared expert
+    features: bool = False
 
 
 def cases(world_size: int) -> list[Case]:
@@ -68,18 +71,22 @@ def cases(world_size: int) -> list[Case]:
             why.append(f"expert {dead} receives nothing")
         if max(tokens) < n:
             why.append("empty micro-batches")
+        features = i % 4 in (1, 2)
+        if features:
+            why.append("expert/router biases, swiglu_oai, scaling, group score max, gated shared expert")
         out.append(
             Case(
                 pipeline_degree=n,
                 top_k=k,
                 dtype=dt,
                 capacity_factor=cf,
-                activation=ACTIVATIONS[i % 3],
+                activation="swiglu_oai" if features else ACTIVATIONS[i % 3],
                 dead_expert=dead,
                 aux_loss_coef=0.01 if i % 2 else 0.0,
                 tokens=tokens,
                 seed=1000 + i,
                 why=", ".join(why),
+                features=features,
             )
         )
     return out
@@ -96,6 +103,9 @@ def _config(c: Case, pipeline_degree: int = 1) -> tm.MoEConfig:
         aux_loss_coef=c.aux_loss_coef,
         expert_bias=c.dead_expert is not None,
         pipeline_degree=pipeline_degree,
+        **(dict(swiglu_limit=0.6, swiglu_alpha=1.3, expert_ffn_bias=True, router_bias=True, routed_scaling_factor=1.5,
+                n_groups=4, topk_groups=2, group_score="max", shared_d_ffn=6, shared_expert_gate=True)
+           if c.features else {}),
     )
 
 
@@ -126,6 +136,13 @@ def run_case(rank: int, P: int, c: Case) -> tuple[list[str], Optional[float]]:
         ep.w2.copy_(ref.w2[mine])
         if c.dead_expert is not None:
             ep.expert_bias.copy_(ref.expert_bias)
+        if c.features:  # non-zero biases (they start at zero), shared expert and router bias as ref's
+            ref.b1.copy_(torch.randn(ref.b1.shape, generator=torch.Generator().manual_seed(c.seed + 7)) * 0.3)
+            ref.b2.copy_(torch.randn(ref.b2.shape, generator=torch.Generator().manual_seed(c.seed + 8)) * 0.3)
+            ep.b1.copy_(ref.b1[mine])
+            ep.b2.copy_(ref.b2[mine])
+            ep.router.bias.copy_(ref.router.bias)
+            ep.shared_experts.load_state_dict(ref.shared_experts.state_dict())
     gen = torch.Generator().manual_seed(c.seed + 1)
     xs = [torch.randn(T, D_MODEL, generator=gen, dtype=c.dtype) for T in c.tokens]
     grads = [torch.randn(T, D_MODEL, generator=gen, dtype=c.dtype) for T in c.tokens]
@@ -138,16 +155,28 @@ def run_case(rank: int, P: int, c: Case) -> tuple[list[str], Optional[float]]:
     for r in range(P):
         xr = xs[r].clone().requires_grad_()
         ref.router.weight.grad = None
+        if c.features:
+            ref.router.bias.grad = None
+            ref.shared_experts.zero_grad(set_to_none=True)
         o = ref(xr)
         ((o * grads[r]).sum() + ref.aux_loss).backward()
         if r == rank:
             want = (o.detach(), xr.grad, ref.router.weight.grad.clone(), ref.aux_loss.detach())
+            if c.features:
+                want += (ref.router.bias.grad.clone(),
+                         {n_: p_.grad.clone() for n_, p_ in ref.shared_experts.named_parameters()})
     _close(failures, f"{label}: output", out.detach(), want[0], c.dtype)
     _close(failures, f"{label}: x.grad", x.grad, want[1], c.dtype)
     _close(failures, f"{label}: router.grad", ep.router.weight.grad, want[2], c.dtype)
     _close(failures, f"{label}: aux_loss", ep.aux_loss.detach(), want[3], want[3].dtype)
     _close(failures, f"{label}: w1.grad", ep.w1.grad, ref.w1.grad[mine], c.dtype)
     _close(failures, f"{label}: w2.grad", ep.w2.grad, ref.w2.grad[mine], c.dtype)
+    if c.features:
+        _close(failures, f"{label}: b1.grad", ep.b1.grad, ref.b1.grad[mine], c.dtype)
+        _close(failures, f"{label}: b2.grad", ep.b2.grad, ref.b2.grad[mine], c.dtype)
+        _close(failures, f"{label}: router.bias.grad", ep.router.bias.grad, want[4], c.dtype)
+        for n_, p_ in ep.shared_experts.named_parameters():
+            _close(failures, f"{label}: shared {n_}.grad", p_.grad, want[5][n_], c.dtype)
 
     if c.dtype == torch.float64 and c.pipeline_degree > 1:
         # Pipelining changes the schedule, not the result: bitwise equal to n = 1 in fp64.
@@ -162,7 +191,7 @@ def run_case(rank: int, P: int, c: Case) -> tuple[list[str], Optional[float]]:
             ("router.grad", ep.router.weight.grad, one.router.weight.grad),
             ("w1.grad", ep.w1.grad, one.w1.grad),
             ("w2.grad", ep.w2.grad, one.w2.grad),
-        ):
+        ) + ((("b1.grad", ep.b1.grad, one.b1.grad), ("b2.grad", ep.b2.grad, one.b2.grad)) if c.features else ()):
             if not torch.equal(a, b):
                 failures.append(f"{label}: {name} not bitwise equal to n=1 (max diff {(a - b).abs().max():.3g})")
 

@@ -150,3 +150,58 @@ def moe_layer(x_TD, router_w_ED, w1, w2, cfg, expert_bias=None):
         rows.append(acc)
     out = torch.stack(rows) if rows else torch.zeros(0, x_TD.shape[1], dtype=torch.float64)
     return out, kept
+
+
+def act_full(h, activation, limit=7.0, alpha=1.702):
+    """``act`` plus GPT-OSS's clamped SwiGLU (gate clamped from above, up from both sides)."""
+    if activation == "swiglu_oai":
+        f = h.shape[-1] // 2
+        g = torch.clamp(h[..., :f], max=limit)
+        u = torch.clamp(h[..., f:], min=-limit, max=limit)
+        return (u + 1) * g * (1 / (1 + torch.exp(-alpha * g)))
+    return act(h, activation)
+
+
+def model_layer(x_TD, layer):
+    """A MoELayer with every real-model option (router bias and dtype, group score, routed
+    scaling factor, expert biases, clamped SwiGLU, gated shared expert), token by token in fp64,
+    differentiable w.r.t. x and every parameter of ``layer`` (read from it)."""
+    cfg = layer.config
+    W = layer.router.weight
+    logits = x_TD.to(W.dtype) @ W.t()
+    if layer.router.bias is not None:
+        logits = logits + layer.router.bias
+    opts = dict(score_func=cfg.score_func, renormalize=cfg.renormalize, expert_bias=layer.expert_bias,
+                n_groups=cfg.n_groups, topk_groups=cfg.topk_groups, group_score=cfg.group_score)
+    chosen, _, _, _ = route(logits.detach(), cfg.top_k, **opts)
+    kept, _, _, _ = route(logits.detach(), cfg.top_k, capacity=cfg.capacity(x_TD.shape[0]), **opts)
+    lf = logits.double()
+    s = torch.softmax(lf, -1) if cfg.score_func == "softmax" else torch.sigmoid(lf)
+    lim, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+    rows = []
+    for t in range(x_TD.shape[0]):
+        w = s[t, chosen[t]]
+        if cfg.renormalize:
+            w = w / w.sum().clamp_min(1e-20)
+        w = w * cfg.routed_scaling_factor
+        xt = x_TD[t].double()
+        acc = torch.zeros(x_TD.shape[1], dtype=torch.float64)
+        for j, e in enumerate(kept[t]):
+            if e < 0:
+                continue
+            h = xt @ layer.w1[e].double()
+            if layer.b1 is not None:
+                h = h + layer.b1[e].double()
+            y = act_full(h, cfg.activation, lim, alpha) @ layer.w2[e].double()
+            if layer.b2 is not None:
+                y = y + layer.b2[e].double()
+            acc = acc + w[j] * y
+        sh = layer.shared_experts
+        if sh is not None:
+            y = act_full(xt @ sh.w1.double(), cfg.activation, lim, alpha) @ sh.w2.double()
+            if sh.gate is not None:
+                y = y / (1 + torch.exp(-(xt @ sh.gate.double())))
+            acc = acc + y
+        rows.append(acc)
+    out = torch.stack(rows) if rows else torch.zeros(0, x_TD.shape[1], dtype=torch.float64)
+    return out, kept

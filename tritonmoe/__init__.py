@@ -14,7 +14,7 @@ from ._settings import (
     validation,
     validation_enabled,
 )
-from .bias import check_expert_bias, expert_bias_finite
+from .bias import check_expert_bias, expert_bias_finite, update_expert_bias
 from .config import MoEConfig
 from .functional import (
     grouped_ffn,
@@ -38,6 +38,7 @@ __all__ = [
     "check_expert_bias",
     "comm",
     "expert_bias_finite",
+    "update_expert_bias",
     "MoEConfig",
     "MoELayer",
     "LayoutError",

@@ -29,7 +29,7 @@ import torch
 
 from . import _validation as V
 
-__all__ = ["check_expert_bias", "expert_bias_finite", "nan_weights_if_nonfinite"]
+__all__ = ["check_expert_bias", "expert_bias_finite", "nan_weights_if_nonfinite", "update_expert_bias"]
 
 
 def _as_list(bias) -> list[torch.Tensor]:
@@ -114,3 +114,58 @@ def nan_weights_if_nonfinite(topk_weights: torch.Tensor, expert_bias: Optional[t
         torch.full((), float("nan"), dtype=topk_weights.dtype, device=topk_weights.device),
     )
     return topk_weights + poison
+
+
+@torch.no_grad()
+def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.Tensor]:
+    """The auxiliary-loss-free balancing step (DeepSeek-V3; Megatron's rule): for each MoE layer,
+    ``expert_bias += rate * sign(mean_load - load)``, where ``load`` [E] is the tokens routed to
+    each expert since the last update (:meth:`tritonmoe.MoELayer.expert_load`, consumed here),
+    summed over ``group``.
+
+    Args:
+        layers: a :class:`~tritonmoe.MoELayer` built with ``expert_bias=True``, a sequence of
+            them, or a model (every MoE layer with a bias in it).
+        rate: the update rate (DeepSeek-V3: 1e-3); finite, > 0.
+        group: the process group over which every replica of the bias sees different tokens (the
+            data-parallel x expert-parallel ranks; usually the world), or None for this process's
+            loads alone. One all-reduce for all layers.
+
+    Returns: the loads used (int64 [E] per layer, summed over ``group``), for logging.
+
+    Call it once per optimizer step, outside the forward. The new biases are checked before they
+    are written (:func:`check_expert_bias`: one host sync for all layers): a non-finite bias
+    raises ``ValueError`` naming it and leaves every bias as it was.
+    """
+    import math
+
+    import torch.distributed as dist
+
+    if not V.is_real(rate) or not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate={rate!r} must be a finite number > 0 (DeepSeek-V3 uses 1e-3)")
+    if isinstance(layers, torch.nn.Module) and not hasattr(layers, "expert_load"):
+        layers = [m for m in layers.modules() if hasattr(m, "expert_load") and getattr(m, "expert_bias", None) is not None]
+    elif isinstance(layers, torch.nn.Module):
+        layers = [layers]
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        if not hasattr(layer, "expert_load"):
+            raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not a tritonmoe.MoELayer")
+        if getattr(layer, "expert_bias", None) is None:
+            raise ValueError(f"layers[{i}] has no selection bias: build it with MoEConfig(..., expert_bias=True)")
+    if not layers:
+        return []
+    loads = [layer.expert_load(reset=True) for layer in layers]
+    if group is not None:
+        flat = torch.cat(loads)
+        dist.all_reduce(flat, group=group)
+        loads = list(flat.split([load.numel() for load in loads]))
+    new = []
+    for layer, load in zip(layers, loads):
+        f = load.to(torch.float64)
+        step = torch.sign(f.mean() - f) * rate
+        new.append(layer.expert_bias + step.to(layer.expert_bias.dtype))
+    check_expert_bias(new + [layer.expert_bias for layer in layers], name="expert_bias")
+    for layer, b in zip(layers, new):
+        layer.expert_bias.copy_(b)
+    return loads

@@ -8,6 +8,8 @@ from fractions import Fraction
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from . import _validation as V
 from ._settings import BACKENDS
 
@@ -28,7 +30,8 @@ class MoEConfig:
         d_model, d_ffn: model and expert hidden widths.
         num_experts: E, the global number of experts.
         top_k: experts per token.
-        activation: "swiglu" (w1 holds gate then up, 2*d_ffn columns), "gelu" (exact) or "relu".
+        activation: "swiglu" (w1 holds gate then up, 2*d_ffn columns), "swiglu_oai" (GPT-OSS's
+            clamped SwiGLU, same layout), "gelu" (exact) or "relu".
         score_func: "softmax" or "sigmoid".
         renormalize: renormalize the k weights to sum to 1.
         n_groups, topk_groups: group-limited routing (both or neither).
@@ -49,6 +52,23 @@ class MoEConfig:
             and weighted combine fused into the expert GEMMs), "unfused" (permute ->
             grouped_ffn -> unpermute) or "auto" (the layer picks per call and records the choice
             in ``MoELayer.ffn_path_used``; see :meth:`MoELayer.choose_ffn_path`).
+        group_score: how group-limited routing scores a group: "top2sum" (the sum of its two
+            largest selection values; DeepSeek-V3) or "max" (DeepSeek-V2).
+        routed_scaling_factor: multiplies the routed experts' weights after renormalization
+            (DeepSeek-V3 2.5, GLM-4-MoE); finite, > 0.
+        swiglu_limit, swiglu_alpha: the clamp bound and sigmoid scale of activation
+            "swiglu_oai" (GPT-OSS: 7.0, 1.702).
+        expert_ffn_bias: per-expert biases ``b1`` [E, n1] and ``b2`` [E, d_model] on the two
+            expert projections (GPT-OSS), initialized to zero.
+        router_bias: a bias on the router's logits (GPT-OSS).
+        router_dtype: None (the router computes in the layer's dtype) or a float dtype (e.g.
+            ``torch.float32``) the router's weight is kept in and its logits computed in, on
+            bf16/fp16 activations; ``layer.to(dtype)`` keeps it.
+        shared_d_ffn: hidden width of the shared expert(s) every token goes through besides its
+            routed experts (DeepSeek, Qwen2-MoE, Llama 4; several shared experts of width f are
+            one of width n*f); 0 for none. Same activation as the routed experts.
+        shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ g)`` per token
+            (Qwen2-MoE's ``shared_expert_gate``).
         parm_schedule: the schedule of a layer with model-parallel or expert-sharding groups
             (``MoELayer(..., mp_group=..., esp_group=...)``, paper 003 "Parm"): "baseline"
             (DeepSpeed-MoE's order), "s1" (pause model parallelism before the gate), "s2" (after
@@ -74,6 +94,15 @@ class MoEConfig:
     ffn_path: str = "auto"
     parm_schedule: str = "auto"
     cost_model: Optional[str] = None
+    group_score: str = "top2sum"
+    routed_scaling_factor: float = 1.0
+    swiglu_limit: float = V.SWIGLU_LIMIT
+    swiglu_alpha: float = V.SWIGLU_ALPHA
+    expert_ffn_bias: bool = False
+    router_bias: bool = False
+    router_dtype: Optional[torch.dtype] = None
+    shared_d_ffn: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         V.positive_int("d_model", self.d_model)
@@ -113,13 +142,33 @@ class MoEConfig:
         if self.backend is not None:
             V.choice("backend", self.backend, BACKENDS)
         V.choice("ffn_path", self.ffn_path, FFN_PATHS)
+        V.choice("group_score", self.group_score, V.GROUP_SCORES)
+        rsf = self.routed_scaling_factor
+        if not V.is_real(rsf):
+            raise TypeError(f"routed_scaling_factor must be a number, got {type(rsf).__name__}")
+        if not (math.isfinite(rsf) and rsf > 0):
+            raise ValueError(f"routed_scaling_factor={rsf} must be finite and > 0")
+        V.swiglu_options(self.activation, self.swiglu_limit, self.swiglu_alpha)
+        for name in ("expert_ffn_bias", "router_bias", "shared_expert_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.router_dtype is not None and (
+            not isinstance(self.router_dtype, torch.dtype) or self.router_dtype not in V.FLOAT_DTYPES
+        ):
+            raise TypeError(f"router_dtype={self.router_dtype!r}; use None or one of {V.FLOAT_DTYPES}")
+        if not V.is_int(self.shared_d_ffn) or self.shared_d_ffn < 0:
+            raise ValueError(f"shared_d_ffn={self.shared_d_ffn!r} must be an int >= 0 (0: no shared expert)")
+        if self.shared_expert_gate and self.shared_d_ffn == 0:
+            raise ValueError("shared_expert_gate=True needs a shared expert: set shared_d_ffn > 0")
         V.choice("parm_schedule", self.parm_schedule, PARM_SCHEDULES)
         # Store plain Python numbers (numpy scalars pass validation but must not reach kernels).
-        for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree"):
+        for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree",
+                     "shared_d_ffn"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 object.__setattr__(self, name, int(v))
-        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "routed_scaling_factor", "swiglu_limit",
+                     "swiglu_alpha"):
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, float(v))

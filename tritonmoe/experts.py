@@ -50,14 +50,33 @@ __all__ = [
 @dataclass(frozen=True)
 class ExpertWeights:
     """The expert parameters of a layer (this rank's experts under expert parallelism):
-    ``w1`` [E_local, d_model, n1], ``w2`` [E_local, d_ffn, d_model]."""
+    ``w1`` [E_local, d_model, n1], ``w2`` [E_local, d_ffn, d_model], and the optional biases
+    ``b1`` [E_local, n1] and ``b2`` [E_local, d_model]."""
 
     w1: torch.Tensor
     w2: torch.Tensor
+    b1: Optional[torch.Tensor] = None
+    b2: Optional[torch.Tensor] = None
 
     def params(self) -> tuple[torch.Tensor, ...]:
-        """The tensors a schedule differentiates (in a fixed order)."""
-        return (self.w1, self.w2)
+        """The tensors a schedule differentiates (in a fixed order: w1, w2, then the biases
+        present)."""
+        return (self.w1, self.w2) + tuple(b for b in (self.b1, self.b2) if b is not None)
+
+    def with_params(self, params) -> "ExpertWeights":
+        """The weights with :meth:`params` replaced by ``params`` (same order and presence)."""
+        w1, w2, *rest = params
+        rest = list(rest)
+        b1 = rest.pop(0) if self.b1 is not None else None
+        b2 = rest.pop(0) if self.b2 is not None else None
+        return ExpertWeights(w1, w2, b1, b2)
+
+
+def ffn_options(config: MoEConfig) -> dict:
+    """The keyword options of the expert FFN ops for ``config`` (the clamped SwiGLU's)."""
+    if config.activation == "swiglu_oai":
+        return {"swiglu_limit": config.swiglu_limit, "swiglu_alpha": config.swiglu_alpha}
+    return {}
 
 
 def micro_batch_bounds(num_tokens: int, n: int) -> list[tuple[int, int]]:
@@ -136,10 +155,14 @@ class LocalExperts(ExpertPath):
         c = self.config
         path = self.choose(x_TD)
         self.path_used = path
+        w, kw = weights, ffn_options(c)
         if path == "fused":
-            return self.impl("moe_ffn", x_TD)(x_TD, routing, weights.w1, weights.w2, c.activation)
-        x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts)
-        y_perm = self.impl("grouped_ffn", x_TD)(x_perm, info.expert_offsets, weights.w1, weights.w2, c.activation)
+            return self.impl("moe_ffn", x_TD)(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
+        # num_rows: the static bound of the permuted rows, so permute needs no host sync
+        T, k = routing.topk_ids.shape
+        rows = reference.max_permuted_rows(T, k, c.num_experts)
+        x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts, num_rows=rows)
+        y_perm = self.impl("grouped_ffn", x_TD)(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
 
 
@@ -225,18 +248,20 @@ class ExpertParallelExperts(ExpertPath):
         self.trace: Optional[list] = None
         self.scheduler = None
 
-    def expert_fn(self, plan, x_like: torch.Tensor):
-        """The expert compute of micro-op i on its received rows (the schedule's ExpertFn)."""
+    def expert_fn(self, plan, x_like: torch.Tensor, weights: ExpertWeights):
+        """The expert compute of micro-op i on its received rows (the schedule's ExpertFn);
+        ``weights`` tells which biases the schedule's ``params`` carry."""
         disp = self.dispatcher
         ffn = self.impl("grouped_ffn", x_like)
         defers = getattr(ffn, "defers_weight_grad", False)
         activation = self.config.activation
+        opts = ffn_options(self.config)
 
         def experts(i: int, recv_RD: torch.Tensor, params, wgrad) -> torch.Tensor:
-            w1, w2 = params
+            w = weights.with_params(params)
             x_RD = disp.to_expert_major(recv_RD, plan, i)
             kw = {"wgrad": wgrad} if (defers and wgrad is not None) else {}
-            y_RD = ffn(x_RD, disp.expert_offsets(plan, i), w1, w2, activation, **kw)
+            y_RD = ffn(x_RD, disp.expert_offsets(plan, i), w.w1, w.w2, activation, w.b1, w.b2, **opts, **kw)
             return disp.to_source_major(y_RD, plan, i)
 
         return experts
@@ -260,7 +285,7 @@ class ExpertParallelExperts(ExpertPath):
             infos.append(info)
         plan = disp.exchange_counts(torch.stack([info.counts for info in infos]), row_dtype=x_TD.dtype,
                                     row_width=x_TD.shape[1])
-        backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD), weights.params(), trace=self.trace)
+        backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD, weights), weights.params(), trace=self.trace)
         unpermute = self.impl("unpermute", x_TD)
         outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -11,12 +13,13 @@ from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
 from .dispatch import implementation
 from .exact import rowwise_mm
-from .experts import ExpertPath, ExpertWeights, make_expert_path, micro_batch_bounds
+from ._validation import GLU_ACTIVATIONS
+from .experts import ExpertParallelExperts, ExpertPath, ExpertWeights, LocalExperts, make_expert_path, micro_batch_bounds
 from .parallel.guard import check_ddp
 from .parallel.init import draw_seed, init_experts_
 from .types import Routing
 
-__all__ = ["MoELayer", "Router", "router_logits"]
+__all__ = ["MoELayer", "Router", "SharedExperts", "router_logits"]
 
 
 def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None) -> torch.Tensor:
@@ -41,6 +44,63 @@ class Router(nn.Linear):
             out = rowwise_mm(x, self.weight.t())
             return out if self.bias is None else out + self.bias
         return super().forward(x)
+
+
+class _StepState:
+    """What a forward leaves on the layer for the caller (the auxiliary loss, the routing, the
+    accumulated expert load). Not module state: a deep copy or a pickle of the layer drops it
+    (the loss holds the autograd graph, which cannot be copied)."""
+
+    def __init__(self) -> None:
+        self.aux_loss: torch.Tensor | None = None
+        self.routing: Routing | None = None
+        self.load: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo) -> "_StepState":
+        return _StepState()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+class SharedExperts(nn.Module):
+    """The shared expert(s) every token goes through beside its routed experts: a dense FFN
+    ``act(x @ w1) @ w2`` of hidden width ``config.shared_d_ffn`` with the routed experts'
+    activation (``w1`` [d_model, n1], gate columns first for the GLUs; ``w2`` [shared_d_ffn,
+    d_model]), optionally scaled per token by ``sigmoid(x @ gate)`` (``gate`` [d_model];
+    Qwen2-MoE). Replicated on every rank (a dense parameter for data parallelism). In fp64 the
+    products are row-invariant (:func:`tritonmoe.exact.rowwise_mm`), like the router's."""
+
+    def __init__(self, config: MoEConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        f = config.shared_d_ffn
+        n1 = 2 * f if config.activation in GLU_ACTIVATIONS else f
+        self.w1 = nn.Parameter(torch.empty(config.d_model, n1, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(f, config.d_model, device=device, dtype=dtype))
+        self.gate = (nn.Parameter(torch.empty(config.d_model, device=device, dtype=dtype))
+                     if config.shared_expert_gate else None)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init (from the default generator)."""
+        with torch.no_grad():
+            for w in (self.w1, self.w2, self.gate):
+                if w is not None and not w.is_meta:
+                    bound = 1.0 / math.sqrt(w.shape[0])
+                    w.uniform_(-bound, bound)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        mm = rowwise_mm if x_TD.dtype == torch.float64 else torch.matmul
+        h = mm(x_TD, self.w1)
+        a = reference._activation(h, c.activation, c.swiglu_limit, c.swiglu_alpha, scalar=h.dtype == torch.float64)
+        y = mm(a, self.w2)
+        if self.gate is not None:
+            y = y * torch.sigmoid(mm(x_TD, self.gate.unsqueeze(1)))
+        return y
 
 
 class MoELayer(nn.Module):
@@ -110,8 +170,9 @@ class MoELayer(nn.Module):
     consistent groups and the same config).
     """
 
-    #: The parameters that hold experts (partitioned under expert parallelism).
-    expert_parameter_names = ("w1", "w2")
+    #: The parameters that hold experts (partitioned under expert parallelism; the biases exist
+    #: with ``config.expert_ffn_bias``).
+    expert_parameter_names = ("w1", "w2", "b1", "b2")
 
     def __init__(
         self,
@@ -147,19 +208,30 @@ class MoELayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         E, d = config.num_experts, config.d_model
         w1_shape, w2_shape = self.expert_path.weight_shapes()
+        if config.expert_ffn_bias and not isinstance(self.expert_path, (LocalExperts, ExpertParallelExperts)):
+            raise ValueError(
+                "expert_ffn_bias=True is supported on the local and expert-parallel layouts, not with model-parallel "
+                "or expert-sharding groups (Parm); build the layer without mp_group/esp_group or without the biases"
+            )
         # Built without initializing (reset_parameters does, once): the initialization consumes the
         # default generator the same way whether the layer is built here or on meta + to_empty.
         self.router = torch.nn.utils.skip_init(
-            Router, d, E, bias=False, device=device if device is not None else torch.get_default_device(), dtype=dtype
+            Router, d, E, bias=config.router_bias, device=device if device is not None else torch.get_default_device(),
+            dtype=config.router_dtype if config.router_dtype is not None else dtype,
         )
         self.w1 = nn.Parameter(torch.empty(*w1_shape, **factory))
         self.w2 = nn.Parameter(torch.empty(*w2_shape, **factory))
+        if config.expert_ffn_bias:
+            self.b1 = nn.Parameter(torch.empty(w1_shape[0], w1_shape[2], **factory))
+            self.b2 = nn.Parameter(torch.empty(w2_shape[0], d, **factory))
+        else:
+            self.b1 = self.b2 = None
+        self.shared_experts = SharedExperts(config, **factory) if config.shared_d_ffn > 0 else None
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32))
         else:
             self.expert_bias = None
-        self.aux_loss: torch.Tensor = torch.zeros((), device=device)
-        self.last_routing: Routing | None = None
+        self._step = _StepState()
         self.init_seed: int = 0
         self.reset_parameters()
         seed_group = mesh.dense_group if mesh is not None else ep_group
@@ -248,6 +320,12 @@ class MoELayer(nn.Module):
 
             _, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
             w1, w2, first = w1.to_local(), w2.to_local(), first + int(offset[0])
+        with torch.no_grad():
+            for b in (self.b1, self.b2):
+                if b is not None and not b.is_meta:
+                    b.zero_()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
         init_shards = getattr(self.expert_path, "init_weights_", None)
         if init_shards is not None:  # a path that shards experts (Parm's ESP) slices the whole experts
             init_shards(w1, w2, base_seed=self.init_seed, expert_start=first)
@@ -264,21 +342,26 @@ class MoELayer(nn.Module):
 
     # -- the steps of a forward ----------------------------------------------------------------
 
+    def route_options(self) -> dict:
+        """The keyword options of the route op for this layer (every routed layout uses them)."""
+        c = self.config
+        return dict(
+            score_func=c.score_func, renormalize=c.renormalize, expert_bias=self.expert_bias, n_groups=c.n_groups,
+            topk_groups=c.topk_groups, group_score=c.group_score, routed_scaling_factor=c.routed_scaling_factor,
+        )
+
+    def router_input(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The router's input: ``x`` in the router's dtype (``config.router_dtype``)."""
+        w = self.router.weight
+        return x_TD if x_TD.dtype == w.dtype else x_TD.to(w.dtype)
+
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """Router logits and routing for flattened tokens."""
         c = self.config
-        logits_TE = router_logits(x_TD, self.router.weight, self.router)
+        logits_TE = router_logits(self.router_input(x_TD), self.router.weight, self.router)
         need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
         routing = implementation("route", c.backend, x_TD.device, logits_TE.dtype)(
-            logits_TE,
-            c.top_k,
-            score_func=c.score_func,
-            renormalize=c.renormalize,
-            expert_bias=self.expert_bias,
-            n_groups=c.n_groups,
-            topk_groups=c.topk_groups,
-            capacity=c.capacity(x_TD.shape[0]),
-            with_aux=need_aux,
+            logits_TE, c.top_k, capacity=c.capacity(x_TD.shape[0]), with_aux=need_aux, **self.route_options()
         )
         if self.expert_bias is not None:
             # A non-finite bias (an update gone wrong) would silently reroute every token: the
@@ -296,7 +379,43 @@ class MoELayer(nn.Module):
         return loss
 
     def expert_weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w1, self.w2)
+        return ExpertWeights(self.w1, self.w2, self.b1, self.b2)
+
+    # -- per-step outputs (kept out of the module's state) --------------------------------------
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """``aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss`` of the last forward (a
+        zero tensor before the first or when both coefficients are 0). Held outside the module's
+        state: ``copy.deepcopy`` and ``AveragedModel`` of a layer after a training forward work
+        (the copy starts without it)."""
+        a = self._step.aux_loss
+        return a if a is not None else torch.zeros((), device=self.w1.device)
+
+    @aux_loss.setter
+    def aux_loss(self, value: torch.Tensor) -> None:
+        self._step.aux_loss = value
+
+    @property
+    def last_routing(self) -> Routing | None:
+        """The :class:`Routing` of the last forward (None before the first)."""
+        return self._step.routing
+
+    @last_routing.setter
+    def last_routing(self, value: Routing | None) -> None:
+        self._step.routing = value
+
+    def expert_load(self, reset: bool = False) -> torch.Tensor:
+        """Tokens this rank routed to each global expert (kept slots, int64 [E]) summed over the
+        forwards since the last reset, on the layer's device; no host sync (log it where the loop
+        synchronizes anyway). ``reset``: zero the count after reading it (the aux-loss-free bias
+        update, :func:`tritonmoe.update_expert_bias`, does)."""
+        load = self._step.load
+        if load is None:
+            load = torch.zeros(self.config.num_experts, dtype=torch.int64, device=self.w1.device)
+        if reset:
+            self._step.load = None
+        return load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -313,7 +432,21 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, c.d_model)
         out_TD, routing, self.aux_loss = self.expert_path.layer_forward(self, x_TD)
         self.last_routing = routing
+        with torch.no_grad():
+            counts = routing.counts.to(torch.int64)
+            self._step.load = counts if self._step.load is None else self._step.load + counts
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD if x.dim() == 2 else out_TD.view(x.shape)
+
+    def _apply(self, fn, recurse: bool = True):
+        # layer.to(dtype) / .half() / .bfloat16() cast every parameter; an fp32 router
+        # (config.router_dtype) stays in its dtype.
+        super()._apply(fn, recurse)
+        rd = self.config.router_dtype
+        if rd is not None and self.router.weight.dtype != rd:
+            self.router._apply(lambda t: t.to(rd) if t.is_floating_point() else t)
+        return self
 
 
 #: Kept for callers of the v0 private helper.

@@ -69,6 +69,7 @@ from .comm.parm import (
 from .comm.partition import _transpose_chunks
 from .comm.splits import comm_device
 from ._validation import ACTIVATIONS, GLU_ACTIVATIONS
+from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
 from .experts import ExpertPath, ExpertWeights, micro_batch_bounds
 from .parm_layout import LayoutError, ParmGroups, groups_from_process_groups
@@ -463,7 +464,7 @@ class ParmExperts(ExpertPath):
             x_m, w = x_TD, layer.router.weight
         from .layer import router_logits
 
-        logits = router_logits(x_m, w, None if G.mp is not None else layer.router)
+        logits = router_logits(layer.router_input(x_m), w, None if G.mp is not None else layer.router)
         routing, aux = self._route_slice(layer, logits, T, sizes)
         out_m = self._pause(x_m, routing, layer.expert_weights(), PAUSE_BEFORE_GATE)
         if G.mp is not None:
@@ -476,10 +477,9 @@ class ParmExperts(ExpertPath):
         """Route this MP rank's slice with the batch's capacity and auxiliary losses."""
         c, G = self.config, self.groups
         need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
-        routing = self.impl("route", logits)(
-            logits, c.top_k, score_func=c.score_func, renormalize=c.renormalize, expert_bias=layer.expert_bias,
-            n_groups=c.n_groups, topk_groups=c.topk_groups, capacity=None, with_aux=need_aux,
-        )
+        routing = self.impl("route", logits)(logits, c.top_k, capacity=None, with_aux=need_aux, **layer.route_options())
+        if layer.expert_bias is not None:  # as MoELayer.route: a non-finite bias poisons the weights (no sync)
+            routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, layer.expert_bias)
         cap = c.capacity(T)
         E, K = c.num_experts, c.top_k
         ids = routing.topk_ids.long()
