@@ -146,3 +146,24 @@ def test_config_capacity_and_groups():
         tm.MoEConfig(8, 16, 4, 2, n_groups=2)
     with pytest.raises(ValueError, match="activation"):
         tm.MoEConfig(8, 16, 4, 2, activation="silu")
+
+
+def test_capacity_is_exact_decimal_arithmetic():
+    """ceil(cf * T * k / E) with cf read as the decimal it prints as, for every T up to 100 and
+    factors whose float products round the wrong way (1.1 * 20 = 22.000000000000004)."""
+    from fractions import Fraction
+
+    for cf in (0.5, 1.0, 1.1, 1.25, 2 / 3, 3.7, 0.001):
+        for E, k in ((6, 2), (7, 3), (64, 8)):
+            cfg = tm.MoEConfig(8, 16, E, k, capacity_factor=cf)
+            for T in range(101):
+                assert cfg.capacity(T) == math.ceil(Fraction(repr(cf)) * T * k / E), (cf, E, k, T)
+
+
+def test_capacity_of_a_dynamic_batch_size():
+    """Under torch.compile with dynamic shapes the token count is a SymInt; capacity() traces
+    (it used to fail on Fraction arithmetic) and gives the eager values for every batch size."""
+    cfg = tm.MoEConfig(8, 16, 4, 2, capacity_factor=1.1)
+    f = torch.compile(lambda x: x.new_zeros(cfg.capacity(x.shape[0])), backend="eager", fullgraph=True, dynamic=True)
+    for T in (20, 37, 3, 91):
+        assert f(torch.zeros(T)).shape[0] == cfg.capacity(T)

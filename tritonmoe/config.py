@@ -172,6 +172,12 @@ class MoEConfig:
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, float(v))
+        # capacity_factor as an exact ratio of Python ints (its shortest decimal form: 1.1 is
+        # 11/10), computed once here so that capacity() is integer arithmetic only.
+        ratio = None
+        if self.capacity_factor is not None:
+            ratio = Fraction(repr(self.capacity_factor)).as_integer_ratio()
+        object.__setattr__(self, "_capacity_ratio", ratio)
 
     @property
     def n1(self) -> int:
@@ -179,9 +185,17 @@ class MoEConfig:
         return 2 * self.d_ffn if self.activation in V.GLU_ACTIVATIONS else self.d_ffn
 
     def capacity(self, num_tokens: int) -> Optional[int]:
-        """Per-expert capacity for a batch of ``num_tokens`` tokens (None when dropless)."""
-        if self.capacity_factor is None:
+        """Per-expert capacity ``ceil(capacity_factor * num_tokens * top_k / num_experts)`` for a
+        batch of ``num_tokens`` tokens (None when dropless).
+
+        Exact: capacity_factor is taken as the decimal it prints as (1.1 is 11/10, so
+        capacity_factor=1.1 with T*k/E = 10 gives 11, not the 12 of float arithmetic), and the
+        ceiling is one integer floor division. ``num_tokens`` may be a ``torch.SymInt`` (a
+        dynamic batch size under ``torch.compile``): the same expression is then traced
+        symbolically and gives the same value at run time.
+        """
+        if self._capacity_ratio is None:
             return None
-        # Exact decimal arithmetic: capacity_factor=1.1 with T*k/E = 10 gives 11, not 12.
-        cf = Fraction(repr(float(self.capacity_factor)))
-        return math.ceil(cf * num_tokens * self.top_k / self.num_experts)
+        num, den = self._capacity_ratio
+        # ceil(a / b) = -((-a) // b) for integers a >= 0, b > 0.
+        return -((-num * num_tokens * self.top_k) // (den * self.num_experts))
