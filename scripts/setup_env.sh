@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates the project's virtual environment (default .venv) on a fresh machine and installs
-# tritonmoe into it in editable mode with its test dependencies.
+# tritonmoe into it in editable mode with what `make test` and `make bench` need (the extras
+# "test", "bench" and "hf": pytest, hypothesis, numpy, nvidia-ml-py, transformers; offline
+# machines skip what they lack, and the Hugging Face tests skip without transformers).
 #
 # * torch and triton already importable by $PYTHON (e.g. the GPU machine, which has no network):
 #   the venv sees them through --system-site-packages and nothing is downloaded for them.
@@ -34,7 +36,8 @@ if "$PYTHON" -c "import torch, triton" >/dev/null 2>&1; then
   else
     quiet_pip install -q --no-deps -e .
   fi
-  # Test and telemetry dependencies: install what is missing (skipped offline if present).
+  # The "test" and "bench" extras: install what is missing (nothing is downloaded when all are
+  # present, e.g. offline).
   missing=$("$VENV/bin/python" - <<'PY'
 import importlib.util
 need = {"pytest": "pytest>=7", "hypothesis": "hypothesis>=6.80", "numpy": "numpy", "pynvml": "nvidia-ml-py"}
@@ -54,7 +57,7 @@ else
     echo "setup: no NVIDIA GPU, installing a CPU build of torch and triton (for its interpreter)"
     quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch==2.13.0+cpu}" "${TRITONMOE_TRITON_SPEC:-triton==3.9.0}"
   fi
-  quiet_pip install -q -e ".[test]"
+  quiet_pip install -q -e ".[test,bench,hf]"
 fi
 "$VENV/bin/python" -c "import torch, tritonmoe; print(f'setup: tritonmoe {tritonmoe.__version__}, torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
 touch "$VENV/.tritonmoe-setup"

@@ -26,8 +26,17 @@ def test_wheel_installs_only_tritonmoe(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"tritonmoe", next(t for t in tops if t.endswith(".dist-info"))}, tops
     for mod in ("kernels/__init__.py", "comm/__init__.py", "reference.py", "layer.py", "plan/engine.py",
-                "plan/data/cpu_gloo.json"):
+                "plan/data/cpu_gloo.json", "py.typed"):
         assert f"tritonmoe/{mod}" in names
+    dist_info = next(t for t in tops if t.endswith(".dist-info"))
+    assert any(n.startswith(dist_info) and n.endswith("/LICENSE") for n in names), names
+    # Optional dependencies stay optional: NVML (bench telemetry), matplotlib (plots) and the test
+    # tools are extras, never requirements of the library.
+    metadata = zipfile.ZipFile(wheel).read(f"{dist_info}/METADATA").decode()
+    hard = [line.split(":", 1)[1].strip() for line in metadata.splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    assert sorted(r.split(">")[0].split(";")[0].strip() for r in hard) == ["torch", "triton"], hard
+    assert 'nvidia-ml-py; extra == "bench"' in metadata and 'matplotlib; extra == "plot"' in metadata
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
