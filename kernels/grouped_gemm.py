@@ -51,6 +51,7 @@ from torch.autograd.function import once_differentiable
 
 from ..types import Routing
 from . import _gemm_config as C
+from . import _grouped_gemm_persistent as P
 from ._grouped_gemm_kernels import (
     ACT_GELU,
     ACT_NONE,
@@ -113,6 +114,10 @@ def _mm(
     dev = a.device
     kind = "swiglu" if dual else ("mm" if act == ACT_NONE else "mm_act")
     cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
+    if cfg.variant == "persistent":  # the one variant switch (kernels/_grouped_gemm_persistent.py)
+        P.mm(a, offsets, b_EKN, out, cfg, rows=rows, act=act, h=h, row_map=row_map, topk=topk, gather_a=gather_a,
+             scatter=scatter, scale=scale, prec=_prec(a.dtype))
+        return
     num_pid_m = triton.cdiv(rows, cfg.BM) + E
     grid = (num_pid_m * triton.cdiv(N, cfg.BN),)
     # Arguments a flag switches off are never dereferenced: any tensor stands in for them.
