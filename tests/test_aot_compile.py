@@ -451,7 +451,7 @@ PERSISTENT_EXPECT: dict[str, PersistentExpect] = {}
 
 
 def _persistent_mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=False, gather_a=False, scatter=False,
-                   scale=False, topk=1, transposed_b=False, tma_store=True) -> Variant:
+                   scale=False, topk=1, transposed_b=False) -> Variant:
     """The persistent kernel as kernels/grouped_gemm.py::_mm launches it through PG.mm when the
     policy (TRITONMOE_GEMM_VARIANT=persistent) selects it: the policy's config, the launcher's
     own operand-access rule (PG.access) on tensors with the launch's shapes and strides, its
@@ -460,7 +460,8 @@ def _persistent_mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=
     kind = "swiglu" if dual else ("mm" if act == GK.ACT_NONE else "mm_act")
     with mock.patch.dict(os.environ, {"TRITONMOE_GEMM_VARIANT": "persistent"}):
         cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=dtype, tf32=False, device=dev)
-    assert cfg.variant == "persistent", cfg
+    if cfg.variant != "persistent":
+        raise RuntimeError(f"TRITONMOE_GEMM_VARIANT=persistent did not select the persistent variant: {cfg}")
     dt = _TL_NAME[dtype]
     NB = 2 * N if dual else N
 
@@ -471,9 +472,8 @@ def _persistent_mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=
     b = meta(E, NB, K).transpose(1, 2) if transposed_b else meta(E, K, NB)
     out = meta(rows // topk if (scatter and scale) else rows, N)
     h = meta(rows, NB) if store_h else None
-    acc = PG.access(a, b, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, tma_store=tma_store,
-                    capable=True)
-    opts = PG.PersistentOptions(tma_store=tma_store)
+    acc = PG.access(a, b, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, capable=True)
+    opts = PG.PersistentOptions()
     split = PG.epilogue_split(cfg.BN)
     fused = PG.flatten(opts, gather_a=gather_a, dual=dual)
     BM, BN, BK = cfg.BM, cfg.BN, cfg.BK
@@ -496,8 +496,7 @@ def _persistent_mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=
     )
     loads = int(acc.a) + int(acc.b) * (2 if dual else 1)
     stores = int(acc.c) + int(acc.h) * (2 if dual else 1)
-    full = (f"{name}[persistent,{kind},{dt},{BM}x{BN}x{BK}w{cfg.num_warps}s{cfg.num_stages}"
-            f"{',ptrstore' if not tma_store else ''}]")
+    full = f"{name}[persistent,{kind},{dt},{BM}x{BN}x{BK}w{cfg.num_warps}s{cfg.num_stages}]"
     PERSISTENT_EXPECT[full] = PersistentExpect(tma_loads=loads, tma_stores=stores, fused=fused)
     return Variant(full, PGK._grouped_mm_persistent_kernel, args, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, max_stack_bytes=0, spill_free_loops=True, wgmma=True, mma_sync=False,
