@@ -895,6 +895,8 @@ SUITES: dict[str, Suite] = {
         Suite("ffn", "grouped expert FFN over a permuted buffer (grouped_ffn); with a non-reference backend also "
               "the routed FFN x -> out (fused moe_ffn vs permute + grouped_ffn + unpermute)", plan=plan_ffn),
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
+        Suite("gemm", "grouped-GEMM kernel variants (tile, persistent TMA) vs torch._grouped_mm, forward; GPU only",
+              plan=lambda ctx: importlib.import_module("bench.gemm_variants").plan_gemm(ctx)),
         Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
               "and the layer per world size and pipeline degree", run=run_ep_suite, describe=describe_ep),
         Suite("parm", "Parm's schedules of an MP+EP+ESP layer over gloo, and the pick of parm_schedule='auto'", run=lambda ctx, progress=None: importlib.import_module("bench.parm").run_parm_suite(ctx, progress), default=False),

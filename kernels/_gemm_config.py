@@ -57,6 +57,18 @@ multiples of 16) lose the cp.async pipelines: real models avoid them, and the po
 separate config for them. The speed of these choices is NOT measured: re-derive them with the
 benchmark harness on an H100/H200.
 
+Variants (``TileConfig.variant``): ``"tile"`` launches one program per output tile
+(``_grouped_gemm_kernels``, cp.async pipelines); ``"persistent"`` launches one program per SM
+that loops over the tiles with TMA tensor descriptors and its tile and K loops fused into one
+pipelined loop, so the next tile's loads overlap the current tile's epilogue
+(``_grouped_gemm_persistent_kernels``, launcher ``_grouped_gemm_persistent``). Only the kinds in
+:data:`PERSISTENT_KINDS` (the forward GEMMs and dX) have a persistent kernel. The policy chooses
+:data:`DEFAULT_VARIANT` = ``"tile"``, unchanged until a GPU run of ``python -m bench gemm`` has
+measured both (with torch._grouped_mm) per shape; ``TRITONMOE_GEMM_VARIANT=persistent`` switches
+those kinds over with the same tile shapes: compiled offline for sm_90a (Triton 3.6 and 3.9), the
+persistent kernel fits them (at most 180 KiB of shared memory, TMA stores of 256-wide tiles in
+two 128-column slices) without spilling a register, and uses wgmma with TMA operands.
+
 Autotuning: on CUDA, unless ``TRITONMOE_AUTOTUNE=0``, a launch autotunes over the *pipeline
 depth* of the chosen config only (num_stages; tile shape, warps and ordering fixed). Pipelining
 does not change the sequence of MMAs that produce an output element, so whichever candidate wins
@@ -66,7 +78,7 @@ accumulate into outputs and no ``reset_to_zero`` is needed. ``TRITONMOE_AUTOTUNE
 policy's config directly (no benchmarking on a shape's first call).
 
 Tests override the policy with :func:`override`, a context manager scoped with ``contextvars``
-(no module-level state flipped by tests).
+(no module-level state flipped by tests); an override's configs carry their own ``variant``.
 """
 
 from __future__ import annotations
@@ -84,7 +96,9 @@ import triton
 __all__ = [
     "DECODE_MAX_TOKENS",
     "KINDS",
+    "PERSISTENT_KINDS",
     "PREACT_MODES",
+    "VARIANTS",
     "TileConfig",
     "autotune_enabled",
     "colsum_config",
@@ -104,13 +118,22 @@ __all__ = [
 
 KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
 
+#: Kernel variants of a GEMM: "tile" (one output tile per program, cp.async pipelines) or
+#: "persistent" (one program per SM looping over tiles, TMA descriptors, the next tile's loads
+#: overlapping the epilogue; ``kernels/_grouped_gemm_persistent_kernels.py``).
+VARIANTS = ("tile", "persistent")
+#: The kinds that have a persistent variant: the forward GEMMs and the dX GEMM (a plain "mm"
+#: with transposed weights). The backward-epilogue and weight-gradient kinds are tile-only.
+PERSISTENT_KINDS = ("mm", "mm_act", "swiglu")
+
 
 @dataclass(frozen=True)
 class TileConfig:
     """Launch parameters of one GEMM: tile ``BM x BN`` (per accumulator), K step ``BK``, grouped
-    ordering width ``GROUP_M`` (in M tiles), warps, software-pipelining stages, and ``SPLIT_K``
-    (K splits whose fp32 partials a fixed-order reduction sums; only the decode path's second
-    GEMM, whose combine does that reduction, uses more than 1)."""
+    ordering width ``GROUP_M`` (in M tiles), warps, software-pipelining stages, ``SPLIT_K`` (K
+    splits whose fp32 partials a fixed-order reduction sums; only the decode path's second GEMM,
+    whose combine does that reduction, uses more than 1) and the kernel ``variant`` (see
+    :data:`VARIANTS`; ``"persistent"`` only with ``SPLIT_K == 1``)."""
 
     BM: int
     BN: int
@@ -119,8 +142,11 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     SPLIT_K: int = 1
+    variant: str = "tile"
 
     def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"TileConfig.variant={self.variant!r}; use one of {VARIANTS}")
         for name in ("BM", "BN", "BK"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -244,6 +270,23 @@ def _policy(kind: str, avg_rows: float, dtype: torch.dtype, tf32: bool, arch: tu
     return TileConfig(BM=64, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=2)
 
 
+#: The variant the policy chooses when TRITONMOE_GEMM_VARIANT is unset. "tile" until a GPU run of
+#: ``python -m bench gemm`` has measured the persistent variant against it per shape.
+DEFAULT_VARIANT = "tile"
+
+
+def gemm_variant() -> str:
+    """The GEMM kernel variant for the kinds in :data:`PERSISTENT_KINDS`:
+    ``TRITONMOE_GEMM_VARIANT`` (``tile`` / ``persistent``), else :data:`DEFAULT_VARIANT`. A
+    config given to :func:`override` carries its own ``variant`` and ignores this."""
+    v = os.environ.get("TRITONMOE_GEMM_VARIANT", "").strip().lower()
+    if not v:
+        return DEFAULT_VARIANT
+    if v not in VARIANTS:
+        raise ValueError(f"TRITONMOE_GEMM_VARIANT={v!r}; use one of {VARIANTS}")
+    return v
+
+
 def select(
     kind: str,
     *,
@@ -269,6 +312,10 @@ def select(
     cfg = table.get(kind) if table else None
     if cfg is None:
         cfg = _policy(kind, avg_rows, dtype, tf32, _arch(device))
+        if kind in PERSISTENT_KINDS and gemm_variant() == "persistent":
+            cfg = replace(cfg, variant="persistent")  # same tiles: their smem fits (module docstring)
+    if kind not in PERSISTENT_KINDS and cfg.variant != "tile":  # no persistent kernel for this kind
+        cfg = replace(cfg, variant="tile")
     if kind == "wgrad":
         # BM tiles the output rows (k here), BN its columns, BK the expert's rows.
         return replace(cfg, BM=min(cfg.BM, _pow2_at_least(k)), BN=min(cfg.BN, _pow2_at_least(n)),

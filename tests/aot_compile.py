@@ -33,6 +33,7 @@ from typing import Any, Mapping, Optional
 
 __all__ = [
     "SM90_MAX_SHARED",
+    "Desc",
     "KernelFacts",
     "Ptr",
     "compile_kernel",
@@ -58,6 +59,20 @@ class Ptr:
     def __post_init__(self) -> None:
         if self.dtype.startswith("*"):
             raise ValueError(f"Ptr({self.dtype!r}): give the element type without '*', e.g. Ptr('bf16')")
+
+
+@dataclasses.dataclass(frozen=True)
+class Desc:
+    """A host-side tensor descriptor argument (``triton.tools.tensor_descriptor.TensorDescriptor``)
+    of element type ``dtype`` and box ``block_shape``: a launch specializes it by these alone
+    (``tensordesc<bf16[1, 64, 128]>``); shape and strides are runtime values."""
+
+    dtype: str
+    block_shape: tuple[int, ...]
+
+    @property
+    def signature(self) -> str:
+        return f"tensordesc<{self.dtype}[{', '.join(str(b) for b in self.block_shape)}]>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,8 +105,9 @@ def specialize(fn, args: Mapping[str, Any]) -> tuple[dict, dict, dict]:
     produce them.
 
     ``args`` maps every parameter of ``fn`` to its value (parameters with defaults may be left
-    out): ``Ptr`` for tensors, ints / floats / bools, and any value for ``tl.constexpr``
-    parameters. Like Triton's launcher: an int equal to 1 becomes the constant 1, an int that is
+    out): ``Ptr`` for tensors, ``Desc`` for tensor descriptors, ints / floats / bools, None (a
+    constexpr, as at a launch), and any value for ``tl.constexpr`` parameters. Like Triton's
+    launcher: an int equal to 1 becomes the constant 1, an int that is
     a multiple of 16 and every pointer are marked 16-divisible, ints pick i32 / i64 / u64 by
     range, and parameters listed in ``do_not_specialize`` (``..._on_alignment``) are left
     unspecialized (unaligned).
@@ -115,6 +131,13 @@ def specialize(fn, args: Mapping[str, Any]) -> tuple[dict, dict, dict]:
             constexprs[p.name] = v
             continue
         aligned = not p.do_not_specialize and not p.do_not_specialize_on_alignment
+        if v is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = None
+            continue
+        if isinstance(v, Desc):
+            signature[p.name] = v.signature
+            continue
         if isinstance(v, Ptr):
             signature[p.name] = f"*{v.dtype}"
         elif isinstance(v, bool):
@@ -158,6 +181,13 @@ class KernelFacts:
     before the next step is issued, i.e. no MMA overlaps the next one; None: no wgmma in a loop);
     pipeline_buffers: the smallest buffer count among the multi-buffered shared-memory tiles the
     software pipeliner allocated (``[stages, rows, cols]`` allocations in the TTGIR; 0: none).
+
+    TMA: tma_loads / tma_stores: TMA
+    (``cp.async.bulk.tensor``) global -> shared / shared -> global instructions in the PTX.
+    mma_loop_stores (only with ``compile_kernel(..., loop_facts=True)``, else None): global
+    stores (STG, UTMASTG) inside the innermost loop that issues the tensor-core MMAs; > 0 means
+    the epilogue runs inside the pipelined loop (a persistent kernel whose tile and K loops
+    were fused), 0 that the MMA loop only loads and multiplies.
     """
 
     name: str
@@ -176,6 +206,9 @@ class KernelFacts:
     wgmma_wait_depth: Optional[int]
     pipeline_buffers: int
     compile_s: float
+    tma_loads: int = 0
+    tma_stores: int = 0
+    mma_loop_stores: Optional[int] = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -184,6 +217,8 @@ class KernelFacts:
 _RES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRA = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+_TMA_LOAD = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.shared::(?:cta|cluster)\.global\b")
+_TMA_STORE = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b")
 _LOCAL_MEM = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 
 
@@ -238,6 +273,29 @@ def _local_memory_ops(sass: str) -> tuple[int, int]:
     main = _main_loop_mask([a for a, _ in insts], [bool(_SASS_MMA.search(t)) for _, t in insts], loops)
     local = [i for i, (_, t) in enumerate(insts) if _LOCAL_MEM.match(t)]
     return len(local), sum(main[i] for i in local)
+
+
+_MMA = re.compile(r"^(@!?U?P\w+\s+)?(HGMMA|HMMA)\b")
+_GLOBAL_STORE = re.compile(r"^(@!?U?P\w+\s+)?(STG|UTMASTG)\b")
+
+
+def _mma_loop_stores(sass: str) -> Optional[int]:
+    """Global stores in the innermost loop (smallest backward-branch range, as in
+    :func:`_local_memory_ops`) that contains a tensor-core MMA; None when no loop has one. Blocks
+    ptxas moves out of line (mbarrier wait retries) can widen a loop's range, which is why the
+    smallest range is taken."""
+    insts = [(int(m.group(1), 16), m.group(2).strip()) for m in _SASS.finditer(sass)]
+    loops = []
+    for addr, text in insts:
+        b = _BRA.search(text)
+        if b is not None and int(b.group(1), 16) < addr:
+            loops.append((int(b.group(1), 16), addr))
+    best = None
+    for lo, hi in loops:
+        body = [t for a, t in insts if lo <= a <= hi]
+        if any(_MMA.match(t) for t in body) and (best is None or hi - lo < best[1] - best[0]):
+            best = (lo, hi, sum(1 for t in body if _GLOBAL_STORE.match(t)))
+    return None if best is None else best[2]
 
 
 def _async_loads(ttgir: str) -> int:
@@ -307,9 +365,10 @@ def pipeline_buffers(ttgir: str) -> int:
 
 
 def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stages: int = 3, arch: int = 90,
-                   name: Optional[str] = None) -> KernelFacts:
+                   name: Optional[str] = None, loop_facts: bool = False) -> KernelFacts:
     """Compile ``fn`` for CUDA capability ``arch`` (90 = sm_90a) as a launch with ``args`` (see
-    :func:`specialize`), ``num_warps`` and ``num_stages`` would, and return its :class:`KernelFacts`.
+    :func:`specialize`), ``num_warps`` and ``num_stages`` would, and return its :class:`KernelFacts`
+    (``loop_facts``: also disassemble to find ``mma_loop_stores``).
     Raises what the compiler raises (e.g. ``CompilationError``, ptxas errors)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: this process runs the interpreter, not the compiler; "
@@ -351,4 +410,7 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
         wgmma_wait_depth=wait_depth,
         pipeline_buffers=pipeline_buffers(kernel.asm["ttgir"]),
         compile_s=round(time.perf_counter() - t0, 2),
+        tma_loads=len(_TMA_LOAD.findall(ptx)),
+        tma_stores=len(_TMA_STORE.findall(ptx)),
+        mma_loop_stores=_mma_loop_stores(_cuobjdump(kernel.asm["cubin"], "-sass")) if loop_facts else None,
     )

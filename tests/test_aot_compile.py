@@ -16,6 +16,10 @@ one subprocess without ``TRITON_INTERPRET`` through :mod:`aot_compile`, and chec
   mma.sync below (none for IEEE fp32); every ``tl.dot`` operand loaded through a cp.async pipeline
   (real model shapes: N and K multiples of 16); epilogues may spill (SwiGLU holds two
   accumulators), main loops may not. The autotuner's deepest pipeline of the large tiles too.
+* the persistent grouped GEMM (``TRITONMOE_GEMM_VARIANT=persistent``) at the Mixtral-like and
+  Qwen3-30B-A3B-like presets: wgmma, no spilled register at all, TMA loads (and TMA stores where
+  the launcher gives descriptors), and the epilogue's stores inside the pipelined MMA loop where
+  the launch fuses the tile and K loops.
 
 Run by hand (prints one JSON line per variant; optional name filters)::
 
@@ -46,6 +50,8 @@ import aot_compile as aot  # noqa: E402
 
 from tritonmoe.kernels import _gemm_config as C  # noqa: E402
 from tritonmoe.kernels import _grouped_gemm_kernels as GK  # noqa: E402
+from tritonmoe.kernels import _grouped_gemm_persistent as PG  # noqa: E402
+from tritonmoe.kernels import _grouped_gemm_persistent_kernels as PGK  # noqa: E402
 from tritonmoe.kernels import _partition_kernels as XK  # noqa: E402
 from tritonmoe.kernels import _permute_kernels as PK  # noqa: E402
 from tritonmoe.kernels import _routing_kernels as RK  # noqa: E402
@@ -55,7 +61,7 @@ from tritonmoe.kernels import permute as kp  # noqa: E402
 from tritonmoe.kernels import routing as kr  # noqa: E402
 
 ARCH = 90
-KERNEL_MODULES = (RK, PK, XK, GK)
+KERNEL_MODULES = (RK, PK, XK, GK, PGK)
 H100_SMS = 132  # H100 SXM and H200 both have 132 SMs
 
 P = aot.Ptr
@@ -552,9 +558,112 @@ def _autotune_candidates(variants: list[Variant]) -> list[Variant]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Persistent TMA grouped GEMM (kernels/_grouped_gemm_persistent.py: mm, with
+# TRITONMOE_GEMM_VARIANT=persistent)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentExpect:
+    """What a persistent GEMM variant must show besides a Variant's checks: at least ``tma_loads``
+    TMA load and ``tma_stores`` TMA store instructions, and the epilogue's stores inside the
+    innermost MMA loop when the launch fuses the tile and K loops (``fused``), outside otherwise."""
+
+    tma_loads: int
+    tma_stores: int
+    fused: bool
+
+
+#: name -> PersistentExpect, filled by persistent_variants().
+PERSISTENT_EXPECT: dict[str, PersistentExpect] = {}
+
+
+def _persistent_mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=False, gather_a=False, scatter=False,
+                   scale=False, topk=1, transposed_b=False) -> Variant:
+    """The persistent kernel as kernels/grouped_gemm.py::_mm launches it through PG.mm when the
+    policy (TRITONMOE_GEMM_VARIANT=persistent) selects it: the policy's config, the launcher's
+    own operand-access rule (PG.access) on tensors with the launch's shapes and strides, its
+    epilogue split and loop fusion."""
+    dual = act == GK.ACT_SWIGLU
+    kind = "swiglu" if dual else ("mm" if act == GK.ACT_NONE else "mm_act")
+    with mock.patch.dict(os.environ, {"TRITONMOE_GEMM_VARIANT": "persistent"}):
+        cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=dtype, tf32=False, device=dev)
+    if cfg.variant != "persistent":
+        raise RuntimeError(f"TRITONMOE_GEMM_VARIANT=persistent did not select the persistent variant: {cfg}")
+    dt = _TL_NAME[dtype]
+    NB = 2 * N if dual else N
+
+    def meta(*shape):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    a = meta(rows // topk if gather_a else rows, K)
+    b = meta(E, NB, K).transpose(1, 2) if transposed_b else meta(E, K, NB)
+    out = meta(rows // topk if (scatter and scale) else rows, N)
+    h = meta(rows, NB) if store_h else None
+    acc = PG.access(a, b, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, capable=True)
+    opts = PG.PersistentOptions()
+    split = PG.epilogue_split(cfg.BN)
+    fused = PG.flatten(opts, gather_a=gather_a, dual=dual)
+    BM, BN, BK = cfg.BM, cfg.BN, cfg.BK
+    store_box = (1, 1, BM, BN // split)
+    hh = h if h is not None else out
+    args = dict(
+        a_desc=aot.Desc(dt, (BM, BK)) if acc.a else None,
+        b_desc=aot.Desc(dt, (1, BN, BK) if acc.b_kmajor else (1, BK, BN)) if acc.b else None,
+        bu_desc=aot.Desc(dt, (1, BN, BK) if acc.b_kmajor else (1, BK, BN)) if acc.b and dual else None,
+        c_desc=aot.Desc(dt, store_box) if acc.c else None,
+        h_desc=aot.Desc(dt, store_box) if acc.h else None,
+        hu_desc=aot.Desc(dt, store_box) if acc.h and dual else None,
+        a_ptr=P(dt), b_ptr=P(dt), c_ptr=P(dt), h_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"),
+        scale_ptr=P("fp32" if scale else dt), R=rows, N=N, K=K, E=E, NUM_PROGS=H100_SMS,
+        ROWS_HINT=C.rows_hint(rows, E), stride_am=a.stride(0), stride_ak=a.stride(1), stride_be=b.stride(0),
+        stride_bk=b.stride(1), stride_bn=b.stride(2), stride_cm=out.stride(0), stride_cn=out.stride(1),
+        stride_hm=hh.stride(0), stride_hn=hh.stride(1), ACT=act, STORE_H=store_h, GATHER_A=gather_a,
+        SCATTER_C=scatter, SCALE=scale, TOPK=topk, PREC="tf32", EVEN_K=K % BK == 0, SEG=1 << E.bit_length(),  # next_power_of_2(E + 1), as the launcher
+        B_KMAJOR=acc.b_kmajor, EPI_SPLIT=split, FLATTEN=fused, BM=BM, BN=BN, BK=BK, GROUP_M=cfg.GROUP_M,
+    )
+    loads = int(acc.a) + int(acc.b) * (2 if dual else 1)
+    stores = int(acc.c) + int(acc.h) * (2 if dual else 1)
+    full = f"{name}[persistent,{kind},{dt},{BM}x{BN}x{BK}w{cfg.num_warps}s{cfg.num_stages}]"
+    PERSISTENT_EXPECT[full] = PersistentExpect(tma_loads=loads, tma_stores=stores, fused=fused)
+    return Variant(full, PGK._grouped_mm_persistent_kernel, args, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages, max_stack_bytes=0, spill_free_loops=True, wgmma=True, mma_sync=False,
+                   async_loads=0 if acc.a else 1)
+
+
+def persistent_variants(dev: torch.device) -> list[Variant]:
+    """The persistent variant's launches at the Mixtral-like (d=4096, f=14336, E=8, k=2, T=16k)
+    and Qwen3-30B-A3B-like (d=2048, f=768, E=128, k=8, T=32k) presets, bf16. Both presets get the
+    same policy configs (>= 256 rows per expert: 128x128x64 for the two-accumulator SwiGLU GEMM1,
+    128x256x64 for GEMM2 and dX, 128x128x64 with 4 stages for GELU), so the list covers each
+    config and launch-site flag set once, plus the 128-expert segment table: the grouped FFN's
+    training forward and dX, GELU, and the fused moe_ffn's gathered GEMM1 and scattered GEMM2.
+    (Inference GEMM1 is the training one without the H stores.) All must compile to wgmma with
+    TMA operands, without a single spilled register, within sm90's shared memory."""
+    bf16, S = torch.bfloat16, GK.ACT_SWIGLU
+    mixtral = dict(rows=16384 * 2, E=8)
+    qwen3 = dict(rows=32768 * 8, E=128)
+    return [
+        # grouped_ffn training forward (pre-activation stored) and its dX GEMM (w1^T, K-contiguous)
+        _persistent_mm("grouped_ffn.gemm1_train.mixtral", dev, bf16, K=4096, N=14336, act=S, store_h=True, **mixtral),
+        _persistent_mm("grouped_ffn.gemm2.mixtral", dev, bf16, K=14336, N=4096, **mixtral),
+        _persistent_mm("grouped_ffn.dx.mixtral", dev, bf16, K=2 * 14336, N=4096, transposed_b=True, **mixtral),
+        _persistent_mm("grouped_ffn.gemm1_gelu_train.mixtral", dev, bf16, K=4096, N=14336, act=GK.ACT_GELU,
+                       store_h=True, **mixtral),
+        # 128 experts: a 256-wide segment table in every program
+        _persistent_mm("grouped_ffn.gemm1_train.qwen3", dev, bf16, K=2048, N=768, act=S, store_h=True, **qwen3),
+        # moe_ffn: token rows gathered into GEMM1 (A by cp.async), GEMM2 rows scattered to slot order
+        _persistent_mm("moe_ffn.gemm1_train.mixtral", dev, bf16, K=4096, N=14336, act=S, store_h=True, gather_a=True,
+                       topk=2, **mixtral),
+        _persistent_mm("moe_ffn.gemm2.qwen3", dev, bf16, K=768, N=2048, scatter=True, topk=8, **qwen3),
+    ]
+
+
 def all_variants() -> list[Variant]:
     with sm90_device() as dev:
         variants = routing_variants() + permute_variants(dev) + partition_variants() + gemm_variants(dev)
+        variants += persistent_variants(dev)
     names = [v.name for v in variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -576,7 +685,7 @@ def main(filters: list[str]) -> int:
         rec: dict = {"name": v.name}
         try:
             facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
-                                       name=v.name)
+                                       name=v.name, loop_facts=v.fn is PGK._grouped_mm_persistent_kernel)
             rec.update(ok=True, **facts.as_dict())
         except Exception as exc:  # report every variant, then fail
             rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
@@ -645,6 +754,24 @@ def test_compiles_for_sm90(compiled, name):
     assert rec["pipeline_buffers"] >= v.min_pipeline_buffers, (
         f"the operand tiles have {rec['pipeline_buffers']} shared-memory buffers, expected >= "
         f"{v.min_pipeline_buffers} for num_stages={v.num_stages}: the loads are not pipelined that deep: {facts}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PERSISTENT_EXPECT))
+def test_persistent_gemm_uses_tma_and_overlaps_the_epilogue(compiled, name):
+    """Besides test_compiles_for_sm90's checks (wgmma, no spill at all, shared memory): the TMA
+    instructions of the operands the launcher gives descriptors, and the epilogue's stores
+    inside the fused tile/K loop (the next tile's loads overlap them) where the launch fuses."""
+    rec = compiled[name]
+    assert rec["ok"], rec["error"]
+    want = PERSISTENT_EXPECT[name]
+    facts = {k: rec[k] for k in ("tma_loads", "tma_stores", "mma_loop_stores", "registers", "shared")}
+    assert rec["tma_loads"] >= want.tma_loads > 0, f"TMA loads: {facts}"
+    assert rec["tma_stores"] >= want.tma_stores, f"TMA stores: {facts}"
+    if want.fused:
+        assert rec["mma_loop_stores"] > 0, f"the epilogue is not inside the pipelined MMA loop: {facts}"
+    else:
+        assert rec["mma_loop_stores"] == 0, f"stores inside the MMA loop of an unfused launch: {facts}"
 
 
 def test_variants_cover_every_kernel():
@@ -747,6 +874,36 @@ def test_sass_main_loop_spills():
         /*0070*/                   EXIT ;
     """
     assert aot._local_memory_ops(sass) == (3, 1)
+
+
+def test_specialize_descriptors_and_none():
+    """A tensor descriptor specializes to its element type and box, None to a constexpr, as
+    Triton's launcher does."""
+    names = ["desc", "opt", "n"]
+    params = [SimpleNamespace(name=n, is_constexpr=False, do_not_specialize=False,
+                              do_not_specialize_on_alignment=False, has_default=False) for n in names]
+    fn = SimpleNamespace(__name__="k", params=params)
+    sig, consts, attrs = aot.specialize(fn, dict(desc=aot.Desc("bf16", (1, 64, 128)), opt=None, n=32))
+    assert sig == dict(desc="tensordesc<bf16[1, 64, 128]>", opt="constexpr", n="i32")
+    assert consts == dict(opt=None) and set(attrs) == {(2,)}
+
+
+def test_sass_mma_loop_stores():
+    """The innermost loop holding tensor-core MMAs is found, and its global stores counted; a
+    wider range holding the same MMAs (an out-of-line retry branch) does not count."""
+    sass = """
+        /*0000*/                   UTMALDG.2D [UR8], [UR4] ;
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0020*/              @!P0 BRA 0x10 ;
+        /*0030*/                   STG.E.128 desc[UR4][R2.64], R8 ;
+        /*0040*/                   EXIT ;
+        /*0050*/                   BRA 0x0 ;
+    """
+    assert aot._mma_loop_stores(sass) == 0
+    fused = sass.replace("/*0020*/              @!P0 BRA 0x10 ;", "/*0020*/         UTMASTG.4D [UR4], [UR6] ;")
+    fused = fused.replace("/*0040*/                   EXIT ;", "/*0040*/              @!P0 BRA 0x10 ;")
+    assert aot._mma_loop_stores(fused) == 2
+    assert aot._mma_loop_stores("/*0000*/ EXIT ;") is None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,282 @@
+"""Persistent grouped GEMM with TMA (launcher in :mod:`tritonmoe.kernels._grouped_gemm_persistent`).
+
+The same GEMM as :func:`tritonmoe.kernels._grouped_gemm_kernels._grouped_mm_kernel` (ragged row
+segments of a row space, one expert's weights per segment, the same fused epilogues and flags),
+scheduled differently:
+
+* **Persistent.** The grid is ``NUM_PROGS`` programs (one per SM on a GPU). Program ``p`` walks
+  the output tiles ``p, p + NUM_PROGS, p + 2 * NUM_PROGS, ...`` in grouped order, so the tile map
+  is built once per program (not once per tile) and no program is launched only to find it has no
+  tile.
+* **Epilogue overlapped with the next tile's loads.** The tile loop and the K loop are written as
+  a nest whose inner trip count does not depend on the tile, so ``tl.range(..., flatten=True)``
+  fuses them into one software-pipelined loop: the loads of the next tile's first K steps are
+  issued while the current tile's epilogue runs (the design of Triton's persistent matmul
+  tutorial and of triton_kernels' ``_p_matmul_ogs``).
+* **TMA.** Operands are read with tensor descriptors (``cp.async.bulk.tensor``, one instruction
+  per tile instead of per-thread address arithmetic) when their layout allows it, and with masked
+  pointer loads otherwise (token gathers, unaligned strides); each operand is chosen on its own by
+  the launcher (a descriptor argument that is ``None`` selects the pointer path).
+
+Row space and segment bounds. Segment e is rows [offsets[e], offsets[e+1]) of the R-row space; the
+rows [offsets[E], R) are the *tail* (zeros in C and H). A tile never straddles two segments: its
+rows are ``[row0, row0 + BM)`` with row0 inside one segment, and only the rows before the
+segment's end are valid. TMA zero-fills only at a tensor's bounds, not at a segment's, so:
+
+* A (``[R, K]`` descriptor over the whole buffer): rows of the box past the segment end are the
+  next segment's rows (or tail rows, which may hold anything, NaN included). They are loaded and
+  multiplied, but row r of ``A @ B`` depends on row r of A only, so they reach only accumulator
+  rows that are never stored. Past R and past K the descriptor zero-fills.
+* B (``[E, K, N]`` descriptor, box ``[1, BK, BN]``, or ``[E, N, K]`` for K-contiguous weights):
+  expert and K bounds are the tensor's bounds, so K tails read zeros, never the next expert. For
+  SwiGLU the gate and up halves have a descriptor each (``N`` columns each), so a gate tile past
+  column N reads zeros, not up columns.
+* C and H stores use a *ragged* descriptor (Triton's ``triton.tools.ragged_tma`` construction):
+  two leading dimensions whose strides cancel modulo 2**64, so that the box's third coordinate
+  ``2**30 - (seg_end - row0) + i`` is in bounds exactly for ``row0 + i < seg_end``. The hardware
+  then drops the rows past the segment end: no store ever touches another segment's rows. Column
+  bounds are the tensor's (N, or each SwiGLU half's N for H).
+
+Worked example (BM=4, E=2, offsets=[0, 6, 9], R=11, one column tile): segment tiles [2, 1], M
+tiles: 0 -> rows 0..3 of expert 0, 1 -> rows 4..5 (box rows 6..7 are expert 1's: loaded, never
+stored), 2 -> rows 6..8 of expert 1 (box row 9 is a tail row); the tail loop zeroes rows 9..10.
+With NUM_PROGS=2, program 0 runs tiles 0 and 2, program 1 runs tile 1.
+
+Shape letters: BM/BN/BK tile sizes; ``K`` the GEMM depth; ``TOPK`` slots per token (a constexpr:
+the gather's ``slot // TOPK`` is a multiply-shift, computed once per tile).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._grouped_gemm_kernels import _GELU, _RELU, _SWIGLU, _gelu, _sigmoid
+
+#: Rows of a ragged descriptor's third dimension (triton.tools.ragged_tma's "billion"): row
+#: counts must stay below it.
+RAGGED_ROWS = 2**30
+_RAGGED = tl.constexpr(RAGGED_ROWS)
+
+_ROW_ARGS = ["R", "E", "NUM_PROGS", "ROWS_HINT"]
+
+
+@triton.jit
+def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering of the persistent tile index (int32): GROUP_M consecutive M tiles sweep
+    the N tiles together, so the NUM_PROGS tiles in flight share weight panels and row tiles in
+    L2."""
+    width = GROUP_M * num_pid_n
+    group = tile // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % size_m
+    pid_n = (tile % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _segment_table(offs_ptr, E, R, BM: tl.constexpr, SEG: tl.constexpr):
+    """Per-expert (start, end, M tiles, inclusive prefix sum of M tiles) as SEG-wide vectors
+    (entries >= E are empty). Offsets are clamped into [0, R] and made non-decreasing per
+    segment, as in the tile kernel, so invalid offsets (validation off) stay inside the row
+    space."""
+    idx = tl.arange(0, SEG)
+    in_e = idx < E
+    start = tl.load(offs_ptr + idx, mask=in_e, other=0).to(tl.int64)
+    end = tl.load(offs_ptr + idx + 1, mask=in_e, other=0).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), R)
+    end = tl.minimum(tl.maximum(end, start), R)
+    tiles = tl.where(in_e, (end - start + BM - 1) // BM, 0).to(tl.int32)
+    cum = tl.cumsum(tiles, 0)
+    return start, end, tiles, cum
+
+
+@triton.jit
+def _ragged_rows(row0, seg_end):
+    """Leading coordinates of a ragged descriptor for the box at rows [row0, row0 + box) of a
+    segment ending at seg_end: box row i is in bounds iff row0 + i < seg_end (module
+    docstring)."""
+    c0 = (row0 * 0 + _RAGGED).to(tl.int32)
+    c1 = seg_end.to(tl.int32)
+    c2 = (row0 - seg_end + _RAGGED).to(tl.int32)
+    return c0, c1, c2
+
+
+@triton.jit
+def _store_slice(desc, base, row_off, row_ok, value, row0, seg_end, col0, N, stride_n, W: tl.constexpr):
+    """Store ``value`` [BM, W] (output dtype) to columns [col0, col0 + W) of the tile's rows:
+    through the ragged descriptor when there is one (rows past seg_end and columns past the
+    descriptor's bound are dropped by the hardware), else with a masked pointer store at
+    ``base + row_off[r] + col * stride_n`` (row_off: int64 element offsets of the rows)."""
+    if desc is not None:
+        c0, c1, c2 = _ragged_rows(row0, seg_end)
+        desc.store([c0, c1, c2, col0], tl.reshape(value, (1, 1, value.shape[0], W)))
+    else:
+        cols = col0.to(tl.int64) + tl.arange(0, W).to(tl.int64)
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        tl.store(base + row_off[:, None] + cols[None, :] * stride_n, value, mask=mask)
+
+
+@triton.jit
+def _store_out(desc, base, row_off, row_ok, value, row0, seg_end, n0, N, stride_n,
+               BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    """Store the [BM, BN] output tile ``value`` in SPLIT column slices (1 or 2), one after the
+    other: a slice's addresses (pointer path) or staging buffer (TMA path) instead of the whole
+    tile's, which keeps a 128x256 epilogue inside the registers and shared memory the
+    pipelined loop leaves (the epilogue subtiling of Triton's persistent matmul)."""
+    tl.static_assert(SPLIT == 1 or SPLIT == 2, "epilogue split must be 1 or 2")
+    if SPLIT == 1:
+        _store_slice(desc, base, row_off, row_ok, value, row0, seg_end, n0, N, stride_n, BN)
+    else:
+        v0, v1 = tl.split(tl.permute(tl.reshape(value, (BM, 2, BN // 2)), (0, 2, 1)))
+        _store_slice(desc, base, row_off, row_ok, v0, row0, seg_end, n0, N, stride_n, BN // 2)
+        _store_slice(desc, base, row_off, row_ok, v1, row0, seg_end, n0 + BN // 2, N, stride_n, BN // 2)
+
+
+@triton.jit
+def _load_b(desc, ptrs, mask, seg, k0, n0, B_KMAJOR: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """One [BK, BN] weight tile of expert ``seg`` at (k0, n0): by descriptor (``[E, K, N]``, or
+    ``[E, N, K]`` read as ``[BN, BK]`` and transposed when the weights are K-contiguous) or by
+    masked pointer load."""
+    if desc is not None:
+        if B_KMAJOR:
+            b = tl.trans(tl.reshape(desc.load([seg, n0, k0]), (BN, BK)))
+        else:
+            b = tl.reshape(desc.load([seg, k0, n0]), (BK, BN))
+    else:
+        b = tl.load(ptrs, mask=mask, other=0.0)
+    return b
+
+
+@triton.jit(do_not_specialize=_ROW_ARGS)
+def _grouped_mm_persistent_kernel(
+    a_desc, b_desc, bu_desc, c_desc, h_desc, hu_desc,
+    a_ptr, b_ptr, c_ptr, h_ptr, offs_ptr, row_map_ptr, scale_ptr,
+    R, N, K, E, NUM_PROGS, ROWS_HINT,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    stride_hm, stride_hn,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
+    SCALE: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr, SEG: tl.constexpr,
+    B_KMAJOR: tl.constexpr, EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Persistent grouped GEMM ``C[r] = act(A[r] @ B[seg(r)])`` (see the module docstring).
+
+    Grid: ``(NUM_PROGS,)``. Program p computes the tiles p, p + NUM_PROGS, ... of the
+    ``(sum_e cdiv(len_e, BM)) x cdiv(N, BN)`` tiles of the E segments (each as the tile kernel
+    does: fp32 accumulation, a second accumulator over the up columns for SwiGLU, then the
+    epilogue), after zeroing its share of the tail rows [offsets[E], R).
+
+    Flags as in ``_grouped_mm_kernel`` (``ACT``, ``STORE_H``, ``GATHER_A``, ``SCATTER_C``,
+    ``SCALE``); operand access: ``a_desc`` (``[R, K]``, not with ``GATHER_A``), ``b_desc`` /
+    ``bu_desc`` (weights, gate / up halves; ``B_KMAJOR``: they describe ``[E, N, K]`` storage),
+    ``c_desc`` / ``h_desc`` / ``hu_desc`` (ragged, 4-D; not with ``SCATTER_C``); any of them
+    ``None`` selects masked pointer access through the matching ``*_ptr`` and strides.
+    ``EPI_SPLIT`` stores the output tiles in that many column slices. ``FLATTEN`` fuses the tile
+    and K loops into one pipelined loop. Every output element is
+    written by one program, once: results do not depend on NUM_PROGS or the pipelining.
+    """
+    A_TMA: tl.constexpr = a_desc is not None
+    pid = tl.program_id(0)
+    n_up = pid.to(tl.int64) * 0 + N  # column offset of the up / second half, as int64
+    num_pid_n = tl.cdiv(N, BN)
+    idx = tl.arange(0, SEG)
+    start_v, end_v, tiles_v, cum_v = _segment_table(offs_ptr, E, R, BM, SEG)
+    num_pid_m = tl.sum(tiles_v, 0)
+
+    # Tail rows [offsets[E], R): zeros. Visited in reversed program order, because the tile loop
+    # below gives its remainder tiles to the low program ids.
+    tail0 = tl.minimum(tl.maximum(tl.load(offs_ptr + E).to(tl.int64), 0), R)
+    tail_tiles = tl.cdiv(R - tail0, BM).to(tl.int32) * num_pid_n
+    for t in range(NUM_PROGS - 1 - pid, tail_tiles, NUM_PROGS):
+        rows = tail0 + (t // num_pid_n).to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
+        cols = (t % num_pid_n).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
+        mask = (rows < R)[:, None] & (cols < N)[None, :]
+        if SCATTER_C:
+            c_rows = tl.load(row_map_ptr + rows, mask=rows < R, other=0).to(tl.int64)
+        else:
+            c_rows = rows
+        zero = tl.zeros((BM, BN), dtype=tl.float32)
+        tl.store(c_ptr + c_rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+                 zero.to(c_ptr.dtype.element_ty), mask=mask)
+        if STORE_H:
+            h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hn
+            tl.store(h_ptrs, zero.to(h_ptr.dtype.element_ty), mask=mask)
+            if ACT == _SWIGLU:
+                tl.store(h_ptrs + n_up * stride_hn, zero.to(h_ptr.dtype.element_ty), mask=mask)
+
+    offs_k = tl.arange(0, BK)
+    k_tiles = tl.cdiv(K, BK)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
+        # Prologue: which segment, rows and columns this tile covers.
+        pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+        seg = tl.sum((cum_v <= pid_m).to(tl.int32), 0)
+        here = idx == seg
+        tile0 = tl.sum(tl.where(here, cum_v - tiles_v, 0), 0)
+        row0 = tl.sum(tl.where(here, start_v, 0), 0) + (pid_m - tile0).to(tl.int64) * BM
+        seg_end = tl.sum(tl.where(here, end_v, 0), 0)
+        seg64 = seg.to(tl.int64)
+        n0 = pid_n * BN
+        rows = row0 + tl.arange(0, BM).to(tl.int64)
+        row_ok = rows < seg_end
+        cols = n0.to(tl.int64) + tl.arange(0, BN).to(tl.int64)
+        col_ok = cols < N
+        if GATHER_A or SCATTER_C or SCALE:
+            slot = tl.load(row_map_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        if GATHER_A:
+            a_rows = slot // TOPK
+        else:
+            a_rows = rows
+        a_base = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_base = b_ptr + seg64 * stride_be + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        for kk in range(k_tiles):
+            k0 = kk * BK
+            if EVEN_K:
+                a_mask = row_ok[:, None]
+                b_mask = col_ok[None, :]
+            else:
+                a_mask = row_ok[:, None] & (offs_k[None, :] < K - k0)
+                b_mask = (offs_k[:, None] < K - k0) & col_ok[None, :]
+            if A_TMA:
+                a = a_desc.load([row0.to(tl.int32), k0])  # [BM, BK]
+            else:
+                a = tl.load(a_base + k0 * stride_ak, mask=a_mask, other=0.0)
+            b = _load_b(b_desc, b_base + k0 * stride_bk, b_mask, seg, k0, n0, B_KMAJOR, BK, BN)
+            acc = tl.dot(a, b, acc, input_precision=PREC)  # [BM, BK] @ [BK, BN]
+            if ACT == _SWIGLU:
+                b_up = _load_b(bu_desc, b_base + k0 * stride_bk + n_up * stride_bn, b_mask, seg, k0, n0,
+                               B_KMAJOR, BK, BN)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PREC)  # [BM, BK] @ [BK, BN]
+
+        # Epilogue (runs while the pipelined loop already loads the next tile's first K steps).
+        if STORE_H:
+            hdt = h_ptr.dtype.element_ty
+            h_off = rows * stride_hm
+            _store_out(h_desc, h_ptr, h_off, row_ok, acc.to(hdt), row0, seg_end, n0, N, stride_hn, BM, BN, EPI_SPLIT)
+            if ACT == _SWIGLU:
+                _store_out(hu_desc, h_ptr + n_up * stride_hn, h_off, row_ok, acc_up.to(hdt), row0, seg_end, n0, N,
+                           stride_hn, BM, BN, EPI_SPLIT)
+        if ACT == _SWIGLU:
+            out = acc * _sigmoid(acc) * acc_up
+        elif ACT == _GELU:
+            out = _gelu(acc)
+        elif ACT == _RELU:
+            out = tl.maximum(acc, 0.0)
+        else:
+            out = acc
+        if SCALE:
+            w = tl.load(scale_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+            out = out.to(a_ptr.dtype.element_ty).to(tl.float32) * w[:, None]
+        if SCATTER_C:
+            c_off = slot * stride_cm
+        else:
+            c_off = rows * stride_cm
+        _store_out(c_desc, c_ptr, c_off, row_ok, out.to(c_ptr.dtype.element_ty), row0, seg_end, n0, N, stride_cn,
+                   BM, BN, EPI_SPLIT)
