@@ -208,10 +208,13 @@ class MoELayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         E, d = config.num_experts, config.d_model
         w1_shape, w2_shape = self.expert_path.weight_shapes()
-        if config.expert_ffn_bias and not isinstance(self.expert_path, (LocalExperts, ExpertParallelExperts)):
+        if (config.expert_ffn_bias or config.router_bias) and not isinstance(
+            self.expert_path, (LocalExperts, ExpertParallelExperts)
+        ):
             raise ValueError(
-                "expert_ffn_bias=True is supported on the local and expert-parallel layouts, not with model-parallel "
-                "or expert-sharding groups (Parm); build the layer without mp_group/esp_group or without the biases"
+                "expert_ffn_bias / router_bias are supported on the local and expert-parallel layouts, not with "
+                "model-parallel or expert-sharding groups (Parm); build the layer without mp_group/esp_group or "
+                "without the biases"
             )
         # Built without initializing (reset_parameters does, once): the initialization consumes the
         # default generator the same way whether the layer is built here or on meta + to_empty.
