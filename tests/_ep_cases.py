@@ -256,3 +256,101 @@ def layer_errors(rank: int, P: int) -> list[str]:
     except ValueError as e:
         msgs.append(str(e))
     return msgs
+
+
+# ---------------------------------------------------------------------------------------------
+# The static expert-parallel mode (MoEConfig.ep_capacity)
+# ---------------------------------------------------------------------------------------------
+
+#: Ops that make the host wait for the device: a scalar read (item / tolist / bool / int all
+#: lower to _local_scalar_dense) or an output whose size depends on tensor values.
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+            "unique_dim", "repeat_interleave", "masked_scatter", "bincount")
+
+
+class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the host-synchronizing ops (:data:`SYNC_OPS`) dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+STATIC_CASES = [
+    # (top_k, ep_capacity, activation, features, tokens per rank pattern index, why)
+    (2, 2, "swiglu", False, 0, "capacity 2: most experts drop slots"),
+    (1, 9, "gelu", False, 1, "capacity above every count: padding only, a rank with zero tokens"),
+    (2, 4, "swiglu_oai", True, 2, "expert biases, clamped SwiGLU, shared expert"),
+]
+
+
+def static_table(rank: int, P: int) -> dict:
+    """The static mode against a single-process layer with the same config on each rank's batch
+    (fp64: output, input, router and expert gradients); and the host syncs of its expert path,
+    forward and backward, counted by a dispatch mode (with the dynamic path as the control)."""
+    failures: list[str] = []
+    syncs = {}
+    for i, (k, C, act, features, pat, why) in enumerate(STATIC_CASES):
+        tokens = TOKEN_PATTERNS[P][pat]
+        opts = dict(activation=act, ep_capacity=C, aux_loss_coef=0.01)
+        if features:
+            opts.update(expert_ffn_bias=True, swiglu_limit=0.7, shared_d_ffn=5, routed_scaling_factor=1.5)
+        cfg = tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, k, **opts)
+        label = f"static P={P} k={k} C={C} {act} ({why})"
+        torch.manual_seed(50 + i)
+        ref = tm.MoELayer(cfg, dtype=torch.float64)
+        if features:
+            with torch.no_grad():
+                ref.b1.normal_(0, 0.3)
+                ref.b2.normal_(0, 0.3)
+        ep = tm.MoELayer(cfg, ep_group=dist.group.WORLD, dtype=torch.float64)
+        L = NUM_EXPERTS // P
+        mine = slice(rank * L, (rank + 1) * L)
+        with torch.no_grad():
+            for name, p in ep.named_parameters():
+                src = dict(ref.named_parameters())[name]
+                p.copy_(src[mine] if name in ("w1", "w2", "b1", "b2") else src)
+        gen = torch.Generator().manual_seed(60 + i)
+        xs = [torch.randn(T, D_MODEL, generator=gen, dtype=torch.float64) for T in tokens]
+        gs = [torch.randn(T, D_MODEL, generator=gen, dtype=torch.float64) for T in tokens]
+        x = xs[rank].clone().requires_grad_()
+        out = ep(x)
+        ((out * gs[rank]).sum() + ep.aux_loss).backward()
+        if ep.ffn_path_used != "expert_parallel_static":
+            failures.append(f"{label}: path {ep.ffn_path_used}")
+        for r in range(P):
+            xr = xs[r].clone().requires_grad_()
+            ref.router.weight.grad = None
+            o = ref(xr)
+            ((o * gs[r]).sum() + ref.aux_loss).backward()
+            if r == rank:
+                want = (o.detach(), xr.grad, ref.router.weight.grad.clone())
+        tol = TOL[torch.float64]
+        for name, a, b in (("output", out.detach(), want[0]), ("x.grad", x.grad, want[1]),
+                           ("router.grad", ep.router.weight.grad, want[2])):
+            _close(failures, f"{label}: {name}", a, b, torch.float64)
+        for name in ("w1", "w2") + (("b1", "b2") if features else ()):
+            _close(failures, f"{label}: {name}.grad", getattr(ep, name).grad, getattr(ref, name).grad[mine], torch.float64)
+        del tol
+
+        # Host syncs of the expert path (routing decided before), forward and backward.
+        x2 = xs[rank].clone().requires_grad_()
+        _, routing = ep.route(x2)
+        with SyncCounter() as counter:
+            y = ep.expert_path(x2, routing, ep.expert_weights())
+            y.sum().backward()
+        syncs[f"static case {i}"] = list(counter.syncs)
+    # Control: the dynamic path's counts exchange is a host sync, and the counter sees it.
+    dyn = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, 2), ep_group=dist.group.WORLD, dtype=torch.float64)
+    x3 = torch.randn(5, D_MODEL, dtype=torch.float64, requires_grad=True)
+    _, routing = dyn.route(x3)
+    with SyncCounter() as counter:
+        dyn.expert_path(x3, routing, dyn.expert_weights()).sum().backward()
+    syncs["dynamic"] = list(counter.syncs)
+    return {"failures": failures, "syncs": syncs}

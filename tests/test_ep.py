@@ -6,6 +6,7 @@ tests/_ep_cases.py (see its docstring for the reference design)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tritonmoe as tm
 from tritonmoe.layer import _micro_batch_bounds
@@ -81,3 +82,71 @@ def test_bench_run_ep_contract():
         assert len(r["layer_fwd_bwd_s"]) == 2 and all(t > 0 for t in r["layer_fwd_bwd_s"])
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] / 2)
         assert r["dispatch_bytes"] > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_static_mode_matches_single_process_without_host_sync(world_size):
+    """MoEConfig(ep_capacity=C): equal to the single-process layer with the same config on each
+    rank's batch (fp64, every gradient), and its expert path dispatches no host-synchronizing op
+    in the forward or the backward (counted by a TorchDispatchMode; the dynamic path, whose
+    counts exchange is a host sync, is the control that shows the counter sees syncs)."""
+    results, _ = run_group(world_size, _ep_cases.static_table, deadline_s=120, pg_timeout_s=60)
+    for rank, v in enumerate(values_or_fail(results)):
+        assert not v["failures"], "\n".join(v["failures"][:10])
+        for case, found in v["syncs"].items():
+            if case == "dynamic":
+                assert "_local_scalar_dense" in found, (rank, found)
+            else:
+                assert found == [], (rank, case, found)
+
+
+def test_static_mode_options():
+    with pytest.raises(ValueError, match="drop capacity_factor"):
+        tm.MoEConfig(8, 12, 4, 2, ep_capacity=4, capacity_factor=1.0)
+    with pytest.raises(ValueError, match="use pipeline_degree=1"):
+        tm.MoEConfig(8, 12, 4, 2, ep_capacity=4, pipeline_degree=2)
+    with pytest.raises(ValueError, match="ep_capacity"):
+        tm.MoEConfig(8, 12, 4, 2, ep_capacity=0)
+    assert tm.MoEConfig(8, 12, 4, 2, ep_capacity=3).capacity(100) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_static_mode_captures_in_a_cuda_graph():
+    """One rank (NCCL world of 1): the static expert path's forward + backward is captured in a
+    CUDA graph and replayed on new inputs, with the eager result."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        cfg = tm.MoEConfig(256, 512, 8, 2, ep_capacity=64)
+        torch.manual_seed(0)
+        layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+        _, routing = layer.route(x)
+        weights = layer.expert_weights()
+        static_x = x.clone().requires_grad_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture
+            layer.expert_path(static_x, routing, weights).float().sum().backward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer.expert_path(static_x, routing, weights)
+            out.float().sum().backward()
+        new = torch.randn_like(x)
+        static_x.data.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = layer.expert_path(new, routing, weights)
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    finally:
+        if created:
+            dist.destroy_process_group()

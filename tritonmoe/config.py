@@ -69,6 +69,13 @@ class MoEConfig:
             one of width n*f); 0 for none. Same activation as the routed experts.
         shared_expert_gate: scale the shared expert's output by ``sigmoid(x @ g)`` per token
             (Qwen2-MoE's ``shared_expert_gate``).
+        ep_capacity: static expert-parallel mode (Megatron's pad-to-capacity): every rank keeps
+            at most this many slots per expert (later ones dropped, as ``capacity_factor``
+            drops) and sends exactly this many rows to every expert, padded with zeros. Every
+            exchange then has a static size, so the expert-parallel forward and backward run
+            without a host synchronization (capturable in a CUDA graph). None: dropless or
+            ``capacity_factor`` (one host sync per forward: the counts exchange). Excludes
+            ``capacity_factor`` and ``pipeline_degree`` > 1.
         parm_schedule: the schedule of a layer with model-parallel or expert-sharding groups
             (``MoELayer(..., mp_group=..., esp_group=...)``, paper 003 "Parm"): "baseline"
             (DeepSpeed-MoE's order), "s1" (pause model parallelism before the gate), "s2" (after
@@ -103,6 +110,7 @@ class MoEConfig:
     router_dtype: Optional[torch.dtype] = None
     shared_d_ffn: int = 0
     shared_expert_gate: bool = False
+    ep_capacity: Optional[int] = None
 
     def __post_init__(self) -> None:
         V.positive_int("d_model", self.d_model)
@@ -158,6 +166,19 @@ class MoEConfig:
             raise TypeError(f"router_dtype={self.router_dtype!r}; use None or one of {V.FLOAT_DTYPES}")
         if not V.is_int(self.shared_d_ffn) or self.shared_d_ffn < 0:
             raise ValueError(f"shared_d_ffn={self.shared_d_ffn!r} must be an int >= 0 (0: no shared expert)")
+        if self.ep_capacity is not None:
+            V.positive_int("ep_capacity", self.ep_capacity)
+            object.__setattr__(self, "ep_capacity", int(self.ep_capacity))
+            if self.capacity_factor is not None:
+                raise ValueError(
+                    f"ep_capacity={self.ep_capacity} and capacity_factor={self.capacity_factor}: the static mode's "
+                    "capacity is ep_capacity; drop capacity_factor"
+                )
+            if self.pipeline_degree != 1:
+                raise ValueError(
+                    f"ep_capacity (the static expert-parallel mode) runs one micro-op; use pipeline_degree=1, not "
+                    f"{self.pipeline_degree!r}"
+                )
         if self.shared_expert_gate and self.shared_d_ffn == 0:
             raise ValueError("shared_expert_gate=True needs a shared expert: set shared_d_ffn > 0")
         V.choice("parm_schedule", self.parm_schedule, PARM_SCHEDULES)
@@ -186,7 +207,7 @@ class MoEConfig:
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity ``ceil(capacity_factor * num_tokens * top_k / num_experts)`` for a
-        batch of ``num_tokens`` tokens (None when dropless).
+        batch of ``num_tokens`` tokens (``ep_capacity`` when set; None when dropless).
 
         Exact: capacity_factor is taken as the decimal it prints as (1.1 is 11/10, so
         capacity_factor=1.1 with T*k/E = 10 gives 11, not the 12 of float arithmetic), and the
@@ -194,6 +215,8 @@ class MoEConfig:
         dynamic batch size under ``torch.compile``): the same expression is then traced
         symbolically and gives the same value at run time.
         """
+        if self.ep_capacity is not None:  # the static mode: a fixed capacity per expert
+            return self.ep_capacity
         if self._capacity_ratio is None:
             return None
         num, den = self._capacity_ratio

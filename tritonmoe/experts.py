@@ -42,6 +42,7 @@ __all__ = [
     "ExpertPath",
     "LocalExperts",
     "ExpertParallelExperts",
+    "StaticExpertParallelExperts",
     "micro_batch_bounds",
     "make_expert_path",
 ]
@@ -296,6 +297,89 @@ class ExpertParallelExperts(ExpertPath):
         return out
 
 
+class StaticExpertParallelExperts(ExpertPath):
+    """Expert parallelism with static shapes (``config.ep_capacity`` = C; Megatron's
+    pad-to-capacity): rank r of P owns the experts [r*E/P, (r+1)*E/P) as in
+    :class:`ExpertParallelExperts`, but every rank sends exactly C rows to every expert (its
+    first C kept slots, then zero rows). The exchanges are equal-split all-to-alls of E*C rows
+    whose sizes are known on the host, so there is no counts exchange and no host
+    synchronization in the forward or the backward (capturable in a CUDA graph); the experts run
+    as one batched GEMM pair over [E/P, P*C] rows. The price is the padding: E*C rows per rank
+    per exchange whatever the routing.
+
+    Semantics: routing keeps at most C slots per expert on each rank (``config.capacity`` is C;
+    later slots are dropped, weight 0), so the layer equals a single-process layer with the same
+    config applied to each rank's batch; padding rows never reach an output.
+
+    Construction is collective (one small all-to-all checks that the ranks agree on the config).
+    """
+
+    def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
+        super().__init__(config)
+        from .comm import check_agreement
+        from .comm.splits import group_rank_size
+
+        rank, P = group_rank_size(group)
+        E = config.num_experts
+        check_agreement(
+            dict(num_experts=E, d_model=config.d_model, ep_capacity=config.ep_capacity,
+                 dtype=_DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1),
+            group=group, what="the static expert-parallel MoEConfig",
+        )
+        if E % P:
+            raise ValueError(f"num_experts={E} is not divisible by the expert-parallel group size {P}")
+        self.group, self.rank, self.world_size = group, rank, P
+        self.num_local_experts = E // P
+        self.expert_start = rank * self.num_local_experts
+
+    def send_rows(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dest [T*k], valid [T*k])``: the row of the [E*C] send buffer each slot goes to
+        (expert e's block [e*C, (e+1)*C), its kept slots in slot order) and whether it is sent;
+        slots not sent point at row E*C. Device ops only (a stable sort, a scatter-add, a cumsum):
+        no host sync."""
+        E, C = self.config.num_experts, self.config.ep_capacity
+        ids = routing.topk_ids.reshape(-1).long()
+        S = ids.shape[0]
+        valid = (ids >= 0) & (ids < E)
+        key = torch.where(valid, ids, torch.full_like(ids, E))
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.empty_like(key)
+        pos[order] = torch.arange(S, device=ids.device) - starts[key[order]]
+        valid = valid & (pos < C)  # routing kept at most C per expert; a longer list is cut, never overflows
+        dest = torch.where(valid, key * C + pos, torch.full_like(key, E * C))
+        return dest, valid
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
+        from .comm.all_to_all import _AllToAll
+
+        c = self.config
+        self.path_used = "expert_parallel_static"
+        E, C, P, L = c.num_experts, c.ep_capacity, self.world_size, self.num_local_experts
+        T, d = x_TD.shape
+        k = routing.topk_ids.shape[1]
+        dest, valid = self.send_rows(routing)
+        x_slots = x_TD.unsqueeze(1).expand(T, k, d).reshape(T * k, d)
+        send = x_TD.new_zeros(E * C + 1, d).index_add(0, dest, x_slots)[: E * C]  # row E*C: the unsent slots
+        splits = [L * C] * P
+        recv = _AllToAll.apply(send, splits, splits, self.group)  # [P (source), L, C, d]
+        x_LRD = recv.view(P, L, C, d).transpose(0, 1).reshape(L, P * C, d)
+        h = torch.bmm(x_LRD, weights.w1)
+        if weights.b1 is not None:
+            h = h + weights.b1.unsqueeze(1)
+        a = reference._activation(h, c.activation, c.swiglu_limit, c.swiglu_alpha, scalar=False)
+        y = torch.bmm(a, weights.w2)
+        if weights.b2 is not None:
+            y = y + weights.b2.unsqueeze(1)
+        y = y.view(L, P, C, d).transpose(0, 1).reshape(P * L * C, d)
+        back = _AllToAll.apply(y, splits, splits, self.group)  # [E*C, d]: this rank's rows, back
+        acc = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
+        back = torch.cat([back, back.new_zeros(1, d)], dim=0)
+        w = torch.where(valid.view(T, k), routing.topk_weights.to(acc), torch.zeros((), dtype=acc, device=x_TD.device))
+        return (back[dest].view(T, k, d).to(acc) * w.unsqueeze(-1)).sum(1).to(x_TD.dtype)
+
+
 def _announce(scheduler):
     """A gradient hook that announces the backward's exchanges to ``scheduler``."""
 
@@ -325,6 +409,8 @@ def make_expert_path(
             groups=parm_groups, dtype=dtype,
         )
     if ep_group is not None:
+        if config.ep_capacity is not None:
+            return StaticExpertParallelExperts(config, ep_group, dtype)
         return ExpertParallelExperts(config, ep_group, dtype)
     if isinstance(config.pipeline_degree, str):
         raise ValueError(

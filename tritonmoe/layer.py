@@ -14,7 +14,15 @@ from .config import MoEConfig
 from .dispatch import implementation
 from .exact import rowwise_mm
 from ._validation import GLU_ACTIVATIONS
-from .experts import ExpertParallelExperts, ExpertPath, ExpertWeights, LocalExperts, make_expert_path, micro_batch_bounds
+from .experts import (
+    ExpertParallelExperts,
+    ExpertPath,
+    ExpertWeights,
+    LocalExperts,
+    StaticExpertParallelExperts,
+    make_expert_path,
+    micro_batch_bounds,
+)
 from .parallel.guard import check_ddp
 from .parallel.init import draw_seed, init_experts_
 from .types import Routing
@@ -209,7 +217,7 @@ class MoELayer(nn.Module):
         E, d = config.num_experts, config.d_model
         w1_shape, w2_shape = self.expert_path.weight_shapes()
         if (config.expert_ffn_bias or config.router_bias) and not isinstance(
-            self.expert_path, (LocalExperts, ExpertParallelExperts)
+            self.expert_path, (LocalExperts, ExpertParallelExperts, StaticExpertParallelExperts)
         ):
             raise ValueError(
                 "expert_ffn_bias / router_bias are supported on the local and expert-parallel layouts, not with "
