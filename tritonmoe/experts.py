@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import reference
+from . import ops, reference
 from .config import MoEConfig
 from .dispatch import implementation
 from .types import Routing
@@ -154,9 +154,12 @@ class LocalExperts(ExpertPath):
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
         c = self.config
+        w, kw = weights, ffn_options(c)
+        if torch.compiler.is_compiling():  # one opaque custom op (tritonmoe.ops): no graph break
+            self.path_used = "fused"
+            return ops.moe_ffn(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
         path = self.choose(x_TD)
         self.path_used = path
-        w, kw = weights, ffn_options(c)
         if path == "fused":
             return self.impl("moe_ffn", x_TD)(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         # num_rows: the static bound of the permuted rows, so permute needs no host sync

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import reference
+from . import ops, reference
 from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
 from .dispatch import implementation
@@ -243,6 +243,8 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
         self._step = _StepState()
+        self._step.load = torch.zeros(E, dtype=torch.int64, device=device)  # a tensor from the start (no
+        # None -> tensor change for torch.compile to guard on); _apply moves it with the layer
         self.init_seed: int = 0
         self.reset_parameters()
         seed_group = mesh.dense_group if mesh is not None else ep_group
@@ -371,8 +373,12 @@ class MoELayer(nn.Module):
         c = self.config
         logits_TE = router_logits(self.router_input(x_TD), self.router.weight, self.router)
         need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
-        routing = implementation("route", c.backend, x_TD.device, logits_TE.dtype)(
-            logits_TE, c.top_k, capacity=c.capacity(x_TD.shape[0]), with_aux=need_aux, **self.route_options()
+        # Traced by torch.compile: the custom op (one opaque node; tritonmoe.ops), else the implementation.
+        route = ops.route if torch.compiler.is_compiling() else implementation("route", c.backend, x_TD.device,
+                                                                                 logits_TE.dtype)
+        kw = {"backend": c.backend} if route is ops.route else {}
+        routing = route(
+            logits_TE, c.top_k, capacity=c.capacity(x_TD.shape[0]), with_aux=need_aux, **self.route_options(), **kw
         )
         if self.expert_bias is not None:
             # A non-finite bias (an update gone wrong) would silently reroute every token: the
@@ -425,7 +431,7 @@ class MoELayer(nn.Module):
         if load is None:
             load = torch.zeros(self.config.num_experts, dtype=torch.int64, device=self.w1.device)
         if reset:
-            self._step.load = None
+            self._step.load = torch.zeros_like(load)
         return load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -454,6 +460,9 @@ class MoELayer(nn.Module):
         # layer.to(dtype) / .half() / .bfloat16() cast every parameter; an fp32 router
         # (config.router_dtype) stays in its dtype.
         super()._apply(fn, recurse)
+        load = self._step.load
+        if load is not None:
+            self._step.load = torch.zeros(load.shape, dtype=load.dtype, device=self.w1.device)
         rd = self.config.router_dtype
         if rd is not None and self.router.weight.dtype != rd:
             self.router._apply(lambda t: t.to(rd) if t.is_floating_point() else t)

@@ -344,7 +344,7 @@ def load_balancing_loss(logits_TE: torch.Tensor, routing: Routing) -> torch.Tens
         score_sum_E = scores(logits_TE, routing.score_func).sum(dim=0)
     if T == 0:
         return score_sum_E.sum() * 0.0
-    f_E = routing.selected_counts.to(score_sum_E.dtype) / float(T * k)
+    f_E = routing.selected_counts.to(score_sum_E.dtype) / (T * k)  # T may be a SymInt (torch.compile)
     return E * (f_E * score_sum_E).sum() / T
 
 

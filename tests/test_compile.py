@@ -1,0 +1,105 @@
+"""torch.compile / torch.export of the local layer through the custom ops (tritonmoe.ops):
+zero graph breaks forward and backward, compiled equals eager, dynamic batch sizes (with a
+capacity), opcheck of every op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritonmoe as tm
+from tritonmoe import ops
+
+CFG = dict(d_model=16, d_ffn=12, num_experts=4, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
+
+
+def _layers(backend, dtype, **extra):
+    torch.manual_seed(0)
+    eager = tm.MoELayer(tm.MoEConfig(**CFG, backend=backend, **extra), dtype=dtype)
+    torch.manual_seed(0)
+    compiled_layer = tm.MoELayer(tm.MoEConfig(**CFG, backend=backend, **extra), dtype=dtype)
+    return eager, compiled_layer
+
+
+def _step(fn, layer, x, g):
+    """Forward + backward of ``fn`` (the layer or its compiled module) with ``layer``'s aux loss."""
+    x = x.clone().requires_grad_()
+    out = fn(x)
+    ((out * g).sum() + layer.aux_loss).backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
+def test_no_graph_breaks_and_compiled_equals_eager(backend, dtype):
+    """fullgraph=True (any graph break raises), forward and backward, two batch sizes (dynamic),
+    with a capacity: bitwise equal to eager with the aot_eager backend (the same implementations
+    run inside the ops)."""
+    extra = dict(capacity_factor=1.25, expert_ffn_bias=True, shared_d_ffn=8, routed_scaling_factor=1.5)
+    eager, layer = _layers(backend, dtype, **extra)
+    ex = torch._dynamo.explain(layer)(torch.randn(5, 16, dtype=dtype))
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, [str(b.reason)[:200] for b in ex.break_reasons]
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for T in (7, 11, 3):
+        x = torch.randn(T, 16, dtype=dtype)
+        g = torch.randn(T, 16, dtype=dtype)
+        eager.zero_grad(set_to_none=True)
+        layer.zero_grad(set_to_none=True)
+        want = _step(eager, eager, x, g)
+        got = _step(compiled, layer, x, g)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for n, gw in want[2].items():
+            assert torch.equal(got[2][n], gw), n
+        assert torch.equal(layer.last_routing.topk_ids, eager.last_routing.topk_ids)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1], frames  # no recompilation for a new batch size (the capacity is symbolic)
+
+
+@pytest.mark.slow
+def test_inductor_matches_eager_to_rounding():
+    eager, layer = _layers("torch", torch.float32)
+    compiled = torch.compile(layer, fullgraph=True)
+    x, g = torch.randn(9, 16), torch.randn(9, 16)
+    want, got = _step(eager, eager, x, g), _step(compiled, layer, x, g)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for n, gw in want[2].items():
+        torch.testing.assert_close(got[2][n], gw, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_export():
+    torch.manual_seed(0)
+    layer = tm.MoELayer(tm.MoEConfig(**CFG, backend="torch"))
+    x = torch.randn(6, 16)
+    batch = torch.export.Dim("batch", min=2, max=1024)
+    ep = torch.export.export(layer, (x,), dynamic_shapes=({0: batch},))
+    names = {n.target.name() for n in ep.graph.nodes if n.op == "call_function" and hasattr(n.target, "name")}
+    assert {"tritonmoe::route", "tritonmoe::moe_ffn"} <= names, names
+    x2 = torch.randn(13, 16)
+    torch.testing.assert_close(ep.module()(x2), layer(x2), rtol=0, atol=0)
+
+
+def test_opcheck():
+    """torch.library.opcheck: schema, fake (meta) implementation, autograd registration and
+    AOT dispatch of every op, on CPU."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros(4)
+    for args in (
+        (logits, None, 2, "softmax", True, None, None, None, True, "top2sum", 1.0, "torch"),
+        (logits, bias, 2, "sigmoid", True, 2, 1, 2, False, "max", 2.5, "torch"),
+    ):
+        torch.library.opcheck(torch.ops.tritonmoe.route.default, args)
+    r = ops.route(logits.detach(), 2, backend="torch")
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(4, 8, 10, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(4, 5, 8, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    w = r.topk_weights.clone().requires_grad_()
+    for bias_args in ((None, None), (b1, None)):
+        torch.library.opcheck(torch.ops.tritonmoe.moe_ffn.default,
+                              (x, r.topk_ids, w, r.counts, w1, w2, *bias_args, "swiglu", 7.0, 1.702, "torch"))

@@ -1,0 +1,262 @@
+"""tritonmoe's routing and fused expert FFN as ``torch.library`` custom ops, for ``torch.compile``
+and ``torch.export``: ``torch.ops.tritonmoe.route`` and ``torch.ops.tritonmoe.moe_ffn``.
+
+Each op is one opaque node of a traced graph: a fake implementation gives its output shapes and
+dtypes (no data-dependent size: the routing's outputs are [T, k] and [E], the FFN's [T, d]), and
+its implementation asks :func:`tritonmoe.dispatch.implementation` at run time for the Triton
+kernel or the reference, so the graph is the same for both backends. The local
+:class:`~tritonmoe.MoELayer` calls these ops while ``torch.compile`` traces it
+(``torch.compiler.is_compiling()``): a compiled layer has no graph break, forward or backward,
+and dynamic batch sizes trace symbolically (``MoEConfig.capacity`` of a SymInt). In eager mode
+the layer calls the implementations directly, as before.
+
+Backward: each op's gradient is a second custom op (``route_backward``, ``moe_ffn_backward``)
+that recomputes the forward with autograd and differentiates it, so a compiled step gets exactly
+the eager gradients (the same implementations, the same order of operations). The cost is one
+extra forward of the op in the backward, which the eager path (saved activations) does not pay;
+with the Triton backend that is one more GEMM pair per layer in a compiled step. Custom ops
+cannot carry the deferred weight gradients of :mod:`tritonmoe.exact`, so the expert-parallel
+paths (not traceable anyway: collectives with host-side splits) keep calling the
+implementations directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+from .types import Routing
+
+__all__ = ["route", "moe_ffn"]
+
+_LIB = "tritonmoe"
+
+
+@contextlib.contextmanager
+def _autograd_inside_op() -> Iterator[None]:
+    """Let autograd record inside a custom op's implementation (which runs below the autograd
+    dispatch keys: the op's own formula has already been applied): the key-set guard PyTorch's
+    higher-order ops use to run a differentiable body inside an opaque op."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality) | torch._C.DispatchKeySet(
+        torch._C.DispatchKey.ADInplaceOrView
+    )
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set() - keys
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
+def _empty(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return t.new_empty(0, dtype=dtype)
+
+
+def _not_twice(op: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"tritonmoe::{op} is not differentiable (no double backward through the custom ops)")
+
+    return backward
+
+
+def _setup_nothing(ctx, inputs, output) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# route
+# ---------------------------------------------------------------------------------------------
+
+
+def _route_impl(logits, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux,
+                group_score, routed_scaling_factor, backend) -> Routing:
+    impl = dispatch.implementation("route", backend, logits.device, logits.dtype)
+    return impl(logits, top_k, score_func=score_func, renormalize=renormalize, expert_bias=expert_bias,
+                n_groups=n_groups, topk_groups=topk_groups, capacity=capacity, with_aux=with_aux,
+                group_score=group_score, routed_scaling_factor=routed_scaling_factor)
+
+
+# Outputs: weights, ids, counts, selected_counts, score_sum, logsumexp (the float output first:
+# torch.library.opcheck's autograd check sums the outputs in order).
+@torch.library.custom_op(f"{_LIB}::route", mutates_args=())
+def _route_op(
+    logits: Tensor, expert_bias: Optional[Tensor], top_k: int, score_func: str, renormalize: bool,
+    n_groups: Optional[int], topk_groups: Optional[int], capacity: Optional[int], with_aux: bool, group_score: str,
+    routed_scaling_factor: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    r = _route_impl(logits.detach(), expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity,
+                    with_aux, group_score, routed_scaling_factor, backend)
+    acc = r.topk_weights.dtype
+    # outputs may not alias each other: without capacity selected_counts is counts
+    selected = r.selected_counts if r.selected_counts is not r.counts else r.counts.clone()
+    outs = (r.topk_weights.detach(), r.topk_ids, r.counts, selected,
+            r.score_sum.detach() if r.score_sum is not None else _empty(logits, acc),
+            r.logsumexp.detach() if r.logsumexp is not None else _empty(logits, acc))
+    return tuple(t.contiguous() for t in outs)  # the layouts the fake implementation promises
+
+
+def _weights_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+@_route_op.register_fake
+def _(logits, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux, group_score,
+      routed_scaling_factor, backend):
+    T, E = logits.shape
+    acc = _weights_dtype(logits)
+    i32 = torch.int32
+    return (logits.new_empty(T, top_k, dtype=acc), logits.new_empty(T, top_k, dtype=i32),
+            logits.new_empty(E, dtype=i32), logits.new_empty(E, dtype=i32),
+            logits.new_empty(E if with_aux else 0, dtype=acc), logits.new_empty(T if with_aux else 0, dtype=acc))
+
+
+def _route_setup(ctx, inputs, output) -> None:
+    logits, expert_bias, *statics = inputs
+    ctx.statics = tuple(statics)
+    ctx.save_for_backward(logits, expert_bias)
+
+
+def _route_backward(ctx, d_w, _d_ids, _d_counts, _d_sel, d_ss, d_lse):
+    logits, expert_bias = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 12
+    z = lambda g, n: g if g is not None else logits.new_zeros(n, dtype=_weights_dtype(logits))  # noqa: E731
+    T, E = logits.shape
+    top_k, with_aux = ctx.statics[0], ctx.statics[6]
+    d_logits = torch.ops.tritonmoe.route_backward(
+        logits, expert_bias, z(d_w, (T, top_k)), z(d_ss, (E if with_aux else 0,)), z(d_lse, (T if with_aux else 0,)),
+        *ctx.statics,
+    )
+    return (d_logits,) + (None,) * 11
+
+
+_route_op.register_autograd(_route_backward, setup_context=_route_setup)
+
+
+@torch.library.custom_op(f"{_LIB}::route_backward", mutates_args=())
+def _route_backward_op(
+    logits: Tensor, expert_bias: Optional[Tensor], d_weights: Tensor, d_score_sum: Tensor, d_logsumexp: Tensor,
+    top_k: int, score_func: str, renormalize: bool, n_groups: Optional[int], topk_groups: Optional[int],
+    capacity: Optional[int], with_aux: bool, group_score: str, routed_scaling_factor: float, backend: str,
+) -> Tensor:
+    with _autograd_inside_op():
+        leaf = logits.detach().requires_grad_()
+        r = _route_impl(leaf, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux,
+                        group_score, routed_scaling_factor, backend)
+        outs, grads = [r.topk_weights], [d_weights]
+        if with_aux:
+            outs += [r.score_sum, r.logsumexp]
+            grads += [d_score_sum, d_logsumexp]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o is not None and o.requires_grad]
+        if not pairs:
+            return torch.zeros_like(logits)
+        (g,) = torch.autograd.grad([o for o, _ in pairs], [leaf], [g for _, g in pairs], allow_unused=True)
+    return g if g is not None else torch.zeros_like(logits)
+
+
+@_route_backward_op.register_fake
+def _(logits, *args):
+    return torch.empty_like(logits)
+
+
+_route_backward_op.register_autograd(_not_twice("route_backward"), setup_context=_setup_nothing)
+
+
+def route(logits: Tensor, top_k: int, *, score_func: str = "softmax", renormalize: bool = True,
+          expert_bias: Optional[Tensor] = None, n_groups: Optional[int] = None, topk_groups: Optional[int] = None,
+          capacity: Optional[int] = None, with_aux: bool = False, group_score: str = "top2sum",
+          routed_scaling_factor: float = 1.0, backend: Optional[str] = None) -> Routing:
+    """``tritonmoe::route`` as a :class:`Routing` (arguments validated by the caller)."""
+    from ._settings import resolve_backend
+
+    w, ids, counts, selected, score_sum, lse = torch.ops.tritonmoe.route(
+        logits, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux, group_score,
+        float(routed_scaling_factor), resolve_backend(backend),
+    )
+    return Routing(topk_ids=ids, topk_weights=w, counts=counts, selected_counts=selected, score_func=score_func,
+                   score_sum=score_sum if with_aux else None, logsumexp=lse if with_aux else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# moe_ffn
+# ---------------------------------------------------------------------------------------------
+
+
+def _moe_ffn_impl(x, ids, weights, counts, w1, w2, b1, b2, activation, swiglu_limit, swiglu_alpha, backend):
+    routing = Routing(topk_ids=ids, topk_weights=weights, counts=counts, selected_counts=counts)
+    impl = dispatch.implementation("moe_ffn", backend, x.device, x.dtype)
+    kw = {"swiglu_limit": swiglu_limit, "swiglu_alpha": swiglu_alpha} if activation == "swiglu_oai" else {}
+    return impl(x, routing, w1, w2, activation, b1, b2, **kw)
+
+
+@torch.library.custom_op(f"{_LIB}::moe_ffn", mutates_args=())
+def _moe_ffn_op(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
+    b2: Optional[Tensor], activation: str, swiglu_limit: float, swiglu_alpha: float, backend: str,
+) -> Tensor:
+    with torch.no_grad():
+        return _moe_ffn_impl(x, topk_ids, topk_weights, counts, w1, w2, b1, b2, activation, swiglu_limit, swiglu_alpha,
+                             backend)
+
+
+@_moe_ffn_op.register_fake
+def _(x, topk_ids, topk_weights, counts, w1, w2, b1, b2, activation, swiglu_limit, swiglu_alpha, backend):
+    return torch.empty_like(x)
+
+
+def _moe_ffn_setup(ctx, inputs, output) -> None:
+    x, ids, w, counts, w1, w2, b1, b2, *statics = inputs
+    ctx.statics = tuple(statics)
+    ctx.has_bias = (b1 is not None, b2 is not None)
+    ctx.save_for_backward(x, ids, w, counts, w1, w2, b1, b2)
+
+
+def _moe_ffn_backward(ctx, d_out):
+    x, ids, w, counts, w1, w2, b1, b2 = ctx.saved_tensors
+    dx, dw, dw1, dw2, db1, db2 = torch.ops.tritonmoe.moe_ffn_backward(d_out, x, ids, w, counts, w1, w2, b1, b2,
+                                                                     *ctx.statics)
+    return (dx, None, dw, None, dw1, dw2, db1 if ctx.has_bias[0] else None, db2 if ctx.has_bias[1] else None,
+            None, None, None, None)
+
+
+_moe_ffn_op.register_autograd(_moe_ffn_backward, setup_context=_moe_ffn_setup)
+
+
+@torch.library.custom_op(f"{_LIB}::moe_ffn_backward", mutates_args=())
+def _moe_ffn_backward_op(
+    d_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, counts: Tensor, w1: Tensor, w2: Tensor,
+    b1: Optional[Tensor], b2: Optional[Tensor], activation: str, swiglu_limit: float, swiglu_alpha: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with _autograd_inside_op():
+        leaves = [t.detach().requires_grad_() for t in (x, topk_weights, w1, w2)]
+        bl = [b.detach().requires_grad_() if b is not None else None for b in (b1, b2)]
+        out = _moe_ffn_impl(leaves[0], topk_ids, leaves[1], counts, leaves[2], leaves[3], bl[0], bl[1], activation,
+                            swiglu_limit, swiglu_alpha, backend)
+        wrt = leaves + [b for b in bl if b is not None]
+        grads = torch.autograd.grad(out, wrt, d_out, allow_unused=True)
+    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, wrt)]
+    dx, dw, dw1, dw2, *rest = grads
+    db1 = rest.pop(0) if b1 is not None else _empty(x)
+    db2 = rest.pop(0) if b2 is not None else _empty(x)
+    return dx, dw, dw1, dw2, db1, db2
+
+
+@_moe_ffn_backward_op.register_fake
+def _(d_out, x, topk_ids, topk_weights, counts, w1, w2, b1, b2, activation, swiglu_limit, swiglu_alpha, backend):
+    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w1), torch.empty_like(w2),
+            torch.empty_like(b1) if b1 is not None else _empty(x), torch.empty_like(b2) if b2 is not None else _empty(x))
+
+
+_moe_ffn_backward_op.register_autograd(_not_twice("moe_ffn_backward"), setup_context=_setup_nothing)
+
+
+def moe_ffn(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str = "swiglu",
+            b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
+            swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
+    """``tritonmoe::moe_ffn`` (arguments validated by the caller)."""
+    from ._settings import resolve_backend
+
+    return torch.ops.tritonmoe.moe_ffn(x, routing.topk_ids, routing.topk_weights, routing.counts, w1, w2, b1, b2,
+                                       activation, float(swiglu_limit), float(swiglu_alpha), resolve_backend(backend))
