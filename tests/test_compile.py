@@ -103,3 +103,35 @@ def test_opcheck():
     for bias_args in ((None, None), (b1, None)):
         torch.library.opcheck(torch.ops.tritonmoe.moe_ffn.default,
                               (x, r.topk_ids, w, r.counts, w1, w2, *bias_args, "swiglu", 7.0, 1.702, "torch"))
+
+
+def test_opcheck_row_movers_and_gemms():
+    """opcheck of permute_metadata, permute (static num_rows), unpermute, grouped_gemm and
+    grouped_ffn (reference backend, fp64; with biases and the clamped SwiGLU)."""
+    g = torch.Generator().manual_seed(3)
+    T, d, E, k, f = 6, 8, 4, 2, 5
+    x = torch.randn(T, d, dtype=torch.float64, generator=g, requires_grad=True)
+    ids = torch.tensor([[0, 1], [2, -1], [1, 3], [0, 0], [3, 2], [1, 2]], dtype=torch.int32)
+    ids[3, 1] = 2
+    torch.library.opcheck(torch.ops.tritonmoe.permute_metadata.default, (ids, E, 2, "torch"))
+    rows = 20  # >= max_permuted_rows(6, 2, 4, 2) = 16
+    torch.library.opcheck(torch.ops.tritonmoe.permute.default, (x, ids, E, 2, rows, "torch"))
+    xp, offs, slots, counts = torch.ops.tritonmoe.permute(x.detach(), ids, E, 2, rows, "torch")
+    y = torch.randn(rows, d, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.rand(T, k, dtype=torch.float64, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.tritonmoe.unpermute.default, (y, offs, slots, counts, w, T, 2, "torch"))
+    w1 = torch.randn(E, d, 2 * f, dtype=torch.float64, generator=g, requires_grad=True)
+    w2 = torch.randn(E, f, d, dtype=torch.float64, generator=g, requires_grad=True)
+    b1 = torch.randn(E, 2 * f, dtype=torch.float64, generator=g, requires_grad=True)
+    b2 = torch.randn(E, d, dtype=torch.float64, generator=g, requires_grad=True)
+    xq = xp.detach().clone().requires_grad_()
+    torch.library.opcheck(torch.ops.tritonmoe.grouped_gemm.default, (xq, offs, w1, b1, "torch"))
+    torch.library.opcheck(torch.ops.tritonmoe.grouped_gemm.default, (xq, offs, w1, None, "torch"))
+    torch.library.opcheck(torch.ops.tritonmoe.grouped_ffn.default,
+                          (xq, offs, w1, w2, b1, b2, "swiglu_oai", 0.8, 1.3, "torch"))
+    # and the ops compute what the implementations compute
+    want = tm.grouped_ffn(xq.detach(), offs, w1.detach(), w2.detach(), "swiglu_oai", b1.detach(), b2.detach(),
+                          swiglu_limit=0.8, swiglu_alpha=1.3, backend="torch")
+    got = torch.ops.tritonmoe.grouped_ffn(xq.detach(), offs, w1.detach(), w2.detach(), b1.detach(), b2.detach(),
+                                          "swiglu_oai", 0.8, 1.3, "torch")
+    assert torch.equal(got, want)

@@ -1,5 +1,6 @@
-"""tritonmoe's routing and fused expert FFN as ``torch.library`` custom ops, for ``torch.compile``
-and ``torch.export``: ``torch.ops.tritonmoe.route`` and ``torch.ops.tritonmoe.moe_ffn``.
+"""tritonmoe's ops as ``torch.library`` custom ops, for ``torch.compile`` and ``torch.export``:
+``torch.ops.tritonmoe.route``, ``moe_ffn``, ``permute_metadata``, ``permute`` (static
+``num_rows``), ``unpermute``, ``grouped_gemm``, ``grouped_ffn``.
 
 Each op is one opaque node of a traced graph: a fake implementation gives its output shapes and
 dtypes (no data-dependent size: the routing's outputs are [T, k] and [E], the FFN's [T, d]), and
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .types import Routing
+from .types import PermuteInfo, Routing
 
 __all__ = ["route", "moe_ffn"]
 
@@ -260,3 +261,248 @@ def moe_ffn(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str
 
     return torch.ops.tritonmoe.moe_ffn(x, routing.topk_ids, routing.topk_weights, routing.counts, w1, w2, b1, b2,
                                        activation, float(swiglu_limit), float(swiglu_alpha), resolve_backend(backend))
+
+
+# ---------------------------------------------------------------------------------------------
+# permute_metadata, permute, unpermute, grouped_gemm, grouped_ffn
+# ---------------------------------------------------------------------------------------------
+#
+# The same pattern: a forward op that runs the dispatched implementation, a fake with static
+# shapes (permute needs num_rows: its row count is otherwise data-dependent), and a backward op
+# that recomputes the forward under autograd (:func:`_recompute_grads`).
+
+
+def _recompute_grads(fn, args: list, diff: tuple[int, ...], d_outs: list) -> list[Tensor]:
+    """Gradients of ``fn(*args)`` w.r.t. ``args[i]`` for i in ``diff`` (zeros where an input
+    gets none; empty tensors for absent optional inputs), given the outputs' gradients."""
+    with _autograd_inside_op():
+        leaves = list(args)
+        for i in diff:
+            if leaves[i] is not None:
+                leaves[i] = leaves[i].detach().requires_grad_()
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, d_outs) if g is not None and isinstance(o, Tensor) and o.requires_grad]
+        wrt = [leaves[i] for i in diff if leaves[i] is not None]
+        got = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)) \
+            if pairs and wrt else [None] * len(wrt)
+    out = []
+    for i in diff:
+        if args[i] is None:
+            out.append(d_outs[0].new_empty(0))
+        else:
+            g = got.pop(0)
+            out.append(g if g is not None else torch.zeros_like(args[i]))
+    return out
+
+
+def _impl(op: str, backend: str, t: Tensor):
+    return dispatch.implementation(op, backend, t.device, t.dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::permute_metadata", mutates_args=())
+def _permute_metadata_op(topk_ids: Tensor, num_experts: int, pad_to: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    info = dispatch.implementation("permute_metadata", backend, topk_ids.device)(topk_ids, num_experts, pad_to)
+    return info.expert_offsets.contiguous(), info.slot_rows.contiguous(), info.counts.contiguous()
+
+
+@_permute_metadata_op.register_fake
+def _(topk_ids, num_experts, pad_to, backend):
+    T, K = topk_ids.shape
+    return (topk_ids.new_empty(num_experts + 1, dtype=torch.int64), topk_ids.new_empty(T, K, dtype=torch.int64),
+            topk_ids.new_empty(num_experts, dtype=torch.int32))
+
+
+def _permute_fn(backend):
+    def fn(x, ids, num_experts, pad_to, num_rows):
+        x_perm, info = _impl("permute", backend, x)(x, ids, num_experts, pad_to=pad_to, num_rows=num_rows)
+        return x_perm, info.expert_offsets, info.slot_rows, info.counts
+
+    return fn
+
+
+@torch.library.custom_op(f"{_LIB}::permute", mutates_args=())
+def _permute_op(x: Tensor, topk_ids: Tensor, num_experts: int, pad_to: int, num_rows: int,
+                backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    with torch.no_grad():
+        return tuple(t.contiguous() for t in _permute_fn(backend)(x, topk_ids, num_experts, pad_to, num_rows))
+
+
+@_permute_op.register_fake
+def _(x, topk_ids, num_experts, pad_to, num_rows, backend):
+    T, K = topk_ids.shape
+    return (x.new_empty(num_rows, x.shape[1]), topk_ids.new_empty(num_experts + 1, dtype=torch.int64),
+            topk_ids.new_empty(T, K, dtype=torch.int64), topk_ids.new_empty(num_experts, dtype=torch.int32))
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.inputs = inputs  # ints and strings as they are; tensors through save_for_backward
+    ctx.tensor_idx = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]
+    ctx.save_for_backward(*[inputs[i] for i in ctx.tensor_idx])
+
+
+def _restore_inputs(ctx) -> list:
+    args = list(ctx.inputs)
+    for i, t in zip(ctx.tensor_idx, ctx.saved_tensors):
+        args[i] = t
+    return args
+
+
+def _permute_backward(ctx, d_x_perm, *_):
+    args = _restore_inputs(ctx)
+    (dx,) = torch.ops.tritonmoe.permute_backward(d_x_perm, *args)
+    return (dx,) + (None,) * 5
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_save_inputs)
+
+
+@torch.library.custom_op(f"{_LIB}::permute_backward", mutates_args=())
+def _permute_backward_op(d_x_perm: Tensor, x: Tensor, topk_ids: Tensor, num_experts: int, pad_to: int, num_rows: int,
+                         backend: str) -> tuple[Tensor]:
+    fn = _permute_fn(backend)
+    return tuple(_recompute_grads(fn, [x, topk_ids, num_experts, pad_to, num_rows], (0,), [d_x_perm]))
+
+
+@_permute_backward_op.register_fake
+def _(d_x_perm, x, *args):
+    return (torch.empty_like(x),)
+
+
+_permute_backward_op.register_autograd(_not_twice("permute_backward"), setup_context=_setup_nothing)
+
+
+def _unpermute_fn(backend):
+    def fn(y_perm, offsets, slot_rows, counts, weights, num_tokens, pad_to):
+        info = PermuteInfo(expert_offsets=offsets, slot_rows=slot_rows, counts=counts, num_tokens=num_tokens,
+                           pad_to=pad_to)
+        return _impl("unpermute", backend, y_perm)(y_perm, info, weights)
+
+    return fn
+
+
+@torch.library.custom_op(f"{_LIB}::unpermute", mutates_args=())
+def _unpermute_op(y_perm: Tensor, expert_offsets: Tensor, slot_rows: Tensor, counts: Tensor, topk_weights: Tensor,
+                  num_tokens: int, pad_to: int, backend: str) -> Tensor:
+    with torch.no_grad():
+        return _unpermute_fn(backend)(y_perm, expert_offsets, slot_rows, counts, topk_weights, num_tokens, pad_to)
+
+
+@_unpermute_op.register_fake
+def _(y_perm, expert_offsets, slot_rows, counts, topk_weights, num_tokens, pad_to, backend):
+    return y_perm.new_empty(slot_rows.shape[0], y_perm.shape[1])
+
+
+def _unpermute_backward(ctx, d_out):
+    args = _restore_inputs(ctx)
+    dy, dw = torch.ops.tritonmoe.unpermute_backward(d_out, *args)
+    return (dy, None, None, None, dw, None, None, None)
+
+
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_inputs)
+
+
+@torch.library.custom_op(f"{_LIB}::unpermute_backward", mutates_args=())
+def _unpermute_backward_op(d_out: Tensor, y_perm: Tensor, expert_offsets: Tensor, slot_rows: Tensor, counts: Tensor,
+                           topk_weights: Tensor, num_tokens: int, pad_to: int, backend: str) -> tuple[Tensor, Tensor]:
+    args = [y_perm, expert_offsets, slot_rows, counts, topk_weights, num_tokens, pad_to]
+    return tuple(_recompute_grads(_unpermute_fn(backend), args, (0, 4), [d_out]))
+
+
+@_unpermute_backward_op.register_fake
+def _(d_out, y_perm, expert_offsets, slot_rows, counts, topk_weights, *args):
+    return torch.empty_like(y_perm), torch.empty_like(topk_weights)
+
+
+_unpermute_backward_op.register_autograd(_not_twice("unpermute_backward"), setup_context=_setup_nothing)
+
+
+def _gemm_fn(backend):
+    def fn(x, offsets, w, bias):
+        return _impl("grouped_gemm", backend, x)(x, offsets, w, bias)
+
+    return fn
+
+
+@torch.library.custom_op(f"{_LIB}::grouped_gemm", mutates_args=())
+def _grouped_gemm_op(x: Tensor, expert_offsets: Tensor, w: Tensor, bias: Optional[Tensor], backend: str) -> Tensor:
+    with torch.no_grad():
+        return _gemm_fn(backend)(x, expert_offsets, w, bias)
+
+
+@_grouped_gemm_op.register_fake
+def _(x, expert_offsets, w, bias, backend):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+def _grouped_gemm_backward(ctx, d_y):
+    args = _restore_inputs(ctx)
+    dx, dw, db = torch.ops.tritonmoe.grouped_gemm_backward(d_y, *args)
+    return (dx, None, dw, db if args[3] is not None else None, None)
+
+
+_grouped_gemm_op.register_autograd(_grouped_gemm_backward, setup_context=_save_inputs)
+
+
+@torch.library.custom_op(f"{_LIB}::grouped_gemm_backward", mutates_args=())
+def _grouped_gemm_backward_op(d_y: Tensor, x: Tensor, expert_offsets: Tensor, w: Tensor, bias: Optional[Tensor],
+                              backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_recompute_grads(_gemm_fn(backend), [x, expert_offsets, w, bias], (0, 2, 3), [d_y]))
+
+
+@_grouped_gemm_backward_op.register_fake
+def _(d_y, x, expert_offsets, w, bias, backend):
+    return torch.empty_like(x), torch.empty_like(w), torch.empty_like(bias) if bias is not None else x.new_empty(0)
+
+
+_grouped_gemm_backward_op.register_autograd(_not_twice("grouped_gemm_backward"), setup_context=_setup_nothing)
+
+
+def _ffn_fn(backend, activation, swiglu_limit, swiglu_alpha):
+    kw = {"swiglu_limit": swiglu_limit, "swiglu_alpha": swiglu_alpha} if activation == "swiglu_oai" else {}
+
+    def fn(x, offsets, w1, w2, b1, b2):
+        return _impl("grouped_ffn", backend, x)(x, offsets, w1, w2, activation, b1, b2, **kw)
+
+    return fn
+
+
+@torch.library.custom_op(f"{_LIB}::grouped_ffn", mutates_args=())
+def _grouped_ffn_op(x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
+                    b2: Optional[Tensor], activation: str, swiglu_limit: float, swiglu_alpha: float,
+                    backend: str) -> Tensor:
+    with torch.no_grad():
+        return _ffn_fn(backend, activation, swiglu_limit, swiglu_alpha)(x, expert_offsets, w1, w2, b1, b2)
+
+
+@_grouped_ffn_op.register_fake
+def _(x, expert_offsets, w1, w2, b1, b2, activation, swiglu_limit, swiglu_alpha, backend):
+    return x.new_empty(x.shape[0], w2.shape[2])
+
+
+def _grouped_ffn_backward(ctx, d_y):
+    args = _restore_inputs(ctx)
+    dx, dw1, dw2, db1, db2 = torch.ops.tritonmoe.grouped_ffn_backward(d_y, *args)
+    return (dx, None, dw1, dw2, db1 if args[4] is not None else None, db2 if args[5] is not None else None,
+            None, None, None, None)
+
+
+_grouped_ffn_op.register_autograd(_grouped_ffn_backward, setup_context=_save_inputs)
+
+
+@torch.library.custom_op(f"{_LIB}::grouped_ffn_backward", mutates_args=())
+def _grouped_ffn_backward_op(d_y: Tensor, x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor,
+                             b1: Optional[Tensor], b2: Optional[Tensor], activation: str, swiglu_limit: float,
+                             swiglu_alpha: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    fn = _ffn_fn(backend, activation, swiglu_limit, swiglu_alpha)
+    return tuple(_recompute_grads(fn, [x, expert_offsets, w1, w2, b1, b2], (0, 2, 3, 4, 5), [d_y]))
+
+
+@_grouped_ffn_backward_op.register_fake
+def _(d_y, x, expert_offsets, w1, w2, b1, b2, *args):
+    e = x.new_empty(0)
+    return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
+            torch.empty_like(b1) if b1 is not None else e, torch.empty_like(b2) if b2 is not None else e)
+
+
+_grouped_ffn_backward_op.register_autograd(_not_twice("grouped_ffn_backward"), setup_context=_setup_nothing)
