@@ -73,6 +73,9 @@ def pipeline_pass(
     out_like: Optional[Callable[[int], Any]] = None,
     tail: Optional[Callable[[], None]] = None,
     tail_work: Optional[Work] = None,
+    prefetch: Optional[Callable[[int], Sequence[Any]]] = None,
+    pre_compute: Optional[Callable[[int], Sequence[Any]]] = None,
+    post_compute: Optional[Callable[[int, Any], None]] = None,
 ) -> list[Any]:
     """One pass of the micro-op pipeline (see the module docstring) on executor ``ex``.
 
@@ -87,6 +90,14 @@ def pipeline_pass(
             result shape (for the simulator; the real executor ignores them).
         tail, tail_work: local work issued after the last compute, while the last second
             exchange is in flight (the backward's W step), timeline kind "wgrad".
+        prefetch: ``prefetch(i)`` is called right after micro-op i's first exchange is issued
+            (before micro-op i-1's compute) and may issue operations on other lanes (the memory
+            strategies' restores, :mod:`tritonmoe.comm.memory`); the handles it returns become
+            dependencies of micro-op i's compute.
+        pre_compute: ``pre_compute(i)`` is called just before micro-op i's compute is issued
+            (after micro-op i-1's); its handles become dependencies of that compute too.
+        post_compute: ``post_compute(i, handle)`` is called right after micro-op i's compute is
+            issued (the simulator's offload copies hang off it).
 
     Returns: the N second-exchange results, micro-op i's rows back in the order of ``sends[i]``.
     """
@@ -94,16 +105,21 @@ def pipeline_pass(
     first: list[Any] = [None] * n
     second: list[Any] = [None] * n
     backs: list[Any] = [None] * n
+    deps: list[list[Any]] = [[] for _ in range(n)]
 
     def issue_first(i: int) -> None:
         first[i] = ex.all_to_all(
             sends[i], plan.send_splits[i], plan.recv_splits[i], group=group, kind=kinds[0], micro_op=i
         )
+        if prefetch is not None:
+            deps[i].extend(prefetch(i))
 
     issue_first(0)
     for i in range(n):
         if i + 1 < n:
             issue_first(i + 1)
+        if pre_compute is not None:
+            deps[i].extend(pre_compute(i))
         y = ex.compute(
             compute,
             i,
@@ -112,8 +128,12 @@ def pipeline_pass(
             kind="expert",
             micro_op=i,
             out=out_like(i) if out_like is not None else None,
+            after=tuple(deps[i]),
         )
         first[i] = None
+        deps[i] = []
+        if post_compute is not None:
+            post_compute(i, y)
         second[i] = ex.all_to_all(y, plan.recv_splits[i], plan.send_splits[i], group=group, kind=kinds[1], micro_op=i)
         if i >= 1:
             backs[i - 1] = ex.wait(second[i - 1])
@@ -137,10 +157,13 @@ def forward_pass(
     group: Any = None,
     work: Optional[Callable[[int], Work]] = None,
     out_like: Optional[Callable[[int], Any]] = None,
+    pre_compute: Optional[Callable[[int], Sequence[Any]]] = None,
+    post_compute: Optional[Callable[[int, Any], None]] = None,
 ) -> list[Any]:
     """The forward schedule of the expert-parallel block: dispatch, expert, combine per micro-op
     (:func:`pipeline_pass`). Used by the autograd block and by the simulator alike."""
-    return pipeline_pass(ex, sends, plan, compute, group=group, work=work, out_like=out_like)
+    return pipeline_pass(ex, sends, plan, compute, group=group, work=work, out_like=out_like, pre_compute=pre_compute,
+                         post_compute=post_compute)
 
 
 def backward_pass(
@@ -154,13 +177,17 @@ def backward_pass(
     work: Optional[Callable[[int], Work]] = None,
     out_like: Optional[Callable[[int], Any]] = None,
     weight_step_work: Optional[Work] = None,
+    prefetch: Optional[Callable[[int], Sequence[Any]]] = None,
+    pre_compute: Optional[Callable[[int], Sequence[Any]]] = None,
 ) -> list[Any]:
     """The backward schedule: the combine's reverse exchange, the expert backward (input
     gradients), the dispatch's reverse exchange per micro-op, and the W step (``weight_step``,
-    always issued, kind "wgrad") while the last input gradients travel back."""
+    always issued, kind "wgrad") while the last input gradients travel back. ``prefetch`` /
+    ``pre_compute``: the memory strategies' restores (see :func:`pipeline_pass`)."""
     return pipeline_pass(
         ex, grads, plan, compute, group=group, kinds=("combine", "dispatch"), work=work, out_like=out_like,
         tail=weight_step if weight_step is not None else _noop, tail_work=weight_step_work,
+        prefetch=prefetch, pre_compute=pre_compute,
     )
 
 

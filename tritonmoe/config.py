@@ -81,6 +81,12 @@ class MoEConfig:
             (DeepSpeed-MoE's order), "s1" (pause model parallelism before the gate), "s2" (after
             the gate, with the SAA collective) or "auto" (Parm's Algorithm 1 on fitted alpha-beta
             costs picks s1 or s2 per batch size). Ignored by other layouts.
+        memory_strategy: MPMoE's memory reuse on the pipelined expert-parallel path
+            (:mod:`tritonmoe.memory`): None (unmanaged), "keep", "offload", "recomm",
+            "recompute", "recomm_recompute" or "auto" (the planner's choice under
+            ``memory_budget_bytes``). Needs ``ep_group``.
+        memory_budget_bytes: device bytes the expert block may keep for backward per rank
+            (``memory_strategy="auto"`` only); the planner rejects candidates that need more.
     """
 
     d_model: int
@@ -111,6 +117,8 @@ class MoEConfig:
     shared_d_ffn: int = 0
     shared_expert_gate: bool = False
     ep_capacity: Optional[int] = None
+    memory_strategy: Optional[str] = None
+    memory_budget_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         V.positive_int("d_model", self.d_model)
@@ -182,6 +190,32 @@ class MoEConfig:
         if self.shared_expert_gate and self.shared_d_ffn == 0:
             raise ValueError("shared_expert_gate=True needs a shared expert: set shared_d_ffn > 0")
         V.choice("parm_schedule", self.parm_schedule, PARM_SCHEDULES)
+        from .memory import check_memory_strategy
+
+        check_memory_strategy(self.memory_strategy)
+        if self.memory_budget_bytes is not None:
+            b = self.memory_budget_bytes
+            if not V.is_int(b):
+                raise TypeError(f"memory_budget_bytes must be an int or None, got {type(b).__name__} {b!r}")
+            if b <= 0:
+                raise ValueError(f"memory_budget_bytes={b} must be > 0 (or None for no budget)")
+            if self.memory_strategy != "auto":
+                raise ValueError(
+                    f"memory_budget_bytes={b} is used by memory_strategy='auto' (the planner's choice under the budget); "
+                    f"got memory_strategy={self.memory_strategy!r}"
+                )
+            object.__setattr__(self, "memory_budget_bytes", int(b))
+        if self.memory_strategy is not None:
+            if self.ep_capacity is not None:
+                raise ValueError(
+                    f"memory_strategy={self.memory_strategy!r} manages the pipelined expert-parallel path; the static "
+                    "mode (ep_capacity) runs one micro-op and keeps nothing to reuse: drop one of them"
+                )
+            if self.pipeline_degree == "search":
+                raise ValueError(
+                    f"memory_strategy={self.memory_strategy!r} with pipeline_degree='search' is not supported; use an int "
+                    "degree or 'auto' (the planner then chooses degree and strategy together)"
+                )
         # Store plain Python numbers (numpy scalars pass validation but must not reach kernels).
         for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree",
                      "shared_d_ffn"):

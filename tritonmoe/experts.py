@@ -232,10 +232,17 @@ class ExpertParallelExperts(ExpertPath):
             # model file) reports -1 so that every rank raises, not only that one
             policy = make_policy(c, group, _group_device(group), dtype)
             policy_code = -1 if isinstance(policy, Exception) else policy.fingerprint
+        # memory strategies: bad input fails here, on every rank, before any collective
+        from .memory import MEMORY_STRATEGIES, check_offload
+
+        device = _group_device(group)
+        check_offload(c.memory_strategy, device)
+        memory_code = -1 if c.memory_strategy is None else MEMORY_STRATEGIES.index(c.memory_strategy)
         check_agreement(
             dict(
                 num_experts=c.num_experts, d_model=c.d_model, dtype=dtype_code,
                 pipeline_degree=_DEGREE_CODES.get(c.pipeline_degree, c.pipeline_degree), degree_policy=policy_code,
+                memory_strategy=memory_code, memory_budget=c.memory_budget_bytes or 0,
             ),
             group=group,
             what="the expert-parallel MoEConfig (degree_policy: the cost model's fingerprint, -1 where it failed to load)",
@@ -244,13 +251,56 @@ class ExpertParallelExperts(ExpertPath):
             if isinstance(policy, Exception):
                 raise policy
             self.degree_policy = policy
+        self.memory_policy = None
+        if c.memory_strategy == "auto":
+            # the runtime (degree, strategy) choice replaces the degree policy; built after the
+            # agreement check (its cost model is the degree policy's)
+            self.memory_policy = self._memory_policy(group, dtype)
+            self.degree_policy = None
         self.degree_used: Optional[int] = None
+        #: the memory strategy of the last forward (None: unmanaged) and, when set to a dict,
+        #: its statistics (layout, received rows, bytes copied to the host)
+        self.memory_strategy_used: Optional[str] = None
+        self.memory_stats: Optional[dict] = None
         self.group = group
         self.dispatcher = AllToAllDispatcher(c.num_experts, group, backend=c.backend)
         self.num_local_experts = self.dispatcher.num_local_experts
         self.expert_start = self.dispatcher.local_expert_start
         self.trace: Optional[list] = None
         self.scheduler = None
+
+    def _memory_policy(self, group: Any, dtype: torch.dtype):
+        from .memory import pinned_memory_available, uses_offload
+        from .plan.memory import AutoMemory
+        from .comm.memory import STRATEGIES
+
+        device = _group_device(group)
+        strategies = STRATEGIES
+        if device.type == "cuda" and not pinned_memory_available():
+            strategies = tuple(s for s in STRATEGIES if not uses_offload(s))
+        return AutoMemory(self.config, group, device, dtype, strategies)
+
+    def memory_ffn(self, plan, x_TD: torch.Tensor, routing: Routing, bounds, weights: ExpertWeights):
+        """The :class:`tritonmoe.comm.memory.ExpertFFN` of the managed block: the layer's grouped
+        GEMM and activation, the dispatcher's re-layouts, and the re-permute of micro-batch i's
+        tokens (from the layer input, which the router keeps anyway) for "recomm"."""
+        from .comm.memory import ExpertFFN
+
+        c, disp = self.config, self.dispatcher
+        permute = self.impl("permute", x_TD)
+        x_keep, ids = x_TD.detach(), routing.topk_ids
+
+        def resend(i: int) -> torch.Tensor:
+            a, b = bounds[i]
+            return permute(x_keep[a:b], ids[a:b], c.num_experts)[0]
+
+        return ExpertFFN(
+            activation=c.activation, gemm=self.impl("grouped_gemm", x_TD),
+            to_expert_major=lambda i, r: disp.to_expert_major(r, plan, i),
+            to_source_major=lambda i, y: disp.to_source_major(y, plan, i),
+            offsets=lambda i: disp.expert_offsets(plan, i), resend=resend,
+            swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha,
+        )
 
     def expert_fn(self, plan, x_like: torch.Tensor, weights: ExpertWeights):
         """The expert compute of micro-op i on its received rows (the schedule's ExpertFn);
@@ -274,8 +324,12 @@ class ExpertParallelExperts(ExpertPath):
         c = self.config
         disp = self.dispatcher
         n, timeline = c.pipeline_degree, self.timeline
-        if self.degree_policy is not None:
+        strategy = c.memory_strategy
+        if self.memory_policy is not None:  # one small all-reduce; a budget error is raised on every rank
+            n, strategy = self.memory_policy.step(x_TD.shape[0])
+        elif self.degree_policy is not None:
             n, timeline = self.degree_policy.step(x_TD.shape[0], self.timeline)
+        self.memory_strategy_used = strategy
         disp.timeline = timeline
         disp.scheduler = sched = self.scheduler
         self.degree_used = n
@@ -289,7 +343,17 @@ class ExpertParallelExperts(ExpertPath):
             infos.append(info)
         plan = disp.exchange_counts(torch.stack([info.counts for info in infos]), row_dtype=x_TD.dtype,
                                     row_width=x_TD.shape[1])
-        backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD, weights), weights.params(), trace=self.trace)
+        if strategy is None:
+            backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD, weights), weights.params(),
+                                       trace=self.trace)
+        else:
+            from .comm import memory as _memory
+
+            backs = _memory.run_memory_pipelined(
+                sends, plan, self.memory_ffn(plan, x_TD, routing, bounds, weights), weights.params(),
+                strategy=strategy, n1=c.n1, has_b1=weights.b1 is not None, has_b2=weights.b2 is not None,
+                group=self.group, timeline=timeline, trace=self.trace, scheduler=sched, stats=self.memory_stats,
+            )
         unpermute = self.impl("unpermute", x_TD)
         outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
@@ -404,6 +468,14 @@ def make_expert_path(
 ) -> ExpertPath:
     """The expert path of a layer with this config and layout."""
     dtype = dtype if dtype is not None else torch.get_default_dtype()
+    if config.memory_strategy is not None and (
+        ep_group is None or parm_groups is not None or mp_group is not None or esp_group is not None
+        or ep_esp_group is not None
+    ):
+        raise ValueError(
+            f"memory_strategy={config.memory_strategy!r} manages the activations of the pipelined expert-parallel path "
+            "and needs ep_group alone (no model-parallel / expert-sharding groups); use memory_strategy=None here"
+        )
     if parm_groups is not None or mp_group is not None or esp_group is not None or ep_esp_group is not None:
         from .parm_experts import ParmExperts
 

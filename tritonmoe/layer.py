@@ -316,6 +316,12 @@ class MoELayer(nn.Module):
         self.expert_path.timeline = value
 
     @property
+    def memory_strategy_used(self) -> str | None:
+        """The memory strategy (:mod:`tritonmoe.memory`) the last forward's expert-parallel
+        pipeline ran (the planner's pick under ``memory_strategy="auto"``); None when unmanaged."""
+        return getattr(self.expert_path, "memory_strategy_used", None)
+
+    @property
     def ffn_path_used(self) -> str | None:
         """The expert path variant the last forward ran ("fused", "unfused" or
         "expert_parallel"; None before the first forward)."""

@@ -221,7 +221,16 @@ def build_ep_pipeline(ex: SimExecutor, st: RankStep) -> None:
     L = plan.num_local_experts
     sends = _prologue(ex, st)
     like = lambda i: VirtualTensor((rows[i], d), dt)  # noqa: E731
-    forward_pass(ex, sends, plan, None, work=lambda i: W.expert_fwd(rows[i], active[i], segs[i]), out_like=like)
+    strategy = st.candidate.get("memory_strategy")
+    mem = None
+    if strategy is not None:  # MPMoE's memory reuse and restores (tritonmoe.comm.memory)
+        from .memory import issue_memory_ops
+
+        mem = issue_memory_ops(ex, st, strategy, rows)
+    fwd_work = (lambda i: W.expert_fwd(rows[i], active[i], segs[i])) if mem is None else \
+        (lambda i: W.expert_fwd(rows[i], active[i], segs[i]) + mem["extra_fwd_work"](i))
+    forward_pass(ex, sends, plan, None, work=fwd_work, out_like=like,
+                 post_compute=mem["fwd_post"] if mem is not None else None)
     for i, (a, b) in enumerate(st.bounds):
         ex.compute(None, work=W.unpermute(b - a, plan.send_rows(i), backward=False), kind="unpermute", micro_op=i)
     if st.n > 1:
@@ -231,11 +240,14 @@ def build_ep_pipeline(ex: SimExecutor, st: RankStep) -> None:
     total_rows = sum(rows)
     any_active = int((plan.recv_counts.sum(dim=(0, 1)) > 0).sum())
     wstep = W.wgrad_step(total_rows, any_active) if st.defer_wgrad else Work(0.0, 0.0, "elementwise", 1)
+    def bwd_work(i: int) -> Work:
+        w = W.expert_bwd(rows[i], active[i], segs[i], defer_wgrad=st.defer_wgrad, accumulate=i > 0, local_experts=L)
+        return w if mem is None else w + mem["extra_bwd_work"](i)
+
     backward_pass(
-        ex, grads, plan, None,
-        work=lambda i: W.expert_bwd(rows[i], active[i], segs[i], defer_wgrad=st.defer_wgrad, accumulate=i > 0,
-                                    local_experts=L),
-        out_like=like, weight_step_work=wstep,
+        ex, grads, plan, None, work=bwd_work, out_like=like, weight_step_work=wstep,
+        prefetch=mem["bwd_prefetch"] if mem is not None else None,
+        pre_compute=mem["bwd_pre"] if mem is not None else None,
     )
     _backward_epilogue(ex, st)
 

@@ -1,0 +1,218 @@
+"""Per-rank bodies of the memory-strategy tests (run by tests/test_memory.py in spawned gloo groups).
+
+Every case builds the unmanaged expert-parallel layer at pipeline degree 1 (the reference) and,
+with the same weights and inputs, the managed layer for every (degree, strategy); in fp64 the
+output and every gradient must be bitwise equal to the reference. The bytes the managed expert
+block saves for backward are counted here, with ``saved_tensors_hooks`` around the block (the
+distinct storages of every saved tensor that is not a parameter), and compared with the memory
+model for the rows each micro-op receives, which this file derives from the routing of every
+rank's batch (not from the code under test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import tritonmoe as tm
+from tritonmoe.comm import memory as memory_mod
+from tritonmoe.plan.memory import MemoryBudgetError, expert_block_bytes
+
+D_MODEL, D_FFN, NUM_EXPERTS = 8, 6, 8
+STRATEGIES = ("keep", "offload", "recomm", "recompute", "recomm_recompute")
+DEGREES = (1, 2, 3, 4)
+TOKENS = {2: [(7, 12), (0, 9), (5, 5)], 4: [(9, 0, 13, 5), (3, 8, 1, 11)]}
+
+
+@dataclass(frozen=True)
+class Case:
+    activation: str
+    top_k: int
+    capacity_factor: Optional[float]
+    biases: bool
+    pattern: int
+    why: str
+
+
+CASES = {
+    2: [
+        Case("swiglu", 2, None, True, 0, "SwiGLU (MI is 2*d_ffn wide), expert biases, ragged batches"),
+        Case("gelu", 1, 1.25, False, 1, "a rank with zero tokens, capacity drops"),
+        Case("relu", 2, None, False, 2, "equal batches"),
+    ],
+    4: [
+        Case("swiglu", 2, None, False, 0, "a rank with zero tokens, ragged"),
+        Case("gelu", 2, 1.0, True, 1, "capacity drops, biases, a rank with one token"),
+    ],
+}
+
+
+def _config(c: Case, n: int, strategy: Optional[str], **kw) -> tm.MoEConfig:
+    return tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, c.top_k, activation=c.activation,
+                        capacity_factor=c.capacity_factor, expert_ffn_bias=c.biases, pipeline_degree=n,
+                        memory_strategy=strategy, **kw)
+
+
+def _bounds(T: int, n: int) -> list[tuple[int, int]]:
+    base, extra = divmod(T, n)
+    out, a = [], 0
+    for i in range(n):
+        b = a + base + (1 if i < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def received_rows(layer, xs, rank: int, P: int, n: int) -> list[int]:
+    """Rows this rank's experts receive in each micro-op: every rank's slots routed to them."""
+    L = NUM_EXPERTS // P
+    lo, hi = rank * L, (rank + 1) * L
+    rows = [0] * n
+    with torch.no_grad():
+        for x in xs:
+            _, routing = layer.route(x)
+            ids = routing.topk_ids
+            for i, (a, b) in enumerate(_bounds(x.shape[0], n)):
+                sel = ids[a:b]
+                rows[i] += int(((sel >= lo) & (sel < hi)).sum())
+    return rows
+
+
+class SavedBytes:
+    """Wraps ``run_memory_pipelined`` so that every tensor the managed block saves is seen by a
+    pack hook; records the distinct non-parameter storages (bytes) of each call."""
+
+    def __init__(self, param_ptrs: set) -> None:
+        self.param_ptrs = param_ptrs
+        self.calls: list[dict] = []
+        self._orig = memory_mod.run_memory_pipelined
+
+    def __enter__(self):
+        def wrapped(*args, **kwargs):
+            seen: dict = {}
+
+            def pack(t):
+                st = t.untyped_storage()
+                if st.data_ptr() not in self.param_ptrs and st.nbytes() > 0:
+                    seen[st.data_ptr()] = st.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self._orig(*args, **kwargs)
+            self.calls.append(seen)
+            return out
+
+        memory_mod.run_memory_pipelined = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        memory_mod.run_memory_pipelined = self._orig
+
+
+def _grads(layer, names):
+    return [getattr(layer, nm).grad for nm in names]
+
+
+def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]]:
+    failures, acct = [], []
+    tokens = TOKENS[P][c.pattern]
+    dt = torch.float64
+    torch.manual_seed(100 + ci)
+    ref = tm.MoELayer(_config(c, 1, None), ep_group=dist.group.WORLD, dtype=dt)
+    if c.biases:
+        with torch.no_grad():
+            ref.b1.normal_(0, 0.3)
+            ref.b2.normal_(0, 0.3)
+    gen = torch.Generator().manual_seed(200 + ci)
+    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+    gs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+    names = ["router.weight", "w1", "w2"] + (["b1", "b2"] if c.biases else [])
+
+    def step(layer):
+        x = xs[rank].clone().requires_grad_()
+        out = layer(x)
+        (out * gs[rank]).sum().backward()
+        params = dict(layer.named_parameters())
+        return [out.detach(), x.grad] + [params[nm].grad for nm in names]
+
+    want = step(ref)
+    for n in DEGREES:
+        rows = received_rows(ref, xs, rank, P, n)
+        for s in STRATEGIES:
+            label = f"P={P} case {ci} ({c.why}) n={n} {s}"
+            layer = tm.MoELayer(_config(c, n, s), ep_group=dist.group.WORLD, dtype=dt)
+            layer.load_state_dict(ref.state_dict())
+            ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            with SavedBytes(ptrs) as sb:
+                got = step(layer)
+            for nm, a, b in zip(["output", "x.grad"] + [f"{nm}.grad" for nm in names], got, want):
+                if a is None or b is None or not torch.equal(a, b):
+                    diff = "missing" if a is None or b is None else f"max diff {(a - b).abs().max():.3g}"
+                    failures.append(f"{label}: {nm} not bitwise equal to the unmanaged n=1 layer ({diff})")
+            if layer.memory_strategy_used != s:
+                failures.append(f"{label}: memory_strategy_used={layer.memory_strategy_used}")
+            measured = sum(sb.calls[0].values()) if len(sb.calls) == 1 else None
+            model = expert_block_bytes(rows, D_MODEL, layer.config.n1, s, 8)["device"]
+            acct.append({"P": P, "case": ci, "n": n, "strategy": s, "rank": rank, "measured": measured,
+                         "model": model, "rows": rows})
+            if measured is None or abs(measured - model) > 0.01 * max(model, 1):
+                failures.append(f"{label}: saved {measured} B, model {model} B (rows {rows})")
+    return failures, acct
+
+
+def auto_and_errors(rank: int, P: int) -> dict:
+    """memory_strategy='auto' under a budget that rejects "keep" (still bitwise equal), and a
+    budget below every candidate's need (the same MemoryBudgetError on every rank, before any
+    exchange)."""
+    out: dict = {"failures": []}
+    c = CASES[P][0]
+    tokens = TOKENS[P][c.pattern]
+    dt = torch.float64
+    torch.manual_seed(7)
+    ref = tm.MoELayer(_config(c, 1, None), ep_group=dist.group.WORLD, dtype=dt)
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+    x = xs[rank].clone().requires_grad_()
+    ref(x).sum().backward()
+    want = (x.grad.clone(), ref.w1.grad.clone())
+    from tritonmoe.plan.memory import choose_memory
+    from tritonmoe.plan.runtime import runtime_cost_model, token_bucket
+
+    cost = runtime_cost_model(ref.config, P, torch.device("cpu"))
+    rep = token_bucket(max(tokens))[1]
+    plan = choose_memory(_config(c, 4, "auto"), rep, cost, degrees=[4], world_size=P, dtype=dt)
+    keep = next(k for k in plan.candidates if k.strategy == "keep")
+    budget = min(k.device_bytes for k in plan.candidates)  # only the reuse strategies fit
+    out["budget"] = budget
+    out["keep_bytes"] = keep.device_bytes
+    layer = tm.MoELayer(_config(c, 4, "auto", memory_budget_bytes=budget), ep_group=dist.group.WORLD, dtype=dt)
+    layer.load_state_dict(ref.state_dict())
+    x2 = xs[rank].clone().requires_grad_()
+    layer(x2).sum().backward()
+    out["chosen"] = layer.memory_strategy_used
+    if not (torch.equal(x2.grad, want[0]) and torch.equal(layer.w1.grad, want[1])):
+        out["failures"].append("auto: gradients differ from the unmanaged layer")
+    tiny = tm.MoELayer(_config(c, 4, "auto", memory_budget_bytes=1), ep_group=dist.group.WORLD, dtype=dt)
+    try:
+        tiny(xs[rank])
+        out["tiny"] = None
+    except MemoryBudgetError as e:
+        out["tiny"] = str(e)
+    # the group is still usable: a plain step after the error
+    ok = tm.MoELayer(_config(c, 2, "offload"), ep_group=dist.group.WORLD, dtype=dt)
+    ok(xs[rank]).sum().backward()
+    return out
+
+
+def table(rank: int, P: int) -> dict:
+    failures, acct = [], []
+    for ci, c in enumerate(CASES[P]):
+        f, a = run_case(rank, P, c, ci)
+        failures += f
+        acct += a
+    extra = auto_and_errors(rank, P)
+    failures += extra.pop("failures")
+    return {"failures": failures, "accounting": acct, "auto": extra}

@@ -1,0 +1,379 @@
+"""MPMoE's memory model and the joint choice of (pipeline degree, memory strategy).
+
+Paper 004 §II-B / §III-C / §IV (``PAPERS.md`` §4.2, 4.3, 4.5, 4.6).
+
+**The paper's model** (:func:`paper_memory`, Eqs. 1-6), per device with one expert and the gate,
+in elements: model states ``M_ms = 4(E*M + 2*H*M)`` (parameter, gradient, Adam's two moments),
+activations ``M_act = 4*B*M + B*H`` (T_I, T_DI, T_DO, T_O and T_M), the pipelined peak buffers
+``M_buf = M_act``, the saving of memory reuse ``dM_act = dM_buf = B*(2M(n-2)/n + H(n-1)/n)`` and
+the saving ratio ``phi = (dM_act + dM_buf) / (M_ms + M_act + M_buf)`` (0 at n = 1: nothing is
+double-buffered then).
+
+**The model of this library's layer** (:func:`expert_block_bytes`): what the managed expert
+block (:mod:`tritonmoe.comm.memory`) keeps for backward, in bytes, for the rows R_i each micro-op
+receives. Adapting the paper to the real tensors:
+
+* DI is micro-op i's received rows [R_i, d] (R counts a token once per chosen expert on this
+  rank: the paper's B*M becomes sum_i R_i * d);
+* MI is the first GEMM's output [R_i, n1] with n1 = 2 * d_ffn for SwiGLU (gate and up: the
+  paper's H doubles) and d_ffn otherwise; the activation's output is not kept (recomputed from
+  MI, the paper's "in place");
+* "keep": sum_i R_i * (d + n1) elements;
+* every reuse strategy: min(n, 2) DI buffers and min(n, 1) MI buffer of the largest micro-op,
+  ``(2 * d + n1) * max_i R_i`` elements for n >= 2 (the paper's T_DI double buffer and T_M
+  single buffer; the paper's T_DO / T_O buffers are not this block's: the combine's outputs are
+  kept by the unpermute for the routing weights' gradient);
+* host bytes: the DI / MI of the micro-ops a strategy copies out
+  (:func:`tritonmoe.comm.memory.restore_schedule`).
+
+**The time of a candidate** is the simulator's (:func:`tritonmoe.plan.simulate`) with the
+restores issued as the runtime issues them (:func:`issue_memory_ops`): forward offload copies on
+the copy lane after each micro-op's expert compute, backward DI restores (host copy or
+re-dispatch all-to-all) with micro-op i's first exchange, MI restores (host copy) before its
+compute, FC1 recomputes inside it.
+
+**The joint choice** :func:`choose_memory` evaluates every (degree, strategy) candidate, rejects
+those whose predicted bytes exceed the budget (reporting each one's predicted bytes and step time)
+and returns the fastest that fits; the profile-based variant :func:`search_joint` runs MPMoE's
+Algorithm 1 once per strategy and compares (004 §IV-A).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from tritonmoe.comm.executor import VirtualTensor, Work
+from tritonmoe.comm.memory import RESTORE, STRATEGIES, memory_layout
+
+__all__ = [
+    "paper_memory",
+    "expert_block_bytes",
+    "MemoryCandidate",
+    "MemoryPlan",
+    "MemoryBudgetError",
+    "choose_memory",
+    "search_joint",
+    "issue_memory_ops",
+    "AutoMemory",
+]
+
+
+class MemoryBudgetError(ValueError):
+    """No candidate fits the memory budget (a ValueError naming the budget, the smallest need and
+    the fix)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's model (Eqs. 1-6)
+# ---------------------------------------------------------------------------------------------
+
+
+def paper_memory(M: int, H: int, E: int, B: int, n: int) -> dict:
+    """MPMoE's Eqs. 1-6 in elements for model width M, hidden width H, E experts (the gate's
+    E*M), B tokens per device and n micro-batches: ``M_ms``, ``M_act``, ``M_buf`` (pipelined, no
+    reuse), ``dM_act`` (= ``dM_buf``), the footprint without and with reuse, and ``phi``."""
+    for name, v in (("M", M), ("H", H), ("E", E), ("B", B), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "B" else 1):
+            raise ValueError(f"{name} must be a {'non-negative' if name == 'B' else 'positive'} int, got {v!r}")
+    M_ms = 4 * (E * M + 2 * H * M)
+    M_act = 4 * B * M + B * H
+    M_buf = M_act
+    dM = 0.0 if n < 2 else B * (2 * M * (n - 2) / n + H * (n - 1) / n)
+    total = M_ms + M_act + M_buf
+    return {"M_ms": M_ms, "M_act": M_act, "M_buf": M_buf, "dM_act": dM, "dM_buf": dM, "footprint": total,
+            "footprint_reuse": total - 2 * dM, "phi": 2 * dM / total}
+
+
+# ---------------------------------------------------------------------------------------------
+# The managed expert block's bytes
+# ---------------------------------------------------------------------------------------------
+
+
+def expert_block_bytes(rows: Sequence[int], d_model: int, n1: int, strategy: str, element_size: int) -> dict:
+    """Bytes the managed expert block keeps for backward on one rank whose micro-ops receive
+    ``rows[i]`` rows: ``device`` (saved DI and MI: separate tensors or the shared buffers) and
+    ``host`` (the copies a strategy offloads). See the module docstring for the adaptation."""
+    n = len(rows)
+    if n < 1:
+        raise ValueError("rows must list at least one micro-op")
+    if strategy not in RESTORE:
+        raise ValueError(f"memory_strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
+    lay = memory_layout(strategy, n)
+    es = int(element_size)
+    if not lay.reuse:
+        device = sum(rows) * (d_model + n1) * es
+    else:
+        top = max(rows)
+        device = (lay.di_slots * d_model + lay.mi_slots * n1) * top * es
+    host = (sum(rows[i] for i in lay.di_offloaded) * d_model + sum(rows[i] for i in lay.mi_offloaded) * n1) * es
+    return {"device": int(device), "host": int(host), "layout": lay}
+
+
+# ---------------------------------------------------------------------------------------------
+# The restores in the simulator
+# ---------------------------------------------------------------------------------------------
+
+
+def _fc1_work(W, R: int) -> Work:
+    """The first GEMM (and its bias) over R rows: what a recompute costs."""
+    return Work(2.0 * R * W.d * W.n1, (R * W.d + R * W.n1) * W.s, "gemm", 1 if W.kernels else 2)
+
+
+def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
+    """The hooks :func:`tritonmoe.comm.pipeline.forward_pass` / ``backward_pass`` take, issuing
+    on the simulator's executor what :mod:`tritonmoe.comm.memory` issues for ``strategy``:
+    ``{"fwd_post": ..., "bwd_prefetch": ..., "bwd_pre": ..., "extra_bwd_work": i -> Work,
+    "extra_fwd_work": i -> Work}``."""
+    lay = memory_layout(strategy, st.n)
+    W, d, dt, plan = st.work, st.config.d_model, st.dtype, st.plan
+    n1 = W.n1
+
+    def fwd_post(i: int, y) -> None:
+        if i in lay.di_offloaded:
+            ex.copy(VirtualTensor((rows[i], d), dt), to="host", kind="offload", micro_op=i, after=(y,))
+        if i in lay.mi_offloaded:
+            ex.copy(VirtualTensor((rows[i], n1), dt), to="host", kind="offload", micro_op=i, after=(y,))
+
+    def bwd_prefetch(i: int) -> list:
+        if i not in lay.di_restore:
+            return []
+        if lay.di_method == "offload":
+            return [ex.copy(VirtualTensor((rows[i], d), dt), to="device", kind="restore", micro_op=i)]
+        a, b = st.bounds[i]
+        R = plan.send_rows(i)
+        send = ex.compute(None, work=W.permute(b - a, R, backward=False), kind="permute", micro_op=i,
+                          out=VirtualTensor((R, d), dt))
+        return [ex.all_to_all(send, plan.send_splits[i], plan.recv_splits[i], kind="recomm", micro_op=i)]
+
+    def bwd_pre(i: int) -> list:
+        if i in lay.mi_restore and lay.mi_method == "offload":
+            return [ex.copy(VirtualTensor((rows[i], n1), dt), to="device", kind="restore", micro_op=i)]
+        return []
+
+    def extra_fwd(i: int) -> Work:
+        if not lay.reuse:
+            return Work(0.0, 0.0, "elementwise", 0)
+        return Work(0.0, 2 * rows[i] * (d + n1) * W.s, "elementwise", 2)  # copies into the shared buffers
+
+    def extra_bwd(i: int) -> Work:
+        w = Work(0.0, 0.0, "elementwise", 0)
+        if i in lay.recommunicated:
+            w = w + W.relayout(rows[i], 1)
+        if i in lay.recomputed:
+            w = w + _fc1_work(W, rows[i])
+        return w
+
+    return {"fwd_post": fwd_post, "bwd_prefetch": bwd_prefetch, "bwd_pre": bwd_pre, "extra_fwd_work": extra_fwd,
+            "extra_bwd_work": extra_bwd}
+
+
+# ---------------------------------------------------------------------------------------------
+# The joint choice
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryCandidate:
+    """One (degree, strategy): predicted device bytes of the expert block's saved activations
+    (the most loaded rank), host bytes, step time (seconds), and why it was rejected (None when
+    it fits)."""
+
+    pipeline_degree: int
+    strategy: str
+    device_bytes: int
+    host_bytes: int
+    step_time: float
+    rejected: Optional[str] = None
+
+
+@dataclass
+class MemoryPlan:
+    """The joint choice: ``pipeline_degree``, ``strategy``, its predicted ``device_bytes`` and
+    ``step_time``; ``candidates`` (every evaluated one, rejected ones with their reason);
+    ``budget_bytes``."""
+
+    pipeline_degree: int
+    strategy: str
+    device_bytes: int
+    step_time: float
+    candidates: list[MemoryCandidate] = field(default_factory=list)
+    budget_bytes: Optional[int] = None
+
+    @property
+    def rejected(self) -> list[MemoryCandidate]:
+        return [c for c in self.candidates if c.rejected is not None]
+
+    def table(self) -> str:
+        """Every candidate: degree, strategy, predicted device / host MiB, step ms, verdict."""
+        lines = [f"{'n':>2} {'strategy':>17} {'device MiB':>11} {'host MiB':>9} {'step ms':>9}  verdict"]
+        for c in self.candidates:
+            chosen = c.pipeline_degree == self.pipeline_degree and c.strategy == self.strategy
+            verdict = "chosen" if chosen else (c.rejected or "slower")
+            lines.append(f"{c.pipeline_degree:>2} {c.strategy:>17} {c.device_bytes / 2**20:>11.3f} "
+                         f"{c.host_bytes / 2**20:>9.3f} {c.step_time * 1e3:>9.3f}  {verdict}")
+        return "\n".join(lines)
+
+
+def _rows_per_rank(config: Any, toks: Sequence[int], n: int, routing: Any) -> list[list[int]]:
+    """Rows each rank receives per micro-op under ``routing`` (the simulator's counts)."""
+    from .simulate import routing_counts
+
+    counts = routing_counts(config, toks, n, routing)  # [P(source), n, E]
+    P = len(toks)
+    L = config.num_experts // P
+    per = counts.view(P, n, P, L).sum(dim=(0, 3))  # [n, P(dest)]
+    return [[int(per[i, r]) for i in range(n)] for r in range(P)]
+
+
+def choose_memory(
+    config: Any,
+    tokens_per_rank: Union[int, Sequence[int]],
+    cluster_or_cost: Any,
+    *,
+    budget_bytes: Optional[int] = None,
+    degrees: Optional[Sequence[int]] = None,
+    strategies: Optional[Sequence[str]] = None,
+    world_size: Optional[int] = None,
+    routing: Any = "uniform",
+    dtype: Optional[Union[str, torch.dtype]] = None,
+    mode: str = "auto",
+    time_fn: Optional[Callable[[int, str], float]] = None,
+) -> MemoryPlan:
+    """The fastest (pipeline degree, memory strategy) whose expert block fits ``budget_bytes``.
+
+    Args:
+        config: the layer's MoEConfig; ``tokens_per_rank``, ``cluster_or_cost``, ``world_size``,
+            ``routing``, ``dtype``, ``mode``: as :func:`tritonmoe.plan.simulate`.
+        budget_bytes: device bytes the expert block may keep for backward on the most loaded
+            rank (None: no limit, so the fastest candidate wins).
+        degrees: candidate degrees (default 1..8, at most the tokens per rank);
+            ``strategies``: candidate strategies (default all five).
+        time_fn: ``time_fn(n, strategy) -> seconds`` replacing the simulator (a profile).
+
+    Raises:
+        MemoryBudgetError: when no candidate fits (naming the smallest need and its candidate).
+    Ties go to the candidate evaluated first (smaller degree, then the order of
+    :data:`~tritonmoe.comm.memory.STRATEGIES`)."""
+    from .schedules import DEFAULT_DEGREES
+    from .simulate import _tokens, parse_dtype, resolve_cost, simulate
+
+    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+                                     or budget_bytes <= 0):
+        raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
+    strategies = tuple(strategies or STRATEGIES)
+    for s in strategies:
+        if s not in RESTORE:
+            raise ValueError(f"unknown memory strategy {s!r}; use one of {', '.join(STRATEGIES)}")
+    cost = None
+    if time_fn is None:
+        cost = resolve_cost(cluster_or_cost, dtype)
+        dt = parse_dtype(dtype or cost.dtype)
+        toks = _tokens(tokens_per_rank, world_size, cost)
+    else:
+        dt = parse_dtype(dtype or "float32")
+        toks = tuple([int(tokens_per_rank)] * int(world_size)) if isinstance(tokens_per_rank, int) \
+            else tuple(int(t) for t in tokens_per_rank)
+    top = max(1, min(toks))
+    degs = tuple(degrees) if degrees is not None else tuple(n for n in DEFAULT_DEGREES if n == 1 or n <= top)
+    es = torch.empty((), dtype=dt).element_size()
+    n1 = config.n1
+    cands: list[MemoryCandidate] = []
+    for n in degs:
+        per_rank = _rows_per_rank(config, toks, n, routing)
+        for s in strategies:
+            sizes = [expert_block_bytes(r, config.d_model, n1, s, es) for r in per_rank]
+            dev = max(x["device"] for x in sizes)
+            host = max(x["host"] for x in sizes)
+            if time_fn is not None:
+                t = float(time_fn(n, s))
+            else:
+                t = simulate(config, toks, cost, candidate={"schedule": "ep-pipeline", "pipeline_degree": n,
+                                                            "memory_strategy": s},
+                             dtype=dt, mode=mode, routing=routing).step_time()
+            why = None
+            if budget_bytes is not None and dev > budget_bytes:
+                why = f"needs {dev} B > budget {budget_bytes} B"
+            cands.append(MemoryCandidate(n, s, dev, host, t, why))
+    fits = [c for c in cands if c.rejected is None]
+    if not fits:
+        small = min(cands, key=lambda c: (c.device_bytes, c.step_time))
+        raise MemoryBudgetError(
+            f"memory_budget_bytes={budget_bytes} is below the smallest candidate's need: {small.device_bytes} bytes "
+            f"(pipeline_degree={small.pipeline_degree}, memory_strategy={small.strategy!r}) for {max(toks)} tokens per "
+            f"rank; raise the budget to at least {small.device_bytes}, or allow larger pipeline degrees"
+        )
+    best = min(fits, key=lambda c: c.step_time)
+    return MemoryPlan(best.pipeline_degree, best.strategy, best.device_bytes, best.step_time, cands, budget_bytes)
+
+
+def search_joint(
+    B: float,
+    profile: Callable[[float, int, str], float],
+    *,
+    strategies: Sequence[str] = STRATEGIES[1:],
+    n_min: int = 2,
+    n_max: int = 8,
+    searches: Optional[dict] = None,
+) -> tuple[int, str, dict]:
+    """MPMoE-pb (004 §IV-A): Algorithm 1 (:class:`~tritonmoe.plan.search.GranularitySearch`) per
+    strategy on the measured ``profile(B, n, strategy)``, then the best (n, strategy) by
+    comparison. ``searches`` (strategy -> search) carries the searches' state across calls.
+    Returns ``(n, strategy, {strategy: (n, time)})``."""
+    from .search import GranularitySearch
+
+    searches = searches if searches is not None else {}
+    per = {}
+    for s in strategies:
+        g = searches.setdefault(s, GranularitySearch(n_min, n_max))
+        n = g.best(B, lambda b, k, s=s: profile(b, k, s))
+        per[s] = (n, profile(B, n, s))
+    s_best = min(per, key=lambda s: per[s][1])
+    return per[s_best][0], s_best, per
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime policy: MoEConfig(memory_strategy="auto")
+# ---------------------------------------------------------------------------------------------
+
+
+class AutoMemory:
+    """``memory_strategy="auto"``: per forward, the group agrees on its largest token count (one
+    small all-reduce, as ``pipeline_degree="auto"``), and every rank runs :func:`choose_memory`
+    for it (cached per token bucket) with the same cost model, so every rank picks the same
+    (degree, strategy), or raises the same :class:`MemoryBudgetError` before any exchange.
+
+    The degree is chosen too when ``config.pipeline_degree`` is "auto"; an int degree is kept."""
+
+    def __init__(self, config: Any, group: Any, device: torch.device, dtype: torch.dtype,
+                 strategies: Sequence[str] = STRATEGIES) -> None:
+        from .runtime import DegreePolicy, _fingerprint_int, runtime_cost_model
+
+        self._base = DegreePolicy(group, device)
+        self.config, self.dtype = config, dtype
+        self.world_size = self._base.world_size
+        self.cost = runtime_cost_model(config, self.world_size, device)
+        if self.world_size > 1 and self.cost.cluster is None:
+            self.cost.check_group_size(self.world_size, ("all_to_all",))
+        self.strategies = tuple(strategies)
+        self.fingerprint = _fingerprint_int(self.cost.fingerprint() + ",".join(self.strategies)
+                                            + str(config.memory_budget_bytes))
+        self.cache: dict[int, MemoryPlan] = {}
+
+    def step(self, tokens: int) -> tuple[int, str]:
+        from .runtime import token_bucket
+        from .schedules import DEFAULT_DEGREES
+
+        t_max = int(self._base._agree([float(tokens)])[0])
+        b, rep = token_bucket(t_max)
+        if b not in self.cache:
+            n = self.config.pipeline_degree
+            degs = [k for k in DEFAULT_DEGREES if k == 1 or k <= rep] if n == "auto" else [int(n)]
+            self.cache[b] = choose_memory(self.config, rep, self.cost, budget_bytes=self.config.memory_budget_bytes,
+                                          degrees=degs, strategies=self.strategies, world_size=self.world_size,
+                                          dtype=self.dtype, mode="symmetric" if self.world_size > 8 else "auto")
+        p = self.cache[b]
+        return p.pipeline_degree, p.strategy
