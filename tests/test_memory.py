@@ -1,0 +1,218 @@
+"""MPMoE memory reuse and restore strategies (paper 004; tritonmoe.comm.memory, tritonmoe.plan.memory).
+
+The distributed checks run in one spawned gloo group per size (tests/_memory_cases.py): every
+strategy x degree bitwise equal to the unmanaged n = 1 layer in fp64 (outputs and every gradient,
+ragged batches, a rank with zero tokens, capacity drops, biases), the saved bytes counted with
+saved_tensors_hooks against the model, "auto" under a budget, and a budget below every candidate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _memory_cases
+import tritonmoe as tm
+from _dist import run_group, values_or_fail
+from tritonmoe.comm.memory import memory_layout, restore_schedule
+from tritonmoe.memory import check_offload, pinned_memory_available
+from tritonmoe.plan.memory import (
+    MemoryBudgetError,
+    choose_memory,
+    expert_block_bytes,
+    paper_memory,
+    search_joint,
+)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_strategies_bitwise_equal_and_saved_bytes_match_the_model(world_size):
+    results, _ = run_group(world_size, _memory_cases.table, deadline_s=300, pg_timeout_s=60)
+    vals = values_or_fail(results)
+    failures = [f for v in vals for f in v["failures"]]
+    assert not failures, "\n".join(failures[:30])
+    acct = [a for v in vals for a in v["accounting"]]
+    # every (case, n, strategy) on every rank was measured, and reuse saved memory where it can
+    assert len(acct) == world_size * len(_memory_cases.CASES[world_size]) * 4 * 5
+    for a in acct:
+        assert a["measured"] == a["model"] or abs(a["measured"] - a["model"]) <= 0.01 * a["model"]
+    # reuse keeps the largest micro-op's rows in 2 + 1 buffers: less than "keep" for balanced
+    # micro-ops at n >= 4, possibly more for very unbalanced ones (the model says which)
+    by = {(a["case"], a["n"], a["strategy"], a["rank"]): a for a in acct}
+    for (ci, n, s, r), a in by.items():
+        rows = a["rows"]
+        if s != "keep" and n >= 4 and min(rows) > 0 and max(rows) <= 1.2 * min(rows):
+            assert a["measured"] < by[(ci, n, "keep", r)]["measured"], a
+    assert any(a["measured"] < by[(a["case"], a["n"], "keep", a["rank"])]["measured"] for a in acct)
+    for v in vals:
+        auto = v["auto"]
+        assert auto["chosen"] != "keep" and auto["budget"] < auto["keep_bytes"], auto
+        assert auto["tiny"] is not None and "memory_budget_bytes=1" in auto["tiny"], auto
+
+
+# -- the restore schedule and the model ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,slots,want", [(1, 1, ()), (2, 2, ()), (2, 1, (0, 1)), (3, 2, (0, 2)), (4, 2, (0, 1, 2, 3)),
+                                          (5, 2, (0, 1, 2, 3, 4)), (3, 3, ())])
+def test_restore_schedule(n, slots, want):
+    assert restore_schedule(n, slots) == want
+
+
+@settings(max_examples=25)
+@given(n=st.integers(1, 12), slots=st.integers(1, 4))
+def test_restore_schedule_is_what_a_slot_simulation_loses(n, slots):
+    """Replay forward writes and backward reads with buffers holding micro-op ids: a micro-op is
+    restored exactly when its buffer holds another id at its read."""
+    need = set(restore_schedule(n, slots))
+    bufs = [None] * slots
+    for i in range(n):
+        bufs[i % slots] = i
+    for i in range(n):
+        assert (bufs[i % slots] != i) == (i in need)
+        bufs[i % slots] = i
+
+
+@given(rows=st.lists(st.integers(0, 50), min_size=1, max_size=8), d=st.integers(1, 16), n1=st.integers(1, 32))
+def test_expert_block_bytes(rows, d, n1):
+    keep = expert_block_bytes(rows, d, n1, "keep", 4)
+    assert keep["device"] == 4 * sum(rows) * (d + n1) and keep["host"] == 0
+    n = len(rows)
+    for s in ("offload", "recomm", "recompute", "recomm_recompute"):
+        b = expert_block_bytes(rows, d, n1, s, 4)
+        assert b["device"] == 4 * max(rows) * (min(n, 2) * d + n1)
+        lay = memory_layout(s, n)
+        host = 4 * (sum(rows[i] for i in lay.di_offloaded) * d + sum(rows[i] for i in lay.mi_offloaded) * n1)
+        assert b["host"] == host
+    assert expert_block_bytes(rows, d, n1, "recomm_recompute", 4)["host"] == 0
+
+
+@given(M=st.integers(64, 4096), ratio=st.integers(1, 8), B=st.integers(1, 1 << 16), E=st.integers(1, 128))
+def test_paper_model_properties(M, ratio, B, E):
+    """Eq. 6: phi grows with n (n >= 2) and with B, stays below the large-B limit; the T_DI term
+    vanishes at n = 2; nothing is saved at n = 1."""
+    H = ratio * M
+    phis = [paper_memory(M, H, E, B, n)["phi"] for n in range(1, 9)]
+    assert phis[0] == 0.0
+    assert all(a <= b + 1e-15 for a, b in zip(phis[1:], phis[2:]))
+    assert paper_memory(M, H, E, 2 * B, 4)["phi"] >= paper_memory(M, H, E, B, 4)["phi"]
+    for n in range(2, 9):
+        limit = (2 * M * (n - 2) / n + H * (n - 1) / n) / (4 * M + H)
+        assert phis[n - 1] <= limit + 1e-12
+    assert paper_memory(M, H, E, B, 2)["dM_act"] == pytest.approx(B * H / 2)
+
+
+def test_paper_trend_cal12():
+    """CAL-12: the paper's average reductions -23/-34/-38% at n = 2/4/8 (Fig. 11, vs PMoE), from
+    Eq. 6 averaged over the Table III layers (E = 64) and the calibration's B sweep (1k..32k
+    tokens, doubling; not tuned). n = 4 and 8 land within 25% of the paper (-3%, +9%); n = 2 gives
+    16.5%, 28% below the paper's 23% (Eq. 6's n = 2 saving is only the MI buffer, and small B
+    weigh as much as large ones in the sweep). The trend (monotone, flattening) holds."""
+    from tritonmoe.plan.calibrate import mpmoe_memory_trend
+
+    phi = mpmoe_memory_trend()
+    assert phi[2] < phi[4] < phi[8]
+    assert phi[4] - phi[2] > phi[8] - phi[4]  # flattening, as 23 -> 34 -> 38
+    for n, paper in ((4, 0.34), (8, 0.38)):
+        assert abs(phi[n] / paper - 1) <= 0.25, (n, phi[n], paper)
+    assert abs(phi[2] / 0.23 - 1) == pytest.approx(0.281, abs=0.005)  # the known miss, recorded
+
+
+def test_cal13_planner_degree_trend():
+    """CAL-13 (GPT-XL on Adira, no reuse, n in {2, 4, 8}): the planner's degree grows with the
+    tokens per GPU through 2, 4 and 8, as in the paper's Fig. 14. (The switch points land at
+    ~3k and ~10k tokens rather than the paper's 8k and 22k; see the calibration table.)"""
+    from tritonmoe.plan.cluster import Cluster
+
+    cfg = tm.MoEConfig(2048, 8192, 64, 2, activation="gelu")
+    c = Cluster.preset("mpmoe-adira")
+    picks = []
+    for B in (1024, 8192, 32768):
+        p = choose_memory(cfg, B, c, degrees=(2, 4, 8), strategies=("keep",), dtype="float16", mode="symmetric")
+        picks.append(p.pipeline_degree)
+    assert picks == [2, 4, 8], picks
+
+
+def test_budget_forces_reuse_and_reports_rejected():
+    from tritonmoe.plan.cluster import Cluster
+
+    cfg = tm.MoEConfig(1024, 4096, 16, 2, activation="gelu")
+    c = Cluster.preset("mpmoe-valor")
+    free = choose_memory(cfg, 4096, c, degrees=(2, 4), dtype="float16", mode="symmetric")
+    keep4 = next(k for k in free.candidates if k.strategy == "keep" and k.pipeline_degree == 4)
+    budget = keep4.device_bytes - 1
+    p = choose_memory(cfg, 4096, c, degrees=(2, 4), dtype="float16", mode="symmetric", budget_bytes=budget)
+    assert p.device_bytes <= budget and p.strategy != "keep"
+    rejected = p.rejected
+    assert rejected and all(k.device_bytes > budget and k.step_time > 0 for k in rejected)
+    assert all(k.strategy == "keep" for k in rejected)
+    assert "chosen" in p.table() and "budget" in p.table()
+    # every restore path costs time in the simulator: keep is the fastest without a budget
+    t = {(k.pipeline_degree, k.strategy): k.step_time for k in free.candidates}
+    for n in (2, 4):
+        assert all(t[(n, s)] >= t[(n, "keep")] for s in ("offload", "recomm", "recompute", "recomm_recompute"))
+    assert t[(4, "recomm_recompute")] > t[(4, "keep")]
+
+
+def test_budget_below_every_candidate_is_a_value_error():
+    cfg = tm.MoEConfig(64, 128, 8, 2)
+    with pytest.raises(MemoryBudgetError, match=r"memory_budget_bytes=100 is below the smallest candidate's need"):
+        choose_memory(cfg, 256, None, budget_bytes=100, world_size=2, time_fn=lambda n, s: 1.0)
+    assert issubclass(MemoryBudgetError, ValueError)
+
+
+def test_search_joint_finds_the_oracle_argmin():
+    """MPMoE-pb: Algorithm 1 per strategy, then the best strategy, on a convex oracle."""
+    best_n = {"offload": 3, "recomm": 5, "recompute": 4, "recomm_recompute": 6}
+    base = {"offload": 1.0, "recomm": 0.9, "recompute": 1.1, "recomm_recompute": 1.2}
+
+    def prof(B, n, s):
+        return base[s] * (1 + 0.1 * (n - best_n[s]) ** 2) * B
+
+    n, s, per = search_joint(1000.0, prof)
+    assert (n, s) == (5, "recomm")
+    assert {k: v[0] for k, v in per.items()} == best_n
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match=r"memory_strategy='swap' is not a memory strategy; use one of"):
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy="swap")
+    with pytest.raises(TypeError, match="memory_strategy must be a str"):
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy=1)
+    with pytest.raises(ValueError, match="memory_budget_bytes=0 must be > 0"):
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy="auto", memory_budget_bytes=0)
+    with pytest.raises(TypeError, match="memory_budget_bytes must be an int"):
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy="auto", memory_budget_bytes=1.5)
+    with pytest.raises(ValueError, match="is used by memory_strategy='auto'"):
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy="offload", memory_budget_bytes=10)
+    with pytest.raises(ValueError, match="ep_capacity"):
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy="keep", ep_capacity=4)
+    with pytest.raises(ValueError, match="needs ep_group"):
+        tm.MoELayer(tm.MoEConfig(8, 8, 4, 1, memory_strategy="recompute"))
+
+
+@pytest.mark.skipif(pinned_memory_available(), reason="pinned memory is available here")
+def test_offload_without_pinned_memory_is_a_value_error():
+    with pytest.raises(ValueError, match="pinned host memory, which is not available"):
+        check_offload("offload", torch.device("cuda"))
+    with pytest.raises(ValueError, match="'recomm_recompute'"):
+        check_offload("recompute", torch.device("cuda"))
+    check_offload("recomm_recompute", torch.device("cuda"))  # no host copies: fine
+    check_offload("offload", torch.device("cpu"))  # CPU layers copy into ordinary host memory
+
+
+def test_memory_layout_rejects_bad_input():
+    with pytest.raises(ValueError, match="memory_strategy='x'"):
+        memory_layout("x", 2)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        memory_layout("keep", 0)
+    with pytest.raises(ValueError, match="B must be a non-negative int"):
+        paper_memory(8, 8, 1, -1, 2)
+    assert math.isclose(paper_memory(768, 3072, 64, 1 << 30, 8)["phi"], (6 * 8 - 8) / 64, rel_tol=1e-3)
