@@ -872,6 +872,44 @@ def run_lina_suite(ctx: Context, progress=None) -> list[dict]:
     return rows
 
 
+def describe_memory(ctx: Context) -> list[str]:
+    from . import memory
+
+    d = memory.DEFAULTS
+    return [f"P=2 T/rank={d['tokens']} d={d['d_model']} f={d['d_ffn']} E={d['num_experts']} k={d['top_k']} "
+            f"{d['activation']}, n in {d['degrees']}, strategies {', '.join(d['strategies'])} "
+            "[bench.memory.run_memory, float32, gloo on CPU processes]"]
+
+
+def run_memory_suite(ctx: Context, progress=None) -> list[dict]:
+    """``bench.memory.run_memory`` (2 gloo ranks on CPU): per (degree, memory strategy), forward +
+    backward time and the expert block's saved bytes (counted with saved_tensors_hooks) against
+    "keep"."""
+    from . import memory
+
+    if progress is not None:
+        progress.step("memory P=2")
+    reps = max(ctx.timer.reps // 2, 3) if ctx.timer is not None else memory.DEFAULTS["reps"]
+    try:
+        results = memory.run_memory(world_size=2, reps=reps, timeout_s=max(ctx.ep_timeout_s, 180.0))
+    except Exception as exc:  # a failed spawn, a timeout: one error row, the run goes on
+        row = new_row(suite="memory", case="P=2", mode="fwd+bwd", impl="keep", params={})
+        row["status"], row["note"] = "error", first_line(exc)
+        return [row]
+    rows = []
+    for d in results:
+        params = {k: d[k] for k in ("world_size", "tokens", "d_model", "d_ffn", "num_experts", "top_k", "activation",
+                                    "dtype")}
+        params["pipeline_degree"] = d["n"]
+        row = new_row(suite="memory", case=f"P={d['world_size']} n={d['n']}", mode="fwd+bwd", impl=d["strategy"],
+                      params=params)
+        fill_timing(row, d["step_s"], Work(), None)
+        row["extra"] = {k: d.get(k) for k in ("saved_bytes", "model_bytes", "host_bytes", "model_host_bytes",
+                                              "time_vs_keep", "saved_vs_keep")}
+        rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True)
 class Suite:
     """A suite either plans cases (run entry by entry by :func:`run_case`) or runs itself
@@ -903,6 +941,9 @@ SUITES: dict[str, Suite] = {
         Suite("plan", "simulator fidelity: a cost model fitted here vs the measured expert-parallel layer (gloo, "
               "2 and 4 ranks, degrees 1-8), and the planner's choice (bench/plan_fidelity.py; ~10 min, not default)",
               run=_run_plan_suite, default=False),
+        Suite("memory", "MPMoE's memory strategies on the expert-parallel layer over gloo (2 ranks): fwd+bwd time "
+              "and saved bytes (saved_tensors_hooks) per strategy vs 'keep'; not default", run=run_memory_suite,
+              describe=describe_memory, default=False),
         Suite("lina", "Lina's priority communication vs FIFO over gloo (2 ranks): an all-to-all beside a gradient "
               "reduction, and training steps (all-to-all slowdown, step time); not default", run=run_lina_suite,
               describe=describe_lina, default=False),

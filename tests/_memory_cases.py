@@ -145,8 +145,21 @@ def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]
             layer = tm.MoELayer(_config(c, n, s), ep_group=dist.group.WORLD, dtype=dt)
             layer.load_state_dict(ref.state_dict())
             ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            layer.expert_path.trace = []
             with SavedBytes(ptrs) as sb:
                 got = step(layer)
+            # operation accounting from the schedule's trace: re-dispatch all-to-alls and host
+            # copies per pass, as the restore schedule says
+            lay = memory_mod.memory_layout(s, n)
+            kinds = [(e.op, e.kind, e.phase) for e in layer.expert_path.trace]
+            counts = {"recomm": kinds.count(("all_to_all", "recomm", "bwd")),
+                      "offload": kinds.count(("copy", "offload", "fwd")),
+                      "restore": kinds.count(("copy", "restore", "bwd"))}
+            want_counts = {"recomm": len(lay.recommunicated),
+                           "offload": len(lay.di_offloaded) + len(lay.mi_offloaded),
+                           "restore": len(lay.di_offloaded) + len(lay.mi_offloaded)}
+            if counts != want_counts:
+                failures.append(f"{label}: trace {counts}, expected {want_counts}")
             for nm, a, b in zip(["output", "x.grad"] + [f"{nm}.grad" for nm in names], got, want):
                 if a is None or b is None or not torch.equal(a, b):
                     diff = "missing" if a is None or b is None else f"max diff {(a - b).abs().max():.3g}"

@@ -1,0 +1,162 @@
+"""MPMoE's memory strategies on the expert-parallel layer: forward+backward time and saved bytes.
+
+``run_memory(...)`` builds the same expert-parallel ``MoELayer`` once per (pipeline degree,
+memory strategy) on P spawned gloo ranks (CPU) and measures, round-robin per rep:
+
+* ``step_s``: forward + backward wall time (max over ranks per rep; median over reps);
+* ``saved_bytes``: the bytes the pipelined expert block keeps for backward, counted with
+  ``torch.autograd.graph.saved_tensors_hooks`` around the block (distinct storages of the saved
+  tensors that are not parameters), max over ranks; ``model_bytes``: what
+  :func:`tritonmoe.plan.memory.expert_block_bytes` predicts for the rows each micro-op received;
+* ``host_bytes``: bytes copied to host memory in the forward (the offloading strategies);
+* both against ``"keep"`` at the same degree (``time_vs_keep``, ``saved_vs_keep``).
+
+``python -m bench memory`` runs it through the harness; ``python -m bench.memory`` standalone
+(prints a markdown table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run_memory", "DEFAULTS", "format_table"]
+
+DEFAULTS = dict(tokens=2048, d_model=256, d_ffn=512, num_experts=8, top_k=2, activation="swiglu",
+                degrees=(2, 4), strategies=("keep", "offload", "recomm", "recompute", "recomm_recompute"),
+                reps=6, warmup=1, dtype="float32")
+
+
+def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]:
+    import tritonmoe as tm
+    from tritonmoe.comm import memory as memory_mod
+
+    dt = getattr(torch, spec["dtype"])
+    torch.manual_seed(0)
+    layers = {}
+    for n in spec["degrees"]:
+        for s in spec["strategies"]:
+            cfg = tm.MoEConfig(spec["d_model"], spec["d_ffn"], spec["num_experts"], spec["top_k"],
+                               activation=spec["activation"], pipeline_degree=n, memory_strategy=s)
+            layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, dtype=dt)
+            layer.expert_path.memory_stats = {}
+            if layers:
+                layer.load_state_dict(next(iter(layers.values())).state_dict())
+            layers[(n, s)] = layer
+    gen = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(spec["tokens"], spec["d_model"], generator=gen, dtype=dt)
+    g = torch.randn(spec["tokens"], spec["d_model"], generator=gen, dtype=dt)
+    params = set()
+    for layer in layers.values():
+        params |= {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: dict = {}
+    orig = memory_mod.run_memory_pipelined
+
+    def counted(key):
+        def run(*args, **kwargs):
+            seen = {}
+
+            def pack(t):
+                st = t.untyped_storage()
+                if st.data_ptr() not in params and st.nbytes() > 0:
+                    seen[st.data_ptr()] = st.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = orig(*args, **kwargs)
+            saved[key] = sum(seen.values())
+            return out
+        return run
+
+    times = {k: [] for k in layers}
+    for rep in range(spec["warmup"] + spec["reps"]):
+        for key, layer in layers.items():
+            xi = x.clone().requires_grad_()
+            memory_mod.run_memory_pipelined = counted(key) if rep == 0 else orig
+            try:
+                dist.barrier()
+                t0 = time.perf_counter()
+                (layer(xi) * g).sum().backward()
+                t = time.perf_counter() - t0
+            finally:
+                memory_mod.run_memory_pipelined = orig
+            if rep >= spec["warmup"]:
+                times[key].append(t)
+            for p in layer.parameters():
+                p.grad = None
+        progress()
+    out = []
+    from tritonmoe.plan.memory import expert_block_bytes
+
+    for (n, s), layer in layers.items():
+        st = layer.expert_path.memory_stats
+        es = torch.empty((), dtype=dt).element_size()
+        model = expert_block_bytes(st["rows"], spec["d_model"], layer.config.n1, s, es)
+        out.append({"n": n, "strategy": s, "times": times[(n, s)], "saved_bytes": saved[(n, s)],
+                    "model_bytes": model["device"], "model_host_bytes": model["host"],
+                    "host_bytes": sum(st["d2h_bytes"].values()), "rows": st["rows"]})
+    return out
+
+
+def run_memory(*, world_size: int = 2, timeout_s: float = 180.0, **overrides) -> list[dict]:
+    """Every (degree, strategy) on ``world_size`` spawned gloo ranks; one dict each (see the module
+    docstring), with the spec's shapes."""
+    from .ep import _run_spawned
+
+    spec = dict(DEFAULTS)
+    spec.update(overrides)
+    spec["degrees"], spec["strategies"] = tuple(spec["degrees"]), tuple(spec["strategies"])
+    per_rank = _run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.memory")
+    results = []
+    for j, first in enumerate(per_rank[0]):
+        ranks = [pr[j] for pr in per_rank]
+        steps = [max(r["times"][k] for r in ranks) for k in range(len(first["times"]))]
+        results.append({
+            "n": first["n"], "strategy": first["strategy"], "world_size": world_size, "step_s": steps,
+            "step_median_s": statistics.median(steps),
+            "saved_bytes": max(r["saved_bytes"] for r in ranks), "model_bytes": max(r["model_bytes"] for r in ranks),
+            "host_bytes": max(r["host_bytes"] for r in ranks),
+            "model_host_bytes": max(r["model_host_bytes"] for r in ranks),
+            **{k: spec[k] for k in ("tokens", "d_model", "d_ffn", "num_experts", "top_k", "activation", "dtype")},
+        })
+    keep = {r["n"]: r for r in results if r["strategy"] == "keep"}
+    for r in results:
+        k = keep.get(r["n"])
+        if k is not None:
+            r["time_vs_keep"] = r["step_median_s"] / k["step_median_s"]
+            r["saved_vs_keep"] = r["saved_bytes"] / k["saved_bytes"] if k["saved_bytes"] else None
+    return results
+
+
+def format_table(results: list[dict]) -> str:
+    lines = ["| n | strategy | fwd+bwd ms | vs keep | saved KiB (hooks) | model KiB | vs keep | host KiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['n']} | {r['strategy']} | {r['step_median_s'] * 1e3:.1f} | {r.get('time_vs_keep', 1):.2f}x | "
+                     f"{r['saved_bytes'] / 1024:.0f} | {r['model_bytes'] / 1024:.0f} | "
+                     f"{(r.get('saved_vs_keep') or 0):.2f}x | {r['host_bytes'] / 1024:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=DEFAULTS["tokens"])
+    ap.add_argument("--reps", type=int, default=DEFAULTS["reps"])
+    ap.add_argument("--json", default=None, help="also write the results here")
+    a = ap.parse_args(argv)
+    res = run_memory(world_size=a.world_size, tokens=a.tokens, reps=a.reps)
+    print(format_table(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
