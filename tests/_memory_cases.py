@@ -219,6 +219,37 @@ def auto_and_errors(rank: int, P: int) -> dict:
     return out
 
 
+def triton_case(rank: int, P: int) -> list[str]:
+    """The Triton path (the interpreter on CPU): fp32 outputs and gradients of a few strategies
+    equal to the unmanaged layer's to rounding."""
+    failures = []
+    c = Case("swiglu", 2, None, True, 0, "triton")
+    tokens = TOKENS[P][0]
+    dt = torch.float32
+    torch.manual_seed(11)
+    ref = tm.MoELayer(_config(c, 1, None, backend="triton"), ep_group=dist.group.WORLD, dtype=dt)
+    gen = torch.Generator().manual_seed(12)
+    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+
+    def step(layer):
+        x = xs[rank].clone().requires_grad_()
+        out = layer(x)
+        (out * out).sum().backward()
+        return [out.detach(), x.grad, layer.router.weight.grad, layer.w1.grad, layer.w2.grad, layer.b1.grad,
+                layer.b2.grad]
+
+    want = step(ref)
+    for s in ("keep", "offload", "recomm_recompute"):
+        layer = tm.MoELayer(_config(c, 2, s, backend="triton"), ep_group=dist.group.WORLD, dtype=dt)
+        layer.load_state_dict(ref.state_dict())
+        for j, (a, b) in enumerate(zip(step(layer), want)):
+            try:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            except AssertionError as e:
+                failures.append(f"triton {s} tensor {j}: {str(e).splitlines()[0]}")
+    return failures
+
+
 def table(rank: int, P: int) -> dict:
     failures, acct = [], []
     for ci, c in enumerate(CASES[P]):
@@ -227,4 +258,6 @@ def table(rank: int, P: int) -> dict:
         acct += a
     extra = auto_and_errors(rank, P)
     failures += extra.pop("failures")
+    if P == 2:
+        failures += triton_case(rank, P)
     return {"failures": failures, "accounting": acct, "auto": extra}
