@@ -41,6 +41,7 @@ from .sim_executor import Program, SimExecutor, SimOp, VirtualGroup
 from .simulate import SimTimeline, routing_counts, simulate
 from .planner import Candidate, Plan, choose
 from .search import GranularitySearch
+from .memory import MemoryBudgetError, MemoryPlan, choose_memory, expert_block_bytes, paper_memory, search_joint
 
 __all__ = [
     "Cluster",
@@ -81,4 +82,10 @@ __all__ = [
     "Plan",
     "choose",
     "GranularitySearch",
+    "MemoryBudgetError",
+    "MemoryPlan",
+    "choose_memory",
+    "expert_block_bytes",
+    "paper_memory",
+    "search_joint",
 ]
