@@ -9,6 +9,9 @@ memory strategy) on P spawned gloo ranks (CPU) and measures, round-robin per rep
   tensors that are not parameters), max over ranks; ``model_bytes``: what
   :func:`tritonmoe.plan.memory.expert_block_bytes` predicts for the rows each micro-op received;
 * ``host_bytes``: bytes copied to host memory in the forward (the offloading strategies);
+  ``copy_s``: time on the copy lane (forward copies out, backward copies back; last rep) and
+  ``copy_hidden_frac``: the fraction of it during which the compute lane was busy too (min over
+  ranks; on CPU the copy lane is a worker thread sharing the cores);
 * both against ``"keep"`` at the same degree (``time_vs_keep``, ``saved_vs_keep``).
 
 ``python -m bench memory`` runs it through the harness; ``python -m bench.memory`` standalone
@@ -73,10 +76,15 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
             return out
         return run
 
+    from tritonmoe.comm.timeline import Timeline, _intersection_length, _union
+
     times = {k: [] for k in layers}
+    copies = {}
+    last = spec["warmup"] + spec["reps"] - 1
     for rep in range(spec["warmup"] + spec["reps"]):
         for key, layer in layers.items():
             xi = x.clone().requires_grad_()
+            layer.timeline = Timeline() if rep == last else None
             memory_mod.run_memory_pipelined = counted(key) if rep == 0 else orig
             try:
                 dist.barrier()
@@ -87,6 +95,13 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
                 memory_mod.run_memory_pipelined = orig
             if rep >= spec["warmup"]:
                 times[key].append(t)
+            if rep == last:  # host copies on the copy lane, and how much of them ran beside compute
+                spans = layer.timeline.spans()
+                cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
+                comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
+                total = sum(b - a for a, b in cp)
+                copies[key] = (total, _intersection_length(cp, comp) / total if total > 0 else None)
+                layer.timeline = None
             for p in layer.parameters():
                 p.grad = None
         progress()
@@ -98,6 +113,7 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
         es = torch.empty((), dtype=dt).element_size()
         model = expert_block_bytes(st["rows"], spec["d_model"], layer.config.n1, s, es)
         out.append({"n": n, "strategy": s, "times": times[(n, s)], "saved_bytes": saved[(n, s)],
+                    "copy_s": copies[(n, s)][0], "copy_hidden_frac": copies[(n, s)][1],
                     "model_bytes": model["device"], "model_host_bytes": model["host"],
                     "host_bytes": sum(st["d2h_bytes"].values()), "rows": st["rows"]})
     return out
@@ -122,6 +138,9 @@ def run_memory(*, world_size: int = 2, timeout_s: float = 180.0, **overrides) ->
             "saved_bytes": max(r["saved_bytes"] for r in ranks), "model_bytes": max(r["model_bytes"] for r in ranks),
             "host_bytes": max(r["host_bytes"] for r in ranks),
             "model_host_bytes": max(r["model_host_bytes"] for r in ranks),
+            "copy_s": max(r["copy_s"] for r in ranks),
+            "copy_hidden_frac": min((r["copy_hidden_frac"] for r in ranks if r["copy_hidden_frac"] is not None),
+                                    default=None),
             **{k: spec[k] for k in ("tokens", "d_model", "d_ffn", "num_experts", "top_k", "activation", "dtype")},
         })
     keep = {r["n"]: r for r in results if r["strategy"] == "keep"}
@@ -134,12 +153,13 @@ def run_memory(*, world_size: int = 2, timeout_s: float = 180.0, **overrides) ->
 
 
 def format_table(results: list[dict]) -> str:
-    lines = ["| n | strategy | fwd+bwd ms | vs keep | saved KiB (hooks) | model KiB | vs keep | host KiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| n | strategy | fwd+bwd ms | vs keep | saved KiB (hooks) | model KiB | vs keep | host KiB | copy ms | "
+             "hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['n']} | {r['strategy']} | {r['step_median_s'] * 1e3:.1f} | {r.get('time_vs_keep', 1):.2f}x | "
                      f"{r['saved_bytes'] / 1024:.0f} | {r['model_bytes'] / 1024:.0f} | "
-                     f"{(r.get('saved_vs_keep') or 0):.2f}x | {r['host_bytes'] / 1024:.0f} |")
+                     f"{(r.get('saved_vs_keep') or 0):.2f}x | {r['host_bytes'] / 1024:.0f} | {r['copy_s'] * 1e3:.1f} | "
+                     + (f"{r['copy_hidden_frac']:.0%}" if r['copy_hidden_frac'] is not None else "-") + " |")
     return "\n".join(lines)
 
 

@@ -905,7 +905,7 @@ def run_memory_suite(ctx: Context, progress=None) -> list[dict]:
                       params=params)
         fill_timing(row, d["step_s"], Work(), None)
         row["extra"] = {k: d.get(k) for k in ("saved_bytes", "model_bytes", "host_bytes", "model_host_bytes",
-                                              "time_vs_keep", "saved_vs_keep")}
+                                              "time_vs_keep", "saved_vs_keep", "copy_s", "copy_hidden_frac")}
         rows.append(row)
     return rows
 
