@@ -250,6 +250,34 @@ def triton_case(rank: int, P: int) -> list[str]:
     return failures
 
 
+def search_run(rank: int, P: int) -> dict:
+    """pipeline_degree="search" with memory_strategy="auto" (MPMoE-pb online): steps until the
+    joint search has decided; every step's candidate and gradients are recorded (the parent
+    checks that every rank ran the same candidates)."""
+    c = CASES[P][2]
+    tokens = TOKENS[P][c.pattern]
+    dt = torch.float64
+    torch.manual_seed(21)
+    ref = tm.MoELayer(_config(c, 1, None), ep_group=dist.group.WORLD, dtype=dt)
+    gen = torch.Generator().manual_seed(22)
+    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+    x = xs[rank].clone().requires_grad_()
+    ref(x).sum().backward()
+    layer = tm.MoELayer(_config(c, "search", "auto"), ep_group=dist.group.WORLD, dtype=dt)
+    layer.load_state_dict(ref.state_dict())
+    policy = layer.expert_path.memory_policy
+    ran, failures = [], []
+    for _ in range(45):
+        x2 = xs[rank].clone().requires_grad_()
+        layer(x2).sum().backward()
+        ran.append((layer.expert_path.degree_used, layer.memory_strategy_used))
+        if not torch.equal(x2.grad, x.grad):
+            failures.append(f"search step {len(ran)} {ran[-1]}: x.grad differs from the unmanaged layer")
+        if policy.cache:
+            break
+    return {"ran": ran, "decided": dict(policy.cache), "profiled": policy.steps_profiled, "failures": failures}
+
+
 def table(rank: int, P: int) -> dict:
     failures, acct = [], []
     for ci, c in enumerate(CASES[P]):
@@ -260,4 +288,7 @@ def table(rank: int, P: int) -> dict:
     failures += extra.pop("failures")
     if P == 2:
         failures += triton_case(rank, P)
+        srch = search_run(rank, P)
+        failures += srch.pop("failures")
+        extra["search"] = srch
     return {"failures": failures, "accounting": acct, "auto": extra}

@@ -48,6 +48,12 @@ def test_strategies_bitwise_equal_and_saved_bytes_match_the_model(world_size):
         if s != "keep" and n >= 4 and min(rows) > 0 and max(rows) <= 1.2 * min(rows):
             assert a["measured"] < by[(ci, n, "keep", r)]["measured"], a
     assert any(a["measured"] < by[(a["case"], a["n"], "keep", a["rank"])]["measured"] for a in acct)
+    if world_size == 2:  # MPMoE-pb online: all ranks ran the same candidates and decided alike
+        runs = [v["auto"]["search"] for v in vals]
+        assert all(r["ran"] == runs[0]["ran"] and r["decided"] == runs[0]["decided"] for r in runs), runs
+        assert runs[0]["decided"], runs[0]
+        assert len({s for _, s in runs[0]["ran"]}) == 5  # every strategy was measured
+        assert runs[0]["profiled"] < 7 * 5  # fewer than the exhaustive (degree 2..8) x strategy profiles
     for v in vals:
         auto = v["auto"]
         assert auto["chosen"] != "keep" and auto["budget"] < auto["keep_bytes"], auto

@@ -84,7 +84,8 @@ class MoEConfig:
         memory_strategy: MPMoE's memory reuse on the pipelined expert-parallel path
             (:mod:`tritonmoe.memory`): None (unmanaged), "keep", "offload", "recomm",
             "recompute", "recomm_recompute" or "auto" (the planner's choice under
-            ``memory_budget_bytes``). Needs ``ep_group``.
+            ``memory_budget_bytes``; with ``pipeline_degree="search"``, MPMoE's profile-based
+            search over degree and strategy). Needs ``ep_group``.
         memory_budget_bytes: device bytes the expert block may keep for backward per rank
             (``memory_strategy="auto"`` only); the planner rejects candidates that need more.
     """
@@ -211,10 +212,10 @@ class MoEConfig:
                     f"memory_strategy={self.memory_strategy!r} manages the pipelined expert-parallel path; the static "
                     "mode (ep_capacity) runs one micro-op and keeps nothing to reuse: drop one of them"
                 )
-            if self.pipeline_degree == "search":
+            if self.pipeline_degree == "search" and self.memory_budget_bytes is not None:
                 raise ValueError(
-                    f"memory_strategy={self.memory_strategy!r} with pipeline_degree='search' is not supported; use an int "
-                    "degree or 'auto' (the planner then chooses degree and strategy together)"
+                    f"memory_budget_bytes={self.memory_budget_bytes} with pipeline_degree='search': the profile-based "
+                    "search measures time only; use pipeline_degree='auto' (the model checks the budget) or an int degree"
                 )
         # Store plain Python numbers (numpy scalars pass validation but must not reach kernels).
         for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree",

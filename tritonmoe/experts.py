@@ -271,13 +271,15 @@ class ExpertParallelExperts(ExpertPath):
 
     def _memory_policy(self, group: Any, dtype: torch.dtype):
         from .memory import pinned_memory_available, uses_offload
-        from .plan.memory import AutoMemory
+        from .plan.memory import AutoMemory, SearchMemory
         from .comm.memory import STRATEGIES
 
         device = _group_device(group)
         strategies = STRATEGIES
         if device.type == "cuda" and not pinned_memory_available():
             strategies = tuple(s for s in STRATEGIES if not uses_offload(s))
+        if self.config.pipeline_degree == "search":
+            return SearchMemory(self.config, group, device, strategies)
         return AutoMemory(self.config, group, device, dtype, strategies)
 
     def memory_ffn(self, plan, x_TD: torch.Tensor, routing: Routing, bounds, weights: ExpertWeights):
@@ -294,10 +296,14 @@ class ExpertParallelExperts(ExpertPath):
             a, b = bounds[i]
             return permute(x_keep[a:b], ids[a:b], c.num_experts)[0]
 
+        from .comm.partition import _transpose_chunks
+
+        # the re-layouts without timeline spans of their own (they run inside the expert op's span,
+        # forward and backward)
         return ExpertFFN(
             activation=c.activation, gemm=self.impl("grouped_gemm", x_TD),
-            to_expert_major=lambda i, r: disp.to_expert_major(r, plan, i),
-            to_source_major=lambda i, y: disp.to_source_major(y, plan, i),
+            to_expert_major=lambda i, r: _transpose_chunks(r, plan.recv_counts[i], disp.backend),
+            to_source_major=lambda i, y: _transpose_chunks(y, plan.recv_counts[i].t(), disp.backend),
             offsets=lambda i: disp.expert_offsets(plan, i), resend=resend,
             swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha,
         )
@@ -326,7 +332,7 @@ class ExpertParallelExperts(ExpertPath):
         n, timeline = c.pipeline_degree, self.timeline
         strategy = c.memory_strategy
         if self.memory_policy is not None:  # one small all-reduce; a budget error is raised on every rank
-            n, strategy = self.memory_policy.step(x_TD.shape[0])
+            n, strategy, timeline = self.memory_policy.step(x_TD.shape[0], self.timeline)
         elif self.degree_policy is not None:
             n, timeline = self.degree_policy.step(x_TD.shape[0], self.timeline)
         self.memory_strategy_used = strategy

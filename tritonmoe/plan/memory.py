@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import torch
 
@@ -57,8 +57,10 @@ __all__ = [
     "MemoryBudgetError",
     "choose_memory",
     "search_joint",
+    "joint_search_steps",
     "issue_memory_ops",
     "AutoMemory",
+    "SearchMemory",
 ]
 
 
@@ -310,29 +312,56 @@ def choose_memory(
     return MemoryPlan(best.pipeline_degree, best.strategy, best.device_bytes, best.step_time, cands, budget_bytes)
 
 
+def joint_search_steps(B: float, searches: dict, strategies: Sequence[str] = STRATEGIES, n_min: int = 2,
+                       n_max: int = 8) -> Generator[tuple[int, str], float, tuple[int, str, dict]]:
+    """MPMoE-pb (004 §IV-A) as a generator: Algorithm 1
+    (:class:`~tritonmoe.plan.search.GranularitySearch`, one per strategy in ``searches``, kept
+    across calls) for each strategy in turn; it yields each ``(n, strategy)`` to profile, expects
+    the measured seconds sent back, and returns ``(n, strategy, {strategy: (n, seconds)})``, the
+    best candidate by comparison. A strategy whose search answers from its known ranges without
+    profiling has its answer profiled once, so every strategy is compared on a measurement."""
+    from .search import GranularitySearch
+
+    per: dict = {}
+    for s in strategies:
+        g = searches.setdefault(s, GranularitySearch(n_min, n_max))
+        gen = g.steps(B)
+        seen: dict = {}
+        try:
+            n = next(gen)
+            while True:
+                t = yield (n, s)
+                seen[n] = t
+                n = gen.send(t)
+        except StopIteration as stop:
+            n_s = stop.value
+        if n_s not in seen:
+            seen[n_s] = yield (n_s, s)
+        per[s] = (n_s, seen[n_s])
+    s_best = min(per, key=lambda s: per[s][1])
+    return per[s_best][0], s_best, per
+
+
 def search_joint(
     B: float,
     profile: Callable[[float, int, str], float],
     *,
-    strategies: Sequence[str] = STRATEGIES[1:],
+    strategies: Sequence[str] = STRATEGIES,
     n_min: int = 2,
     n_max: int = 8,
     searches: Optional[dict] = None,
 ) -> tuple[int, str, dict]:
-    """MPMoE-pb (004 §IV-A): Algorithm 1 (:class:`~tritonmoe.plan.search.GranularitySearch`) per
-    strategy on the measured ``profile(B, n, strategy)``, then the best (n, strategy) by
-    comparison. ``searches`` (strategy -> search) carries the searches' state across calls.
-    Returns ``(n, strategy, {strategy: (n, time)})``."""
-    from .search import GranularitySearch
-
+    """:func:`joint_search_steps` driven by ``profile(B, n, strategy) -> seconds``; ``searches``
+    (strategy -> search) carries the searches' state across calls. Returns
+    ``(n, strategy, {strategy: (n, seconds)})``."""
     searches = searches if searches is not None else {}
-    per = {}
-    for s in strategies:
-        g = searches.setdefault(s, GranularitySearch(n_min, n_max))
-        n = g.best(B, lambda b, k, s=s: profile(b, k, s))
-        per[s] = (n, profile(B, n, s))
-    s_best = min(per, key=lambda s: per[s][1])
-    return per[s_best][0], s_best, per
+    gen = joint_search_steps(B, searches, strategies, n_min, n_max)
+    try:
+        n, s = next(gen)
+        while True:
+            n, s = gen.send(profile(B, n, s))
+    except StopIteration as stop:
+        return stop.value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,7 +392,8 @@ class AutoMemory:
                                             + str(config.memory_budget_bytes))
         self.cache: dict[int, MemoryPlan] = {}
 
-    def step(self, tokens: int) -> tuple[int, str]:
+    def step(self, tokens: int, timeline: Optional[Any] = None) -> tuple[int, str, Optional[Any]]:
+        """(degree, strategy, timeline to record into) for this forward (collective)."""
         from .runtime import token_bucket
         from .schedules import DEFAULT_DEGREES
 
@@ -376,4 +406,68 @@ class AutoMemory:
                                           degrees=degs, strategies=self.strategies, world_size=self.world_size,
                                           dtype=self.dtype, mode="symmetric" if self.world_size > 8 else "auto")
         p = self.cache[b]
-        return p.pipeline_degree, p.strategy
+        return p.pipeline_degree, p.strategy, timeline
+
+
+class SearchMemory:
+    """``memory_strategy="auto"`` with ``pipeline_degree="search"``: MPMoE-pb online. Per token
+    bucket, :func:`joint_search_steps` asks for (degree, strategy) candidates; each runs one
+    training step, whose expert-block time (forward + backward spans of the timeline, max over
+    ranks through the same small all-reduce that agrees on the token count) is fed back at the
+    next forward; when every strategy's search has ended, the bucket's best (degree, strategy)
+    is cached. Ranks decide from the same agreed values, so they always run the same candidate.
+    ``steps_profiled`` counts forwards that ran a candidate."""
+
+    fingerprint = 0
+
+    def __init__(self, config: Any, group: Any, device: torch.device,
+                 strategies: Sequence[str] = STRATEGIES, n_min: int = 2, n_max: int = 8) -> None:
+        from tritonmoe.comm.timeline import Timeline
+
+        from .runtime import DegreePolicy
+
+        self._base = DegreePolicy(group, device)
+        self.strategies = tuple(strategies)
+        self.n_min, self.n_max = n_min, n_max
+        self.searches: dict = {}
+        self.cache: dict[int, tuple[int, str]] = {}
+        self.results: dict[int, dict] = {}
+        self._gens: dict = {}
+        self._next: dict = {}
+        self._pending = None
+        self._own = Timeline()
+        self.steps_profiled = 0
+
+    def step(self, tokens: int, timeline: Optional[Any] = None) -> tuple[int, str, Optional[Any]]:
+        from .runtime import SearchDegree, _Pending, token_bucket
+
+        pend = self._pending
+        measured = SearchDegree.measure(pend.timeline, pend.mark) if pend is not None else -1.0
+        t_max, m_max = self._base._agree([float(tokens), measured])
+        if pend is not None:
+            self._pending = None
+            if m_max > 0:  # every rank recorded the step (else the same candidate runs again)
+                try:
+                    self._next[pend.bucket] = self._gens[pend.bucket].send(m_max)
+                except StopIteration as stop:
+                    n, s, per = stop.value
+                    self.cache[pend.bucket] = (n, s)
+                    self.results[pend.bucket] = per
+                    self._gens.pop(pend.bucket)
+                    self._next.pop(pend.bucket, None)
+        b, rep = token_bucket(int(t_max))
+        if b in self.cache:
+            n, s = self.cache[b]
+            return n, s, timeline
+        if b not in self._gens:
+            gen = joint_search_steps(rep, self.searches, self.strategies, self.n_min, self.n_max)
+            self._gens[b] = gen
+            self._next[b] = next(gen)  # a first candidate is always profiled (see joint_search_steps)
+        n, s = self._next[b]
+        tl = timeline
+        if tl is None:
+            tl = self._own
+            tl.clear()
+        self._pending = _Pending(b, n, tl, tl.mark())
+        self.steps_profiled += 1
+        return n, s, tl
