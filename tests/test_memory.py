@@ -173,15 +173,19 @@ def test_budget_below_every_candidate_is_a_value_error():
 
 def test_search_joint_finds_the_oracle_argmin():
     """MPMoE-pb: Algorithm 1 per strategy, then the best strategy, on a convex oracle."""
-    best_n = {"offload": 3, "recomm": 5, "recompute": 4, "recomm_recompute": 6}
-    base = {"offload": 1.0, "recomm": 0.9, "recompute": 1.1, "recomm_recompute": 1.2}
+    best_n = {"keep": 2, "offload": 3, "recomm": 5, "recompute": 4, "recomm_recompute": 6}
+    base = {"keep": 1.3, "offload": 1.0, "recomm": 0.9, "recompute": 1.1, "recomm_recompute": 1.2}
 
     def prof(B, n, s):
         return base[s] * (1 + 0.1 * (n - best_n[s]) ** 2) * B
 
-    n, s, per = search_joint(1000.0, prof)
+    searches: dict = {}
+    n, s, per = search_joint(1000.0, prof, searches=searches)
     assert (n, s) == (5, "recomm")
     assert {k: v[0] for k, v in per.items()} == best_n
+    calls = []
+    again = search_joint(1000.0, lambda B, n, s: calls.append((n, s)) or prof(B, n, s), searches=searches)
+    assert again[:2] == (5, "recomm") and len(calls) == 5  # cached per strategy: one measurement each
 
 
 # -- bad input ---------------------------------------------------------------------------------
