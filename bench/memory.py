@@ -3,7 +3,8 @@
 ``run_memory(...)`` builds the same expert-parallel ``MoELayer`` once per (pipeline degree,
 memory strategy) on P spawned gloo ranks (CPU) and measures, round-robin per rep:
 
-* ``step_s``: forward + backward wall time (max over ranks per rep; median over reps);
+* ``step_s``: forward + backward wall time (max over ranks per rep; median over reps; the order
+  of the configurations rotates from rep to rep);
 * ``saved_bytes``: the bytes the pipelined expert block keeps for backward, counted with
   ``torch.autograd.graph.saved_tensors_hooks`` around the block (distinct storages of the saved
   tensors that are not parameters), max over ranks; ``model_bytes``: what
@@ -81,8 +82,10 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
     times = {k: [] for k in layers}
     copies = {}
     last = spec["warmup"] + spec["reps"] - 1
+    order = list(layers.items())
     for rep in range(spec["warmup"] + spec["reps"]):
-        for key, layer in layers.items():
+        k = rep % len(order)  # rotate the order per rep: no configuration always runs first
+        for key, layer in order[k:] + order[:k]:
             xi = x.clone().requires_grad_()
             layer.timeline = Timeline() if rep == last else None
             memory_mod.run_memory_pipelined = counted(key) if rep == 0 else orig

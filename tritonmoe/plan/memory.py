@@ -40,7 +40,6 @@ Algorithm 1 once per strategy and compares (004 §IV-A).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Optional, Sequence, Union
 
