@@ -47,6 +47,7 @@ unsharded experts on the de-duplicated batches):
 
 from __future__ import annotations
 
+import struct
 from typing import Optional
 
 import torch
@@ -71,7 +72,7 @@ from .comm.splits import comm_device
 from ._validation import ACTIVATIONS, GLU_ACTIVATIONS
 from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
-from .experts import ExpertPath, ExpertWeights, micro_batch_bounds
+from .experts import ExpertPath, ExpertWeights, ffn_options, micro_batch_bounds
 from .parm_layout import LayoutError, ParmGroups, groups_from_process_groups
 from .types import Routing
 
@@ -378,12 +379,13 @@ class ParmExperts(ExpertPath):
         offsets = counts_L.new_zeros(counts_GL.shape[1] + 1)
         offsets[1:] = torch.cumsum(counts_L, 0)
         backend = c.backend
+        opts = ffn_options(c)  # the clamped SwiGLU's limit and alpha
 
         def fn(recv: torch.Tensor, params, wgrad) -> torch.Tensor:
             w1, w2 = params
             x_em = _transpose_chunks(recv, counts_GL, backend)
             kw = {"wgrad": wgrad} if (defers and wgrad is not None) else {}
-            y_em = ffn(x_em, offsets, w1, w2, c.activation, **kw)
+            y_em = ffn(x_em, offsets, w1, w2, c.activation, **opts, **kw)
             return _transpose_chunks(y_em, counts_GL.t(), backend)
 
         return ExpertShard(fn=fn, params=weights.params(), work=_ffn_work(c, self.shard_width, x_like.dtype))
@@ -679,7 +681,13 @@ def _config_values(config: MoEConfig, dtype: torch.dtype) -> dict[str, int]:
         parm_schedule=["auto", "baseline", "s1", "s2"].index(config.parm_schedule),
         capacity_factor_x1e6=-1 if config.capacity_factor is None else int(round(config.capacity_factor * 1e6)),
         dtype=_DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1,
+        swiglu_limit_bits=_float_bits(config.swiglu_limit), swiglu_alpha_bits=_float_bits(config.swiglu_alpha),
     )
+
+
+def _float_bits(v: float) -> int:
+    """A float's exact fp64 bit pattern as an int64 (for the cross-rank agreement check)."""
+    return int.from_bytes(struct.pack("<d", float(v)), "little", signed=True)
 
 
 def _check_config_agreement(groups: ParmGroups, values: dict[str, int]) -> None:
