@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 import tritonmoe as tm
-from tritonmoe.parm_experts import shard_expert_weights
+from tritonmoe.parm_experts import shard_expert_biases, shard_expert_weights
 from tritonmoe.parm_layout import ParmLayout
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 8, 4
@@ -128,8 +128,6 @@ def run_case(P: int, case: Case, cache: dict) -> list[str]:
     want_w1, want_w2 = shard_expert_weights(ref_expert["w1"], ref_expert["w2"], local_cfg, lay, i)
     want = dict(w1=want_w1, w2=want_w2)
     if case.biases:
-        from tritonmoe.parm_experts import shard_expert_biases
-
         want["b1"], want["b2"] = shard_expert_biases(ref_expert["b1"], ref_expert["b2"], local_cfg, lay, i)
     for sched in SCHEDULES:
         label = f"{case.label(P)} {sched}"
@@ -142,8 +140,6 @@ def run_case(P: int, case: Case, cache: dict) -> list[str]:
             layer.w2.copy_(b)
             if case.biases:
                 layer.router.bias.copy_(full["router.bias"])
-                from tritonmoe.parm_experts import shard_expert_biases
-
                 b1, b2 = shard_expert_biases(full["b1"], full["b2"], cfg, lay, i)
                 layer.b1.copy_(b1)
                 layer.b2.copy_(b2)
@@ -167,11 +163,14 @@ def run_case(P: int, case: Case, cache: dict) -> list[str]:
     return failures
 
 
-def parm_model_table(rank: int, P: int, biases: bool) -> dict:
+def parm_model_table(rank: int, P: int) -> dict:
+    """Every case of both tables (without and with biases) on one group."""
     cache: dict = {}
-    failures = []
-    n = 0
-    for case in cases(P, biases):
-        failures += run_case(P, case, cache)
-        n += 1
-    return dict(failures=failures, cases=n)
+    out = {}
+    for biases in (False, True):
+        failures, n = [], 0
+        for case in cases(P, biases):
+            failures += run_case(P, case, cache)
+            n += 1
+        out["biases" if biases else "swiglu"] = dict(failures=failures, cases=n)
+    return out

@@ -1,9 +1,14 @@
 """Parm's layouts (model + expert + expert-sharding parallelism, schedules baseline / S1 / S2)
 with the options real models use, against the single-process MoELayer in fp64 on spawned gloo
-groups of 2 and 4 ranks (tests/_parm_model_cases.py): GPT-OSS's clamped SwiGLU with a
-non-default limit and alpha (the layouts used to run the shards with the defaults). Outputs,
-input gradients, router gradients, auxiliary loss and every expert gradient, zero-token batches
-and MP ranks without an S1 slice included."""
+groups of 2 and 4 ranks (tests/_parm_model_cases.py; one group per world size runs every case):
+
+* GPT-OSS's clamped SwiGLU with a non-default limit and alpha (the layouts used to run the shards
+  with the defaults);
+* expert biases (b1 sharded with w1's columns, b2 added once across the ESP shards) and a router
+  bias, which the layouts used to refuse.
+
+Outputs, input gradients, router weight and bias gradients, auxiliary loss and every expert
+gradient (biases included), with zero-token batches and MP ranks without an S1 slice."""
 
 from __future__ import annotations
 
@@ -15,10 +20,25 @@ import _parm_model_cases
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("P", [2, 4])
-def test_parm_swiglu_oai_limit_alpha_equal_single_process(P):
-    results, _ = run_group(P, _parm_model_cases.parm_model_table, False, deadline_s=240, pg_timeout_s=60)
-    values = values_or_fail(results)
-    failures = [f"rank {r}: {f}" for r, v in enumerate(values) for f in v["failures"]]
-    assert values[0]["cases"] >= 4
+@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+def table(request):
+    P = request.param
+    results, _ = run_group(P, _parm_model_cases.parm_model_table, deadline_s=300, pg_timeout_s=60)
+    return P, values_or_fail(results)
+
+
+def _failures(values, key):
+    assert values[0][key]["cases"] >= 4
+    return [f"rank {r}: {f}" for r, v in enumerate(values) for f in v[key]["failures"]]
+
+
+def test_parm_swiglu_oai_limit_alpha_equal_single_process(table):
+    _, values = table
+    failures = _failures(values, "swiglu")
+    assert not failures, "\n".join(failures[:15])
+
+
+def test_parm_expert_and_router_biases_equal_single_process(table):
+    _, values = table
+    failures = _failures(values, "biases")
     assert not failures, "\n".join(failures[:15])

@@ -30,17 +30,21 @@ from .types import Routing
 __all__ = ["MoELayer", "Router", "SharedExperts", "router_logits"]
 
 
-def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None) -> torch.Tensor:
-    """The router's logits ``x @ weight.T``: ``router(x)`` when the module is given (so its hooks
-    run, e.g. FSDP's unshard), else the product itself, which in fp64 (the exact-reference dtype
-    of the tests) is row-invariant (:func:`tritonmoe.exact.rowwise_mm`): a token's logits do not
-    depend on how many other tokens share the call, so a schedule that routes a slice of the
-    tokens (Parm's S1) makes the same routing decisions as one that routes them all."""
+def router_logits(
+    x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None, *, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The router's logits ``x @ weight.T (+ bias)``: ``router(x)`` when the module is given (so
+    its hooks run, e.g. FSDP's unshard), else the product itself, which in fp64 (the
+    exact-reference dtype of the tests) is row-invariant (:func:`tritonmoe.exact.rowwise_mm`): a
+    token's logits do not depend on how many other tokens share the call, so a schedule that
+    routes a slice of the tokens (Parm's S1) makes the same routing decisions as one that routes
+    them all. The same arithmetic as :class:`Router` (bias included)."""
     if router is not None:
         return router(x_TD)
     if x_TD.dtype == torch.float64:
-        return rowwise_mm(x_TD, weight_ED.t())
-    return torch.nn.functional.linear(x_TD, weight_ED)
+        out = rowwise_mm(x_TD, weight_ED.t())
+        return out if bias is None else out + bias
+    return torch.nn.functional.linear(x_TD, weight_ED, bias)
 
 
 class Router(nn.Linear):
@@ -216,14 +220,6 @@ class MoELayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         E, d = config.num_experts, config.d_model
         w1_shape, w2_shape = self.expert_path.weight_shapes()
-        if (config.expert_ffn_bias or config.router_bias) and not isinstance(
-            self.expert_path, (LocalExperts, ExpertParallelExperts, StaticExpertParallelExperts)
-        ):
-            raise ValueError(
-                "expert_ffn_bias / router_bias are supported on the local and expert-parallel layouts, not with "
-                "model-parallel or expert-sharding groups (Parm); build the layer without mp_group/esp_group or "
-                "without the biases"
-            )
         # Built without initializing (reset_parameters does, once): the initialization consumes the
         # default generator the same way whether the layer is built here or on meta + to_empty.
         self.router = torch.nn.utils.skip_init(
