@@ -1,4 +1,5 @@
-"""Per-rank bodies of tests/test_parm_model_layers.py: Parm's layouts with the options real models
+"""Per-rank bodies of tests/test_dist_model_layers.py: :func:`tritonmoe.update_expert_bias` on a
+group (one verdict on every rank), and Parm's layouts with the options real models
 use (GPT-OSS's clamped SwiGLU with non-default limit and alpha, expert biases b1/b2, a router bias)
 against the single-process :class:`tritonmoe.MoELayer` in fp64 on gloo.
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 import tritonmoe as tm
 from tritonmoe.parm_experts import shard_expert_biases, shard_expert_weights
@@ -163,10 +165,108 @@ def run_case(P: int, case: Case, cache: dict) -> list[str]:
     return failures
 
 
+# ---------------------------------------------------------------------------------------------
+# The aux-loss-free bias update on a group: one verdict on every rank
+# ---------------------------------------------------------------------------------------------
+
+
+def _bias_layers(rank: int, n: int = 2) -> list:
+    torch.manual_seed(7)  # the same replicated layers on every rank
+    layers = [tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, 2, expert_bias=True)) for _ in range(n)]
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank routes its own tokens
+    for layer in layers:
+        layer(torch.randn(5 + 3 * rank, D_MODEL, generator=gen))
+    return layers
+
+
+def _expect_raise(failures: list, label: str, fn, exc, needle: str) -> None:
+    try:
+        fn()
+    except exc as e:
+        if needle not in str(e):
+            failures.append(f"{label}: {type(e).__name__} without {needle!r}: {e}")
+        return
+    except BaseException as e:  # noqa: BLE001 - reported
+        failures.append(f"{label}: raised {type(e).__name__}: {e}")
+        return
+    failures.append(f"{label}: did not raise")
+
+
+def bias_update_checks(rank: int, P: int) -> list[str]:
+    """update_expert_bias(group=WORLD): the good update (summed loads, equal biases everywhere);
+    then a non-finite bias on the last rank only, a bad rate on rank 0 only, different layer
+    counts: every rank raises (no rank enters the loads' all-reduce alone), nothing is written,
+    the loads are kept; the group still works afterwards."""
+    failures: list[str] = []
+    world = dist.group.WORLD
+    layers = _bias_layers(rank)
+    mine = [layer.expert_load().clone() for layer in layers]
+    want = [m.clone() for m in mine]
+    for w in want:
+        dist.all_reduce(w)
+    got = tm.update_expert_bias(layers, rate=0.01, group=world)
+    for i, (layer, w, g) in enumerate(zip(layers, want, got)):
+        if not torch.equal(g, w):
+            failures.append(f"good update: layer {i} loads {g.tolist()} != summed {w.tolist()}")
+        expect = (0.01 * torch.sign(w.double().mean() - w.double())).float()
+        if not torch.equal(layer.expert_bias, expect):
+            failures.append(f"good update: layer {i} bias {layer.expert_bias.tolist()} != {expect.tolist()}")
+        if layer.expert_load().any():
+            failures.append(f"good update: layer {i} load not consumed")
+    all_b = [torch.empty_like(layers[0].expert_bias) for _ in range(P)]
+    dist.all_gather(all_b, layers[0].expert_bias)
+    if any(not torch.equal(b, all_b[0]) for b in all_b):
+        failures.append("good update: biases differ across ranks")
+
+    def unchanged(label, before, loads):
+        for i, layer in enumerate(layers):
+            if not torch.equal(layer.expert_bias, before[i]) and not (
+                torch.isnan(layer.expert_bias).any() and torch.isnan(before[i]).any()
+            ):
+                failures.append(f"{label}: layer {i}'s bias was written")
+            if not torch.equal(layer.expert_load(), loads[i]):
+                failures.append(f"{label}: layer {i}'s load was consumed")
+
+    # -- a non-finite bias on the last rank only
+    for layer in layers:
+        layer(torch.randn(4, D_MODEL))
+    loads = [layer.expert_load().clone() for layer in layers]
+    if rank == P - 1:
+        layers[1].expert_bias[2] = float("nan")
+    before = [layer.expert_bias.clone() for layer in layers]
+    needle = f"rank(s) [{P - 1}]"
+    _expect_raise(failures, "nan bias on the last rank", lambda: tm.update_expert_bias(layers, rate=0.01, group=world),
+                  tm.ExpertBiasError, needle)
+    unchanged("nan bias on the last rank", before, loads)
+    if rank == P - 1:
+        layers[1].expert_bias[2] = 0.0
+    # -- bad arguments on rank 0 only
+    before = [layer.expert_bias.clone() for layer in layers]
+    rate = float("nan") if rank == 0 else 0.01
+    if rank == 0:
+        _expect_raise(failures, "bad rate on rank 0", lambda: tm.update_expert_bias(layers, rate=rate, group=world),
+                      ValueError, "rate=nan")
+    else:
+        _expect_raise(failures, "bad rate on rank 0", lambda: tm.update_expert_bias(layers, rate=rate, group=world),
+                      tm.ExpertBiasError, "rank(s) [0]")
+    unchanged("bad rate on rank 0", before, loads)
+    # -- different layers
+    sub = layers[:1] if rank == 0 else layers
+    _expect_raise(failures, "different layer counts", lambda: tm.update_expert_bias(sub, rate=0.01, group=world),
+                  tm.ExpertBiasError, "different layers")
+    unchanged("different layer counts", before, loads)
+    # -- the group still works, and so does the update
+    tm.update_expert_bias(layers, rate=0.01, group=world)
+    if any(layer.expert_load().any() for layer in layers):
+        failures.append("the update after the refusals did not run")
+    return failures
+
+
 def parm_model_table(rank: int, P: int) -> dict:
-    """Every case of both tables (without and with biases) on one group."""
+    """Every case of both tables (without and with biases) on one group, then the bias update's
+    checks."""
     cache: dict = {}
-    out = {}
+    out = {"bias_update": bias_update_checks(rank, P)}
     for biases in (False, True):
         failures, n = [], 0
         for case in cases(P, biases):
