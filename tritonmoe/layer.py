@@ -67,6 +67,7 @@ class _StepState:
         self.aux_loss: torch.Tensor | None = None
         self.routing: Routing | None = None
         self.load: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
 
     def __deepcopy__(self, memo) -> "_StepState":
         return _StepState()
@@ -380,6 +381,7 @@ class MoELayer(nn.Module):
             # A non-finite bias (an update gone wrong) would silently reroute every token: the
             # weights become NaN instead, on the device (no host sync on the forward).
             routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, self.expert_bias)
+        self._step.logits = logits_TE
         return logits_TE, routing
 
     def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -408,6 +410,14 @@ class MoELayer(nn.Module):
     @aux_loss.setter
     def aux_loss(self, value: torch.Tensor) -> None:
         self._step.aux_loss = value
+
+    @property
+    def last_router_logits(self) -> torch.Tensor | None:
+        """The router logits ``[T, E]`` of the last forward (in the autograd graph: a loss on them
+        trains the router, e.g. transformers' load-balancing loss through
+        :class:`tritonmoe.hf.HFMoEBlock`); None before the first. Parm's S1: this MP rank's
+        slice of the tokens. Kept outside the module's state, like ``aux_loss``."""
+        return self._step.logits
 
     @property
     def last_routing(self) -> Routing | None:

@@ -544,6 +544,7 @@ class ParmExperts(ExpertPath):
         from .layer import router_logits
 
         logits = router_logits(layer.router_input(x_m), w, None if G.mp is not None else layer.router, bias=b)
+        layer._step.logits = logits
         routing, aux = self._route_slice(layer, logits, T, sizes)
         out_m = self._pause(x_m, routing, layer.expert_weights(), PAUSE_BEFORE_GATE)
         if G.mp is not None:
