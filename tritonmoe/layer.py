@@ -178,7 +178,9 @@ class MoELayer(nn.Module):
     :meth:`tritonmoe.ParmGroups.from_device_mesh`): Parm's layouts and schedules
     (:mod:`tritonmoe.parm_experts`, ``config.parm_schedule``). The input and output are replicated
     over the MP group; ``w1``/``w2`` hold this rank's shard of its EP rank's experts
-    (``[E/n_ep, d, n1/n_esp]``, ``[E/n_ep, F/n_esp, d]``). Construction from process groups is
+    (``[E/n_ep, d, n1/n_esp]``, ``[E/n_ep, F/n_esp, d]``; with ``expert_ffn_bias``, ``b1``
+    ``[E/n_ep, n1/n_esp]`` and ``b2`` ``[E/n_ep, d]``, the latter whole on every ESP shard and
+    added by shard 0 only). Construction from process groups is
     collective over the default group (one small exchange checks that every rank passes
     consistent groups and the same config).
     """
