@@ -29,6 +29,13 @@ Weight layouts: transformers' fused experts hold ``gate_up_proj`` [E, 2F, D] and
 ``w1`` is [E, D, 2F] (gate, then up) and ``w2`` [E, F, D]. The conversion copies (the layouts
 differ), in the block's dtype and device.
 
+Training a patched model: :class:`HFMoEBlock` hands its layer's router logits to transformers'
+output collector (``output_router_logits=True``: the model's ``router_logits`` and ``aux_loss``
+are there and train the router) and applies Mixtral's ``router_jitter_noise`` in training.
+Refused with :class:`HFConversionError` (a ``TypeError``), naming why: Llama 4's and PhiMoE's
+blocks (:data:`UNSUPPORTED`). :func:`apply` and :func:`to_hf` are all or nothing;
+:func:`restore` undoes :func:`apply` and refuses a partially converted model.
+
 Load-balancing loss: transformers' ``load_balancing_loss_func`` (Mixtral, Qwen, OLMoE) equals
 ``top_k`` times tritonmoe's :func:`tritonmoe.load_balancing_loss` on the same routing (its
 fraction of tokens per expert sums over the k slots; tritonmoe's is normalized by T*k so that a
