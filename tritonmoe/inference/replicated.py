@@ -1,0 +1,280 @@
+"""Expert-parallel serving of a :class:`~tritonmoe.inference.Placement` with replicas and
+packing (Lina's inference scheduler, paper 001 §5.2 and §6.2; PAPERS.md §1.5).
+
+:class:`ReplicatedMoELayer` wraps a local :class:`~tritonmoe.MoELayer` that holds all E experts
+(identical on every rank of the group: inference weights, built from one seed or one
+checkpoint). Each rank routes its own tokens with the layer's router, then:
+
+1. permutes them by expert (``permute``; one host sync reads the per-expert counts: the split
+   sizes are host values, as in the expert-parallel layer);
+2. splits the rows of each expert over its replicas (:meth:`Placement.split`: in proportion to
+   the replicas' weights, remainders rotated by source rank) and sends each chunk to its
+   replica's device (one small all-to-all of the [P, M] chunk counts, then the all-to-all of
+   the rows);
+3. computes the experts the device hosts (a grouped FFN over its M_d hosted experts, whose
+   weights are gathered from the full expert tensors when the placement changes: the swap-in);
+4. returns the rows with the reverse all-to-all and combines them (``unpermute``).
+
+Where a token's rows are computed changes, not how: the output equals the local layer's on the
+same tokens (bitwise in fp64 on the reference backend; ``tests/test_replicated.py``).
+
+:class:`LinaScheduler` ties popularity estimation to placement over a stack of such layers
+(two-phase scheduling): at layer l, after the gate, one all-reduce sums the actual per-expert
+counts of layer l and every rank's estimate for layer l+1 (from its tokens' sample paths, the
+piggyback of 001 §6.2); phase two keeps layer l's planned placement if its estimated top-k
+experts are the actual ones ("resume"), else re-plans from the actual counts; phase one plans
+layer l+1 from the summed estimate. Every rank computes the same placement from the same
+all-reduced vectors (a deterministic planner), so no broadcast is needed. A layer with no
+estimate (the first ``path_length`` layers have shorter paths; layer 0 has none) is planned from
+its actual counts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .placement import MAX_PACKED_PER_DEVICE, Placement, lina_placement
+from .popularity import PopularityEstimator, top_choices, top_k_match
+
+__all__ = ["ReplicatedMoELayer", "LinaScheduler"]
+
+
+class LinaScheduler:
+    """Two-phase placement over a stack of :class:`ReplicatedMoELayer`\\ s (see the module
+    docstring).
+
+    Args:
+        estimator: a profiled :class:`~tritonmoe.inference.PopularityEstimator` of the stack.
+        num_devices: P, the expert-parallel group size.
+        max_per_device: Lina's cap on packed experts per device (4).
+        k_top: how many of the most popular experts phase two compares (the paper's top-2).
+
+    Attributes: ``resumes`` and ``replans`` (phase-two outcomes), ``unplanned`` (layers planned
+    from their actual counts because no estimate existed), ``decisions``: per layer call
+    (layer, "resume"|"replan"|"unplanned").
+    """
+
+    def __init__(self, estimator: PopularityEstimator, num_devices: int, *, max_per_device: int = MAX_PACKED_PER_DEVICE,
+                 k_top: int = 2) -> None:
+        if not isinstance(estimator, PopularityEstimator):
+            raise TypeError(f"estimator must be a PopularityEstimator, got {type(estimator).__name__}")
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"num_devices={num_devices!r} must be an int >= 1")
+        if estimator.num_experts > max_per_device * num_devices:
+            raise ValueError(f"{estimator.num_experts} experts do not fit on {num_devices} devices with "
+                             f"max_per_device={max_per_device}")
+        self.estimator = estimator
+        self.num_devices = num_devices
+        self.max_per_device = max_per_device
+        self.k_top = k_top
+        self.pending: dict[int, tuple[torch.Tensor, Placement]] = {}
+        self.history: list[torch.Tensor] = []
+        self.resumes = self.replans = self.unplanned = 0
+        self.decisions: list[tuple[int, str]] = []
+
+    def plan(self, load) -> Placement:
+        return lina_placement(load, self.num_devices, max_per_device=self.max_per_device)
+
+    def phase_one(self, layer: int, estimate: torch.Tensor) -> Placement:
+        """Plan ``layer`` from its estimated load (before its gate runs)."""
+        pl = self.plan(estimate)
+        self.pending[layer] = (estimate.detach().to("cpu", torch.float64), pl)
+        return pl
+
+    def phase_two(self, layer: int, actual: torch.Tensor) -> tuple[Placement, str]:
+        """``layer``'s placement once its gate ran: the planned one when the estimate's top-k
+        experts are the actual top-k ("resume"), else one planned from ``actual`` ("replan");
+        "unplanned" when there was no estimate."""
+        actual = actual.detach().to("cpu", torch.float64)
+        if layer not in self.pending:
+            self.unplanned += 1
+            out = (self.plan(actual), "unplanned")
+        else:
+            est, pl = self.pending.pop(layer)
+            if top_k_match(est, actual, self.k_top):
+                self.resumes += 1
+                out = (pl, "resume")
+            else:
+                self.replans += 1
+                out = (self.plan(actual), "replan")
+        self.decisions.append((layer, out[1]))
+        return out
+
+
+class ReplicatedMoELayer(nn.Module):
+    """Serve a local :class:`~tritonmoe.MoELayer` (all E experts, identical on every rank) over
+    the expert-parallel group ``group`` with a :class:`Placement` (see the module docstring).
+
+    Args:
+        layer: the local MoELayer (not expert-parallel; dropless routing: no capacity).
+        group: the process group (None: the default group).
+        placement: a fixed placement (default: :meth:`Placement.contiguous`); every rank must
+            pass the same one (checked once, collectively).
+        scheduler: a :class:`LinaScheduler` choosing the placement per forward (then
+            ``layer_index`` is this layer's position in the stack, the layers run in order).
+
+    After a forward, ``placement_used`` is the placement that served it, ``decision`` the
+    scheduler's phase-two outcome, ``rows_served`` the rows this rank computed.
+    """
+
+    def __init__(self, layer: nn.Module, group=None, *, placement: Optional[Placement] = None,
+                 scheduler: Optional[LinaScheduler] = None, layer_index: Optional[int] = None) -> None:
+        super().__init__()
+        from ..comm.splits import group_rank_size
+        from ..layer import MoELayer
+
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"layer must be a tritonmoe.MoELayer, got {type(layer).__name__}")
+        if layer.expert_parallel:
+            raise ValueError("layer is already expert-parallel; pass a local MoELayer holding all experts")
+        if layer.config.capacity_factor is not None:
+            raise ValueError("ReplicatedMoELayer serves dropless routing; build the layer with capacity_factor=None")
+        self.rank, self.world_size = group_rank_size(group)
+        self.group = group
+        self.layer = layer
+        E = layer.config.num_experts
+        if scheduler is not None:
+            if not isinstance(scheduler, LinaScheduler):
+                raise TypeError(f"scheduler must be a LinaScheduler, got {type(scheduler).__name__}")
+            if scheduler.num_devices != self.world_size:
+                raise ValueError(f"scheduler plans for {scheduler.num_devices} devices, the group has {self.world_size}")
+            if scheduler.estimator.num_experts != E:
+                raise ValueError(f"scheduler's estimator has {scheduler.estimator.num_experts} experts, the layer {E}")
+            if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not (
+                    0 <= layer_index < scheduler.estimator.num_layers):
+                raise ValueError(f"layer_index={layer_index!r}: give this layer's position in the stack, "
+                                 f"0 <= layer_index < {scheduler.estimator.num_layers}")
+        self.scheduler = scheduler
+        self.layer_index = layer_index
+        self.names = [n for n in ("w1", "w2", "b1", "b2") if getattr(layer, n) is not None]
+        self.placement_used: Optional[Placement] = None
+        self.decision: Optional[str] = None
+        self.rows_served = 0
+        self.swap_ins = 0
+        self._local: dict[str, torch.Tensor] = {}
+        self._hosted: tuple = ()
+        self.placement = None
+        self.set_placement(placement if placement is not None else Placement.contiguous(E, self.world_size), check=True)
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def set_placement(self, placement: Placement, *, check: bool = False) -> None:
+        """Serve ``placement`` from now on (gathers this rank's hosted experts' weights when they
+        change). ``check``: compare it across ranks first (collective; the same ValueError on
+        every rank when they differ)."""
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement must be a tritonmoe.inference.Placement, got {type(placement).__name__}")
+        E = self.layer.config.num_experts
+        if placement.num_experts != E or placement.num_devices != self.world_size:
+            raise ValueError(f"placement is for {placement.num_experts} experts on {placement.num_devices} devices; "
+                             f"the layer has {E} experts on a group of {self.world_size}")
+        if check and self.world_size > 1:
+            from ..comm import check_agreement
+
+            check_agreement({"placement": hash((placement.hosted, placement.weights)) % (2**61)}, group=self.group,
+                            what="the placement (pass the same Placement on every rank)")
+        self.placement = placement
+        hosted = placement.hosted[self.rank]
+        if hosted != self._hosted:  # swap in this rank's experts (a device gather)
+            idx = torch.tensor(hosted, dtype=torch.int64, device=self.layer.w1.device)
+            with torch.no_grad():
+                self._local = {n: getattr(self.layer, n).detach().index_select(0, idx) for n in self.names}
+            self._hosted = hosted
+            self.swap_ins += 1
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _schedule(self, routing) -> None:
+        """Phase two for this layer and phase one for the next (one all-reduce)."""
+        sch, l = self.scheduler, self.layer_index
+        est = sch.estimator
+        E = est.num_experts
+        if l == 0:
+            sch.history = []
+        choices = top_choices(routing.topk_ids).cpu()
+        hist = torch.stack(sch.history + [choices], dim=1)  # [T, l+1]: the sample paths so far
+        vec = torch.zeros(2 * E, dtype=torch.float64)
+        vec[:E] = routing.counts.to("cpu", torch.float64)
+        if l + 1 < est.num_layers:
+            vec[E:] = est.estimate(l + 1, hist)
+        if self.world_size > 1:
+            dist.all_reduce(vec, group=self.group)  # the actual counts of l and the estimate of l+1, summed
+        placement, self.decision = sch.phase_two(l, vec[:E])
+        if l + 1 < est.num_layers:
+            sch.phase_one(l + 1, vec[E:])
+        sch.history.append(choices)
+        self.set_placement(placement)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer, c = self.layer, self.layer.config
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != c.d_model:
+            raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
+        if x.dtype != layer.w1.dtype:
+            raise TypeError(f"x is {x.dtype} but the layer's parameters are {layer.w1.dtype}; cast one of them")
+        x_TD = x.reshape(-1, c.d_model)
+        _, routing = layer.route(x_TD)
+        layer.last_routing = routing
+        if self.scheduler is not None:
+            self._schedule(routing)
+        out = self.experts(x_TD, routing)
+        if layer.shared_experts is not None:
+            out = out + layer.shared_experts(x_TD)
+        return out if x.dim() == 2 else out.view(x.shape)
+
+    def experts(self, x_TD: torch.Tensor, routing) -> torch.Tensor:
+        """The routed experts' weighted sum for this rank's tokens, computed where the placement
+        puts them."""
+        from ..comm.all_to_all import all_to_all_raw
+        from ..comm.partition import _transpose_chunks
+        from ..experts import ffn_options
+
+        layer, c = self.layer, self.layer.config
+        pl, P, rank = self.placement, self.world_size, self.rank
+        self.placement_used = pl
+        impl = layer.expert_path.impl
+        x_perm, info = impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts)
+        counts = info.counts.tolist()  # host sync: the split sizes are host values
+        offsets = info.expert_offsets.tolist()
+        M = pl.max_hosted
+        pos = [{e: j for j, e in enumerate(h)} for h in pl.hosted]
+        seg = [[(0, 0)] * M for _ in range(P)]  # (start row in x_perm, rows) per (device, hosted slot)
+        for e in range(c.num_experts):
+            start = offsets[e]
+            for d, n in pl.split(e, counts[e], rank):
+                seg[d][pos[d][e]] = (start, n)
+                start += n
+        send_counts = torch.tensor([[n for _, n in row] for row in seg], dtype=torch.int64)  # [P, M]
+        idx = [torch.arange(s, s + n) for row in seg for s, n in row if n]
+        idx = torch.cat(idx).to(x_perm.device) if idx else torch.zeros(0, dtype=torch.int64, device=x_perm.device)
+        x_send = x_perm.index_select(0, idx)
+        send_splits = send_counts.sum(1).tolist()
+        recv_counts = torch.empty_like(send_counts)
+        if P > 1:
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # row d -> rank d
+        else:
+            recv_counts.copy_(send_counts)
+        Md = len(self._hosted)
+        recv_counts_PM = recv_counts[:, :Md]
+        recv_splits = recv_counts.sum(1).tolist()  # host values already (CPU tensor)
+        recv, _ = all_to_all_raw(x_send, send_splits, recv_splits, self.group) if P > 1 else (x_send, None)
+        rows = recv.shape[0]
+        self.rows_served = rows
+        if rows and Md:
+            x_RD = _transpose_chunks(recv, recv_counts_PM.to(recv.device), c.backend)
+            off = torch.zeros(Md + 1, dtype=torch.int64, device=recv.device)
+            off[1:] = torch.cumsum(recv_counts_PM.sum(0).to(recv.device), 0)
+            w = self._local
+            y_RD = impl("grouped_ffn", x_RD)(x_RD, off, w["w1"], w["w2"], c.activation, w.get("b1"), w.get("b2"),
+                                             **ffn_options(c))
+            y = _transpose_chunks(y_RD, recv_counts_PM.t().contiguous().to(recv.device), c.backend)
+        else:
+            y = recv.new_zeros(rows, x_TD.shape[1])
+        back, _ = all_to_all_raw(y, recv_splits, send_splits, self.group) if P > 1 else (y, None)
+        y_perm = torch.zeros_like(x_perm).index_copy_(0, idx, back)
+        return impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
