@@ -872,6 +872,41 @@ def run_lina_suite(ctx: Context, progress=None) -> list[dict]:
     return rows
 
 
+def describe_inference(ctx: Context) -> list[str]:
+    return ["balance (E=16, P=16 and 4, Zipf max/min 5.56), estimation (correlated/uncorrelated stacks), offload "
+            "(host, disk), latency in the simulator (16 GPUs) and on gloo (4 ranks) [bench.inference.run_inference]"]
+
+
+def run_inference_suite(ctx: Context, progress=None) -> list[dict]:
+    """``bench.inference.run_inference``: one row per figure (latency rows carry the times)."""
+    from . import inference
+
+    if progress is not None:
+        progress.step("inference")
+    rows = []
+    for d in inference.run_inference(timeout_s=max(ctx.ep_timeout_s, 300.0)):
+        f = d["figure"]
+        case = {"balance": "P={world_size} {placement}", "latency-gloo": "gloo P={world_size} {placement}",
+                "latency-sim": "sim P={world_size} {placement}", "estimation": "{stack}",
+                "offload": "{tier}"}.get(f, "{figure}")
+        try:
+            case = case.format(**d)
+        except KeyError:
+            case = f
+        row = new_row(suite="inference", case=case, mode=f, impl=str(d.get("placement") or d.get("tier") or f),
+                      params={k: v for k, v in d.items() if isinstance(v, (int, float, str)) and k in (
+                          "world_size", "experts", "tokens", "tokens_per_rank", "d_model", "d_ffn", "layers", "slots")})
+        if "error" in d:
+            row["status"], row["note"] = "error", d["error"]
+        elif d.get("times_s"):
+            fill_timing(row, d["times_s"], Work(), None)
+        elif "forward_s" in d:
+            fill_timing(row, [d["forward_s"]], Work(), None)
+        row["extra"] = {k: v for k, v in d.items() if k not in ("times_s", "figure")}
+        rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True)
 class Suite:
     """A suite either plans cases (run entry by entry by :func:`run_case`) or runs itself
@@ -906,6 +941,9 @@ SUITES: dict[str, Suite] = {
         Suite("lina", "Lina's priority communication vs FIFO over gloo (2 ranks): an all-to-all beside a gradient "
               "reduction, and training steps (all-to-all slowdown, step time); not default", run=run_lina_suite,
               describe=describe_lina, default=False),
+        Suite("inference", "Lina's replicate-and-pack placement vs EPLB and the contiguous layout (balance, latency on "
+              "gloo and in the simulator), popularity estimation, ring-memory offloading (host, disk); not default",
+              run=run_inference_suite, describe=describe_inference, default=False),
     ]
 }
 

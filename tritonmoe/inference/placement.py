@@ -8,14 +8,17 @@ replicas in proportion, :meth:`Placement.split`). Three planners:
 * :meth:`Placement.contiguous`: the default expert-parallel layout (rank r owns the experts
   [r*E/P, (r+1)*E/P)), one replica each: "before" in every balance figure.
 * :func:`lina_placement` (paper 001 §5.2, PAPERS.md §1.5): from the (estimated or actual)
-  popularity p of the layer's experts, an expert with N*p_e >= 1 gets floor(N*p_e) devices of
+  popularity p of the layer's experts, an expert with N*p_e >= 1 gets about N*p_e devices of
   its own, the others are packed by first-fit-decreasing into the remaining devices (bin
   capacity: one device's fair share; at most ``max_per_device`` = 4 experts per device, the
-  paper's cap). Readings where the paper is silent: when the packing needs more devices than
-  are left, the most replicated expert gives a replica back (then the least popular replicated
-  expert joins the packing); devices left idle go to the expert with the largest load per
-  device (the paper floors and may leave them idle); experts with no estimated load go to the
-  devices hosting the fewest experts (the paper: "evenly ... otherwise randomly").
+  paper's cap). Readings where the paper is silent (its Eq. 1 is lost): the replica counts
+  are searched from ceil(N*p_e) down (one replica given back at a time by the expert whose load
+  per replica stays lowest, then the least popular dedicated expert joins the packing; when
+  the packing needs more devices than are left, an item that fits no bin goes to the
+  least-loaded one) and the configuration with the lowest maximum device load is kept; the
+  paper's floor(N*p_e) is on that path. Devices left idle go to the expert with the largest
+  load per device; experts with no estimated load go to the devices hosting the fewest
+  experts (the paper: "evenly ... otherwise randomly").
 * :func:`eplb_placement`: the hierarchical rebalancing of DeepSeek's EPLB, as the baseline:
   groups of experts packed onto nodes (balanced packing), replicas added one at a time to the
   expert with the largest load per replica until every slot is used, then the replicas packed
@@ -257,10 +260,11 @@ def lina_placement(load, num_devices: int, *, max_per_device: int = MAX_PACKED_P
     tot = float(v.sum())
     p = v / tot if tot > 0 else torch.full((E,), 1.0 / E, dtype=torch.float64)
     size = N * p  # devices each expert needs
-    reps = {e: int(math.floor(float(size[e]) + 1e-12)) for e in range(E) if float(size[e]) >= 1.0 - 1e-12}
-    # Feasible configurations from the paper's floor(N p_e) downwards (one replica given back
-    # at a time, then the least popular dedicated expert joins the packing); keep the one with
-    # the lowest maximum device load (the first, with the most replicas, on ties).
+    reps = {e: int(math.ceil(float(size[e]) - 1e-12)) for e in range(E) if float(size[e]) >= 1.0 - 1e-12}
+    # Configurations from ceil(N p_e) replicas downwards, one replica given back at a time by
+    # the expert whose load per replica stays the lowest without it (then the least popular
+    # dedicated expert joins the packing); the paper's floor(N p_e) lies on this path. Keep the
+    # feasible configuration with the lowest maximum device load (the first on ties).
     best = None
     while True:
         unpop = [e for e in range(E) if e not in reps]
@@ -273,9 +277,9 @@ def lina_placement(load, num_devices: int, *, max_per_device: int = MAX_PACKED_P
                 best = (peak, dict(reps), bins, unpop, free)
         if not reps:
             break
-        top = max(reps.values())
-        if top > 1:  # the most replicated expert (lowest id on ties) gives a replica back
-            e = min(e for e, r in reps.items() if r == top)
+        multi = [e for e, r in reps.items() if r > 1]
+        if multi:
+            e = min(multi, key=lambda e: (float(size[e]) / (reps[e] - 1), e))
             reps[e] -= 1
         else:  # the least popular dedicated expert joins the packing
             e = min(reps, key=lambda e: (float(size[e]), -e))

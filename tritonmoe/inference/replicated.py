@@ -5,12 +5,12 @@ packing (Lina's inference scheduler, paper 001 §5.2 and §6.2; PAPERS.md §1.5)
 (identical on every rank of the group: inference weights, built from one seed or one
 checkpoint). Each rank routes its own tokens with the layer's router, then:
 
-1. permutes them by expert (``permute``; one host sync reads the per-expert counts: the split
-   sizes are host values, as in the expert-parallel layer);
-2. splits the rows of each expert over its replicas (:meth:`Placement.split`: in proportion to
-   the replicas' weights, remainders rotated by source rank) and sends each chunk to its
-   replica's device (one small all-to-all of the [P, M] chunk counts, then the all-to-all of
-   the rows);
+1. gathers every rank's per-expert counts (one small all-gather; a host sync: the split sizes
+   are host values, as in the expert-parallel layer), from which every rank derives every
+   split;
+2. permutes its tokens by expert, splits the rows of each expert over its replicas
+   (:meth:`Placement.split`: in proportion to the replicas' weights, remainders rotated by
+   source rank) and sends each chunk to its replica's device (the all-to-all of the rows);
 3. computes the experts the device hosts (a grouped FFN over its M_d hosted experts, whose
    weights are gathered from the full expert tensors when the placement changes: the swap-in);
 4. returns the rows with the reverse all-to-all and combines them (``unpermute``).
@@ -19,12 +19,12 @@ Where a token's rows are computed changes, not how: the output equals the local 
 same tokens (bitwise in fp64 on the reference backend; ``tests/test_replicated.py``).
 
 :class:`LinaScheduler` ties popularity estimation to placement over a stack of such layers
-(two-phase scheduling): at layer l, after the gate, one all-reduce sums the actual per-expert
-counts of layer l and every rank's estimate for layer l+1 (from its tokens' sample paths, the
-piggyback of 001 §6.2); phase two keeps layer l's planned placement if its estimated top-k
+(two-phase scheduling): at layer l, after the gate, the counts all-gather of step 1 also
+carries every rank's estimate for layer l+1 (from its tokens' sample paths: the piggyback of
+001 §6.2), so the scheduler adds no collective; from the summed counts phase two keeps layer l's planned placement if its estimated top-k
 experts are the actual ones ("resume"), else re-plans from the actual counts; phase one plans
 layer l+1 from the summed estimate. Every rank computes the same placement from the same
-all-reduced vectors (a deterministic planner), so no broadcast is needed. A layer with no
+gathered vectors (a deterministic planner), so no broadcast is needed. A layer with no
 estimate (the first ``path_length`` layers have shorter paths; layer 0 has none) is planned from
 its actual counts.
 """
@@ -188,25 +188,36 @@ class ReplicatedMoELayer(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def _schedule(self, routing) -> None:
-        """Phase two for this layer and phase one for the next (one all-reduce)."""
-        sch, l = self.scheduler, self.layer_index
-        est = sch.estimator
-        E = est.num_experts
-        if l == 0:
-            sch.history = []
-        choices = top_choices(routing.topk_ids).cpu()
-        hist = torch.stack(sch.history + [choices], dim=1)  # [T, l+1]: the sample paths so far
+    def _exchange_counts(self, routing) -> torch.Tensor:
+        """fp64 [P, 2E]: every rank's per-expert counts of this layer and (under a scheduler) its
+        estimate for the next layer, from one all-gather (host values: the split sizes and the
+        placement are decided on the host). From it every rank derives the global popularity,
+        the placement and every split, so no other exchange of counts is needed."""
+        E = self.layer.config.num_experts
         vec = torch.zeros(2 * E, dtype=torch.float64)
-        vec[:E] = routing.counts.to("cpu", torch.float64)
-        if l + 1 < est.num_layers:
-            vec[E:] = est.estimate(l + 1, hist)
-        if self.world_size > 1:
-            dist.all_reduce(vec, group=self.group)  # the actual counts of l and the estimate of l+1, summed
-        placement, self.decision = sch.phase_two(l, vec[:E])
-        if l + 1 < est.num_layers:
-            sch.phase_one(l + 1, vec[E:])
-        sch.history.append(choices)
+        vec[:E] = routing.counts.to("cpu", torch.float64)  # host sync: counts size the exchanges
+        sch, l = self.scheduler, self.layer_index
+        if sch is not None:
+            if l == 0:
+                sch.history = []
+            choices = top_choices(routing.topk_ids).cpu()
+            sch.history = sch.history[:l] + [choices]
+            if l + 1 < sch.estimator.num_layers:  # phase one for the next layer, piggybacked
+                vec[E:] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
+        if self.world_size == 1:
+            return vec.view(1, -1)
+        parts = [torch.empty_like(vec) for _ in range(self.world_size)]
+        dist.all_gather(parts, vec, group=self.group)
+        return torch.stack(parts)
+
+    def _schedule(self, table: torch.Tensor) -> None:
+        """Phase two for this layer, phase one for the next, from the gathered counts."""
+        sch, l = self.scheduler, self.layer_index
+        E = self.layer.config.num_experts
+        tot = table.sum(0)
+        placement, self.decision = sch.phase_two(l, tot[:E])
+        if l + 1 < sch.estimator.num_layers:
+            sch.phase_one(l + 1, tot[E:])
         self.set_placement(placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,16 +231,17 @@ class ReplicatedMoELayer(nn.Module):
         x_TD = x.reshape(-1, c.d_model)
         _, routing = layer.route(x_TD)
         layer.last_routing = routing
+        table = self._exchange_counts(routing)
         if self.scheduler is not None:
-            self._schedule(routing)
-        out = self.experts(x_TD, routing)
+            self._schedule(table)
+        out = self.experts(x_TD, routing, table[:, : c.num_experts])
         if layer.shared_experts is not None:
             out = out + layer.shared_experts(x_TD)
         return out if x.dim() == 2 else out.view(x.shape)
 
-    def experts(self, x_TD: torch.Tensor, routing) -> torch.Tensor:
+    def experts(self, x_TD: torch.Tensor, routing, counts_PE: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for this rank's tokens, computed where the placement
-        puts them."""
+        puts them; ``counts_PE``: every rank's per-expert counts (from :meth:`_exchange_counts`)."""
         from ..comm.all_to_all import all_to_all_raw
         from ..comm.partition import _transpose_chunks
         from ..experts import ffn_options
@@ -239,8 +251,11 @@ class ReplicatedMoELayer(nn.Module):
         self.placement_used = pl
         impl = layer.expert_path.impl
         x_perm, info = impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts)
-        counts = info.counts.tolist()  # host sync: the split sizes are host values
-        offsets = info.expert_offsets.tolist()
+        table = counts_PE.to(torch.int64).tolist()
+        counts = table[rank]
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
         M = pl.max_hosted
         pos = [{e: j for j, e in enumerate(h)} for h in pl.hosted]
         seg = [[(0, 0)] * M for _ in range(P)]  # (start row in x_perm, rows) per (device, hosted slot)
@@ -249,19 +264,17 @@ class ReplicatedMoELayer(nn.Module):
             for d, n in pl.split(e, counts[e], rank):
                 seg[d][pos[d][e]] = (start, n)
                 start += n
-        send_counts = torch.tensor([[n for _, n in row] for row in seg], dtype=torch.int64)  # [P, M]
+        send_splits = [sum(n for _, n in row) for row in seg]
         idx = [torch.arange(s, s + n) for row in seg for s, n in row if n]
         idx = torch.cat(idx).to(x_perm.device) if idx else torch.zeros(0, dtype=torch.int64, device=x_perm.device)
         x_send = x_perm.index_select(0, idx)
-        send_splits = send_counts.sum(1).tolist()
-        recv_counts = torch.empty_like(send_counts)
-        if P > 1:
-            dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # row d -> rank d
-        else:
-            recv_counts.copy_(send_counts)
-        Md = len(self._hosted)
-        recv_counts_PM = recv_counts[:, :Md]
-        recv_splits = recv_counts.sum(1).tolist()  # host values already (CPU tensor)
+        # what every source sends to this rank's hosted experts: the same split, computed here
+        mine = self._hosted
+        recv_counts_PM = torch.tensor(
+            [[dict(pl.split(e, table[s][e], s)).get(rank, 0) for e in mine] for s in range(P)], dtype=torch.int64
+        ).view(P, len(mine))
+        Md = len(mine)
+        recv_splits = recv_counts_PM.sum(1).tolist()
         recv, _ = all_to_all_raw(x_send, send_splits, recv_splits, self.group) if P > 1 else (x_send, None)
         rows = recv.shape[0]
         self.rows_served = rows
