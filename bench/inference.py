@@ -365,42 +365,39 @@ def run_offload(spec: dict) -> list[dict]:
             h = h + lay(h)
         return h
 
-    def timed(m) -> list[float]:
-        ts = []
-        with torch.no_grad():
-            forward(m)  # warm-up (and the first ring pass)
-            for _ in range(spec["off_reps"]):
-                t0 = time.perf_counter()
-                forward(m)
-                ts.append(time.perf_counter() - t0)
-        return ts
-
     out = []
     resident = model()
-    ref = timed(resident)
     with torch.no_grad():
         want = forward(resident)
-    out.append(dict(figure="offload", tier="resident", layers=N, slots=None, forward_s=statistics.median(ref)))
     with tempfile.TemporaryDirectory() as tmp:
-        for tier in ("host", "disk"):
-            m = model()
-            layers = list(m)
-            kw = {} if tier == "host" else dict(disk_path=os.path.join(tmp, "experts.bin"))
-            stack = OffloadedExperts(layers, slots=K, **kw)
-            try:
-                ts = timed(m)
-                with torch.no_grad():
-                    same = bool(torch.equal(forward(m), want))
-                row = dict(figure="offload", tier=tier, layers=N, slots=K, forward_s=statistics.median(ts),
-                           slowdown_vs_resident=statistics.median(ts) / statistics.median(ref),
-                           overlap_fraction=stack.overlap_fraction(), waits=sum(stack.waits), calls=len(stack.waits),
-                           resident_expert_bytes=stack.resident_bytes(), all_layers_bytes=N * stack.slot_bytes,
-                           equal_to_resident=same)
+        models = {"resident": resident, "host": model(), "disk": model()}
+        stacks = {"host": OffloadedExperts(list(models["host"]), slots=K),
+                  "disk": OffloadedExperts(list(models["disk"]), slots=K, disk_path=os.path.join(tmp, "experts.bin"))}
+        try:
+            times: dict[str, list[float]] = {k: [] for k in models}
+            with torch.no_grad():
+                for rep in range(spec["off_reps"] + 1):
+                    for tier, m in models.items():  # round-robin: the same machine load for each tier
+                        t0 = time.perf_counter()
+                        forward(m)
+                        if rep:  # the first pass is the warm-up (and the first ring pass)
+                            times[tier].append(time.perf_counter() - t0)
+                same = {tier: bool(torch.equal(forward(models[tier]), want)) for tier in stacks}
+            ref = statistics.median(times["resident"])
+            out.append(dict(figure="offload", tier="resident", layers=N, slots=None, forward_s=ref,
+                            times_s=times["resident"]))
+            for tier, stack in stacks.items():
+                med = statistics.median(times[tier])
+                row = dict(figure="offload", tier=tier, layers=N, slots=K, forward_s=med, times_s=times[tier],
+                           slowdown_vs_resident=med / ref, overlap_fraction=stack.overlap_fraction(),
+                           waits=sum(stack.waits), calls=len(stack.waits), resident_expert_bytes=stack.resident_bytes(),
+                           all_layers_bytes=N * stack.slot_bytes, equal_to_resident=same[tier])
                 if stack.cache is not None:
                     row.update(cache_bytes=stack.cache.capacity * stack.expert_bytes, disk_reads=stack.cache.fills,
                                cache_hits=stack.cache.requests - stack.cache.misses)
                 out.append(row)
-            finally:
+        finally:
+            for stack in stacks.values():
                 stack.close()
     return out
 

@@ -877,6 +877,25 @@ def describe_inference(ctx: Context) -> list[str]:
             "(host, disk), latency in the simulator (16 GPUs) and on gloo (4 ranks) [bench.inference.run_inference]"]
 
 
+def _inference_extra(d: dict) -> dict:
+    """The figures of one bench.inference dict, flat, for the row's note."""
+    f = d["figure"]
+    if f == "balance":
+        m = d["max_over_mean"]
+        out = {"max/mean": m["mean"], "max/mean_p95": m["p95"]}
+        if d.get("replan_rate") is not None:
+            out["replan_rate"] = d["replan_rate"]
+        return out
+    keys = {"latency-gloo": ("p50_s", "p95_s", "p50_speedup_vs_contiguous", "p95_speedup_vs_contiguous",
+                             "max_rows_per_rank_mean"),
+            "latency-sim": ("p50_s", "p95_s", "p50_speedup_vs_contiguous", "p95_speedup_vs_contiguous"),
+            "estimation": ("l1_conditional", "l1_unconditional", "top2_accuracy_conditional",
+                           "top2_accuracy_unconditional"),
+            "offload": ("slowdown_vs_resident", "overlap_fraction", "resident_expert_bytes", "all_layers_bytes",
+                        "disk_reads", "equal_to_resident")}.get(f, ())
+    return {k: d[k] for k in keys if d.get(k) is not None}
+
+
 def run_inference_suite(ctx: Context, progress=None) -> list[dict]:
     """``bench.inference.run_inference``: one row per figure (latency rows carry the times)."""
     from . import inference
@@ -902,7 +921,7 @@ def run_inference_suite(ctx: Context, progress=None) -> list[dict]:
             fill_timing(row, d["times_s"], Work(), None)
         elif "forward_s" in d:
             fill_timing(row, [d["forward_s"]], Work(), None)
-        row["extra"] = {k: v for k, v in d.items() if k not in ("times_s", "figure")}
+        row["extra"] = _inference_extra(d)
         rows.append(row)
     return rows
 

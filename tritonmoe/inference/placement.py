@@ -73,8 +73,8 @@ class Placement:
 
     Args:
         num_experts: E.
-        hosted: per device (P entries), the distinct experts it serves, in the order its rows are
-            laid out (the expert-major buffer's segments).
+        hosted: per device (P entries), the distinct experts it serves (kept in ascending order,
+            the order of its rows in the expert-major buffer).
         weights: per device, per hosted expert, the replica's relative share of the expert's
             tokens (> 0); None: 1 for every replica (tokens split equally).
 
@@ -103,7 +103,7 @@ class Placement:
                 ids.append(e)
             if len(set(ids)) != len(ids):
                 raise ValueError(f"device {d} hosts an expert twice ({ids}); give that replica a larger weight instead")
-            hosted.append(tuple(ids))
+            hosted.append(ids)
         if not hosted:
             raise ValueError("hosted is empty; a placement needs at least one device")
         if self.weights is None:
@@ -122,6 +122,10 @@ class Placement:
                 f"expert {missing[0]} has no replica (experts without one: {missing[:8]}{'...' if len(missing) > 8 else ''}); "
                 "every expert must be hosted on at least one device"
             )
+        # canonical order: a device's experts ascending (its rows are laid out in expert order)
+        order = [sorted(range(len(h)), key=lambda j: h[j]) for h in hosted]
+        hosted = [tuple(h[j] for j in o) for h, o in zip(hosted, order)]
+        weights = tuple(tuple(w[j] for j in o) for w, o in zip(weights, order))
         object.__setattr__(self, "hosted", tuple(hosted))
         object.__setattr__(self, "weights", weights)
         reps: list[list[tuple[int, float]]] = [[] for _ in range(E)]

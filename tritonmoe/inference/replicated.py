@@ -11,11 +11,14 @@ checkpoint). Each rank routes its own tokens with the layer's router, then:
 2. permutes its tokens by expert, splits the rows of each expert over its replicas
    (:meth:`Placement.split`: in proportion to the replicas' weights, remainders rotated by
    source rank) and sends each chunk to its replica's device (the all-to-all of the rows);
-3. computes the experts the device hosts (a grouped FFN over its M_d hosted experts, whose
-   weights are gathered from the full expert tensors when the placement changes: the swap-in);
+3. computes the experts the device hosts (one grouped FFN over the layer's expert tensors in
+   which the experts it does not host have empty segments);
 4. returns the rows with the reverse all-to-all and combines them (``unpermute``).
 
-Where a token's rows are computed changes, not how: the output equals the local layer's on the
+Every rank keeps all E experts' weights (the wrapped layer's); a placement changes which of
+them it computes, so re-planning costs no weight copy. Holding only the hosted experts on the
+device and swapping weights in from host memory when the placement changes (001 §6.2) is not
+done here. Where a token's rows are computed changes, not how: the output equals the local layer's on the
 same tokens (bitwise in fp64 on the reference backend; ``tests/test_replicated.py``).
 
 :class:`LinaScheduler` ties popularity estimation to placement over a stack of such layers
@@ -150,12 +153,9 @@ class ReplicatedMoELayer(nn.Module):
                                  f"0 <= layer_index < {scheduler.estimator.num_layers}")
         self.scheduler = scheduler
         self.layer_index = layer_index
-        self.names = [n for n in ("w1", "w2", "b1", "b2") if getattr(layer, n) is not None]
         self.placement_used: Optional[Placement] = None
         self.decision: Optional[str] = None
         self.rows_served = 0
-        self.swap_ins = 0
-        self._local: dict[str, torch.Tensor] = {}
         self._hosted: tuple = ()
         self.placement = None
         self.set_placement(placement if placement is not None else Placement.contiguous(E, self.world_size), check=True)
@@ -163,8 +163,7 @@ class ReplicatedMoELayer(nn.Module):
     # -- placement -----------------------------------------------------------------------------
 
     def set_placement(self, placement: Placement, *, check: bool = False) -> None:
-        """Serve ``placement`` from now on (gathers this rank's hosted experts' weights when they
-        change). ``check``: compare it across ranks first (collective; the same ValueError on
+        """Serve ``placement`` from now on. ``check``: compare it across ranks first (collective; the same ValueError on
         every rank when they differ)."""
         if not isinstance(placement, Placement):
             raise TypeError(f"placement must be a tritonmoe.inference.Placement, got {type(placement).__name__}")
@@ -178,13 +177,7 @@ class ReplicatedMoELayer(nn.Module):
             check_agreement({"placement": hash((placement.hosted, placement.weights)) % (2**61)}, group=self.group,
                             what="the placement (pass the same Placement on every rank)")
         self.placement = placement
-        hosted = placement.hosted[self.rank]
-        if hosted != self._hosted:  # swap in this rank's experts (a device gather)
-            idx = torch.tensor(hosted, dtype=torch.int64, device=self.layer.w1.device)
-            with torch.no_grad():
-                self._local = {n: getattr(self.layer, n).detach().index_select(0, idx) for n in self.names}
-            self._hosted = hosted
-            self.swap_ins += 1
+        self._hosted = placement.hosted[self.rank]
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -280,11 +273,12 @@ class ReplicatedMoELayer(nn.Module):
         self.rows_served = rows
         if rows and Md:
             x_RD = _transpose_chunks(recv, recv_counts_PM.to(recv.device), c.backend)
-            off = torch.zeros(Md + 1, dtype=torch.int64, device=recv.device)
-            off[1:] = torch.cumsum(recv_counts_PM.sum(0).to(recv.device), 0)
-            w = self._local
-            y_RD = impl("grouped_ffn", x_RD)(x_RD, off, w["w1"], w["w2"], c.activation, w.get("b1"), w.get("b2"),
-                                             **ffn_options(c))
+            per_expert = torch.zeros(c.num_experts, dtype=torch.int64)
+            per_expert[list(mine)] = recv_counts_PM.sum(0)  # hosted experts ascending: segments in expert order
+            off = torch.zeros(c.num_experts + 1, dtype=torch.int64)
+            off[1:] = torch.cumsum(per_expert, 0)
+            y_RD = impl("grouped_ffn", x_RD)(x_RD, off.to(recv.device), layer.w1, layer.w2, c.activation, layer.b1,
+                                             layer.b2, **ffn_options(c))
             y = _transpose_chunks(y_RD, recv_counts_PM.t().contiguous().to(recv.device), c.backend)
         else:
             y = recv.new_zeros(rows, x_TD.shape[1])
