@@ -15,6 +15,8 @@ Figures (each a dict with ``figure``):
   running mean of the previous batches' loads, E + P physical slots: one redundant expert per
   device), ``eplb-E-slots`` (the same with E slots: balanced packing without redundancy). Mean
   and p95 over batches, and Lina's re-plan rate.
+* ``two-phase``: phase two's trigger rate (estimated top-2 != actual top-2) and the phase-one
+  balance against the path length m = 0 (the marginal) .. 3 on the same trace, P = 16.
 * ``latency-gloo``: p50/p95 of the layer's forward (max over ranks per batch) on P = 4 gloo
   ranks with :class:`~tritonmoe.inference.ReplicatedMoELayer` serving each placement (``lina``:
   re-planned every batch through :class:`~tritonmoe.inference.LinaScheduler` from the actual
@@ -146,6 +148,21 @@ def run_balance(spec: dict) -> list[dict]:
                             max_over_mean=_summary(xs),
                             replan_rate=replans / spec["batches"] if name == "lina" else None,
                             plan_s_median=statistics.median(t_plan) if name.startswith("lina") else None))
+    # phase two's trigger rate against the path length (the paper's Table 5 trend), P = 16
+    profile = zipf_trace(20 * T, L, E, s, spec["corr"], torch.Generator().manual_seed(5))
+    for m in range(0, l + 1):
+        e_m = PopularityEstimator(L, E, path_length=m, k_est=2)
+        e_m.record(profile)
+        g_m = torch.Generator().manual_seed(6)
+        miss, ratios1 = 0, []
+        for _ in range(spec["batches"]):
+            tr = zipf_trace(T, L, E, s, spec["corr"], g_m)
+            actual = torch.bincount(tr[:, l], minlength=E).to(torch.float64)
+            guess = e_m.estimate(l, tr[:, :l])
+            miss += not top_k_match(guess, actual, 2)
+            ratios1.append(lina_placement(guess, 16).imbalance(actual))
+        out.append(dict(figure="two-phase", world_size=16, experts=E, path_length=m, tokens=T,
+                        replan_rate=miss / spec["batches"], phase1_max_over_mean=statistics.fmean(ratios1)))
     return out
 
 
@@ -434,6 +451,9 @@ def _fmt(r: dict) -> str:
         m = r["max_over_mean"]
         extra = f" replan {r['replan_rate']:.0%}" if r.get("replan_rate") is not None else ""
         return f"balance P={r['world_size']:<2} {r['placement']:<12} max/mean mean {m['mean']:.3f} p95 {m['p95']:.3f}{extra}"
+    if f == "two-phase":
+        return (f"two-phase P=16 path length {r['path_length']}: re-plan rate {r['replan_rate']:.0%}, phase-one "
+                f"max/mean {r['phase1_max_over_mean']:.3f}")
     if f.startswith("latency"):
         return (f"{f} P={r['world_size']} {r['placement']:<10} p50 {r['p50_s'] * 1e3:.3f} ms p95 {r['p95_s'] * 1e3:.3f} ms "
                 f"(x{r['p50_speedup_vs_contiguous']:.2f} / x{r['p95_speedup_vs_contiguous']:.2f} vs contiguous)")

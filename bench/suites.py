@@ -886,7 +886,8 @@ def _inference_extra(d: dict) -> dict:
         if d.get("replan_rate") is not None:
             out["replan_rate"] = d["replan_rate"]
         return out
-    keys = {"latency-gloo": ("p50_s", "p95_s", "p50_speedup_vs_contiguous", "p95_speedup_vs_contiguous",
+    keys = {"two-phase": ("replan_rate", "phase1_max_over_mean"),
+            "latency-gloo": ("p50_s", "p95_s", "p50_speedup_vs_contiguous", "p95_speedup_vs_contiguous",
                              "max_rows_per_rank_mean"),
             "latency-sim": ("p50_s", "p95_s", "p50_speedup_vs_contiguous", "p95_speedup_vs_contiguous"),
             "estimation": ("l1_conditional", "l1_unconditional", "top2_accuracy_conditional",
@@ -905,14 +906,14 @@ def run_inference_suite(ctx: Context, progress=None) -> list[dict]:
     rows = []
     for d in inference.run_inference(timeout_s=max(ctx.ep_timeout_s, 300.0)):
         f = d["figure"]
-        case = {"balance": "P={world_size} {placement}", "latency-gloo": "gloo P={world_size} {placement}",
+        case = {"balance": "P={world_size} {placement}", "two-phase": "P={world_size} m={path_length}", "latency-gloo": "gloo P={world_size} {placement}",
                 "latency-sim": "sim P={world_size} {placement}", "estimation": "{stack}",
                 "offload": "{tier}"}.get(f, "{figure}")
         try:
             case = case.format(**d)
         except KeyError:
             case = f
-        row = new_row(suite="inference", case=case, mode=f, impl=str(d.get("placement") or d.get("tier") or f),
+        row = new_row(suite="inference", case=case, mode=f, impl=str(d.get("placement") or d.get("tier") or "lina"),
                       params={k: v for k, v in d.items() if isinstance(v, (int, float, str)) and k in (
                           "world_size", "experts", "tokens", "tokens_per_rank", "d_model", "d_ffn", "layers", "slots")})
         if "error" in d:

@@ -130,3 +130,29 @@ def test_bad_input():
         eplb_placement([1.0] * 6, 4, num_replicas=10)
     with pytest.raises(ValueError, match="max_per_device=1"):
         Placement.contiguous(8, 2).check_fits(1)
+
+
+def test_two_phase_scheduler_logic():
+    from tritonmoe.inference import LinaScheduler, PopularityEstimator
+
+    sch = LinaScheduler(PopularityEstimator(3, 8), 4)
+    est = torch.tensor([40.0, 30, 1, 1, 1, 1, 1, 1])
+    planned = sch.phase_one(1, est)
+    assert planned == lina_placement(est, 4)
+    # the actual top-2 agree with the estimate: resume, the planned placement is kept
+    same_top = torch.tensor([50.0, 20, 5, 5, 5, 5, 5, 5])
+    pl, what = sch.phase_two(1, same_top)
+    assert what == "resume" and pl is planned
+    # they differ: re-plan from the actual counts
+    sch.phase_one(2, est)
+    other = torch.tensor([1.0, 1, 1, 1, 1, 1, 30, 40])
+    pl, what = sch.phase_two(2, other)
+    assert what == "replan" and pl == lina_placement(other, 4)
+    # no estimate for a layer: planned from its actual counts
+    pl, what = sch.phase_two(0, other)
+    assert what == "unplanned" and pl == lina_placement(other, 4)
+    assert (sch.resumes, sch.replans, sch.unplanned) == (1, 1, 1)
+    with pytest.raises(ValueError, match="do not fit on 1 devices"):
+        LinaScheduler(PopularityEstimator(3, 8), 1)
+    with pytest.raises(TypeError, match="PopularityEstimator"):
+        LinaScheduler(object(), 4)
