@@ -122,6 +122,9 @@ class ReplicatedMoELayer(nn.Module):
 
     After a forward, ``placement_used`` is the placement that served it, ``decision`` the
     scheduler's phase-two outcome, ``rows_served`` the rows this rank computed.
+
+    Inference only: the exchanges are not differentiable (run it under ``torch.no_grad()``) and
+    no auxiliary loss is computed. Every rank of the group must call it, in the same order.
     """
 
     def __init__(self, layer: nn.Module, group=None, *, placement: Optional[Placement] = None,
