@@ -161,3 +161,26 @@ def test_host_lfu_cache_algorithm_1():
         HostLFUCache(0, 4)
     with pytest.raises(ValueError, match="beta=0"):
         HostLFUCache(1, 4, beta=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cuda_ring_equals_resident(tmp_path, tier):
+    """On a GPU: the copy lane is a CUDA stream (the disk tier stages on the worker thread, then
+    copies on the stream); outputs equal the resident stack and the device holds K slots."""
+    N, K = 4, 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[tm.MoELayer(tm.MoEConfig(64, 32, 4, 2), device="cuda", dtype=torch.float32)
+                                  for _ in range(N)])
+    resident = copy.deepcopy(model)
+    kw = {"disk_path": tmp_path / "e.bin"} if tier == "disk" else {}
+    stack = OffloadedExperts(list(model), slots=K, **kw)
+    try:
+        with torch.no_grad():
+            for T in (32, 0, 5):
+                x = torch.randn(T, 64, device="cuda")
+                assert torch.equal(model(x), resident(x))
+        torch.cuda.synchronize()
+        assert stack.resident_bytes() == K * stack.slot_bytes
+    finally:
+        stack.close()
