@@ -166,8 +166,8 @@ class ReplicatedMoELayer(nn.Module):
     # -- placement -----------------------------------------------------------------------------
 
     def set_placement(self, placement: Placement, *, check: bool = False) -> None:
-        """Serve ``placement`` from now on. ``check``: compare it across ranks first (collective; the same ValueError on
-        every rank when they differ)."""
+        """Serve ``placement`` from now on. ``check``: compare it across ranks first (collective;
+        the same ValueError on every rank when they differ)."""
         if not isinstance(placement, Placement):
             raise TypeError(f"placement must be a tritonmoe.inference.Placement, got {type(placement).__name__}")
         E = self.layer.config.num_experts
@@ -202,9 +202,13 @@ class ReplicatedMoELayer(nn.Module):
                 vec[E:] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
         if self.world_size == 1:
             return vec.view(1, -1)
+        from ..comm.splits import comm_device
+
+        dev = comm_device(self.group)  # NCCL gathers CUDA tensors
+        vec = vec.to(dev)
         parts = [torch.empty_like(vec) for _ in range(self.world_size)]
         dist.all_gather(parts, vec, group=self.group)
-        return torch.stack(parts)
+        return torch.stack(parts).cpu()  # host sync: the splits and the placement are host values
 
     def _schedule(self, table: torch.Tensor) -> None:
         """Phase two for this layer, phase one for the next, from the gathered counts."""
