@@ -30,33 +30,71 @@ def _step(fn, layer, x, g):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
-def test_no_graph_breaks_and_compiled_equals_eager(backend, dtype):
-    """fullgraph=True (any graph break raises), forward and backward, two batch sizes (dynamic),
-    with a capacity: bitwise equal to eager with the aot_eager backend (the same implementations
+@pytest.mark.parametrize(
+    "backend,dtype,ffn_path,want_path",
+    [
+        ("torch", torch.float64, "auto", "unfused"),
+        ("triton", torch.float32, "auto", "fused"),
+        ("torch", torch.float64, "fused", "fused"),
+        ("triton", torch.float32, "unfused", "unfused"),
+    ],
+)
+def test_no_graph_breaks_and_compiled_equals_eager(backend, dtype, ffn_path, want_path):
+    """fullgraph=True (any graph break raises), forward and backward, three batch sizes
+    (dynamic) under ``error_on_recompile``, with a capacity: the compiled layer runs the variant
+    the eager layer chooses (``config.ffn_path``; "auto" is unfused on the reference, fused on the
+    kernels) and is bitwise equal to eager with the aot_eager backend (the same implementations
     run inside the ops)."""
-    extra = dict(capacity_factor=1.25, expert_ffn_bias=True, shared_d_ffn=8, routed_scaling_factor=1.5)
+    extra = dict(capacity_factor=1.25, expert_ffn_bias=True, shared_d_ffn=8, routed_scaling_factor=1.5,
+                 ffn_path=ffn_path)
     eager, layer = _layers(backend, dtype, **extra)
     ex = torch._dynamo.explain(layer)(torch.randn(5, 16, dtype=dtype))
     assert ex.graph_break_count == 0 and ex.graph_count == 1, [str(b.reason)[:200] for b in ex.break_reasons]
+    torch._dynamo.reset()
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
     frames = []
-    for T in (7, 11, 3):
-        x = torch.randn(T, 16, dtype=dtype)
-        g = torch.randn(T, 16, dtype=dtype)
-        eager.zero_grad(set_to_none=True)
-        layer.zero_grad(set_to_none=True)
-        want = _step(eager, eager, x, g)
-        got = _step(compiled, layer, x, g)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        for n, gw in want[2].items():
-            assert torch.equal(got[2][n], gw), n
-        assert torch.equal(layer.last_routing.topk_ids, eager.last_routing.topk_ids)
-        frames.append(counter.frame_count)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompilation raises
+        for T in (7, 11, 3):
+            x = torch.randn(T, 16, dtype=dtype)
+            g = torch.randn(T, 16, dtype=dtype)
+            eager.zero_grad(set_to_none=True)
+            layer.zero_grad(set_to_none=True)
+            want = _step(eager, eager, x, g)
+            got = _step(compiled, layer, x, g)
+            assert eager.ffn_path_used == layer.ffn_path_used == want_path
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            for n, gw in want[2].items():
+                assert torch.equal(got[2][n], gw), n
+            assert torch.equal(layer.last_routing.topk_ids, eager.last_routing.topk_ids)
+            frames.append(counter.frame_count)
     assert frames[0] == frames[-1], frames  # no recompilation for a new batch size (the capacity is symbolic)
+    ops_in_graph = {n.target._qualified_op_name for gm in counter.graphs for n in gm.graph.nodes
+                    if n.op == "call_function" and hasattr(n.target, "_qualified_op_name")}
+    fused_ops = {"tritonmoe::moe_ffn"}
+    unfused_ops = {"tritonmoe::permute", "tritonmoe::grouped_ffn", "tritonmoe::unpermute"}
+    assert (fused_ops if want_path == "fused" else unfused_ops) <= ops_in_graph, ops_in_graph
+    assert not ((unfused_ops if want_path == "fused" else fused_ops) & ops_in_graph), ops_in_graph
+
+
+def test_default_dynamic_recompiles_once():
+    """``torch.compile`` without ``dynamic=``: the second batch size makes dynamo mark the batch
+    dimension dynamic (one recompilation, PyTorch's automatic dynamic shapes); later sizes reuse
+    that graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager, layer = _layers("torch", torch.float64, ffn_path="unfused")
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    counts = []
+    for T in (5, 8, 13, 6):
+        x = torch.randn(T, 16, dtype=torch.float64)
+        assert torch.equal(compiled(x), eager(x))
+        counts.append(counter.frame_count)
+    assert counts == [1, 2, 2, 2], counts
 
 
 @pytest.mark.slow
@@ -78,7 +116,8 @@ def test_export():
     batch = torch.export.Dim("batch", min=2, max=1024)
     ep = torch.export.export(layer, (x,), dynamic_shapes=({0: batch},))
     names = {n.target.name() for n in ep.graph.nodes if n.op == "call_function" and hasattr(n.target, "name")}
-    assert {"tritonmoe::route", "tritonmoe::moe_ffn"} <= names, names
+    # ffn_path "auto" on the reference backend: the unfused path, as in eager
+    assert {"tritonmoe::route", "tritonmoe::permute", "tritonmoe::grouped_ffn", "tritonmoe::unpermute"} <= names, names
     x2 = torch.randn(13, 16)
     torch.testing.assert_close(ep.module()(x2), layer(x2), rtol=0, atol=0)
 

@@ -147,27 +147,47 @@ class LocalExperts(ExpertPath):
     """
 
     def choose(self, x_TD: torch.Tensor) -> str:
+        """The variant for ``x_TD`` ("fused" or "unfused"): ``config.ffn_path``, or for "auto" the
+        rule above. The same decision eager and compiled (under ``torch.compile`` it is taken once
+        at trace time, see :func:`_local_ffn_path`)."""
         c = self.config
-        if c.ffn_path != "auto":
-            return c.ffn_path
-        return "unfused" if self.impl("moe_ffn", x_TD) is reference.moe_ffn else "fused"
+        return _local_ffn_path(c.ffn_path, c.backend, x_TD.device.type, x_TD.dtype)
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
         c = self.config
         w, kw = weights, ffn_options(c)
-        if torch.compiler.is_compiling():  # one opaque custom op (tritonmoe.ops): no graph break
-            self.path_used = "fused"
-            return ops.moe_ffn(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
         path = self.choose(x_TD)
         self.path_used = path
+        # Traced by torch.compile: the custom ops (tritonmoe.ops; one opaque node each, no graph
+        # break), the same variant and implementations as eager.
+        compiling = torch.compiler.is_compiling()
         if path == "fused":
+            if compiling:
+                return ops.moe_ffn(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
             return self.impl("moe_ffn", x_TD)(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         # num_rows: the static bound of the permuted rows, so permute needs no host sync
         T, k = routing.topk_ids.shape
         rows = reference.max_permuted_rows(T, k, c.num_experts)
+        if compiling:
+            x_perm, info = ops.permute(x_TD, routing.topk_ids, c.num_experts, num_rows=rows, backend=c.backend)
+            y_perm = ops.grouped_ffn(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2,
+                                     backend=c.backend, **kw)
+            return ops.unpermute(y_perm, info, routing.topk_weights, backend=c.backend)
         x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts, num_rows=rows)
         y_perm = self.impl("grouped_ffn", x_TD)(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
+
+
+@torch._dynamo.assume_constant_result
+def _local_ffn_path(ffn_path: str, backend: Optional[str], device_type: str, dtype: torch.dtype) -> str:
+    """:meth:`LocalExperts.choose` from plain values. Marked ``assume_constant_result``: under
+    ``torch.compile`` it runs once at trace time (the dispatch table is Python state dynamo need
+    not trace) and its answer is a constant of the graph, like the backend the custom ops are
+    given; changing the process default backend afterwards does not retrace a compiled layer."""
+    if ffn_path != "auto":
+        return ffn_path
+    impl = implementation("moe_ffn", backend, torch.device(device_type), dtype)
+    return "unfused" if impl is reference.moe_ffn else "fused"
 
 
 #: dtypes as small ints for the cross-rank agreement check.

@@ -32,7 +32,7 @@ from torch import Tensor
 from . import dispatch
 from .types import PermuteInfo, Routing
 
-__all__ = ["route", "moe_ffn"]
+__all__ = ["route", "moe_ffn", "permute", "unpermute", "grouped_ffn"]
 
 _LIB = "tritonmoe"
 
@@ -350,7 +350,7 @@ def _restore_inputs(ctx) -> list:
 
 def _permute_backward(ctx, d_x_perm, *_):
     args = _restore_inputs(ctx)
-    (dx,) = torch.ops.tritonmoe.permute_backward(d_x_perm, *args)
+    dx = torch.ops.tritonmoe.permute_backward(d_x_perm, *args)
     return (dx,) + (None,) * 5
 
 
@@ -359,14 +359,15 @@ _permute_op.register_autograd(_permute_backward, setup_context=_save_inputs)
 
 @torch.library.custom_op(f"{_LIB}::permute_backward", mutates_args=())
 def _permute_backward_op(d_x_perm: Tensor, x: Tensor, topk_ids: Tensor, num_experts: int, pad_to: int, num_rows: int,
-                         backend: str) -> tuple[Tensor]:
+                         backend: str) -> Tensor:
     fn = _permute_fn(backend)
-    return tuple(_recompute_grads(fn, [x, topk_ids, num_experts, pad_to, num_rows], (0,), [d_x_perm]))
+    (dx,) = _recompute_grads(fn, [x, topk_ids, num_experts, pad_to, num_rows], (0,), [d_x_perm])
+    return dx
 
 
 @_permute_backward_op.register_fake
 def _(d_x_perm, x, *args):
-    return (torch.empty_like(x),)
+    return torch.empty_like(x)
 
 
 _permute_backward_op.register_autograd(_not_twice("permute_backward"), setup_context=_setup_nothing)
@@ -506,3 +507,40 @@ def _(d_y, x, expert_offsets, w1, w2, b1, b2, *args):
 
 
 _grouped_ffn_backward_op.register_autograd(_not_twice("grouped_ffn_backward"), setup_context=_setup_nothing)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python entry points of the row movers and the grouped FFN (the layer's unfused path while
+# torch.compile traces it; arguments validated by the caller)
+# ---------------------------------------------------------------------------------------------
+
+
+def permute(x: Tensor, topk_ids: Tensor, num_experts: int, *, num_rows: int, pad_to: int = 1,
+            backend: Optional[str] = None) -> tuple[Tensor, PermuteInfo]:
+    """``tritonmoe::permute`` as ``(x_perm [num_rows, d], PermuteInfo)``; ``num_rows`` (at least
+    :func:`tritonmoe.max_permuted_rows`) keeps the shape static."""
+    from ._settings import resolve_backend
+
+    x_perm, offsets, slot_rows, counts = torch.ops.tritonmoe.permute(x, topk_ids, num_experts, pad_to, num_rows,
+                                                                     resolve_backend(backend))
+    info = PermuteInfo(expert_offsets=offsets, slot_rows=slot_rows, counts=counts, num_tokens=topk_ids.shape[0],
+                       pad_to=pad_to)
+    return x_perm, info
+
+
+def unpermute(y_perm: Tensor, info: PermuteInfo, topk_weights: Tensor, *, backend: Optional[str] = None) -> Tensor:
+    """``tritonmoe::unpermute``."""
+    from ._settings import resolve_backend
+
+    return torch.ops.tritonmoe.unpermute(y_perm, info.expert_offsets, info.slot_rows, info.counts, topk_weights,
+                                         info.slot_rows.shape[0], info.pad_to, resolve_backend(backend))
+
+
+def grouped_ffn(x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor, activation: str = "swiglu",
+                b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
+                swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
+    """``tritonmoe::grouped_ffn``."""
+    from ._settings import resolve_backend
+
+    return torch.ops.tritonmoe.grouped_ffn(x, expert_offsets, w1, w2, b1, b2, activation, float(swiglu_limit),
+                                           float(swiglu_alpha), resolve_backend(backend))
