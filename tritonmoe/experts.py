@@ -161,7 +161,13 @@ class LocalExperts(ExpertPath):
         # Traced by torch.compile: the custom ops (tritonmoe.ops; one opaque node each, no graph
         # break), the same variant and implementations as eager.
         compiling = torch.compiler.is_compiling()
+        # Training (grad enabled) in the "save" pre-activation mode: the ops that return the
+        # activations backward needs, so the compiled backward reruns no GEMM, as eager; else
+        # (inference, or TRITONMOE_FFN_PREACT=recompute for memory) the recomputing ops.
+        train = compiling and torch.is_grad_enabled() and _saves_activations()
         if path == "fused":
+            if train:
+                return ops.moe_ffn_train(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
             if compiling:
                 return ops.moe_ffn(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
             return self.impl("moe_ffn", x_TD)(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
@@ -170,12 +176,20 @@ class LocalExperts(ExpertPath):
         rows = reference.max_permuted_rows(T, k, c.num_experts)
         if compiling:
             x_perm, info = ops.permute(x_TD, routing.topk_ids, c.num_experts, num_rows=rows, backend=c.backend)
-            y_perm = ops.grouped_ffn(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2,
-                                     backend=c.backend, **kw)
+            ffn = ops.grouped_ffn_train if train else ops.grouped_ffn
+            y_perm = ffn(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
             return ops.unpermute(y_perm, info, routing.topk_weights, backend=c.backend)
         x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts, num_rows=rows)
         y_perm = self.impl("grouped_ffn", x_TD)(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
+
+
+@torch._dynamo.assume_constant_result
+def _saves_activations() -> bool:
+    """Whether the compiled layer's expert FFN saves its activations for backward (the
+    ``*_train`` custom ops) rather than recomputing them: :func:`tritonmoe.ops.preact_mode`,
+    read once at trace time."""
+    return ops.preact_mode() == "save"
 
 
 @torch._dynamo.assume_constant_result
