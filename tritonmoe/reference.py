@@ -504,7 +504,7 @@ def clamped_offsets(expert_offsets: torch.Tensor, num_rows: int) -> list[int]:
     Example: [-3, 2, 9] with R = 5 -> [0, 2, 5]; [0, 4, 2, 5] -> [0, 4, 4, 5].
     """
     out, lo = [], 0
-    for o in expert_offsets.tolist():
+    for o in expert_offsets.tolist():  # host sync: the reference slices rows per expert on the host
         lo = min(max(o, lo), num_rows)
         out.append(lo)
     return out
