@@ -1,24 +1,34 @@
 """tritonmoe's ops as ``torch.library`` custom ops, for ``torch.compile`` and ``torch.export``:
-``torch.ops.tritonmoe.route``, ``moe_ffn``, ``permute_metadata``, ``permute`` (static
-``num_rows``), ``unpermute``, ``grouped_gemm``, ``grouped_ffn``.
+``torch.ops.tritonmoe.route``, ``moe_ffn``, ``moe_ffn_train``, ``permute_metadata``, ``permute``
+(static ``num_rows``), ``unpermute``, ``grouped_gemm``, ``grouped_ffn``, ``grouped_ffn_train``.
 
 Each op is one opaque node of a traced graph: a fake implementation gives its output shapes and
 dtypes (no data-dependent size: the routing's outputs are [T, k] and [E], the FFN's [T, d]), and
 its implementation asks :func:`tritonmoe.dispatch.implementation` at run time for the Triton
 kernel or the reference, so the graph is the same for both backends. The local
 :class:`~tritonmoe.MoELayer` calls these ops while ``torch.compile`` traces it
-(``torch.compiler.is_compiling()``): a compiled layer has no graph break, forward or backward,
-and dynamic batch sizes trace symbolically (``MoEConfig.capacity`` of a SymInt). In eager mode
-the layer calls the implementations directly, as before.
+(``torch.compiler.is_compiling()``), in the variant eager runs (``config.ffn_path``: ``moe_ffn``,
+or ``permute`` + ``grouped_ffn`` + ``unpermute``): a compiled layer has no graph break, forward
+or backward, and dynamic batch sizes trace symbolically (``MoEConfig.capacity`` of a SymInt). In
+eager mode the layer calls the implementations directly, as before.
 
-Backward: each op's gradient is a second custom op (``route_backward``, ``moe_ffn_backward``)
-that recomputes the forward with autograd and differentiates it, so a compiled step gets exactly
-the eager gradients (the same implementations, the same order of operations). The cost is one
-extra forward of the op in the backward, which the eager path (saved activations) does not pay;
-with the Triton backend that is one more GEMM pair per layer in a compiled step. Custom ops
-cannot carry the deferred weight gradients of :mod:`tritonmoe.exact`, so the expert-parallel
-paths (not traceable anyway: collectives with host-side splits) keep calling the
-implementations directly.
+Backward, two forms of the expert FFN:
+
+* Recomputing (``moe_ffn``, ``grouped_ffn`` and the other ops): the gradient is a second custom op
+  (``*_backward``) that recomputes the forward with autograd and differentiates it; only inputs
+  are saved, the cost is the forward again in backward (both GEMMs).
+* Training (``moe_ffn_train``, ``grouped_ffn_train``): the forward also returns the activations
+  backward needs (A [rows, F], H [rows, n1]; non-differentiable outputs), which the autograd
+  registration saves, and the backward op runs the implementation's explicit backward on them
+  (the kernels' ``ffn_backward`` / ``moe_backward``, shared with the eager autograd.Functions):
+  no GEMM rerun, the eager memory.
+
+The compiled layer uses the training forms when grad is enabled and :func:`preact_mode` is "save"
+(the default), the recomputing ones for inference and under ``TRITONMOE_FFN_PREACT=recompute``.
+Custom ops cannot carry the deferred weight gradients of :mod:`tritonmoe.exact`, so the
+expert-parallel paths (not traceable anyway: collectives with host-side splits) keep calling the
+implementations directly, and the layer runs them eagerly inside a compiled model
+(``torch.compiler.disable``).
 """
 
 from __future__ import annotations
