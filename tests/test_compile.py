@@ -216,3 +216,43 @@ def test_opcheck_row_movers_and_gemms():
     got = torch.ops.tritonmoe.grouped_ffn(xq.detach(), offs, w1.detach(), w2.detach(), b1.detach(), b2.detach(),
                                           "swiglu_oai", 0.8, 1.3, "torch")
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ffn_path", ["fused", "unfused"])
+def test_gpu_compiled_layer_equals_eager(ffn_path):
+    """On CUDA with the Triton kernels (bf16): fullgraph, dynamic batch, no recompilation, the
+    eager variant, bitwise equal to eager with aot_eager (training ops' shared backward) and to
+    rounding with inductor."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cfg = dict(CFG, d_model=128, d_ffn=64, num_experts=8, backend="triton", ffn_path=ffn_path, capacity_factor=1.25)
+    mk = lambda: tm.MoELayer(tm.MoEConfig(**cfg), device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    torch.manual_seed(0)
+    eager = mk()
+    torch.manual_seed(0)
+    layer = mk()
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T in (40, 300, 97):
+            x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+            eager.zero_grad(set_to_none=True)
+            layer.zero_grad(set_to_none=True)
+            want, got = _step(eager, eager, x, g), _step(compiled, layer, x, g)
+            assert layer.ffn_path_used == eager.ffn_path_used == ffn_path
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            for n, gw in want[2].items():
+                assert torch.equal(got[2][n], gw), n
+    torch._dynamo.reset()
+    layer.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    want, got = _step(eager, eager, x, g), _step(torch.compile(layer, fullgraph=True), layer, x, g)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    for n, gw in want[2].items():
+        torch.testing.assert_close(got[2][n], gw, rtol=5e-2, atol=5e-2, msg=lambda m: f"{n}: {m}")

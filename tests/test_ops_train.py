@@ -112,3 +112,37 @@ def test_opcheck_train_ops():
     for biases in ((b1, b2), (b1, None)):
         torch.library.opcheck(torch.ops.tritonmoe.grouped_ffn_train.default,
                               (xp, info.expert_offsets, w1, w2, *biases, "swiglu_oai", 0.8, 1.3, "torch"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [16, 600])  # the decode path, the prefill path
+def test_gpu_train_ops_equal_eager_kernels_bitwise(dtype, T):
+    """On CUDA: the training ops' gradients are the eager kernels' bit for bit (one backward)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    E_, D_, F_, k = 8, 256, 128, 2
+    mk = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 0.1).to(dtype).requires_grad_()  # noqa: E731
+    r = tm.route(torch.randn(T, E_, device="cuda", generator=g), k, backend="triton")
+    w = r.topk_weights.detach().clone().requires_grad_()
+    routing = tm.Routing(topk_ids=r.topk_ids, topk_weights=w, counts=r.counts, selected_counts=r.counts)
+    x, w1, w2, b1, b2 = mk(T, D_), mk(E_, D_, 2 * F_), mk(E_, F_, D_), mk(E_, 2 * F_), mk(E_, D_)
+    dout = torch.randn(T, D_, device="cuda", generator=g).to(dtype)
+    params = [x, w, w1, w2, b1, b2]
+    want = tm.moe_ffn(x, routing, w1, w2, "swiglu", b1, b2, backend="triton")
+    want_g = torch.autograd.grad(want, params, dout)
+    got = ops.moe_ffn_train(x, routing, w1, w2, "swiglu", b1, b2, backend="triton")
+    got_g = torch.autograd.grad(got, params, dout)
+    assert torch.equal(got, want)
+    for name, a, b in zip(("x", "w", "w1", "w2", "b1", "b2"), got_g, want_g):
+        assert torch.equal(a, b), name
+    xp, info = tm.permute(x.detach(), routing.topk_ids, E_, num_rows=T * k, backend="triton")
+    xp.requires_grad_()
+    dy = torch.randn(xp.shape, device="cuda", generator=g).to(dtype)
+    want = tm.grouped_ffn(xp, info.expert_offsets, w1, w2, "swiglu", b1, b2, backend="triton")
+    want_g = torch.autograd.grad(want, [xp, w1, w2, b1, b2], dy)
+    got = ops.grouped_ffn_train(xp, info.expert_offsets, w1, w2, "swiglu", b1, b2, backend="triton")
+    got_g = torch.autograd.grad(got, [xp, w1, w2, b1, b2], dy)
+    assert torch.equal(got, want)
+    for a, b in zip(got_g, want_g):
+        assert torch.equal(a, b)
