@@ -121,8 +121,8 @@ def test_compiled_ffn_op_forms(ffn_path):
 
 def test_default_dynamic_recompiles_once():
     """``torch.compile`` without ``dynamic=``: the second batch size makes dynamo mark the batch
-    dimension dynamic (one recompilation, PyTorch's automatic dynamic shapes); later sizes reuse
-    that graph."""
+    dimension dynamic (one recompilation, PyTorch's automatic dynamic shapes); later sizes, and
+    training steps with an optimizer, reuse that graph."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -135,6 +135,13 @@ def test_default_dynamic_recompiles_once():
         assert torch.equal(compiled(x), eager(x))
         counts.append(counter.frame_count)
     assert counts == [1, 2, 2, 2], counts
+    # training steps (backward, optimizer updates in place, aux loss read back): no recompilation
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for T in (7, 9, 4):
+        opt.zero_grad()
+        (compiled(torch.randn(T, 16, dtype=torch.float64)).square().sum() + layer.aux_loss).backward()
+        opt.step()
+    assert counter.frame_count == 2, counter.frame_count
 
 
 @pytest.mark.slow
