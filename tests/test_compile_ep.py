@@ -13,6 +13,8 @@ from _dist import run_group, values_or_fail
 import tritonmoe as tm
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_compiled_model_runs_ep_layer_eagerly():
     results, _ = run_group(2, _compile_cases.compiled_model_with_ep_layer, deadline_s=180, pg_timeout_s=60)
     for v in values_or_fail(results):

@@ -13,6 +13,7 @@ scalar reads and copies patched, data-dependent ATen ops seen by a dispatch mode
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import _sync_cases
@@ -77,6 +78,7 @@ DYNAMIC_SYNCS = {
 }
 
 
+@pytest.mark.dist
 def test_static_ep_layer_step_is_sync_free_and_dynamic_syncs_are_the_commented_ones():
     results, _ = run_group(2, _sync_cases.layer_syncs, deadline_s=180, pg_timeout_s=60)
     for rank, cases in enumerate(values_or_fail(results)):
