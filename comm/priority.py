@@ -68,7 +68,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .executor import ScheduleError
+from .errors import ScheduleError, backend_errors, lane_start
 from .timeline import Timeline
 
 __all__ = [
@@ -146,13 +146,15 @@ def ordered_all_reduce_(t: torch.Tensor, group=None) -> torch.Tensor:
     send = t.new_zeros(P * seg)
     send[:n] = t.reshape(-1)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with backend_errors("the ordered allreduce's all-to-all", group):
+        dist.all_to_all_single(recv, send, group=group)
     rows = recv.view(P, seg)
     acc = rows[0].clone()
     for r in range(1, P):
         acc += rows[r]
     out = torch.empty_like(send)
-    _all_gather_single()(out, acc, group=group)
+    with backend_errors("the ordered allreduce's all-gather", group):
+        _all_gather_single()(out, acc, group=group)
     t.view(-1).copy_(out[:n])
     return t
 
@@ -360,9 +362,9 @@ class CommScheduler:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(flat.device))
         with self._cv:
+            self._ensure_worker()  # first: a lane that cannot start raises before anything is queued
             for p in pieces:
                 self._queue.append(_Item(p, group, bucket, ready))
-            self._ensure_worker()
             self._cv.notify_all()
         return fut
 
@@ -408,12 +410,16 @@ class CommScheduler:
             bucket.future.set_exception(ScheduleError(msg))
 
     def _ensure_worker(self) -> None:
+        """Start the gradient lane's thread if it is not running; a thread that cannot start
+        raises :class:`~tritonmoe.comm.errors.LaneStartError` (nothing is queued then)."""
         if self._thread is None or not self._thread.is_alive():
             self._stop = False
-            self._thread = threading.Thread(
+            thread = threading.Thread(
                 target=_worker_main, args=(weakref.ref(self),), name="tritonmoe-grad-lane", daemon=True
             )
-            self._thread.start()
+            with lane_start("the gradient lane's worker thread (CommScheduler)"):
+                thread.start()
+            self._thread = thread
             weakref.finalize(self, _stop_worker, self._cv, self._thread)
 
     def _next_item(self, timeout_s: float) -> Optional[_Item]:
@@ -468,7 +474,8 @@ class CommScheduler:
         if self.reduction == "ordered":
             ordered_all_reduce_(t, group)
         else:
-            dist.all_reduce(t, group=group)
+            with backend_errors("a gradient micro-op's allreduce", group):
+                dist.all_reduce(t, group=group)
 
     def _finish(self, item: _Item, error: Optional[BaseException]) -> None:
         if error is not None:
@@ -533,7 +540,8 @@ def _grad_stream(device: torch.device):
 
 @functools.lru_cache(maxsize=None)
 def _grad_stream_of(index: int):
-    return torch.cuda.Stream(device=index)
+    with lane_start(f"the gradient lane's CUDA stream on cuda:{index}"):
+        return torch.cuda.Stream(device=index)
 
 
 def group_size(group) -> int:

@@ -141,6 +141,8 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
 
     import torch.distributed as dist
 
+    from .comm.errors import backend_errors
+
     if not V.is_real(rate) or not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"rate={rate!r} must be a finite number > 0 (DeepSeek-V3 uses 1e-3)")
     if isinstance(layers, torch.nn.Module) and not hasattr(layers, "expert_load"):
@@ -158,7 +160,8 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
     loads = [layer.expert_load(reset=True) for layer in layers]
     if group is not None:
         flat = torch.cat(loads)
-        dist.all_reduce(flat, group=group)
+        with backend_errors("the expert-load allreduce of update_expert_bias", group):
+            dist.all_reduce(flat, group=group)
         loads = list(flat.split([load.numel() for load in loads]))
     new = []
     for layer, load in zip(layers, loads):

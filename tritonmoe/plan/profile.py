@@ -41,7 +41,7 @@ import torch
 from .._validation import GLU_ACTIVATIONS
 import torch.distributed as dist
 
-from tritonmoe.comm.splits import comm_device
+from tritonmoe.comm.splits import comm_device, new_group
 
 from .cost_model import COLLECTIVES, CommSample, ComputeSample, CostModel, HostSample, InterferenceSample
 from .work import HOST, WorkModel
@@ -155,7 +155,7 @@ def _collective_samples(spec: ProfileSpec, device, node_of: list[int]) -> list:
     out = []
     for g in sizes:
         members = list(range(g))
-        group = dist.group.WORLD if g == P else dist.new_group(members)
+        group = dist.group.WORLD if g == P else new_group(members)  # the default group's timeout
         link = "intra" if len({node_of[r] for r in members}) == 1 else "inter"
         if rank in members:
             for kind in spec.kinds:
