@@ -232,8 +232,15 @@ class ParmLayout:
         dense = torch.empty(self.num_batches, self.n_mp, dtype=torch.int64)
         for i in range(self.P):
             dense[self.mp_group[i], self.mp_rank[i]] = self.ranks[i]
-        moe = DeviceMesh(device_type, grid, mesh_dim_names=("ep", "esp"))
-        return moe, DeviceMesh(device_type, dense, mesh_dim_names=("dp", "mp"))
+        from tritonmoe.comm.errors import mesh_backend_override
+
+        def mesh(t: torch.Tensor, names: tuple[str, str]) -> DeviceMesh:
+            # The mesh's groups inherit the default group's timeout (not new_group's 30 minutes).
+            override = mesh_backend_override({n: t.shape[i] for i, n in enumerate(names)}) or {}
+            return DeviceMesh(device_type, t, mesh_dim_names=names,
+                              backend_override=tuple(override.get(n, (None, None)) for n in names))
+
+        return mesh(grid, ("ep", "esp")), mesh(dense, ("dp", "mp"))
 
     def describe(self) -> str:
         return f"ParmLayout(n_mp={self.n_mp}, n_ep={self.n_ep}, n_esp={self.n_esp}, P={self.P})"
@@ -355,7 +362,10 @@ class ParmGroups:
         esp = mesh.get_group("esp") if "esp" in names and mesh.size(names.index("esp")) > 1 else None
         union = None
         if len(names) == 2 and mesh.size() > 1:
-            union = mesh._flatten("ep_esp").get_group()
+            from tritonmoe.comm.errors import mesh_backend_override
+
+            override = mesh_backend_override({"ep_esp": mesh.size()})  # the default group's timeout
+            union = mesh._flatten("ep_esp", backend_override=override["ep_esp"] if override else None).get_group()
         mp = None
         if mp_mesh is not None:
             if not isinstance(mp_mesh, DeviceMesh):

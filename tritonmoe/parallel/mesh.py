@@ -152,7 +152,7 @@ class MoEMesh:
         name = "_".join(dims)
         sub = self.device_mesh[tuple(dims)]
         override = mesh_backend_override({name: sub.size()})  # the default group's timeout
-        return sub._flatten(name, backend_override=override[name]) if override else sub._flatten(name)
+        return sub._flatten(name, backend_override=override[name] if override else None)
 
     # -- sizes and coordinates ----------------------------------------------------------------
 
