@@ -30,13 +30,16 @@ Lina-scheduled gradient allreduce, for instance::
     register(FaultCase("exit in a scheduled allreduce", "rank 1 dies inside the gradient allreduce",
                        _exit_in_allreduce, victims=(1,)))
 
-Every case runs in its own process group (a fault leaves a gloo group unusable) except the
+Ranks rendezvous on a TCPStore the parent serves on a port the kernel assigned as it bound it
+(a free port chosen by the parent and bound later by rank 0 could be taken in between by the
+sockets of the other groups running at once). Every case runs in its own process group (a fault leaves a gloo group unusable) except the
 ``shared`` ones, whose outcome leaves the group healthy (legal cases and errors that every rank
 raises together); those of one world size share one group, run one after the other. Groups run
 concurrently (``parallel``): each rank times its case from a barrier after start-up, so
 start-up contention does not count. Ranks initialize with a long timeout and run each case on a
-new group with the short one (``pg_timeout_s``), so slow start-up on a busy machine is not a
-timeout.
+new group created with the long timeout (its creation connects ranks that arrive at different
+times on a busy machine) and then given the short one (``pg_timeout_s``), so slow start-up is
+not a timeout.
 """
 
 from __future__ import annotations
@@ -459,6 +462,7 @@ def _parm_groups(ctx: RankCtx):
     default group, which has the case's timeout."""
     from tritonmoe.parm_layout import ParmLayout
 
+    dist.barrier()  # the ranks arrive together at the group creation, which the short timeout bounds
     ctx.default_group_timeout()
     lay = ParmLayout.make(2, ctx.world_size, 1)
     return lay, lay.process_groups()
@@ -677,7 +681,11 @@ def _rank_main(rank: int, P: int, port: int, cases: list[FaultCase], pg_timeout_
                 store = dist.TCPStore("127.0.0.1", port, world_size=P, is_master=False, timeout=init)
                 dist.init_process_group("gloo", store=store, rank=rank, world_size=P, timeout=init)
                 _warm_up()
-            group = dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=pg_timeout_s))
+            # Created under the start-up timeout (creation connects the ranks, who reach it at
+            # different times on a busy machine), then given the case's timeout.
+            dist.barrier()
+            group = dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=pg_timeout_s), group)
             dist.barrier()  # every rank starts the case together (start-up is not timed)
         except BaseException as e:  # noqa: BLE001 - reported in the table
             for n in names[i:]:
