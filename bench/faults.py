@@ -188,6 +188,8 @@ class FaultCase:
         stays_up: the victim's process lives on after its outcome (it caught the error), past
             its peers' timeout, keeping its connections open: the peers can only time out.
             Otherwise it ends at once, as an uncaught exception ends a training process.
+        setup_delay_s: the victims reach the creation of the case's group this much later than
+            the others (a harness self-test: on a busy machine ranks arrive seconds apart).
     """
 
     name: str
@@ -198,6 +200,7 @@ class FaultCase:
     shared: bool = False
     extra_s: float = 0.0
     stays_up: bool = False
+    setup_delay_s: float = 0.0
 
 
 CASES: dict[str, FaultCase] = {}
@@ -681,6 +684,8 @@ def _rank_main(rank: int, P: int, port: int, cases: list[FaultCase], pg_timeout_
                 store = dist.TCPStore("127.0.0.1", port, world_size=P, is_master=False, timeout=init)
                 dist.init_process_group("gloo", store=store, rank=rank, world_size=P, timeout=init)
                 _warm_up()
+            if rank in case.victims and case.setup_delay_s:  # e.g. its warm-up took longer
+                time.sleep(case.setup_delay_s)
             # Created under the start-up timeout (creation connects the ranks, who reach it at
             # different times on a busy machine), then given the case's timeout.
             dist.barrier()
