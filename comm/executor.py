@@ -455,13 +455,11 @@ class RealExecutor(Executor):
         if not lane.startswith("comm"):
             raise ValueError(f"collectives run on a communication lane ('comm', 'comm2'), not {lane!r}")
         sched = self.scheduler
-        if sched is not None:
-            run = functools.partial(sched.launch, run, priority=priority, cuda=self.cuda)
-        issue = run
+        launch = run if sched is None else functools.partial(sched.launch, run, priority=priority, cuda=self.cuda)
 
-        def run():
+        def issue():
             with backend_errors(f"{entry.op} '{entry.kind}' of micro-op {entry.micro_op} ({entry.phase})", group):
-                return issue()
+                return launch()
         if self.cuda:
             stream = self._stream(lane)
             self._await(deps, lane)
@@ -470,7 +468,7 @@ class RealExecutor(Executor):
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)  # inputs produced on the compute stream before this call
                 rec = self._span(kind, micro_op, lane, stream)
-                out, work = run()
+                out, work = issue()
                 if work is not None:
                     work.wait()  # NCCL: the lane's stream waits for the collective; the host does not
                 if rec is not None:
@@ -485,7 +483,7 @@ class RealExecutor(Executor):
         for d in deps:
             self._host_wait(d)
         rec = self._span(kind, micro_op, lane)
-        out, work = run()
+        out, work = issue()
         if rec is not None and work is not None:
             self.timeline.stop_when_done(rec, work.get_future())
         elif rec is not None:
