@@ -174,12 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     suites_text = "\n".join(f"  {s.name:8} {s.about}" for s in SUITES.values())
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (without suite names: all but plan and lina)",
+        description=f"{__doc__}\nSuites:\n{suites_text}\n  all      every suite (without suite names: all but parm, plan, lina and inference)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=report.__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("suites", nargs="*", type=suite_name, metavar="SUITE",
-                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: every suite but plan and lina; see Suites above)")
+                   help=f"suites to run: {', '.join(SUITE_ORDER)} or all (default: every suite but parm, plan, lina and inference; see Suites above)")
     g = p.add_argument_group("shapes")
     g.add_argument("--preset", type=preset_list, action="extend", metavar="NAMES",
                    help=f"comma-separated presets ('all' = the four model presets): {presets_help}. "

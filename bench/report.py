@@ -106,6 +106,8 @@ def _roof(r: dict) -> str:
 def _median(r: dict) -> str:
     if r["status"] != "ok":
         return r["status"]
+    if r.get("time_s") is None:  # a figure without a timing (e.g. a balance ratio): in the note
+        return ""
     return fmt_time(r["time_s"]["median"])
 
 

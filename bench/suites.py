@@ -872,6 +872,61 @@ def run_lina_suite(ctx: Context, progress=None) -> list[dict]:
     return rows
 
 
+def describe_inference(ctx: Context) -> list[str]:
+    return ["balance (E=16, P=16 and 4, Zipf max/min 5.56), estimation (correlated/uncorrelated stacks), offload "
+            "(host, disk), latency in the simulator (16 GPUs) and on gloo (4 ranks) [bench.inference.run_inference]"]
+
+
+def _inference_extra(d: dict) -> dict:
+    """The figures of one bench.inference dict, flat, for the row's note."""
+    f = d["figure"]
+    if f == "balance":
+        m = d["max_over_mean"]
+        out = {"max/mean": m["mean"], "max/mean_p95": m["p95"]}
+        if d.get("replan_rate") is not None:
+            out["replan_rate"] = d["replan_rate"]
+        return out
+    keys = {"two-phase": ("replan_rate", "phase1_max_over_mean"),
+            "latency-gloo": ("p50_s", "p95_s", "p50_speedup_vs_contiguous", "p95_speedup_vs_contiguous",
+                             "max_rows_per_rank_mean"),
+            "latency-sim": ("p50_s", "p95_s", "p50_speedup_vs_contiguous", "p95_speedup_vs_contiguous"),
+            "estimation": ("l1_conditional", "l1_unconditional", "top2_accuracy_conditional",
+                           "top2_accuracy_unconditional"),
+            "offload": ("slowdown_vs_resident", "overlap_fraction", "resident_expert_bytes", "all_layers_bytes",
+                        "disk_reads", "equal_to_resident")}.get(f, ())
+    return {k: d[k] for k in keys if d.get(k) is not None}
+
+
+def run_inference_suite(ctx: Context, progress=None) -> list[dict]:
+    """``bench.inference.run_inference``: one row per figure (latency rows carry the times)."""
+    from . import inference
+
+    if progress is not None:
+        progress.step("inference")
+    rows = []
+    for d in inference.run_inference(timeout_s=max(ctx.ep_timeout_s, 300.0)):
+        f = d["figure"]
+        case = {"balance": "P={world_size} {placement}", "two-phase": "P={world_size} m={path_length}", "latency-gloo": "gloo P={world_size} {placement}",
+                "latency-sim": "sim P={world_size} {placement}", "estimation": "{stack}",
+                "offload": "{tier}"}.get(f, "{figure}")
+        try:
+            case = case.format(**d)
+        except KeyError:
+            case = f
+        row = new_row(suite="inference", case=case, mode=f, impl=str(d.get("placement") or d.get("tier") or "lina"),
+                      params={k: v for k, v in d.items() if isinstance(v, (int, float, str)) and k in (
+                          "world_size", "experts", "tokens", "tokens_per_rank", "d_model", "d_ffn", "layers", "slots")})
+        if "error" in d:
+            row["status"], row["note"] = "error", d["error"]
+        elif d.get("times_s"):
+            fill_timing(row, d["times_s"], Work(), None)
+        elif "forward_s" in d:
+            fill_timing(row, [d["forward_s"]], Work(), None)
+        row["extra"] = _inference_extra(d)
+        rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True)
 class Suite:
     """A suite either plans cases (run entry by entry by :func:`run_case`) or runs itself
@@ -906,6 +961,9 @@ SUITES: dict[str, Suite] = {
         Suite("lina", "Lina's priority communication vs FIFO over gloo (2 ranks): an all-to-all beside a gradient "
               "reduction, and training steps (all-to-all slowdown, step time); not default", run=run_lina_suite,
               describe=describe_lina, default=False),
+        Suite("inference", "Lina's replicate-and-pack placement vs EPLB and the contiguous layout (balance, latency on "
+              "gloo and in the simulator), popularity estimation, ring-memory offloading (host, disk); not default",
+              run=run_inference_suite, describe=describe_inference, default=False),
     ]
 }
 

@@ -67,3 +67,120 @@ def test_layers_out_of_order_and_bad_input():
                 layers[1](torch.randn(2, 8, dtype=torch.float64))
     finally:
         stack.close()
+
+
+# -- the disk tier: experts in a file behind a host LFU cache (SE-MoE's 2D prefetch) -----------
+
+
+def _counting_reads(monkeypatch):
+    import os
+
+    from tritonmoe.inference import offload
+
+    reads = []
+    real = os.preadv
+
+    def preadv(fd, bufs, pos):
+        n = real(fd, bufs, pos)
+        reads.append((pos, n))
+        return n
+
+    monkeypatch.setattr(offload.os, "preadv", preadv)
+    return reads
+
+
+@pytest.mark.parametrize("cache_layers", [1, 4])
+def test_disk_tier_equals_resident(tmp_path, monkeypatch, cache_layers):
+    N, K = 4, 2
+    model = _model(N, expert_ffn_bias=True)
+    resident = copy.deepcopy(model)
+    layers = [m for m in model if isinstance(m, tm.MoELayer)]
+    layer_bytes = sum(getattr(layers[0], n).numel() * 8 for n in ("w1", "w2", "b1", "b2"))
+    reads = _counting_reads(monkeypatch)
+    stack = OffloadedExperts(layers, slots=K, disk_path=tmp_path / "experts.bin", cache_bytes=cache_layers * layer_bytes)
+    try:
+        assert stack.host is None and (tmp_path / "experts.bin").stat().st_size == N * layer_bytes
+        assert stack.resident_bytes() == K * layer_bytes
+        per_pass = []
+        with torch.no_grad():
+            for T in (6, 0, 3):
+                before = len(reads)
+                x = torch.randn(T, 8, dtype=torch.float64)
+                assert torch.equal(model(x), resident(x))
+                per_pass.append(len(reads) - before)
+        assert stack.resident_bytes() == K * layer_bytes
+        E = 4
+        assert all(n == stack.expert_bytes for _, n in reads)  # one expert per read
+        if cache_layers == N:  # everything cached after the first loads: no more disk reads
+            assert len(reads) == N * E and stack.cache.evictions == 0
+        else:  # a one-layer cache re-reads every layer it copies
+            assert per_pass[1:] == [N * E, N * E] and stack.cache.evictions == len(reads) - E
+        assert stack.cache.fills == len(reads)
+        assert stack.overlap_fraction() is not None and len(stack.stall_s) == 3 * N
+    finally:
+        stack.close()
+
+
+def test_disk_tier_bad_input(tmp_path):
+    layers = [m for m in _model(3) if isinstance(m, tm.MoELayer)]
+    layer_bytes = sum(getattr(layers[0], n).numel() * 8 for n in ("w1", "w2"))
+    with pytest.raises(ValueError, match=f"smaller than one layer's experts \\({layer_bytes} bytes"):
+        OffloadedExperts(layers, slots=1, disk_path=tmp_path / "x.bin", cache_bytes=layer_bytes - 1)
+    with pytest.raises(ValueError, match="pass disk_path"):
+        OffloadedExperts(layers, slots=1, cache_bytes=10**6)
+    with pytest.raises(TypeError, match="cache_bytes must be an int"):
+        OffloadedExperts(layers, slots=1, disk_path=tmp_path / "x.bin", cache_bytes=1e9)
+
+
+def test_host_lfu_cache_algorithm_1():
+    from tritonmoe.inference import HostLFUCache
+
+    filled = []
+    fill = lambda key: lambda buf: filled.append(key)  # noqa: E731
+    c = HostLFUCache(2, 4, period=100)
+    c.get("a", fill("a"))
+    c.get("a", fill("a"))  # hit
+    c.get("b", fill("b"))  # miss with room
+    assert filled == ["a", "b"] and c.hits == {"a": 2.0, "b": 1.0}
+    c.get("c", fill("c"))  # full: evict argmin hits ("b")
+    assert "b" not in c and "a" in c and "c" in c and c.evictions == 1
+    c.get("d", fill("d"), protected=("c",))  # "c" is protected: "a" goes although more used
+    assert "a" not in c and c.evictions == 2
+    c.get("e", fill("e"), protected=("c", "d"))  # nothing may go: bypass, counts unchanged
+    assert "e" not in c and c.bypasses == 1 and set(c.hits) == {"c", "d"}
+    hi = HostLFUCache(1, 4, threshold=5)
+    hi.get("x", fill("x"))
+    hi.get("y", fill("y"))  # "x" has 1 < threshold hits: not evictable, so "y" bypasses
+    assert "x" in hi and hi.bypasses == 1
+    decay = HostLFUCache(2, 4, beta=0.5, period=2)
+    decay.get("x", fill("x"))
+    decay.get("x", fill("x"))  # the 2nd request: counts halve
+    assert decay.hits == {"x": 1.0}
+    assert c.fills == 5 and c.requests == 6  # a, b, c, d, e were filled (the bypass too)
+    with pytest.raises(ValueError, match="capacity=0"):
+        HostLFUCache(0, 4)
+    with pytest.raises(ValueError, match="beta=0"):
+        HostLFUCache(1, 4, beta=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cuda_ring_equals_resident(tmp_path, tier):
+    """On a GPU: the copy lane is a CUDA stream (the disk tier stages on the worker thread, then
+    copies on the stream); outputs equal the resident stack and the device holds K slots."""
+    N, K = 4, 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[tm.MoELayer(tm.MoEConfig(64, 32, 4, 2), device="cuda", dtype=torch.float32)
+                                  for _ in range(N)])
+    resident = copy.deepcopy(model)
+    kw = {"disk_path": tmp_path / "e.bin"} if tier == "disk" else {}
+    stack = OffloadedExperts(list(model), slots=K, **kw)
+    try:
+        with torch.no_grad():
+            for T in (32, 0, 5):
+                x = torch.randn(T, 64, device="cuda")
+                assert torch.equal(model(x), resident(x))
+        torch.cuda.synchronize()
+        assert stack.resident_bytes() == K * stack.slot_bytes
+    finally:
+        stack.close()

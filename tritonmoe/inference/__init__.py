@@ -1,5 +1,25 @@
-"""Inference-time tools: ring-memory expert offloading (SE-MoE, paper 002 §2.4)."""
+"""Inference-time tools: expert-popularity estimation (Lina, paper 001 §5.2), placements with
+replicas and packing (Lina; DeepSeek's EPLB as the baseline) served by an expert-parallel layer,
+and ring-memory expert offloading with a host LFU cache over a disk tier (SE-MoE, paper 002
+§2.2 and §2.4)."""
 
-from .offload import OffloadedExperts
+from .offload import HostLFUCache, OffloadedExperts
+from .placement import MAX_PACKED_PER_DEVICE, Placement, eplb_placement, lina_placement
+from .popularity import PopularityEstimator, choices_from_layers, l1_error, top_choices, top_k_match
+from .replicated import LinaScheduler, ReplicatedMoELayer
 
-__all__ = ["OffloadedExperts"]
+__all__ = [
+    "OffloadedExperts",
+    "HostLFUCache",
+    "PopularityEstimator",
+    "choices_from_layers",
+    "top_choices",
+    "l1_error",
+    "top_k_match",
+    "Placement",
+    "lina_placement",
+    "eplb_placement",
+    "MAX_PACKED_PER_DEVICE",
+    "ReplicatedMoELayer",
+    "LinaScheduler",
+]

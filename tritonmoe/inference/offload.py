@@ -15,33 +15,134 @@ than the compute of the K - 1 layers before it.
 
 Inference only: the layers' expert parameters point at a slot during their own forward and at an
 empty placeholder otherwise (their gradients would be lost). Layers must run in the order given,
-each once per pass (a layer called out of order raises). Not done here: SE-MoE's disk tier
-(a host LFU cache in front of files, "2D prefetch").
+each once per pass (a layer called out of order raises).
+
+Disk tier (SE-MoE's "2D prefetch", 002 §2.2 Algorithm 1; PAPERS.md §2.2): with
+``disk_path=``, the experts are written to one file (layer-major, then expert, then tensor) and
+host memory holds only a :class:`HostLFUCache` of ``cache_bytes`` in front of it; the copy lane
+stages the next layer's experts disk -> cache (reads only the experts the cache misses) and then
+copies them cache -> slot. The cache must hold at least one layer (a layer is staged whole
+before its copy), else ``ValueError``. Weights are read-only at inference, so nothing is
+written back (Algorithm 1's write-back of updated states is a training concern).
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
-__all__ = ["OffloadedExperts"]
+__all__ = ["OffloadedExperts", "HostLFUCache"]
+
+
+class HostLFUCache:
+    """SE-MoE's CPU cache of sparse parameters (002 Algorithm 1, with the readings of
+    PAPERS.md §2.2): ``capacity`` entries of ``entry_bytes`` bytes each (host buffers, pinned
+    when ``pin``).
+
+    :meth:`get` (key, fill): a hit counts ``hits[key] += 1``; a miss with room inserts the key
+    with ``hits = 1`` and fills its buffer (``fill(buffer)``, e.g. a disk read); a miss when
+    full evicts one entry, the argmin of hits among entries with hits >= ``threshold`` that are
+    not ``protected`` (ties: the entry inserted first), and reuses its buffer; when none
+    qualifies the request bypasses the cache (a scratch buffer, hits unchanged). Every
+    ``period`` requests all counts are multiplied by ``beta`` (the paper's moving average).
+
+    Attributes: ``hits`` (dict key -> count), ``requests``, ``misses``, ``evictions``,
+    ``bypasses``, ``fills`` (calls of ``fill``: the disk reads).
+    """
+
+    def __init__(self, capacity: int, entry_bytes: int, *, threshold: float = 1.0, beta: float = 0.5,
+                 period: int = 1024, pin: bool = False) -> None:
+        for name, v in (("capacity", capacity), ("entry_bytes", entry_bytes), ("period", period)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{name}={v} must be >= 1")
+        if not (0.0 < beta <= 1.0):
+            raise ValueError(f"beta={beta} must be in (0, 1]")
+        self.capacity, self.entry_bytes = capacity, entry_bytes
+        self.threshold, self.beta, self.period, self.pin = float(threshold), float(beta), period, pin
+        self.hits: dict[Hashable, float] = {}
+        self._buf: dict[Hashable, torch.Tensor] = {}
+        self.requests = self.misses = self.evictions = self.bypasses = self.fills = 0
+
+    def _new_buffer(self) -> torch.Tensor:
+        b = torch.empty(self.entry_bytes, dtype=torch.uint8)
+        return b.pin_memory() if self.pin else b
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._buf
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def get(self, key: Hashable, fill: Callable[[torch.Tensor], None], protected=()) -> torch.Tensor:
+        """The entry of ``key`` (uint8 [entry_bytes]), filled by ``fill`` on a miss."""
+        self.requests += 1
+        if key in self._buf:
+            self.hits[key] += 1
+            out = self._buf[key]
+        else:
+            self.misses += 1
+            if len(self._buf) < self.capacity:
+                buf = self._new_buffer()
+            else:
+                cands = [k for k, h in self.hits.items() if h >= self.threshold and k not in protected]
+                if cands:
+                    low = min(self.hits[k] for k in cands)
+                    victim = next(k for k in cands if self.hits[k] == low)
+                    buf = self._buf.pop(victim)
+                    del self.hits[victim]
+                    self.evictions += 1
+                else:
+                    buf = None
+            if buf is None:  # no entry may go: bypass the cache
+                self.bypasses += 1
+                out = self._new_buffer()
+            else:
+                self._buf[key] = out = buf
+                self.hits[key] = 1.0
+            self.fills += 1
+            fill(out)
+        if self.requests % self.period == 0:
+            for k in self.hits:
+                self.hits[k] *= self.beta
+        return out
 
 
 class OffloadedExperts:
     """Serve ``layers`` (local :class:`~tritonmoe.MoELayer`\\ s of one shape, called in this
     order) from ``slots`` device slots; see the module docstring.
 
+    Args:
+        layers: the MoE layers, in execution order.
+        slots: K, device slots (1 <= K < N).
+        disk_path: a file to keep the experts in (written here, overwritten if present); then
+            host memory holds only the LFU cache (module docstring).
+        cache_bytes: the host cache's size with ``disk_path`` (default: two layers); at least
+            one layer's expert bytes.
+        cache_options: keyword arguments of :class:`HostLFUCache` (threshold, beta, period).
+
     Attributes:
-        host: per layer, its expert tensors in host memory (the copies the slots are filled from).
+        host: per layer, its expert tensors in host memory (the copies the slots are filled
+            from); None with ``disk_path``.
+        cache: the :class:`HostLFUCache` with ``disk_path``, else None.
         slot_bytes: device bytes of one slot (all of a layer's expert tensors).
+        expert_bytes: bytes of one expert's tensors (a cache entry).
         waits: per layer call, whether its experts were still in flight when it started (the
             copy was not hidden).
+        stall_s: per layer call, seconds its forward waited for its copy (the copy time not
+            hidden behind compute).
+        copy_s: per copy on the worker thread, its seconds (disk reads, cache and slot copies).
     """
 
-    def __init__(self, layers: Sequence[torch.nn.Module], slots: int, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, layers: Sequence[torch.nn.Module], slots: int, *, timeout_s: float = 300.0,
+                 disk_path: Optional[str | os.PathLike] = None, cache_bytes: Optional[int] = None,
+                 cache_options: Optional[dict] = None) -> None:
         from ..layer import MoELayer
 
         layers = list(layers)
@@ -71,14 +172,48 @@ class OffloadedExperts:
         self.device = layers[0].w1.device
         self.timeout_s = float(timeout_s)
         cuda = self.device.type == "cuda"
+        E = shapes["w1"][0][0]
+        self.num_experts = E
+        self._parts = []  # (name, byte offset in an expert's record, bytes, dtype, shape of one expert)
+        off = 0
+        for n, (shape, dt) in shapes.items():
+            nb = int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dt).element_size()
+            self._parts.append((n, off, nb, dt, shape[1:]))
+            off += nb
+        self.expert_bytes = off
+        layer_bytes = E * off
+        self.disk_path = None if disk_path is None else os.fspath(disk_path)
+        self.cache = None
+        self._fd = None
+        if self.disk_path is not None:
+            cache_bytes = 2 * layer_bytes if cache_bytes is None else cache_bytes
+            if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int):
+                raise TypeError(f"cache_bytes must be an int, got {type(cache_bytes).__name__}")
+            if cache_bytes < layer_bytes:
+                raise ValueError(
+                    f"cache_bytes={cache_bytes} is smaller than one layer's experts ({layer_bytes} bytes = {E} experts x "
+                    f"{off} bytes); a layer is staged whole in the host cache: use cache_bytes >= {layer_bytes}"
+                )
+            self.cache = HostLFUCache(cache_bytes // off, off, pin=cuda, **(cache_options or {}))
+        elif cache_bytes is not None or cache_options is not None:
+            raise ValueError("cache_bytes / cache_options size the host cache of the disk tier; pass disk_path= too")
         with torch.no_grad():
-            self.host = []
-            for layer in layers:
-                h = {}
-                for n in self.names:
-                    t = getattr(layer, n).detach().to("cpu", copy=True)
-                    h[n] = t.pin_memory() if cuda else t
-                self.host.append(h)
+            self.host = None if self.disk_path is not None else []
+            if self.disk_path is not None:
+                with open(self.disk_path, "wb") as f:
+                    for layer in layers:
+                        ts = [getattr(layer, n).detach().cpu().contiguous() for n, *_ in self._parts]
+                        for e in range(E):
+                            for t in ts:
+                                f.write(t[e].reshape(-1).view(torch.uint8).numpy().tobytes())
+                self._fd = os.open(self.disk_path, os.O_RDONLY)
+            else:
+                for layer in layers:
+                    h = {}
+                    for n in self.names:
+                        t = getattr(layer, n).detach().to("cpu", copy=True)
+                        h[n] = t.pin_memory() if cuda else t
+                    self.host.append(h)
             self.slots = [{n: torch.empty(s, dtype=dt, device=self.device) for n, (s, dt) in shapes.items()}
                           for _ in range(slots)]
             self._placeholder = {n: torch.empty(0, dtype=dt, device=self.device) for n, (_, dt) in shapes.items()}
@@ -87,11 +222,14 @@ class OffloadedExperts:
                     getattr(layer, n).data = self._placeholder[n]
         self.slot_bytes = sum(t.numel() * t.element_size() for t in self.slots[0].values())
         self.waits: list[bool] = []
+        self.stall_s: list[float] = []
+        self.copy_s: list[float] = []
         self._slot_of: dict[int, int] = {}
         self._ready: dict[int, object] = {}
         self._next = 0
         self._lock = threading.Lock()
-        self._pool = None if cuda else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tritonmoe-offload")
+        threaded = not cuda or self.disk_path is not None  # disk reads never block the compute thread
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tritonmoe-offload") if threaded else None
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._handles = []
         for i, layer in enumerate(layers):
@@ -104,14 +242,53 @@ class OffloadedExperts:
 
     def _copy(self, layer: int, slot: int) -> None:
         with torch.no_grad():
-            for n in self.names:
-                self.slots[slot][n].copy_(self.host[layer][n], non_blocking=self._stream is not None)
+            if self.disk_path is None:
+                for n in self.names:
+                    self.slots[slot][n].copy_(self.host[layer][n], non_blocking=self._stream is not None)
+                return
+            # 2D prefetch, the vertical part: disk -> host cache (misses only) -> device slot
+            E, off = self.num_experts, self.expert_bytes
+            keys = [(layer, e) for e in range(E)]
+            bufs = [self.cache.get(k, self._reader(*k), protected=keys) for k in keys]
+            for e, buf in enumerate(bufs):
+                for n, o, nb, dt, shape in self._parts:
+                    src = buf[o:o + nb].view(dt).view(shape)
+                    self.slots[slot][n][e].copy_(src, non_blocking=self._stream is not None)
+
+    def _reader(self, layer: int, expert: int):
+        pos = (layer * self.num_experts + expert) * self.expert_bytes
+
+        def fill(buf: torch.Tensor) -> None:
+            got = os.preadv(self._fd, [memoryview(buf.numpy())], pos)
+            if got != self.expert_bytes:
+                raise OSError(f"{self.disk_path}: read {got} of {self.expert_bytes} bytes of layer {layer} expert "
+                              f"{expert}; the file was truncated or changed")
+
+        return fill
+
+    def _fill(self, layer: int, slot: int, after) -> None:
+        """The worker thread's copy of ``layer`` into ``slot``; on CUDA through the copy stream
+        after ``after``, waited for here (the cache buffers are reused by the next copy)."""
+        t0 = time.perf_counter()
+        if self._stream is None:
+            self._copy(layer, slot)
+        else:
+            with torch.cuda.stream(self._stream):
+                if after is not None:
+                    self._stream.wait_event(after)
+                self._copy(layer, slot)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            done.synchronize()  # on the copy thread: the compute thread does not wait here
+        self.copy_s.append(time.perf_counter() - t0)
 
     def _load(self, layer: int, slot: int, after=None) -> None:
         """Start copying ``layer``'s experts into ``slot`` (after ``after``, a CUDA event of the
         compute that last read the slot)."""
         self._slot_of[layer] = slot
-        if self._stream is not None:
+        if self._pool is not None:
+            self._ready[layer] = self._pool.submit(self._fill, layer, slot, after)
+        elif self._stream is not None:
             with torch.cuda.stream(self._stream):
                 if after is not None:
                     self._stream.wait_event(after)
@@ -119,8 +296,6 @@ class OffloadedExperts:
                 done = torch.cuda.Event()
                 done.record(self._stream)
             self._ready[layer] = done
-        else:
-            self._ready[layer] = self._pool.submit(self._copy, layer, slot)
 
     def _pre_hook(self, i: int):
         def hook(module, args):
@@ -130,12 +305,14 @@ class OffloadedExperts:
                     "order given, each once per forward"
                 )
             ready = self._ready.pop(i)
+            t0 = time.perf_counter()
             if isinstance(ready, Future):
                 self.waits.append(not ready.done())
                 ready.result(timeout=self.timeout_s)  # the copy thread's error surfaces here
             else:
                 self.waits.append(not ready.query())
                 torch.cuda.current_stream(self.device).wait_event(ready)
+            self.stall_s.append(time.perf_counter() - t0)
             slot = self.slots[self._slot_of[i]]
             for n in self.names:
                 getattr(module, n).data = slot[n]
@@ -183,5 +360,18 @@ class OffloadedExperts:
                 r.synchronize()
         for h in self._handles:
             h.remove()
+        self._handles = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def overlap_fraction(self) -> Optional[float]:
+        """The fraction of the worker thread's copy time hidden behind compute:
+        1 - sum(stall_s) / sum(copy_s) (None before a copy was timed; CUDA without the disk
+        tier copies on a stream and is timed by the benchmark's events instead)."""
+        tot = sum(self.copy_s)
+        if tot <= 0:
+            return None
+        return max(0.0, 1.0 - sum(self.stall_s) / tot)

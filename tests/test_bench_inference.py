@@ -1,0 +1,24 @@
+"""``python -m bench inference`` on tiny shapes: every figure is produced, and the claims the
+README makes from it hold on the small run (Lina and EPLB balance skewed routing better than the
+contiguous layout; the conditional estimate beats the marginal on the correlated stack only)."""
+
+from __future__ import annotations
+
+import math
+
+from bench.inference import run_inference, zipf_exponent
+
+
+def test_inference_figures_small():
+    rows = run_inference(parts=("balance", "estimation", "sim"), batches=6, tokens=256, est_profile=6, est_batches=3,
+                         sim_world=4, sim_batches=2, sim_tokens=256, sim_d=256, sim_f=512)
+    assert not [r for r in rows if "error" in r], rows
+    bal = {(r["world_size"], r["placement"]): r["max_over_mean"]["mean"] for r in rows if r["figure"] == "balance"}
+    assert bal[(16, "lina-actual")] < bal[(16, "contiguous")] and bal[(16, "eplb")] < bal[(16, "contiguous")]
+    assert all(v >= 1.0 for v in bal.values())
+    est = {r["stack"]: r for r in rows if r["figure"] == "estimation"}
+    assert est["correlated"]["l1_conditional"] < 0.5 * est["correlated"]["l1_unconditional"]
+    assert est["uncorrelated"]["l1_conditional"] > 0.5 * est["uncorrelated"]["l1_unconditional"]
+    sim = {r["placement"]: r for r in rows if r["figure"] == "latency-sim"}
+    assert set(sim) == {"contiguous", "lina", "eplb"} and all(r["p50_s"] > 0 for r in sim.values())
+    assert math.isclose(16 ** zipf_exponent(16, 5.56), 5.56)

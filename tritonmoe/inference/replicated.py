@@ -1,0 +1,294 @@
+"""Expert-parallel serving of a :class:`~tritonmoe.inference.Placement` with replicas and
+packing (Lina's inference scheduler, paper 001 §5.2 and §6.2; PAPERS.md §1.5).
+
+:class:`ReplicatedMoELayer` wraps a local :class:`~tritonmoe.MoELayer` that holds all E experts
+(identical on every rank of the group: inference weights, built from one seed or one
+checkpoint). Each rank routes its own tokens with the layer's router, then:
+
+1. gathers every rank's per-expert counts (one small all-gather; a host sync: the split sizes
+   are host values, as in the expert-parallel layer), from which every rank derives every
+   split;
+2. permutes its tokens by expert, splits the rows of each expert over its replicas
+   (:meth:`Placement.split`: in proportion to the replicas' weights, remainders rotated by
+   source rank) and sends each chunk to its replica's device (the all-to-all of the rows);
+3. computes the experts the device hosts (one grouped FFN over the layer's expert tensors in
+   which the experts it does not host have empty segments);
+4. returns the rows with the reverse all-to-all and combines them (``unpermute``).
+
+Every rank keeps all E experts' weights (the wrapped layer's); a placement changes which of
+them it computes, so re-planning costs no weight copy. Holding only the hosted experts on the
+device and swapping weights in from host memory when the placement changes (001 §6.2) is not
+done here. Where a token's rows are computed changes, not how: the output equals the local layer's on the
+same tokens (bitwise in fp64 on the reference backend; ``tests/test_replicated.py``).
+
+:class:`LinaScheduler` ties popularity estimation to placement over a stack of such layers
+(two-phase scheduling): at layer l, after the gate, the counts all-gather of step 1 also
+carries every rank's estimate for layer l+1 (from its tokens' sample paths: the piggyback of
+001 §6.2), so the scheduler adds no collective; from the summed counts phase two keeps layer l's planned placement if its estimated top-k
+experts are the actual ones ("resume"), else re-plans from the actual counts; phase one plans
+layer l+1 from the summed estimate. Every rank computes the same placement from the same
+gathered vectors (a deterministic planner), so no broadcast is needed. A layer with no
+estimate (the first ``path_length`` layers have shorter paths; layer 0 has none) is planned from
+its actual counts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .placement import MAX_PACKED_PER_DEVICE, Placement, lina_placement
+from .popularity import PopularityEstimator, top_choices, top_k_match
+
+__all__ = ["ReplicatedMoELayer", "LinaScheduler"]
+
+
+class LinaScheduler:
+    """Two-phase placement over a stack of :class:`ReplicatedMoELayer`\\ s (see the module
+    docstring).
+
+    Args:
+        estimator: a profiled :class:`~tritonmoe.inference.PopularityEstimator` of the stack.
+        num_devices: P, the expert-parallel group size.
+        max_per_device: Lina's cap on packed experts per device (4).
+        k_top: how many of the most popular experts phase two compares (the paper's top-2).
+
+    Attributes: ``resumes`` and ``replans`` (phase-two outcomes), ``unplanned`` (layers planned
+    from their actual counts because no estimate existed), ``decisions``: per layer call
+    (layer, "resume"|"replan"|"unplanned").
+    """
+
+    def __init__(self, estimator: PopularityEstimator, num_devices: int, *, max_per_device: int = MAX_PACKED_PER_DEVICE,
+                 k_top: int = 2) -> None:
+        if not isinstance(estimator, PopularityEstimator):
+            raise TypeError(f"estimator must be a PopularityEstimator, got {type(estimator).__name__}")
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"num_devices={num_devices!r} must be an int >= 1")
+        if estimator.num_experts > max_per_device * num_devices:
+            raise ValueError(f"{estimator.num_experts} experts do not fit on {num_devices} devices with "
+                             f"max_per_device={max_per_device}")
+        self.estimator = estimator
+        self.num_devices = num_devices
+        self.max_per_device = max_per_device
+        self.k_top = k_top
+        self.pending: dict[int, tuple[torch.Tensor, Placement]] = {}
+        self.history: list[torch.Tensor] = []
+        self.resumes = self.replans = self.unplanned = 0
+        self.decisions: list[tuple[int, str]] = []
+
+    def plan(self, load) -> Placement:
+        return lina_placement(load, self.num_devices, max_per_device=self.max_per_device)
+
+    def phase_one(self, layer: int, estimate: torch.Tensor) -> Placement:
+        """Plan ``layer`` from its estimated load (before its gate runs)."""
+        pl = self.plan(estimate)
+        self.pending[layer] = (estimate.detach().to("cpu", torch.float64), pl)
+        return pl
+
+    def phase_two(self, layer: int, actual: torch.Tensor) -> tuple[Placement, str]:
+        """``layer``'s placement once its gate ran: the planned one when the estimate's top-k
+        experts are the actual top-k ("resume"), else one planned from ``actual`` ("replan");
+        "unplanned" when there was no estimate."""
+        actual = actual.detach().to("cpu", torch.float64)
+        if layer not in self.pending:
+            self.unplanned += 1
+            out = (self.plan(actual), "unplanned")
+        else:
+            est, pl = self.pending.pop(layer)
+            if top_k_match(est, actual, self.k_top):
+                self.resumes += 1
+                out = (pl, "resume")
+            else:
+                self.replans += 1
+                out = (self.plan(actual), "replan")
+        self.decisions.append((layer, out[1]))
+        return out
+
+
+class ReplicatedMoELayer(nn.Module):
+    """Serve a local :class:`~tritonmoe.MoELayer` (all E experts, identical on every rank) over
+    the expert-parallel group ``group`` with a :class:`Placement` (see the module docstring).
+
+    Args:
+        layer: the local MoELayer (not expert-parallel; dropless routing: no capacity).
+        group: the process group (None: the default group).
+        placement: a fixed placement (default: :meth:`Placement.contiguous`); every rank must
+            pass the same one (checked once, collectively).
+        scheduler: a :class:`LinaScheduler` choosing the placement per forward (then
+            ``layer_index`` is this layer's position in the stack, the layers run in order).
+
+    After a forward, ``placement_used`` is the placement that served it, ``decision`` the
+    scheduler's phase-two outcome, ``rows_served`` the rows this rank computed.
+
+    Inference only: the exchanges are not differentiable (run it under ``torch.no_grad()``) and
+    no auxiliary loss is computed. Every rank of the group must call it, in the same order.
+    """
+
+    def __init__(self, layer: nn.Module, group=None, *, placement: Optional[Placement] = None,
+                 scheduler: Optional[LinaScheduler] = None, layer_index: Optional[int] = None) -> None:
+        super().__init__()
+        from ..comm.splits import group_rank_size
+        from ..layer import MoELayer
+
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"layer must be a tritonmoe.MoELayer, got {type(layer).__name__}")
+        if layer.expert_parallel:
+            raise ValueError("layer is already expert-parallel; pass a local MoELayer holding all experts")
+        if layer.config.capacity_factor is not None:
+            raise ValueError("ReplicatedMoELayer serves dropless routing; build the layer with capacity_factor=None")
+        self.rank, self.world_size = group_rank_size(group)
+        self.group = group
+        self.layer = layer
+        E = layer.config.num_experts
+        if scheduler is not None:
+            if not isinstance(scheduler, LinaScheduler):
+                raise TypeError(f"scheduler must be a LinaScheduler, got {type(scheduler).__name__}")
+            if scheduler.num_devices != self.world_size:
+                raise ValueError(f"scheduler plans for {scheduler.num_devices} devices, the group has {self.world_size}")
+            if scheduler.estimator.num_experts != E:
+                raise ValueError(f"scheduler's estimator has {scheduler.estimator.num_experts} experts, the layer {E}")
+            if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not (
+                    0 <= layer_index < scheduler.estimator.num_layers):
+                raise ValueError(f"layer_index={layer_index!r}: give this layer's position in the stack, "
+                                 f"0 <= layer_index < {scheduler.estimator.num_layers}")
+        self.scheduler = scheduler
+        self.layer_index = layer_index
+        self.placement_used: Optional[Placement] = None
+        self.decision: Optional[str] = None
+        self.rows_served = 0
+        self._hosted: tuple = ()
+        self.placement = None
+        self.set_placement(placement if placement is not None else Placement.contiguous(E, self.world_size), check=True)
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def set_placement(self, placement: Placement, *, check: bool = False) -> None:
+        """Serve ``placement`` from now on. ``check``: compare it across ranks first (collective;
+        the same ValueError on every rank when they differ)."""
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement must be a tritonmoe.inference.Placement, got {type(placement).__name__}")
+        E = self.layer.config.num_experts
+        if placement.num_experts != E or placement.num_devices != self.world_size:
+            raise ValueError(f"placement is for {placement.num_experts} experts on {placement.num_devices} devices; "
+                             f"the layer has {E} experts on a group of {self.world_size}")
+        if check and self.world_size > 1:
+            from ..comm import check_agreement
+
+            check_agreement({"placement": hash((placement.hosted, placement.weights)) % (2**61)}, group=self.group,
+                            what="the placement (pass the same Placement on every rank)")
+        self.placement = placement
+        self._hosted = placement.hosted[self.rank]
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _exchange_counts(self, routing) -> torch.Tensor:
+        """fp64 [P, 2E]: every rank's per-expert counts of this layer and (under a scheduler) its
+        estimate for the next layer, from one all-gather (host values: the split sizes and the
+        placement are decided on the host). From it every rank derives the global popularity,
+        the placement and every split, so no other exchange of counts is needed."""
+        E = self.layer.config.num_experts
+        vec = torch.zeros(2 * E, dtype=torch.float64)
+        vec[:E] = routing.counts.to("cpu", torch.float64)  # host sync: counts size the exchanges
+        sch, l = self.scheduler, self.layer_index
+        if sch is not None:
+            if l == 0:
+                sch.history = []
+            choices = top_choices(routing.topk_ids).cpu()
+            sch.history = sch.history[:l] + [choices]
+            if l + 1 < sch.estimator.num_layers:  # phase one for the next layer, piggybacked
+                vec[E:] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
+        if self.world_size == 1:
+            return vec.view(1, -1)
+        from ..comm.splits import comm_device
+
+        dev = comm_device(self.group)  # NCCL gathers CUDA tensors
+        vec = vec.to(dev)
+        parts = [torch.empty_like(vec) for _ in range(self.world_size)]
+        dist.all_gather(parts, vec, group=self.group)
+        return torch.stack(parts).cpu()  # host sync: the splits and the placement are host values
+
+    def _schedule(self, table: torch.Tensor) -> None:
+        """Phase two for this layer, phase one for the next, from the gathered counts."""
+        sch, l = self.scheduler, self.layer_index
+        E = self.layer.config.num_experts
+        tot = table.sum(0)
+        placement, self.decision = sch.phase_two(l, tot[:E])
+        if l + 1 < sch.estimator.num_layers:
+            sch.phase_one(l + 1, tot[E:])
+        self.set_placement(placement)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer, c = self.layer, self.layer.config
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != c.d_model:
+            raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
+        if x.dtype != layer.w1.dtype:
+            raise TypeError(f"x is {x.dtype} but the layer's parameters are {layer.w1.dtype}; cast one of them")
+        x_TD = x.reshape(-1, c.d_model)
+        _, routing = layer.route(x_TD)
+        layer.last_routing = routing
+        table = self._exchange_counts(routing)
+        if self.scheduler is not None:
+            self._schedule(table)
+        out = self.experts(x_TD, routing, table[:, : c.num_experts])
+        if layer.shared_experts is not None:
+            out = out + layer.shared_experts(x_TD)
+        return out if x.dim() == 2 else out.view(x.shape)
+
+    def experts(self, x_TD: torch.Tensor, routing, counts_PE: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for this rank's tokens, computed where the placement
+        puts them; ``counts_PE``: every rank's per-expert counts (from :meth:`_exchange_counts`)."""
+        from ..comm.all_to_all import all_to_all_raw
+        from ..comm.partition import _transpose_chunks
+        from ..experts import ffn_options
+
+        layer, c = self.layer, self.layer.config
+        pl, P, rank = self.placement, self.world_size, self.rank
+        self.placement_used = pl
+        impl = layer.expert_path.impl
+        x_perm, info = impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts)
+        table = counts_PE.to(torch.int64).tolist()
+        counts = table[rank]
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        M = pl.max_hosted
+        pos = [{e: j for j, e in enumerate(h)} for h in pl.hosted]
+        seg = [[(0, 0)] * M for _ in range(P)]  # (start row in x_perm, rows) per (device, hosted slot)
+        for e in range(c.num_experts):
+            start = offsets[e]
+            for d, n in pl.split(e, counts[e], rank):
+                seg[d][pos[d][e]] = (start, n)
+                start += n
+        send_splits = [sum(n for _, n in row) for row in seg]
+        idx = [torch.arange(s, s + n) for row in seg for s, n in row if n]
+        idx = torch.cat(idx).to(x_perm.device) if idx else torch.zeros(0, dtype=torch.int64, device=x_perm.device)
+        x_send = x_perm.index_select(0, idx)
+        # what every source sends to this rank's hosted experts: the same split, computed here
+        mine = self._hosted
+        recv_counts_PM = torch.tensor(
+            [[dict(pl.split(e, table[s][e], s)).get(rank, 0) for e in mine] for s in range(P)], dtype=torch.int64
+        ).view(P, len(mine))
+        Md = len(mine)
+        recv_splits = recv_counts_PM.sum(1).tolist()
+        recv, _ = all_to_all_raw(x_send, send_splits, recv_splits, self.group) if P > 1 else (x_send, None)
+        rows = recv.shape[0]
+        self.rows_served = rows
+        if rows and Md:
+            x_RD = _transpose_chunks(recv, recv_counts_PM.to(recv.device), c.backend)
+            per_expert = torch.zeros(c.num_experts, dtype=torch.int64)
+            per_expert[list(mine)] = recv_counts_PM.sum(0)  # hosted experts ascending: segments in expert order
+            off = torch.zeros(c.num_experts + 1, dtype=torch.int64)
+            off[1:] = torch.cumsum(per_expert, 0)
+            y_RD = impl("grouped_ffn", x_RD)(x_RD, off.to(recv.device), layer.w1, layer.w2, c.activation, layer.b1,
+                                             layer.b2, **ffn_options(c))
+            y = _transpose_chunks(y_RD, recv_counts_PM.t().contiguous().to(recv.device), c.backend)
+        else:
+            y = recv.new_zeros(rows, x_TD.shape[1])
+        back, _ = all_to_all_raw(y, recv_splits, send_splits, self.group) if P > 1 else (y, None)
+        y_perm = torch.zeros_like(x_perm).index_copy_(0, idx, back)
+        return impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
