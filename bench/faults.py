@@ -61,6 +61,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tritonmoe.comm.rendezvous import init_local, local_store
+
 __all__ = [
     "FaultCase",
     "RankCtx",
@@ -641,16 +643,6 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _rendezvous(P: int, timeout_s: float) -> "dist.TCPStore":
-    """The TCPStore a group's ranks rendezvous on, served by the parent on a port the kernel
-    assigns as it binds (port 0), held for the group's whole life. (Picking a free port, closing
-    it and letting rank 0 bind it later races with every other socket of a busy machine: gloo's
-    listening sockets of the concurrently running groups take ports from the same range, and
-    two groups could meet on one store.)"""
-    return dist.TCPStore("127.0.0.1", 0, world_size=P, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
-
-
 def _qualname(e: BaseException) -> str:
     return f"{type(e).__module__}.{type(e).__qualname__}"
 
@@ -680,9 +672,7 @@ def _rank_main(rank: int, P: int, port: int, cases: list[FaultCase], pg_timeout_
         name = case.name
         try:  # set-up: a failure here is the harness's, never a case's outcome
             if i == 0:
-                init = datetime.timedelta(seconds=INIT_TIMEOUT_S)
-                store = dist.TCPStore("127.0.0.1", port, world_size=P, is_master=False, timeout=init)
-                dist.init_process_group("gloo", store=store, rank=rank, world_size=P, timeout=init)
+                init_local(rank, P, port, INIT_TIMEOUT_S)  # the parent serves the store on `port`
                 _warm_up()
             if rank in case.victims and case.setup_delay_s:  # e.g. its warm-up took longer
                 time.sleep(case.setup_delay_s)
@@ -782,7 +772,7 @@ def _run_group(P: int, cases: list[FaultCase], pg_timeout_s: float, init_timeout
     """Start P ranks that run ``cases`` in order; every rank's outcome per case."""
     ctx = _mp_context()
     with tempfile.TemporaryDirectory() as outdir:
-        store = _rendezvous(P, init_timeout_s)  # lives until every rank has ended
+        store = local_store(P, init_timeout_s)  # lives until every rank has ended (no free-port race)
         procs = [ctx.Process(target=_rank_main, args=(r, P, store.port, cases, pg_timeout_s, outdir), daemon=True)
                  for r in range(P)]
         for p in procs:

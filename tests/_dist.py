@@ -11,7 +11,6 @@ CPU machine: batch many checks into one call (a table of cases per group).
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import socket
@@ -23,6 +22,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from tritonmoe.comm.rendezvous import local_store
+
 
 @dataclass
 class RankResult:
@@ -33,31 +34,22 @@ class RankResult:
 
 def free_port() -> int:
     """A port free now (racy: another process may take it before it is bound again; prefer
-    :func:`rendezvous_store`)."""
+    :func:`tritonmoe.comm.rendezvous.local_store`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rendezvous_store(world_size: int, timeout_s: float):
-    """A TCPStore served by this process on a kernel-assigned port (``.port``): the rendezvous
-    of a group whose ranks connect as clients. Keep it alive until the ranks have ended."""
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _entry(rank: int, P: int, port: int, pg_timeout_s: float, fn: Callable, args: tuple, outdir: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from tritonmoe.comm.rendezvous import init_local
+
     torch.set_num_threads(1)
     ok = False
     try:
-        timeout = datetime.timedelta(seconds=pg_timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size=P, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=P, timeout=timeout)
+        init_local(rank, P, port, pg_timeout_s)  # the parent serves the store on `port`
         result = ("ok", fn(rank, P, *args))
         ok = True
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -90,7 +82,7 @@ def run_group(
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        store = rendezvous_store(world_size, deadline_s)  # served until every rank has ended
+        store = local_store(world_size, deadline_s)  # served until every rank has ended
         procs = [
             ctx.Process(target=_entry, args=(r, world_size, store.port, pg_timeout_s, fn, args, outdir), daemon=True)
             for r in range(world_size)

@@ -94,7 +94,7 @@ def test_rendezvous_port_is_held_by_the_parent():
     """The ranks' rendezvous store is bound by the parent on a kernel-assigned port for the
     group's whole life: no window in which another socket can take the port (the free-port race
     of choosing a port, closing it and having rank 0 bind it later)."""
-    store = faults._rendezvous(2, 5.0)
+    store = faults.local_store(2, 5.0)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, pytest.raises(OSError):
         s.bind(("127.0.0.1", store.port))
 
