@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -30,14 +29,6 @@ class RankResult:
     rank: int
     status: str  # "ok", "error" (fn raised; ``value`` is the traceback) or "missing" (died/killed)
     value: Any = None
-
-
-def free_port() -> int:
-    """A port free now (racy: another process may take it before it is bound again; prefer
-    :func:`tritonmoe.comm.rendezvous.local_store`)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, P: int, port: int, pg_timeout_s: float, fn: Callable, args: tuple, outdir: str) -> None:
