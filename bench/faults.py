@@ -454,6 +454,11 @@ def _static_cast_everywhere(ctx: RankCtx) -> dict:
     return ep_step(ctx, ep_capacity=STATIC_C, build_dtype=torch.float32)
 
 
+def _static_dtype_at_construction(ctx: RankCtx) -> dict:
+    return ep_step(ctx, ep_capacity=STATIC_C,
+                   dtypes=[torch.float32 if s == 1 else torch.float64 for s in range(ctx.world_size)])
+
+
 def _static_cast_after_construction(ctx: RankCtx) -> dict:
     def cast(c, layer, x):
         layer.float()
@@ -571,6 +576,8 @@ for _case in (
               "the capacity dropped, as the reference drops them)", _static_ragged, legal=True, shared=True),
     FaultCase("static EP: every rank casts", "ep_capacity=4; every rank builds in fp32 and casts to fp64 after "
               "construction (the ranks re-agree on the rows' dtype)", _static_cast_everywhere, legal=True, shared=True),
+    FaultCase("static EP: dtype differs at construction", "ep_capacity=4; rank 1 builds its layer in fp32, the "
+              "others in fp64", _static_dtype_at_construction, victims=(1,), shared=True),
     FaultCase("static EP: dtype cast after construction", "ep_capacity=4; rank 1 casts its layer and input to fp32 "
               "after construction (no counts exchange carries the dtype)", _static_cast_after_construction,
               victims=(1,)),
