@@ -505,14 +505,14 @@ def _hier_groups(ctx: RankCtx):
     return hierarchical_groups(2, group=ctx.group)  # node groups of 2 ranks (and rails for P = 4)
 
 
-def _hier_exchange(ctx: RankCtx, groups) -> dict:
+def _hier_exchange(ctx: RankCtx, groups, *, victim_raises: bool = False) -> dict:
     from tritonmoe.comm import hierarchical_all_to_all
 
     P = ctx.world_size
     splits = [2] * P
     x = torch.randn(2 * P, D_MODEL, dtype=torch.float64, requires_grad=True)
     ctx.start_clock()
-    if ctx.is_victim and ctx.case.startswith("hierarchical: rank raises"):
+    if ctx.is_victim and victim_raises:
         ctx.raise_fault()
     # Splits given and unchecked: the first collective is the step-size exchange on a node group.
     hierarchical_all_to_all(x, splits, splits, groups=groups, check=False).sum().backward()
@@ -521,7 +521,7 @@ def _hier_exchange(ctx: RankCtx, groups) -> dict:
 
 
 def _hier_peer_absent(ctx: RankCtx) -> dict:
-    return _hier_exchange(ctx, _hier_groups(ctx))
+    return _hier_exchange(ctx, _hier_groups(ctx), victim_raises=True)
 
 
 def _hier_exit(ctx: RankCtx) -> dict:
