@@ -163,3 +163,18 @@ def test_created_groups_inherit_the_parents_timeout():
         assert queued == 0, (r, queued)
         want = {k: (3.0 if "3 s" in k else 7.0) for k in v}
         assert v == want, f"rank {r}: group timeouts {v} (30 min = 1800 s is torch's default)"
+
+
+def test_a_collective_that_fails_when_issued_raises_schedule_error(monkeypatch):
+    """A backend failure raised when the executor issues a collective (not only when it is
+    waited for) is the same typed error, naming the operation."""
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+
+    monkeypatch.setattr(executor_mod.dist, "all_reduce", closed)
+    ex = RealExecutor(torch.device("cpu"))
+    with pytest.raises(ScheduleError, match=r"all_reduce 'allreduce' of micro-op 3 \(fwd\) failed on rank -1: "
+                                            r"RuntimeError: .*Connection closed by peer") as info:
+        ex.all_reduce(torch.ones(4), kind="allreduce", micro_op=3)
+    assert isinstance(info.value.__cause__, RuntimeError)
