@@ -349,6 +349,16 @@ class StaticExpertParallelExperts(ExpertPath):
     config applied to each rank's batch; padding rows never reach an output.
 
     Construction is collective (one small all-to-all checks that the ranks agree on the config).
+
+    Dtype of the rows: the ranks agree on it at construction, and the equal-split exchanges move
+    rows of that dtype with no counts exchange to compare it in. A rank whose rows have another
+    dtype at a forward (it cast its layer and input after construction) first re-agrees on a
+    control group of the same ranks (one small all-gather and a host sync, only on that forward):
+    when every rank cast the same way they all re-agree and go on; otherwise every rank ends in a
+    typed error before any row of the wrong size moves, the ranks that changed in a ``TypeError``
+    naming every rank's dtype, the others in :class:`~tritonmoe.comm.ScheduleError` (their
+    exchange's peer never joined) within the group's timeout. The forward whose dtype is the
+    agreed one costs nothing more (a host-side dtype comparison).
     """
 
     def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
@@ -368,6 +378,45 @@ class StaticExpertParallelExperts(ExpertPath):
         self.group, self.rank, self.world_size = group, rank, P
         self.num_local_experts = E // P
         self.expert_start = rank * self.num_local_experts
+        #: the dtype of the exchanged rows every rank of the group agreed on
+        self.wire_dtype = dtype
+        self._control = _control_group(group)
+
+    def _check_wire_dtype(self, dtype: torch.dtype) -> None:
+        """Re-agree on the rows' dtype when this rank's changed (see the class docstring)."""
+        if dtype == self.wire_dtype:
+            return
+        import torch.distributed as dist
+
+        from .comm.errors import ScheduleError, backend_errors
+        from .comm.splits import comm_device
+
+        P = self.world_size
+        code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+        mine = torch.tensor([code], dtype=torch.int64, device=comm_device(self._control))
+        table = torch.empty(P, dtype=torch.int64, device=mine.device)
+        try:
+            with backend_errors("the static expert-parallel dtype re-agreement", self._control):
+                dist.all_gather_into_tensor(table, mine, group=self._control)
+        except ScheduleError as e:
+            raise TypeError(
+                f"rank {self.rank}'s expert-parallel rows are {dtype} but the group agreed on {self.wire_dtype}, and the "
+                "other ranks did not re-agree (their rows kept the agreed dtype, or they failed): cast every rank's "
+                f"layer and input the same way ({type(e).__name__}: {str(e)[:200]})"
+            ) from e
+        codes = table.tolist()  # host sync: only on a forward whose dtype changed
+        if len(set(codes)) > 1:
+            names = ", ".join(
+                f"rank {r}: {str(_DTYPE_CODES[c]).replace('torch.', '') if c >= 0 else 'unsupported'}"
+                for r, c in enumerate(codes)
+            )
+            raise TypeError(
+                f"the ranks of the static expert-parallel group would exchange rows of different dtypes ({names}); "
+                "cast every rank's layer and input the same way"
+            )
+        if code < 0:
+            raise TypeError(f"static expert parallelism exchanges rows of {_DTYPE_CODES}, got {dtype}")
+        self.wire_dtype = dtype
 
     def send_rows(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dest [T*k], valid [T*k])``: the row of the [E*C] send buffer each slot goes to
@@ -395,6 +444,7 @@ class StaticExpertParallelExperts(ExpertPath):
         self.path_used = "expert_parallel_static"
         E, C, P, L = c.num_experts, c.ep_capacity, self.world_size, self.num_local_experts
         T, d = x_TD.shape
+        self._check_wire_dtype(x_TD.dtype)  # before any row moves; free unless the dtype changed
         k = routing.topk_ids.shape[1]
         dest, valid = self.send_rows(routing)
         x_slots = x_TD.unsqueeze(1).expand(T, k, d).reshape(T * k, d)
@@ -415,6 +465,26 @@ class StaticExpertParallelExperts(ExpertPath):
         back = torch.cat([back, back.new_zeros(1, d)], dim=0)
         w = torch.where(valid.view(T, k), routing.topk_weights.to(acc), torch.zeros((), dtype=acc, device=x_TD.device))
         return (back[dest].view(T, k, d).to(acc) * w.unsqueeze(-1)).sum(1).to(x_TD.dtype)
+
+
+#: control groups of expert-parallel groups: id(group) -> (group, control group); one per group,
+#: however many layers use it (the group is kept to tell a recycled id from the same group)
+_CONTROL_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _control_group(group: Any) -> Any:
+    """A second process group with ``group``'s ranks and timeout, for agreements that must not
+    be matched against ``group``'s data exchanges (created once per group; collective over its
+    ranks only)."""
+    import torch.distributed as dist
+
+    from .comm.errors import new_group
+
+    hit = _CONTROL_GROUPS.get(id(group))
+    if hit is None or hit[0] is not group:
+        control = new_group(dist.get_process_group_ranks(group), parent=group, use_local_synchronization=True)
+        hit = _CONTROL_GROUPS[id(group)] = (group, control)
+    return hit[1]
 
 
 def _announce(scheduler):
