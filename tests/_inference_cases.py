@@ -226,6 +226,57 @@ def _scheduler_loads(rank: int, P: int) -> dict:
     return dict(equal=ok, loaded=loaded, expected=expected, changes=changes)
 
 
+def single_device_case(rank: int, P: int, device: str = "cpu", group=None) -> dict:
+    """One device serving all E experts (a group of one, ``group``): the host source (on CUDA:
+    pinned, the layer's device copies released and shared by a second wrapper), outputs equal
+    the local layer, and slot orders that are not the experts' order (reached by driving the
+    slot loader directly, as a multi-rank placement change would: kept experts first, then the
+    newly loaded ones in the freed slots) give the same outputs."""
+    import copy
+
+    cuda = device == "cuda"
+    dt = torch.float32 if cuda else torch.float64
+    torch.manual_seed(0)
+    layer = tm.MoELayer(tm.MoEConfig(D, 6, E, 2, expert_ffn_bias=True), device=device, dtype=dt)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(37, D, device=device, dtype=dt)
+    out: dict = {}
+    with torch.no_grad():
+        want = ref(x)
+        per = _per_expert_bytes(ref)
+        rep = ReplicatedMoELayer(layer, group=group)
+        host = list(rep.host.values())
+        out["host_is_layer"] = rep.host["w1"].data_ptr() == layer.w1.data_ptr()
+        out["released"] = layer.w1.numel() == 0
+        out["pinned"] = all(t.is_pinned() for t in host)
+        first = rep(x)
+        out["equal_local"] = bool(torch.equal(first, want))
+        out["max_diff_local"] = float((first - want).abs().max())
+        out["held"] = _held_bytes(rep) == E * per
+        with _CopyCounter(host) as cc:
+            rep._load((5, 6, 7))  # exact-size slots: resized, kept experts moved on the device
+            rep._load(tuple(range(E)))
+            out["loaded"] = sorted(e for e, _, _ in cc.take())
+            out["slot_order"] = list(rep.slot_experts)
+            out["equal_resized"] = bool(torch.equal(rep(x), first))
+            rep2 = ReplicatedMoELayer(layer, group=group, slots=E)
+            out["shared_host"] = rep2.host["w1"].data_ptr() == rep.host["w1"].data_ptr()
+            rep2._load((0, 1, 2, 3))  # fixed slots: 4..7 leave, then come back into the freed slots 0..3
+            rep2._load((4, 5, 6, 7))
+            cc.take()
+            rep2._load(tuple(range(E)))
+            out["loaded2"] = sorted(e for e, _, _ in cc.take())
+            out["slot_order2"] = list(rep2.slot_experts)
+            out["equal_fixed"] = bool(torch.equal(rep2(x), first))
+            out["empty_batch"] = tuple(rep2(x[:0]).shape) == (0, D)
+        out["held2"] = _held_bytes(rep2) == E * per
+    return out
+
+
+def cuda_single_device_case(rank: int, P: int) -> dict:
+    return single_device_case(rank, P, "cuda")
+
+
 def replicated_cases(rank: int, P: int) -> dict:
     """Every check of test_replicated in one group: per case, whether the replicated layer's
     output equals the local layer's bitwise, and what the test inspects."""
@@ -284,6 +335,13 @@ def replicated_cases(rank: int, P: int) -> dict:
     out["scheduler"] = dict(equal=ok, decisions=sch.decisions, resumes=sch.resumes, replans=sch.replans,
                             unplanned=sch.unplanned, hosted=[rp.placement_used.hosted for rp in reps])
     out.update(_replan_cases(rank, P, top2))
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(P)]  # collective: every rank creates every group
+    try:
+        out["single_device"] = single_device_case(rank, P, "cpu", singles[rank])
+    except Exception:  # noqa: BLE001
+        out["single_device"] = dict(error=traceback.format_exc())
     out["scheduler_loads"] = _scheduler_loads(rank, P)
     # bad input, raised on every rank before any exchange
     layer = top2
@@ -295,4 +353,4 @@ def replicated_cases(rank: int, P: int) -> dict:
     return out
 
 
-__all__ = ["replicated_cases", "zipf_layer"]
+__all__ = ["replicated_cases", "zipf_layer", "single_device_case", "cuda_single_device_case"]

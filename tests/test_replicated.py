@@ -110,3 +110,32 @@ def test_bad_placement_and_capacity_on_every_rank(results):
         assert r["bad_expert_id"] == "ok" and r["over_capacity"] == "ok" and r["over_capacity_ctor"] == "ok"
         assert r["bad_slots"] == ["ok", "ok"] and r["bad_host"] == "ok"
         assert r["unchanged_after_error"] and r["after_errors_equal"]
+
+
+def _check_single_device(s: dict, cuda: bool) -> None:
+    assert "error" not in s, s.get("error")
+    assert s["held"] and s["held2"]
+    if cuda:  # the layer's device copies moved to pinned host memory, shared by a second wrapper
+        assert s["released"] and s["pinned"] and s["shared_host"] and not s["host_is_layer"]
+        assert s["max_diff_local"] <= 1e-5
+    else:  # the layer's CPU tensors are the host copy (shared, not copied)
+        assert s["host_is_layer"] and s["shared_host"] and s["equal_local"]
+    # slots not in expert order serve the same outputs (bitwise: the same rows per expert)
+    assert s["slot_order"] == [5, 6, 7, 0, 1, 2, 3, 4] and s["loaded"] == [0, 1, 2, 3, 4] and s["equal_resized"]
+    assert s["slot_order2"] == [4, 5, 6, 7, 0, 1, 2, 3] and s["loaded2"] == [0, 1, 2, 3]
+    assert s["equal_fixed"] and s["empty_batch"]
+
+
+def test_single_device_slot_orders(results):
+    for r in results:
+        _check_single_device(r["single_device"], cuda=False)
+
+
+@pytest.mark.gpu
+def test_cuda_hosted_slots_copy_stream():
+    """On a GPU: pinned host source, the layer's device copies released, loads on the copy
+    stream ordered before the compute by an event."""
+    from _inference_cases import cuda_single_device_case
+
+    res, _ = run_group(1, cuda_single_device_case, deadline_s=300.0)
+    _check_single_device(values_or_fail(res)[0], cuda=True)
