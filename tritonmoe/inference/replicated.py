@@ -1,9 +1,12 @@
 """Expert-parallel serving of a :class:`~tritonmoe.inference.Placement` with replicas and
 packing (Lina's inference scheduler, paper 001 §5.2 and §6.2; PAPERS.md §1.5).
 
-:class:`ReplicatedMoELayer` wraps a local :class:`~tritonmoe.MoELayer` that holds all E experts
-(identical on every rank of the group: inference weights, built from one seed or one
-checkpoint). Each rank routes its own tokens with the layer's router, then:
+:class:`ReplicatedMoELayer` wraps a local :class:`~tritonmoe.MoELayer` whose E experts are
+identical on every rank of the group (inference weights, built from one seed or one checkpoint).
+The full expert set lives in host memory (the layer's CPU tensors, a state dict, or a pinned
+copy of the layer's GPU tensors); each rank's device holds only the experts its placement hosts
+on it (replicas included), in compact ``[slots, ...]`` buffers with a slot -> expert map. Each
+rank routes its own tokens with the layer's router, then:
 
 1. gathers every rank's per-expert counts (one small all-gather; a host sync: the split sizes
    are host values, as in the expert-parallel layer), from which every rank derives every
@@ -11,14 +14,17 @@ checkpoint). Each rank routes its own tokens with the layer's router, then:
 2. permutes its tokens by expert, splits the rows of each expert over its replicas
    (:meth:`Placement.split`: in proportion to the replicas' weights, remainders rotated by
    source rank) and sends each chunk to its replica's device (the all-to-all of the rows);
-3. computes the experts the device hosts (one grouped FFN over the layer's expert tensors in
-   which the experts it does not host have empty segments);
+3. reorders the received rows by slot (one segment copy) and computes the hosted experts (one
+   grouped FFN over the slot buffers; a free slot has an empty segment);
 4. returns the rows with the reverse all-to-all and combines them (``unpermute``).
 
-Every rank keeps all E experts' weights (the wrapped layer's); a placement changes which of
-them it computes, so re-planning costs no weight copy. Holding only the hosted experts on the
-device and swapping weights in from host memory when the placement changes (001 §6.2) is not
-done here. Where a token's rows are computed changes, not how: the output equals the local layer's on the
+A placement change (:meth:`ReplicatedMoELayer.set_placement`, or a re-plan of the scheduler)
+loads only the experts newly hosted on the rank from host memory, into the slots of the experts
+it no longer hosts; kept experts stay in their slots (001 §6.2's swap-in). On CUDA the copies
+run on a copy stream, after the compute that last read the slots and before the next compute
+(events); on CPU they are plain copies.
+
+Where a token's rows are computed changes, not how: the output equals the local layer's on the
 same tokens (bitwise in fp64 on the reference backend; ``tests/test_replicated.py``).
 
 :class:`LinaScheduler` ties popularity estimation to placement over a stack of such layers
@@ -323,34 +329,35 @@ class ReplicatedMoELayer(nn.Module):
             self.last_load_experts = []
             return
         stream = self._copy_stream
-        if stream is not None:
-            # the compute that last read the slots (and the allocations below) come first
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with torch.no_grad(), ctx:
+        nb = stream is not None
+        old = self.expert_weights
+        with torch.no_grad():
             if S == len(cur):  # reuse the buffers: the new experts take the freed slots
-                bufs = self.expert_weights
+                bufs = old
                 slot_experts = [e if e in want else -1 for e in cur]
-            else:  # resize: kept experts first, moved on the device
-                old = self.expert_weights
+            else:  # resize (allocated on the compute stream): kept experts first, moved on the device
                 bufs = {n: torch.zeros((S, *t.shape[1:]), dtype=t.dtype, device=self.device) for n, t in old.items()}
                 slot_experts = keep + [-1] * (S - len(keep))
-                for j, e in enumerate(keep):
-                    s = cur.index(e)
-                    for n in self.names:
-                        bufs[n][j].copy_(old[n][s], non_blocking=stream is not None)
-                    self.device_copy_bytes += self.expert_bytes
-                if stream is not None:
-                    for t in list(old.values()) + list(bufs.values()):
-                        t.record_stream(stream)  # freed / used while the copy stream may still run
-            free = [s for s, e in enumerate(slot_experts) if e < 0]
-            for e, s in zip(incoming, free):
-                _copy_expert([bufs[n][s] for n in self.names], [self.host[n][e] for n in self.names],
-                             stream is not None)
-                slot_experts[s] = e
-            if stream is not None:
-                self._ready = torch.cuda.Event()
-                self._ready.record(stream)
+            if nb:
+                # the compute that last read the slots, and the allocation above, come first
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream) if nb else contextlib.nullcontext():
+                if bufs is not old:
+                    for j, e in enumerate(keep):
+                        s = cur.index(e)
+                        for n in self.names:
+                            bufs[n][j].copy_(old[n][s], non_blocking=nb)
+                        self.device_copy_bytes += self.expert_bytes
+                free = [s for s, e in enumerate(slot_experts) if e < 0]
+                for e, s in zip(incoming, free):
+                    _copy_expert([bufs[n][s] for n in self.names], [self.host[n][e] for n in self.names], nb)
+                    slot_experts[s] = e
+                if nb:
+                    self._ready = torch.cuda.Event()
+                    self._ready.record(stream)
+            if nb:  # the copy stream uses these: their memory is not reused before it is done
+                for t in {id(t): t for t in list(old.values()) + list(bufs.values())}.values():
+                    t.record_stream(stream)
         self.expert_weights = bufs
         self.slot_experts = slot_experts
         self.last_load_experts = incoming
