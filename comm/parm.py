@@ -134,6 +134,7 @@ class PausePlan:
     dump_index: torch.Tensor
     combine_pos: torch.Tensor
     wgrad_groups: list[int]
+    recv_counts_list: Optional[list] = None  # recv_counts as host ints (no device read needed)
 
     @property
     def rows(self) -> int:
@@ -178,7 +179,7 @@ def pause_plan(
     return PausePlan(
         counts=c, send_splits=send, recv_splits=recv,
         recv_counts=torch.tensor(recv_counts, dtype=torch.int64, device=device).view(P, L),
-        dump_index=dump, combine_pos=pos, wgrad_groups=order,
+        dump_index=dump, combine_pos=pos, wgrad_groups=order, recv_counts_list=recv_counts,
     )
 
 
@@ -300,6 +301,7 @@ class BaselinePlan:
     wgrad_groups: list[int]
     mp_duplicates: int
     own: int = 0
+    recv_counts_list: Optional[list] = None  # recv_counts as host ints (no device read needed)
 
     @property
     def own_rows(self) -> list[int]:
@@ -353,7 +355,7 @@ def baseline_plan(
         origin_counts=oc, send_index=ranges(starts, lens, device) if indices else None, send_splits=send, recv_splits=recv,
         recv_counts=torch.tensor(recv_counts, dtype=torch.int64, device=device).view(n_ep * n_esp, L),
         origin_pos=origin_pos, wgrad_groups=[g for _, g in sorted(groups)], mp_duplicates=layout.n_mp,
-        own=s_me,
+        own=s_me, recv_counts_list=recv_counts,
     )
 
 

@@ -97,3 +97,47 @@ def test_layer_output_is_nan_with_nonfinite_bias():
     with torch.no_grad():
         layer.expert_bias.copy_(_bias())
     assert layer(torch.randn(3, 8)).isnan().all()
+
+
+def test_nonfinite_bias_guard_adds_no_host_sync_to_the_forward():
+    """The forward's guard stays on the device: a layer's forward dispatches the same
+    host-synchronizing ops (counted by a dispatch mode) with a NaN bias as with a finite one, and
+    the guard itself dispatches none."""
+    from _ep_cases import SyncCounter
+
+    torch.manual_seed(0)
+    layer = tm.MoELayer(tm.MoEConfig(8, 12, 6, 2, expert_bias=True))
+    x = torch.randn(5, 8)
+    counts = []
+    for value in (0.25, float("nan")):
+        with torch.no_grad():
+            layer.expert_bias.copy_(_bias(value=value))
+        with SyncCounter() as c:
+            layer(x).sum().backward()
+        counts.append(c.syncs)
+    assert counts[0] == counts[1], counts
+    with SyncCounter() as c:
+        w = tm.bias.nan_weights_if_nonfinite(torch.rand(5, 2), _bias())
+    assert c.syncs == [] and w.isnan().all()
+
+
+def test_update_expert_bias_refusal_is_typed_and_keeps_loads():
+    """Without a group: ExpertBiasError (a ValueError) naming the layer and expert, nothing
+    written, the loads kept for the next try; a rate that would overflow the bias's dtype too."""
+    torch.manual_seed(0)
+    layers = [tm.MoELayer(tm.MoEConfig(8, 6, 4, 2, expert_bias=True)) for _ in range(2)]
+    for layer in layers:
+        layer(torch.randn(7, 8))
+    loads = [layer.expert_load().clone() for layer in layers]
+    with torch.no_grad():
+        layers[1].expert_bias[3] = float("-inf")
+    with pytest.raises(tm.ExpertBiasError, match=r"expert_bias\[1\]\[3\]=-inf"):
+        tm.update_expert_bias(layers, rate=0.01)
+    assert all(torch.equal(layer.expert_load(), load) for layer, load in zip(layers, loads))
+    assert torch.equal(layers[0].expert_bias, torch.zeros(4))
+    with torch.no_grad():
+        layers[1].expert_bias[3] = 3e38
+    with pytest.raises(tm.ExpertBiasError, match="overflows its dtype"):
+        tm.update_expert_bias(layers, rate=1e38)
+    tm.update_expert_bias(layers, rate=0.01)
+    assert not any(layer.expert_load().any() for layer in layers)

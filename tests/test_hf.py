@@ -162,3 +162,157 @@ def test_unsupported_blocks_are_named():
     del block.experts.gate_up_proj
     with pytest.raises(TypeError, match="no attribute 'experts.gate_up_proj'"):
         hf.from_hf(block)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training through a patched model: router logits, jitter; refusals; the reverse conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def _router_weight(block) -> torch.Tensor:
+    if isinstance(block, hf.HFMoEBlock):
+        return block.moe.router.weight
+    return block.router.weight if hasattr(block, "router") else block.gate.weight
+
+
+def _moe_blocks(model):
+    return [m for m in model.modules() if type(m).__name__ in hf.SUPPORTED or isinstance(m, hf.HFMoEBlock)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_output_router_logits_training_matches(arch):
+    """output_router_logits=True on a patched model in training mode: the model's router_logits
+    (one per MoE layer), its aux_loss and loss, and the router and expert gradients equal the
+    unpatched model's (the HFMoEBlock hands the layer's logits, in the graph, to transformers'
+    collector; before, a patched model returned no router logits)."""
+    import copy
+
+    _, model_cls, cfg = _arch(arch)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_cls(cfg).double().train()
+    _randomize(model, 8)
+    patched = copy.deepcopy(model)
+    hf.apply(patched)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(9))
+    outs = []
+    for m in (model, patched):
+        out = m(ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        outs.append(out)
+    want, got = outs
+    assert want.router_logits is not None and len(got.router_logits) == len(want.router_logits) == len(_moe_blocks(model))
+    for a, b in zip(got.router_logits, want.router_logits):
+        torch.testing.assert_close(a.double(), b.double(), **TOL)
+    if want.aux_loss is not None:  # DeepSeek-V3's causal LM computes no aux loss
+        torch.testing.assert_close(got.aux_loss.double(), want.aux_loss.double(), **TOL)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    for b_got, b_want in zip(_moe_blocks(patched), _moe_blocks(model)):
+        g_got, g_want = _router_weight(b_got).grad, _router_weight(b_want).grad
+        assert g_got is not None and g_got.abs().sum() > 0
+        torch.testing.assert_close(g_got, g_want, **TOL)
+
+
+def test_mixtral_router_jitter_in_training():
+    """Mixtral's router_jitter_noise: HFMoEBlock draws the same noise as the block in training
+    (same generator calls: equal logits and gradients), none in eval; a bare from_hf refuses the
+    block rather than silently dropping the noise."""
+    import copy
+
+    block_cls, model_cls, cfg = _arch("mixtral")
+    cfg = copy.deepcopy(cfg)
+    cfg.router_jitter_noise = 0.3
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_cls(cfg).double().train()
+    _randomize(model, 10)
+    patched = copy.deepcopy(model)
+    hf.apply(patched)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(11))
+    res = []
+    for m in (model, patched):
+        torch.manual_seed(123)
+        out = m(ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        res.append((out.logits, _router_weight(_moe_blocks(m)[0]).grad))
+    torch.testing.assert_close(res[1][0], res[0][0], **TOL)
+    torch.testing.assert_close(res[1][1], res[0][1], **TOL)
+    torch.manual_seed(5)
+    noisy = patched(ids).logits
+    with torch.no_grad():
+        patched.eval()
+        model.eval()
+        torch.testing.assert_close(patched(ids).logits, model(ids).logits, **TOL)
+    assert (noisy - patched(ids).logits).abs().max() > 1e-3  # the noise is really applied in training
+    block = block_cls(cfg)
+    with pytest.raises(ValueError, match="router_jitter_noise=0.3"):
+        hf.from_hf(block)
+    assert isinstance(hf.from_hf(block, ignore_router_jitter=True), tm.MoELayer)
+
+
+def test_llama4_and_phimoe_are_refused_with_the_reason():
+    m = transformers.models
+    llama = m.llama4.modeling_llama4.Llama4TextMoe(transformers.Llama4TextConfig(
+        hidden_size=16, intermediate_size=8, intermediate_size_mlp=8, num_local_experts=4, num_experts_per_tok=1,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=32, head_dim=8))
+    with pytest.raises(hf.HFConversionError, match="Llama4TextMoe.*input.*sigmoid score"):
+        hf.from_hf(llama)
+    pcfg = transformers.PhimoeConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=32)
+    with pytest.raises(TypeError, match="PhimoeSparseMoeBlock.*SparseMixer"):
+        hf.from_hf(m.phimoe.modeling_phimoe.PhimoeSparseMoeBlock(pcfg))
+    model = m.phimoe.modeling_phimoe.PhimoeForCausalLM(pcfg)
+    with pytest.raises(hf.HFConversionError, match="PhimoeSparseMoeBlock.*nothing was replaced"):
+        hf.apply(model)
+    assert not any(isinstance(x, hf.HFMoEBlock) for x in model.modules())
+
+
+def test_to_hf_refuses_partial_conversions():
+    """to_hf writes all of a block or nothing: a layer of another architecture (here: no shared
+    expert for a Qwen2-MoE block, which would leave the shared expert's weights as they were), a
+    layer holding a shard of the experts, or an already-converted block."""
+    block_cls, _, cfg = _arch("qwen2_moe")
+    block = block_cls(cfg)
+    _randomize(block, 12)
+    before = {n: t.clone() for n, t in block.state_dict().items()}
+    other = tm.MoELayer(tm.MoEConfig(D, F, E, K, renormalize=False))
+    with pytest.raises(ValueError, match=r"shared_d_ffn=0 \(the block's: 12\)"):
+        hf.to_hf(other, block)
+    sharded = hf.from_hf(block)
+    sharded.w1 = torch.nn.Parameter(sharded.w1.detach()[: E // 2].clone())
+    with pytest.raises(ValueError, match=f"holds {E // 2} experts in w1"):
+        hf.to_hf(sharded, block)
+    assert all(torch.equal(t, before[n]) for n, t in block.state_dict().items())
+    with pytest.raises(TypeError, match="already a tritonmoe HFMoEBlock"):
+        hf.from_hf(hf.HFMoEBlock.from_hf(block))
+
+
+def test_restore_puts_trained_blocks_back_and_refuses_a_partial_model():
+    """apply -> an optimizer step on the patched model -> restore: transformers blocks again, with
+    the trained weights (logits equal the patched model's); a model converted only in part is
+    refused and left as it is."""
+    import copy
+
+    block_cls, model_cls, cfg = _arch("gpt_oss")
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_cls(cfg).double()
+    _randomize(model, 13)
+    partial = copy.deepcopy(model)
+    hf.apply(model)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(14))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    names = hf.restore(model)
+    assert names and all(type(model.get_submodule(n)) is block_cls for n in names)
+    assert not any(isinstance(m, hf.HFMoEBlock) for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, **TOL)
+    hf.apply(partial.model.layers[0])
+    with pytest.raises(ValueError, match="partially converted"):
+        hf.restore(partial)
+    assert isinstance(partial.model.layers[0].mlp, hf.HFMoEBlock) and type(partial.model.layers[1].mlp) is block_cls

@@ -14,7 +14,7 @@ from ._settings import (
     validation,
     validation_enabled,
 )
-from .bias import check_expert_bias, expert_bias_finite, update_expert_bias
+from .bias import ExpertBiasError, check_expert_bias, expert_bias_finite, update_expert_bias
 from .config import MoEConfig
 from .functional import (
     grouped_ffn,
@@ -39,6 +39,7 @@ __all__ = [
     "comm",
     "expert_bias_finite",
     "update_expert_bias",
+    "ExpertBiasError",
     "MoEConfig",
     "MoELayer",
     "LayoutError",

@@ -29,7 +29,9 @@ import torch
 
 from . import _validation as V
 
-__all__ = ["check_expert_bias", "expert_bias_finite", "nan_weights_if_nonfinite", "update_expert_bias"]
+__all__ = [
+    "ExpertBiasError", "check_expert_bias", "expert_bias_finite", "nan_weights_if_nonfinite", "update_expert_bias",
+]
 
 
 def _as_list(bias) -> list[torch.Tensor]:
@@ -116,6 +118,41 @@ def nan_weights_if_nonfinite(topk_weights: torch.Tensor, expert_bias: Optional[t
     return topk_weights + poison
 
 
+class ExpertBiasError(ValueError):
+    """The aux-loss-free bias update refused to run (a non-finite bias or load, or ranks that
+    disagree); with a ``group``, raised on every rank of it with the same verdict, nothing
+    written and the loads kept for the next try."""
+
+
+def _collect_layers(layers) -> list:
+    if isinstance(layers, torch.nn.Module) and not hasattr(layers, "expert_load"):
+        layers = [m for m in layers.modules() if hasattr(m, "expert_load") and getattr(m, "expert_bias", None) is not None]
+    elif isinstance(layers, torch.nn.Module):
+        layers = [layers]
+    elif isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be a MoELayer, a sequence of them or a model, got {type(layers).__name__}")
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        if not hasattr(layer, "expert_load"):
+            raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not a tritonmoe.MoELayer")
+        if getattr(layer, "expert_bias", None) is None:
+            raise ValueError(f"layers[{i}] has no selection bias: build it with MoEConfig(..., expert_bias=True)")
+    return layers
+
+
+def _bad_entries(layer, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """Entries of the layer's update that are or could become non-finite: a non-finite bias
+    entry, a non-finite load, or ``bias +- rate`` overflowing the bias's dtype (so the verdict
+    holds whatever the reduced loads turn out to be). A device scalar (no sync)."""
+    b = layer.expert_bias.detach()
+    r = torch.tensor(rate, dtype=torch.float64, device=b.device).to(b.dtype)
+    bad = ~(torch.isfinite(b) & torch.isfinite(b + r) & torch.isfinite(b - r))
+    n = bad.sum()
+    if load.is_floating_point():
+        n = n + (~torch.isfinite(load)).sum().to(n.device)
+    return n
+
+
 @torch.no_grad()
 def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.Tensor]:
     """The auxiliary-loss-free balancing step (DeepSeek-V3; Megatron's rule): for each MoE layer,
@@ -129,43 +166,108 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
         rate: the update rate (DeepSeek-V3: 1e-3); finite, > 0.
         group: the process group over which every replica of the bias sees different tokens (the
             data-parallel x expert-parallel ranks; usually the world), or None for this process's
-            loads alone. One all-reduce for all layers.
+            loads alone.
 
     Returns: the loads used (int64 [E] per layer, summed over ``group``), for logging.
 
-    Call it once per optimizer step, outside the forward. The new biases are checked before they
-    are written (:func:`check_expert_bias`: one host sync for all layers): a non-finite bias
-    raises ``ValueError`` naming it and leaves every bias as it was.
+    Call it once per optimizer step, outside the forward. Before anything is written, every
+    bias is checked: a non-finite entry (or one that ``+- rate`` would overflow) raises
+    :class:`ExpertBiasError` (a ``ValueError``) naming the layer, the expert and the value, leaves
+    every bias and every load as it was. With ``group`` the verdict is collective: one small
+    all-gather (each rank's argument check, layer count, expert count and bad-entry count; one
+    host sync) comes before the loads' all-reduce, so when any rank has a bad bias, bad
+    arguments or another set of layers, every rank raises (a rank whose own arguments were bad
+    raises its ``TypeError`` / ``ValueError``, the others :class:`ExpertBiasError` naming it)
+    and none goes on alone into a collective the others never join. The forward needs no sync
+    for any of this (a non-finite bias makes its routing weights NaN on the device,
+    :func:`nan_weights_if_nonfinite`).
     """
     import math
 
     import torch.distributed as dist
 
-    if not V.is_real(rate) or not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"rate={rate!r} must be a finite number > 0 (DeepSeek-V3 uses 1e-3)")
-    if isinstance(layers, torch.nn.Module) and not hasattr(layers, "expert_load"):
-        layers = [m for m in layers.modules() if hasattr(m, "expert_load") and getattr(m, "expert_bias", None) is not None]
-    elif isinstance(layers, torch.nn.Module):
-        layers = [layers]
-    layers = list(layers)
-    for i, layer in enumerate(layers):
-        if not hasattr(layer, "expert_load"):
-            raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not a tritonmoe.MoELayer")
-        if getattr(layer, "expert_bias", None) is None:
-            raise ValueError(f"layers[{i}] has no selection bias: build it with MoEConfig(..., expert_bias=True)")
+    err: Optional[BaseException] = None
+    found: list = []
+    try:
+        if not V.is_real(rate) or not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"rate={rate!r} must be a finite number > 0 (DeepSeek-V3 uses 1e-3)")
+        found = _collect_layers(layers)
+    except (TypeError, ValueError) as e:
+        if group is None:
+            raise
+        err, found = e, []
+    layers = found
+    loads = [layer.expert_load() for layer in layers]  # read, consumed only once the update is written
+    bad = [_bad_entries(layer, load, float(rate)) for layer, load in zip(layers, loads)] if err is None else []
+    total_E = sum(load.numel() for load in loads)
+    if group is not None:
+        from .comm.splits import comm_device
+
+        dev = comm_device(group)
+        nbad = torch.stack(bad).sum().to(dev) if bad else torch.zeros((), dtype=torch.int64, device=dev)
+        head = torch.stack([
+            torch.tensor(int(err is not None), dtype=torch.int64, device=dev),
+            torch.tensor(len(layers), dtype=torch.int64, device=dev),
+            torch.tensor(total_E, dtype=torch.int64, device=dev),
+            nbad.to(torch.int64),
+        ])
+        W = dist.get_world_size(group)
+        table_t = torch.empty(W * 4, dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(table_t, head, group=group)
+        table = table_t.view(W, 4).tolist()  # host sync: the verdict (the update path, once per step)
+        failed = [r for r in range(W) if table[r][0]]
+        if err is not None:
+            raise err
+        if failed:
+            raise ExpertBiasError(
+                f"update_expert_bias: rank(s) {failed} of the group passed bad arguments (they raised them); no rank "
+                "updated its biases. Call it with the same layers and rate on every rank"
+            )
+        shapes = {(row[1], row[2]) for row in table}
+        if len(shapes) > 1:
+            per = ", ".join(f"rank {r}: {table[r][1]} layers / {table[r][2]} experts" for r in range(W))
+            raise ExpertBiasError(
+                f"update_expert_bias: the ranks of the group passed different layers ({per}); every rank must pass "
+                "its replicas of the same MoE layers, in the same order. Nothing was written"
+            )
+        bad_ranks = [r for r in range(W) if table[r][3]]
+        if bad_ranks:
+            me = dist.get_rank(group)
+            where = ", ".join(f"rank {r}: {table[r][3]} entries" for r in bad_ranks)
+            local = f" On this rank: {_describe_bad(layers, loads, float(rate))}." if me in bad_ranks else ""
+            raise ExpertBiasError(
+                f"update_expert_bias: a non-finite (or overflowing) expert_bias or load on rank(s) {bad_ranks} "
+                f"({where}); no rank updated its biases and the loads are kept.{local} Restore the biases from the "
+                "last good step (or reset them to zeros) on every rank and check the update rate"
+            )
+    elif bad and bool(torch.stack([b.to(bad[0].device) for b in bad]).any()):  # host sync: the verdict
+        raise ExpertBiasError(f"update_expert_bias: {_describe_bad(layers, loads, float(rate))}; nothing was written")
     if not layers:
         return []
-    loads = [layer.expert_load(reset=True) for layer in layers]
     if group is not None:
         flat = torch.cat(loads)
         dist.all_reduce(flat, group=group)
-        loads = list(flat.split([load.numel() for load in loads]))
-    new = []
-    for layer, load in zip(layers, loads):
+        summed = list(flat.split([load.numel() for load in loads]))
+    else:
+        summed = [load.clone() for load in loads]
+    for layer, load in zip(layers, summed):
         f = load.to(torch.float64)
         step = torch.sign(f.mean() - f) * rate
-        new.append(layer.expert_bias + step.to(layer.expert_bias.dtype))
-    check_expert_bias(new + [layer.expert_bias for layer in layers], name="expert_bias")
-    for layer, b in zip(layers, new):
-        layer.expert_bias.copy_(b)
-    return loads
+        layer.expert_bias.copy_(layer.expert_bias + step.to(layer.expert_bias.dtype))
+        layer.expert_load(reset=True)
+    return summed
+
+
+def _describe_bad(layers, loads, rate: float) -> str:
+    """The first bad layer's message (reads the values: error path only)."""
+    for i, (layer, load) in enumerate(zip(layers, loads)):
+        b = layer.expert_bias.detach()
+        if not bool(torch.isfinite(b).all()):
+            return str(V.nonfinite_bias_error(f"expert_bias[{i}]", b))
+        if load.is_floating_point() and not bool(torch.isfinite(load).all()):
+            e = int((~torch.isfinite(load)).nonzero()[0, 0])
+            return f"layers[{i}]'s load[{e}]={float(load[e])} is not finite"
+        if int(_bad_entries(layer, load, rate)):
+            return (f"expert_bias[{i}] +- rate={rate} overflows its dtype {b.dtype} (max |bias| "
+                    f"{float(b.abs().max()):.3g}); use a smaller rate")
+    return "no bad entry here"

@@ -29,6 +29,13 @@ Weight layouts: transformers' fused experts hold ``gate_up_proj`` [E, 2F, D] and
 ``w1`` is [E, D, 2F] (gate, then up) and ``w2`` [E, F, D]. The conversion copies (the layouts
 differ), in the block's dtype and device.
 
+Training a patched model: :class:`HFMoEBlock` hands its layer's router logits to transformers'
+output collector (``output_router_logits=True``: the model's ``router_logits`` and ``aux_loss``
+are there and train the router) and applies Mixtral's ``router_jitter_noise`` in training.
+Refused with :class:`HFConversionError` (a ``TypeError``), naming why: Llama 4's and PhiMoE's
+blocks (:data:`UNSUPPORTED`). :func:`apply` and :func:`to_hf` are all or nothing;
+:func:`restore` undoes :func:`apply` and refuses a partially converted model.
+
 Load-balancing loss: transformers' ``load_balancing_loss_func`` (Mixtral, Qwen, OLMoE) equals
 ``top_k`` times tritonmoe's :func:`tritonmoe.load_balancing_loss` on the same routing (its
 fraction of tokens per expert sums over the k slots; tritonmoe's is normalized by T*k so that a
@@ -39,6 +46,7 @@ scales the layer's coefficient by ``top_k`` so that ``layer.aux_loss`` equals
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
 import torch
@@ -47,7 +55,8 @@ from torch import nn
 from .config import MoEConfig
 from .layer import MoELayer
 
-__all__ = ["SUPPORTED", "config_from_hf", "from_hf", "to_hf", "apply", "HFMoEBlock", "register_experts_implementation"]
+__all__ = ["SUPPORTED", "UNSUPPORTED", "HFConversionError", "config_from_hf", "from_hf", "to_hf", "apply", "restore",
+           "HFMoEBlock", "register_experts_implementation"]
 
 #: Class names of the supported transformers MoE blocks.
 SUPPORTED = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock",
@@ -55,8 +64,32 @@ SUPPORTED = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseM
 LOSS_CONVENTIONS = ("tritonmoe", "transformers")
 
 
+#: Blocks tritonmoe cannot express, and what they do that it lacks.
+UNSUPPORTED = {
+    "Llama4TextMoe": (
+        "Llama 4 multiplies each expert's *input* by the router's sigmoid score (routed_in = x * score) before the "
+        "experts; tritonmoe weights the experts' *outputs*, which differs for SwiGLU experts"
+    ),
+    "PhimoeSparseMoeBlock": (
+        "PhiMoE routes with SparseMixer (a masked, jittered softmax per slot: router_jitter_noise, "
+        "input_jitter_noise) that tritonmoe's router does not implement"
+    ),
+}
+
+
+class HFConversionError(TypeError):
+    """A transformers block or option tritonmoe.hf cannot convert (names what is missing)."""
+
+
 def _kind(block: nn.Module) -> str:
     name = type(block).__name__
+    if isinstance(block, HFMoEBlock):
+        raise HFConversionError(
+            f"this block is already a tritonmoe HFMoEBlock (installed by tritonmoe.hf.apply); its layer is block.moe, "
+            "and tritonmoe.hf.restore(model) puts the transformers blocks back"
+        )
+    if name in UNSUPPORTED:
+        raise HFConversionError(f"tritonmoe.hf cannot convert {name}: {UNSUPPORTED[name]}")
     if name not in SUPPORTED:
         raise TypeError(
             f"tritonmoe.hf does not know the block {name} ({type(block).__module__}); supported: {', '.join(SUPPORTED)}. "
@@ -193,11 +226,28 @@ def _block_dtype_device(block: nn.Module) -> tuple[torch.dtype, torch.device]:
     return p.dtype, p.device
 
 
+def _jitter(block: nn.Module) -> float:
+    """Mixtral's ``router_jitter_noise`` (the block's ``jitter_noise``): in training the block
+    multiplies its input by U(1 - j, 1 + j) noise before routing and the experts."""
+    return float(getattr(block, "jitter_noise", 0.0) or 0.0)
+
+
 def from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, loss_convention: str = "tritonmoe",
-            backend: Optional[str] = None) -> MoELayer:
+            backend: Optional[str] = None, ignore_router_jitter: bool = False) -> MoELayer:
     """A :class:`~tritonmoe.MoELayer` computing what ``block`` computes, with a copy of its
-    weights, in its dtype and on its device (the router in fp32 where the block computes it so)."""
+    weights, in its dtype and on its device (the router in fp32 where the block computes it so).
+
+    A block with Mixtral's ``router_jitter_noise`` > 0 multiplies its input by noise in training,
+    which a bare MoELayer does not: ``from_hf`` refuses it (``ValueError``) unless
+    ``ignore_router_jitter=True`` (e.g. for inference, where the block applies none);
+    :class:`HFMoEBlock` / :func:`apply` apply the noise as the block does."""
     cfg = config_from_hf(block, aux_loss_coef=aux_loss_coef, loss_convention=loss_convention, backend=backend)
+    if _jitter(block) > 0 and not ignore_router_jitter:
+        raise ValueError(
+            f"{type(block).__name__} has router_jitter_noise={_jitter(block)}: in training it multiplies its input by "
+            "U(1-j, 1+j) noise, which a bare MoELayer does not do. Use tritonmoe.hf.HFMoEBlock.from_hf(block) (or "
+            "hf.apply(model)), which applies it, or pass ignore_router_jitter=True to convert without it (inference)"
+        )
     dtype, device = _block_dtype_device(block)
     layer = MoELayer(cfg, device=device, dtype=dtype)
     state = hf_to_tensors(block)
@@ -208,59 +258,199 @@ def from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, loss_convention: st
     return layer
 
 
+def _config_fields(cfg: MoEConfig) -> dict:
+    """The fields of a config that fix what a converted block computes (not the training or
+    runtime options: aux-loss coefficients, backend, schedules)."""
+    skip = {"aux_loss_coef", "z_loss_coef", "backend", "ffn_path", "parm_schedule", "cost_model", "pipeline_degree",
+            "ep_capacity", "capacity_factor"}
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
+
+
 @torch.no_grad()
 def to_hf(layer: MoELayer, block: nn.Module) -> nn.Module:
-    """Copy ``layer``'s weights into ``block`` (in place; the block's dtypes) and return it."""
+    """Copy ``layer``'s weights into ``block`` (in place; the block's dtypes) and return it.
+
+    All or nothing: before anything is written, the layer must compute what the block computes
+    (every option :func:`config_from_hf` derives from the block, not only the shapes) and hold
+    every expert (a layer whose experts are partitioned over ranks, expert-parallel or Parm,
+    holds a shard: gather the full weights first), and the conversion must write every
+    parameter of the block; otherwise ``ValueError`` names what differs or is missing and the
+    block is left as it was. ``layer`` may be an :class:`HFMoEBlock` (its ``moe`` is used)."""
+    if isinstance(layer, HFMoEBlock):
+        layer = layer.moe
     if not isinstance(layer, MoELayer):
         raise TypeError(f"layer must be a tritonmoe.MoELayer, got {type(layer).__name__}")
-    want = config_from_hf(block)
-    have = layer.config
-    for f in ("d_model", "d_ffn", "num_experts", "top_k", "activation"):
-        if getattr(want, f) != getattr(have, f):
-            raise ValueError(f"the layer's {f}={getattr(have, f)!r} but the block's is {getattr(want, f)!r}; convert "
-                             "between a layer and a block of the same shape")
+    want = _config_fields(config_from_hf(block))
+    have = _config_fields(layer.config)
+    diff = [f"{k}={have[k]!r} (the block's: {want[k]!r})" for k in want if have[k] != want[k]]
+    if diff:
+        raise ValueError(f"the layer does not compute what {type(block).__name__} computes: its {'; '.join(diff)}; "
+                         "convert between a layer and a block of the same architecture and shape")
     params = dict(block.named_parameters())
     params.update(dict(block.named_buffers()))
-    for name, t in tensors_to_hf(dict(layer.state_dict()), block).items():
+    state = dict(layer.state_dict())
+    for name in ("w1", "w2"):
+        t = state[name]
+        if hasattr(t, "full_tensor") or t.shape[0] != layer.config.num_experts:
+            raise ValueError(
+                f"the layer holds {t.shape[0] if not hasattr(t, 'full_tensor') else 'a sharded tensor of'} experts "
+                f"in {name}, not all {layer.config.num_experts} (expert-parallel or Parm layouts partition them): gather "
+                "the full weights into a local MoELayer (tm.MoELayer(cfg) + load_state_dict) before to_hf"
+            )
+    out = tensors_to_hf(state, block)
+    missing = [n for n, p in block.named_parameters() if n not in out]
+    unknown = [n for n in out if n not in params]
+    bad_shape = [f"{n} {tuple(t.shape)} vs {tuple(params[n].shape)}" for n, t in out.items()
+                 if n in params and tuple(t.shape) != tuple(params[n].shape)]
+    if missing or unknown or bad_shape:
+        raise ValueError(
+            f"to_hf would convert {type(block).__name__} only partially (nothing was written): "
+            + "; ".join(x for x in (
+                f"parameters the layer has no value for: {missing}" if missing else "",
+                f"names the block does not have: {unknown}" if unknown else "",
+                f"shapes that differ: {bad_shape}" if bad_shape else "",
+            ) if x)
+        )
+    for name, t in out.items():
         params[name].copy_(t)
     return block
+
+
+def _record_router_logits(logits: Optional[torch.Tensor]) -> None:
+    """Hand the layer's router logits to transformers' output collector when the running model
+    asked for them (``output_router_logits=True``: its load-balancing loss reads them). The
+    collector is transformers' own (``transformers.utils.output_capturing``), the one its
+    router hooks append to; absent in other versions, nothing is recorded."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - another transformers layout
+        return
+    collected = _active_collector.get()
+    if collected is not None and "router_logits" in collected and logits is not None:
+        collected["router_logits"].append(logits)
 
 
 class HFMoEBlock(nn.Module):
     """A transformers MoE block replaced by a :class:`~tritonmoe.MoELayer` (what :func:`apply`
     installs): the same call (``hidden_states`` [..., D]) and return value (GPT-OSS's block also
-    returns its routing weights)."""
+    returns its routing weights).
 
-    def __init__(self, layer: MoELayer, kind: str) -> None:
+    * ``output_router_logits=True`` (training with transformers' load-balancing loss): the
+      layer's router logits (:attr:`MoELayer.last_router_logits`, in the graph) go to
+      transformers' collector where the block's router would have put them, so the model's
+      ``router_logits`` and ``aux_loss`` are there and train the router.
+    * Mixtral's ``router_jitter_noise``: in training the input is multiplied by U(1-j, 1+j)
+      noise before the layer, drawn exactly as the block draws it (same generator calls).
+    * :func:`restore` puts the transformers block back: the original module is kept on the meta
+      device (no memory; not a submodule, so not in ``parameters()``)."""
+
+    def __init__(self, layer: MoELayer, kind: str, *, jitter_noise: float = 0.0, original: Optional[nn.Module] = None):
         super().__init__()
         self.moe = layer
         self.kind = kind
+        self.jitter_noise = float(jitter_noise)
+        self.__dict__["_original"] = original  # not registered: no parameters, no state-dict keys
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, *, keep_original: bool = True, **kwargs) -> "HFMoEBlock":
+        """The replacement of ``block`` (``kwargs`` as :func:`from_hf`)."""
+        kind = _kind(block)
+        layer = from_hf(block, ignore_router_jitter=True, **kwargs)
+        layer.train(block.training)
+        original = _meta_copy(block) if keep_original else None
+        return cls(layer, kind, jitter_noise=_jitter(block), original=original)
 
     def forward(self, hidden_states: torch.Tensor):
+        if self.training and self.jitter_noise > 0:  # Mixtral's router jitter, as transformers draws it
+            j = self.jitter_noise
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - j, 1.0 + j)
         out = self.moe(hidden_states)
+        _record_router_logits(self.moe.last_router_logits)
         if self.kind == "GptOssMLP":
             return out, self.moe.last_routing.topk_weights.to(out.dtype)
         return out
 
 
+def _meta_copy(block: nn.Module) -> nn.Module:
+    """A copy of ``block`` whose parameters are on the meta device (no memory, nothing copied);
+    buffers (small: e.g. rotary tables, a correction bias) are copied as they are."""
+    memo = {id(p): nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad) for p in block.parameters()}
+    return copy.deepcopy(block, memo)
+
+
+def _materialize(block: nn.Module, device: torch.device) -> nn.Module:
+    """Give a meta copy's parameters (uninitialized) storage on ``device``; buffers move there."""
+    for module in block.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+    return block.to(device)
+
+
 def apply(model: nn.Module, *, backend: Optional[str] = None, aux_loss_coef: float = 0.0,
           loss_convention: str = "tritonmoe") -> list[str]:
     """Replace every supported MoE block of ``model`` (in place) by an :class:`HFMoEBlock` holding
-    a converted :class:`~tritonmoe.MoELayer`; returns the replaced modules' names. Raises
-    ``TypeError`` when the model has no supported block."""
+    a converted :class:`~tritonmoe.MoELayer`; returns the replaced modules' names. All or
+    nothing: every block is converted before the first is replaced, so a block that fails to
+    convert leaves the model as it was. Raises ``TypeError`` when the model has no supported
+    block, or has a block tritonmoe cannot express (:data:`UNSUPPORTED`, e.g. Llama 4's or
+    PhiMoE's)."""
     targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in SUPPORTED]
+    refused = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__ in UNSUPPORTED]
+    if refused:
+        name, kind = refused[0]
+        raise HFConversionError(f"{type(model).__name__}.{name} is a {kind}: {UNSUPPORTED[kind]}; nothing was replaced")
     if not targets:
         kinds = sorted({type(m).__name__ for _, m in model.named_modules() if "moe" in type(m).__name__.lower()
                         or "expert" in type(m).__name__.lower()})
         raise TypeError(f"{type(model).__name__} has no MoE block tritonmoe.hf supports ({', '.join(SUPPORTED)}); "
                         f"its MoE-like modules: {kinds or 'none'}")
-    for name, block in targets:
+    made = [(name, HFMoEBlock.from_hf(block, backend=backend, aux_loss_coef=aux_loss_coef,
+                                      loss_convention=loss_convention)) for name, block in targets]
+    for name, new in made:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = from_hf(block, backend=backend, aux_loss_coef=aux_loss_coef, loss_convention=loss_convention)
-        layer.train(block.training)
-        setattr(parent, attr, HFMoEBlock(layer, type(block).__name__))
+        setattr(parent, attr, new)
     return [n for n, _ in targets]
+
+
+@torch.no_grad()
+def restore(model: nn.Module) -> list[str]:
+    """The reverse of :func:`apply`: put a transformers block back for every :class:`HFMoEBlock`
+    of ``model``, holding the layer's (trained) weights (:func:`to_hf`), on the layer's device;
+    returns the restored modules' names.
+
+    Refuses (``ValueError``, nothing changed) a partially converted model: one that mixes
+    HFMoEBlocks with supported transformers blocks still unconverted (``apply`` on a submodule,
+    blocks replaced by hand), since the result would depend on which were converted; and an
+    HFMoEBlock without its original block (built with ``keep_original=False``)."""
+    converted = [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoEBlock)]
+    plain = [n for n, m in model.named_modules() if type(m).__name__ in SUPPORTED]
+    if not converted:
+        raise ValueError(f"{type(model).__name__} has no HFMoEBlock (tritonmoe.hf.apply installs them); nothing to restore")
+    if plain:
+        raise ValueError(
+            f"{type(model).__name__} is partially converted: {[n for n, _ in converted]} are tritonmoe HFMoEBlocks but "
+            f"{plain} are still transformers blocks. Convert the rest (tritonmoe.hf.apply(model)) or restore the "
+            "blocks one by one (tritonmoe.hf.to_hf(layer, block)); nothing was changed"
+        )
+    lost = [n for n, m in converted if m._original is None]
+    if lost:
+        raise ValueError(f"the HFMoEBlocks {lost} do not keep their original block (keep_original=False): restore them "
+                         "with tritonmoe.hf.to_hf(block.moe, a_new_transformers_block); nothing was changed")
+    made = []
+    for name, m in converted:
+        block = _materialize(copy.deepcopy(m._original), m.moe.w1.device)
+        to_hf(m.moe, block)  # writes every parameter (or raises): nothing stays uninitialized
+        block.train(m.training)
+        made.append((name, block))
+    for name, block in made:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, block)
+    return [n for n, _ in made]
 
 
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

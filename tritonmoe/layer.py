@@ -30,17 +30,21 @@ from .types import Routing
 __all__ = ["MoELayer", "Router", "SharedExperts", "router_logits"]
 
 
-def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None) -> torch.Tensor:
-    """The router's logits ``x @ weight.T``: ``router(x)`` when the module is given (so its hooks
-    run, e.g. FSDP's unshard), else the product itself, which in fp64 (the exact-reference dtype
-    of the tests) is row-invariant (:func:`tritonmoe.exact.rowwise_mm`): a token's logits do not
-    depend on how many other tokens share the call, so a schedule that routes a slice of the
-    tokens (Parm's S1) makes the same routing decisions as one that routes them all."""
+def router_logits(
+    x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None, *, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The router's logits ``x @ weight.T (+ bias)``: ``router(x)`` when the module is given (so
+    its hooks run, e.g. FSDP's unshard), else the product itself, which in fp64 (the
+    exact-reference dtype of the tests) is row-invariant (:func:`tritonmoe.exact.rowwise_mm`): a
+    token's logits do not depend on how many other tokens share the call, so a schedule that
+    routes a slice of the tokens (Parm's S1) makes the same routing decisions as one that routes
+    them all. The same arithmetic as :class:`Router` (bias included)."""
     if router is not None:
         return router(x_TD)
     if x_TD.dtype == torch.float64:
-        return rowwise_mm(x_TD, weight_ED.t())
-    return torch.nn.functional.linear(x_TD, weight_ED)
+        out = rowwise_mm(x_TD, weight_ED.t())
+        return out if bias is None else out + bias
+    return torch.nn.functional.linear(x_TD, weight_ED, bias)
 
 
 class Router(nn.Linear):
@@ -63,6 +67,7 @@ class _StepState:
         self.aux_loss: torch.Tensor | None = None
         self.routing: Routing | None = None
         self.load: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
 
     def __deepcopy__(self, memo) -> "_StepState":
         return _StepState()
@@ -173,7 +178,9 @@ class MoELayer(nn.Module):
     :meth:`tritonmoe.ParmGroups.from_device_mesh`): Parm's layouts and schedules
     (:mod:`tritonmoe.parm_experts`, ``config.parm_schedule``). The input and output are replicated
     over the MP group; ``w1``/``w2`` hold this rank's shard of its EP rank's experts
-    (``[E/n_ep, d, n1/n_esp]``, ``[E/n_ep, F/n_esp, d]``). Construction from process groups is
+    (``[E/n_ep, d, n1/n_esp]``, ``[E/n_ep, F/n_esp, d]``; with ``expert_ffn_bias``, ``b1``
+    ``[E/n_ep, n1/n_esp]`` and ``b2`` ``[E/n_ep, d]``, the latter whole on every ESP shard and
+    added by shard 0 only). Construction from process groups is
     collective over the default group (one small exchange checks that every rank passes
     consistent groups and the same config).
     """
@@ -216,14 +223,6 @@ class MoELayer(nn.Module):
         factory = {"device": device, "dtype": dtype}
         E, d = config.num_experts, config.d_model
         w1_shape, w2_shape = self.expert_path.weight_shapes()
-        if (config.expert_ffn_bias or config.router_bias) and not isinstance(
-            self.expert_path, (LocalExperts, ExpertParallelExperts, StaticExpertParallelExperts)
-        ):
-            raise ValueError(
-                "expert_ffn_bias / router_bias are supported on the local and expert-parallel layouts, not with "
-                "model-parallel or expert-sharding groups (Parm); build the layer without mp_group/esp_group or "
-                "without the biases"
-            )
         # Built without initializing (reset_parameters does, once): the initialization consumes the
         # default generator the same way whether the layer is built here or on meta + to_empty.
         self.router = torch.nn.utils.skip_init(
@@ -384,6 +383,7 @@ class MoELayer(nn.Module):
             # A non-finite bias (an update gone wrong) would silently reroute every token: the
             # weights become NaN instead, on the device (no host sync on the forward).
             routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, self.expert_bias)
+        self._step.logits = logits_TE
         return logits_TE, routing
 
     def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -412,6 +412,14 @@ class MoELayer(nn.Module):
     @aux_loss.setter
     def aux_loss(self, value: torch.Tensor) -> None:
         self._step.aux_loss = value
+
+    @property
+    def last_router_logits(self) -> torch.Tensor | None:
+        """The router logits ``[T, E]`` of the last forward (in the autograd graph: a loss on them
+        trains the router, e.g. transformers' load-balancing loss through
+        :class:`tritonmoe.hf.HFMoEBlock`); None before the first. Parm's S1: this MP rank's
+        slice of the tokens. Kept outside the module's state, like ``aux_loss``."""
+        return self._step.logits
 
     @property
     def last_routing(self) -> Routing | None:

@@ -47,6 +47,7 @@ unsharded experts on the de-duplicated batches):
 
 from __future__ import annotations
 
+import struct
 from typing import Optional
 
 import torch
@@ -71,11 +72,11 @@ from .comm.splits import comm_device
 from ._validation import ACTIVATIONS, GLU_ACTIVATIONS
 from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
-from .experts import ExpertPath, ExpertWeights, micro_batch_bounds
+from .experts import ExpertPath, ExpertWeights, ffn_options, micro_batch_bounds
 from .parm_layout import LayoutError, ParmGroups, groups_from_process_groups
 from .types import Routing
 
-__all__ = ["ParmExperts", "SCHEDULE_NAMES", "shard_expert_weights"]
+__all__ = ["ParmExperts", "SCHEDULE_NAMES", "shard_expert_weights", "shard_expert_biases"]
 
 #: MoEConfig.parm_schedule -> the schedule's name in tritonmoe.comm.parm.
 SCHEDULE_NAMES = {"baseline": BASELINE, "s1": PAUSE_BEFORE_GATE, "s2": PAUSE_AFTER_GATE}
@@ -97,6 +98,22 @@ def shard_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MoEConfig, 
     else:
         w1_s = w1[e, :, h]
     return w1_s.contiguous(), w2[e, h, :].contiguous()
+
+
+def shard_expert_biases(b1: torch.Tensor, b2: torch.Tensor, config: MoEConfig, layout, rank: int):
+    """This layout rank's ``(b1, b2)`` of the full expert biases ``b1`` [E, n1] and ``b2``
+    [E, d]: ``b1`` sliced like ``w1``'s columns (for SwiGLU the shard's gate then up columns),
+    ``b2`` whole for the rank's experts (every ESP shard holds it; shard 0 adds it)."""
+    a, s = layout.ep[rank], layout.esp[rank]
+    L = config.num_experts // layout.n_ep
+    F = config.d_ffn
+    Fs = F // layout.n_esp
+    e = slice(a * L, (a + 1) * L)
+    if config.activation in GLU_ACTIVATIONS:
+        b1_s = torch.cat([b1[e, s * Fs : (s + 1) * Fs], b1[e, F + s * Fs : F + (s + 1) * Fs]], dim=-1)
+    else:
+        b1_s = b1[e, s * Fs : (s + 1) * Fs]
+    return b1_s.contiguous(), b2[e].contiguous()
 
 
 def _executor(x: torch.Tensor, path: "ParmExperts", phase: str) -> RealExecutor:
@@ -262,6 +279,41 @@ class _Dump(torch.autograd.Function):
         return _sum_copies(grad, pos), None, None
 
 
+class _BiasGradOnly(torch.autograd.Function):
+    """``y`` unchanged; backward: ``y``'s gradient, and the gradient of the per-expert bias
+    ``b`` [L, N] as if ``b[e]`` had been added to the rows of segment e (the column sums of each
+    expert's rows, :func:`tritonmoe.reference._grouped_bias_grad`), deferred to the schedule's
+    weight-gradient store when ``slot`` holds ``b`` (the W step then sums the rows in the
+    unscheduled order, as for the shard that adds the bias). The ESP shards that do not add
+    ``b2`` get its gradient this way."""
+
+    @staticmethod
+    def forward(ctx, y_RN, offs, b_LN, slot):
+        ctx.offs = offs
+        ctx.num_experts = b_LN.shape[0]
+        ctx.defer = None
+        if slot is not None and b_LN.requires_grad:
+            site = slot.claim_site(b_LN)
+            if site is not None:
+                ctx.defer = (slot, site, b_LN)
+        return y_RN.view_as(y_RN)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_RN):
+        from .reference import _grouped_bias_grad
+
+        db = None
+        if ctx.needs_input_grad[2]:
+            x_R0 = dy_RN.new_empty(dy_RN.shape[0], 0)
+            if ctx.defer is not None:
+                slot, site, b = ctx.defer
+                slot.add(b, site, x_R0, dy_RN, ctx.offs, _grouped_bias_grad)
+            else:
+                db = _grouped_bias_grad(x_R0, dy_RN, ctx.offs, ctx.num_experts)
+        return dy_RN, None, db, None
+
+
 def _sum_copies(buf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """out[r] = sum over s (in order) of buf[pos[r, s]] -- Parm's local combine."""
     out = buf.index_select(0, pos[:, 0])
@@ -368,9 +420,19 @@ class ParmExperts(ExpertPath):
         n1 = 2 * Fs if c.activation in GLU_ACTIVATIONS else Fs
         return (self.num_local_experts, c.d_model, n1), (self.num_local_experts, Fs, c.d_model)
 
-    def shard(self, weights: ExpertWeights, x_like: torch.Tensor, counts_GL: torch.Tensor) -> ExpertShard:
+    def shard(
+        self, weights: ExpertWeights, x_like: torch.Tensor, counts_GL: torch.Tensor, counts_list: Optional[list] = None
+    ) -> ExpertShard:
         """The expert-shard compute on received rows grouped by origin (``counts_GL`` rows per
-        origin and local expert): expert-major re-layout, grouped FFN on this shard, back."""
+        origin and local expert; ``counts_list`` the same as host ints): expert-major re-layout,
+        grouped FFN on this shard, back.
+
+        Biases: ``b1`` holds this shard's columns of the first projection (added by every shard);
+        ``b2`` is whole on every shard of the ESP group but added to the output by shard 0 only,
+        so the partial outputs sum to the expert's output with the bias once (with n_esp = 1 the
+        shard computes exactly what the single-process layer does). Every shard gets the whole
+        ``b2`` gradient (the column sums of its rows' output gradient, which every shard receives
+        identically): the replicas stay equal, like a row-parallel linear's bias."""
         c = self.config
         ffn = self.impl("grouped_ffn", x_like)
         defers = getattr(ffn, "defers_weight_grad", False)
@@ -378,12 +440,26 @@ class ParmExperts(ExpertPath):
         offsets = counts_L.new_zeros(counts_GL.shape[1] + 1)
         offsets[1:] = torch.cumsum(counts_L, 0)
         backend = c.backend
+        opts = ffn_options(c)  # the clamped SwiGLU's limit and alpha
+        adds_b2 = self.layout.esp[self.groups.rank] == 0
+        offs_host = None
+        if weights.b2 is not None and not adds_b2:
+            if counts_list is None:
+                counts_list = counts_GL.tolist()  # host sync: only without the plan's host counts
+            per_expert = [sum(col) for col in zip(*counts_list)] if counts_list else []
+            offs_host = [0]
+            for n in per_expert:
+                offs_host.append(offs_host[-1] + int(n))
 
         def fn(recv: torch.Tensor, params, wgrad) -> torch.Tensor:
-            w1, w2 = params
+            w = weights.with_params(params)
             x_em = _transpose_chunks(recv, counts_GL, backend)
             kw = {"wgrad": wgrad} if (defers and wgrad is not None) else {}
-            y_em = ffn(x_em, offsets, w1, w2, c.activation, **kw)
+            b2 = w.b2 if adds_b2 else None
+            y_em = ffn(x_em, offsets, w.w1, w.w2, c.activation, w.b1, b2, **opts, **kw)
+            if w.b2 is not None and not adds_b2:
+                slot = wgrad if (defers and y_em.dtype == torch.float64) else None
+                y_em = _BiasGradOnly.apply(y_em, offs_host, w.b2, slot)
             return _transpose_chunks(y_em, counts_GL.t(), backend)
 
         return ExpertShard(fn=fn, params=weights.params(), work=_ffn_work(c, self.shard_width, x_like.dtype))
@@ -457,14 +533,18 @@ class ParmExperts(ExpertPath):
         T = x_TD.shape[0]
         sizes = [b - a for a, b in micro_batch_bounds(T, lay.n_mp)]
         m = G.m
+        b = layer.router.bias
         if G.mp is not None:
             x_m = _SplitSlices.apply(x_TD, self, G.mp, sizes, m, "mp_allgather_grad")
+            # each MP rank's slice contributes to the router's gradients: summed over the MP group
             w = _AllReduceGrad.apply(layer.router.weight, self, G.mp)
+            b = _AllReduceGrad.apply(b, self, G.mp) if b is not None else None
         else:
             x_m, w = x_TD, layer.router.weight
         from .layer import router_logits
 
-        logits = router_logits(layer.router_input(x_m), w, None if G.mp is not None else layer.router)
+        logits = router_logits(layer.router_input(x_m), w, None if G.mp is not None else layer.router, bias=b)
+        layer._step.logits = logits
         routing, aux = self._route_slice(layer, logits, T, sizes)
         out_m = self._pause(x_m, routing, layer.expert_weights(), PAUSE_BEFORE_GATE)
         if G.mp is not None:
@@ -536,7 +616,7 @@ class ParmExperts(ExpertPath):
         plan = pause_plan(self.layout, self.groups.rank, [row[1:] for row in table], c.num_experts, x_TD.device)
         send = _Dump.apply(x_perm, plan.dump_index, plan.combine_pos)
         state = ParmBlockState(
-            schedule=schedule, plan=plan, shard=self.shard(weights, x_TD, plan.recv_counts), groups=self.groups,
+            schedule=schedule, plan=plan, shard=self.shard(weights, x_TD, plan.recv_counts, plan.recv_counts_list), groups=self.groups,
             timeline=self.timeline, trace=self.trace,
         )
         back = parm_block(state, send, weights.params())
@@ -559,7 +639,7 @@ class ParmExperts(ExpertPath):
         plan = pause_plan(lay, G.rank, [row[1:] for row in table], c.num_experts, x_TD.device)
         send = _Dump.apply(part, plan.dump_index, plan.combine_pos)
         state = ParmBlockState(
-            schedule=PAUSE_AFTER_GATE, plan=plan, shard=self.shard(weights, x_TD, plan.recv_counts), groups=G,
+            schedule=PAUSE_AFTER_GATE, plan=plan, shard=self.shard(weights, x_TD, plan.recv_counts, plan.recv_counts_list), groups=G,
             saa=sp, timeline=self.timeline, trace=self.trace,
         )
         gathered = parm_block(state, send, weights.params())
@@ -604,7 +684,7 @@ class ParmExperts(ExpertPath):
             cat, own_info = permute(x_TD, ids, E)
         send = cat.index_select(0, plan.send_index)
         state = ParmBlockState(
-            schedule=BASELINE, plan=plan, shard=self.shard(weights, x_TD, plan.recv_counts), groups=G,
+            schedule=BASELINE, plan=plan, shard=self.shard(weights, x_TD, plan.recv_counts, plan.recv_counts_list), groups=G,
             timeline=self.timeline, trace=self.trace,
         )
         own_rows = parm_block(state, send, weights.params())
@@ -679,7 +759,14 @@ def _config_values(config: MoEConfig, dtype: torch.dtype) -> dict[str, int]:
         parm_schedule=["auto", "baseline", "s1", "s2"].index(config.parm_schedule),
         capacity_factor_x1e6=-1 if config.capacity_factor is None else int(round(config.capacity_factor * 1e6)),
         dtype=_DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1,
+        swiglu_limit_bits=_float_bits(config.swiglu_limit), swiglu_alpha_bits=_float_bits(config.swiglu_alpha),
+        expert_ffn_bias=int(config.expert_ffn_bias), router_bias=int(config.router_bias),
     )
+
+
+def _float_bits(v: float) -> int:
+    """A float's exact fp64 bit pattern as an int64 (for the cross-rank agreement check)."""
+    return int.from_bytes(struct.pack("<d", float(v)), "little", signed=True)
 
 
 def _check_config_agreement(groups: ParmGroups, values: dict[str, int]) -> None:
