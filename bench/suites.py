@@ -925,7 +925,7 @@ def run_inference_suite(ctx: Context, progress=None) -> list[dict]:
             case = case.format(**d)
         except KeyError:
             case = f
-        row = new_row(suite="inference", case=case, mode=f, impl=str(d.get("placement") or d.get("tier") or "lina"),
+        row = new_row(suite="inference", case=case, mode=f, impl=str(d.get("placement") or d.get("tier") or ("replan" if f == "replan-load" else "lina")),
                       params={k: v for k, v in d.items() if isinstance(v, (int, float, str)) and k in (
                           "world_size", "experts", "tokens", "tokens_per_rank", "d_model", "d_ffn", "layers", "slots")})
         if "error" in d:
