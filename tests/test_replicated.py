@@ -8,8 +8,13 @@ two-phase scheduler; bad input raises on every rank. One spawned group for every
 from __future__ import annotations
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from _dist import run_group, values_or_fail
+from tritonmoe.inference.replicated import plan_slots, slot_segments
+from tritonmoe.reference import copy_segments
 from _inference_cases import replicated_cases
 
 
@@ -139,3 +144,50 @@ def test_cuda_hosted_slots_copy_stream():
 
     res, _ = run_group(1, cuda_single_device_case, deadline_s=300.0)
     _check_single_device(values_or_fail(res)[0], cuda=True)
+
+
+_subsets = st.lists(st.integers(0, 7), unique=True, max_size=5).map(lambda h: tuple(sorted(h)))
+
+
+@given(seq=st.lists(_subsets, min_size=1, max_size=6), fixed=st.booleans())
+def test_plan_slots_keeps_and_loads_only_new(seq, fixed):
+    """Along any sequence of hosted sets: the slots hold exactly the hosted experts, the loads
+    are exactly the newly hosted ones, and kept experts stay in their slot while the buffers
+    keep their size (moves, device to device, only when they are resized)."""
+    cur: list = []
+    for hosted in seq:
+        S = 5 if fixed else len(hosted)
+        new, moves, loads = plan_slots(cur, hosted, S)
+        assert len(new) == S and sorted(e for e in new if e >= 0) == list(hosted)
+        assert sorted(e for e, _ in loads) == sorted(set(hosted) - set(cur))
+        assert all(new[k] == e for e, k in loads)
+        kept = set(hosted) & set(cur)
+        if S == len(cur):
+            assert not moves and all(new[k] == cur[k] for k, e in enumerate(cur) if e in kept)
+        else:
+            assert sorted(cur[a] for a, _ in moves) == sorted(kept)
+            assert all(new[b] == cur[a] for a, b in moves)
+        cur = new
+
+
+@given(data=st.data())
+def test_slot_segments_reorder_rows_by_slot(data):
+    """The segment copy puts the received rows (source-major, hosted experts in order) into
+    slot order, then source, matching the slot offsets; the reverse copy restores them."""
+    P = data.draw(st.integers(1, 4))
+    hosted = data.draw(_subsets.filter(bool))
+    free = data.draw(st.integers(0, 2))
+    slots = data.draw(st.permutations(list(hosted) + [-1] * free))
+    counts = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 3), min_size=len(hosted), max_size=len(hosted)),
+                                             min_size=P, max_size=P)), dtype=torch.int64).view(P, len(hosted))
+    # tag each received row with (source, expert, index within the chunk)
+    tags = [(s, e, i) for s in range(P) for j, e in enumerate(hosted) for i in range(int(counts[s, j]))]
+    x = torch.tensor([[s, e, i] for s, e, i in tags], dtype=torch.float64).view(-1, 3)
+    src, dst, lens, off = slot_segments(counts, hosted, slots)
+    y = copy_segments(x, src, dst, lens, x.shape[0])
+    want = sorted(tags, key=lambda t: (slots.index(t[1]), t[0], t[2]))
+    assert [tuple(int(v) for v in r) for r in y.tolist()] == want
+    for k, e in enumerate(slots):  # slot k's rows are expert e's (none for a free slot)
+        rows = y[int(off[k]):int(off[k + 1])]
+        assert (rows[:, 1] == e).all() and rows.shape[0] == (int(counts[:, hosted.index(e)].sum()) if e >= 0 else 0)
+    assert torch.equal(copy_segments(y, dst, src, lens, y.shape[0]), x)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from torch import nn
 from .placement import MAX_PACKED_PER_DEVICE, Placement, lina_placement
 from .popularity import PopularityEstimator, top_choices, top_k_match
 
-__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS"]
+__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments"]
 
 
 class LinaScheduler:
@@ -130,6 +130,52 @@ def _copy_expert(dst: list, src: list, non_blocking: bool) -> None:
     the only host-to-device path of :class:`ReplicatedMoELayer` (tests wrap it to count bytes)."""
     for d, s in zip(dst, src):
         d.copy_(s, non_blocking=non_blocking)
+
+
+def plan_slots(current: Sequence[int], hosted: Sequence[int], num_slots: int):
+    """How a rank's slots change from holding ``current`` (the expert per slot, -1 free) to
+    holding ``hosted`` in ``num_slots`` slots: ``(slot_experts, moves, loads)``. With the same
+    number of slots the buffers are kept: the experts still hosted stay in their slots and the
+    newly hosted ones take the freed slots (lowest first). Otherwise new buffers: the kept
+    experts first (``moves``: (old slot, new slot), device-to-device), then the new ones.
+    ``loads``: (expert, slot) copied from host memory, exactly the experts of ``hosted`` not in
+    ``current``."""
+    want = set(hosted)
+    have = set(e for e in current if e >= 0)
+    incoming = [e for e in hosted if e not in have]
+    if num_slots == len(current):
+        slot_experts = [e if e in want else -1 for e in current]
+        moves: list = []
+    else:
+        keep = [(k, e) for k, e in enumerate(current) if e in want]
+        slot_experts = [e for _, e in keep] + [-1] * (num_slots - len(keep))
+        moves = [(k, j) for j, (k, _) in enumerate(keep)]
+    free = [k for k, e in enumerate(slot_experts) if e < 0]
+    loads = list(zip(incoming, free))
+    for e, k in loads:
+        slot_experts[k] = e
+    return slot_experts, moves, loads
+
+
+def slot_segments(counts_PM: torch.Tensor, hosted: Sequence[int], slot_experts: Sequence[int]):
+    """(src_starts, dst_starts, lengths, slot_offsets), int64: the segment copy from the
+    received order (source s, then hosted expert j in ``hosted`` order; ``counts_PM[s, j]``
+    rows) to slot order (slot k, then source), and the [slots + 1] row offsets of the slots in
+    the result (a free slot: no rows). The reverse copy swaps the starts."""
+    P = counts_PM.shape[0]
+    S = len(slot_experts)
+    slot_of = {e: k for k, e in enumerate(slot_experts) if e >= 0}
+    col = torch.tensor([slot_of[e] for e in hosted], dtype=torch.int64)
+    c_SP = torch.zeros(S, P, dtype=torch.int64)
+    c_SP[col] = counts_PM.to(torch.int64).t()
+    lens = counts_PM.to(torch.int64).reshape(-1)
+    src = torch.cumsum(lens, 0) - lens
+    flat = c_SP.reshape(-1)
+    dst_SP = (torch.cumsum(flat, 0) - flat).view(S, P)
+    dst = dst_SP[col].t().reshape(-1)  # (s, j) -> the start of (slot of j, s)
+    off = torch.zeros(S + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(c_SP.sum(1), 0)
+    return src, dst, lens, off
 
 
 def _storage_bytes(tensors) -> int:
@@ -320,38 +366,30 @@ class ReplicatedMoELayer(nn.Module):
         the device when the buffers are resized), newly hosted ones are copied from the host."""
         t0 = time.perf_counter()
         cur = self.slot_experts
-        want = set(hosted)
-        keep = [e for e in cur if e in want]
-        incoming = [e for e in hosted if e not in set(cur)]
         S = len(hosted) if self.slots is None else self.slots
-        if S == len(cur) and not incoming:  # nothing to load: drop the experts no longer hosted
-            self.slot_experts = [e if e in want else -1 for e in cur]
-            self.last_load_experts = []
+        slot_experts, moves, loads = plan_slots(cur, hosted, S)
+        self.last_load_experts = [e for e, _ in loads]
+        if S == len(cur) and not loads:  # nothing to copy: the experts no longer hosted just leave
+            self.slot_experts = slot_experts
             return
         stream = self._copy_stream
         nb = stream is not None
         old = self.expert_weights
         with torch.no_grad():
-            if S == len(cur):  # reuse the buffers: the new experts take the freed slots
+            if S == len(cur):  # the same buffers: the new experts take the freed slots
                 bufs = old
-                slot_experts = [e if e in want else -1 for e in cur]
-            else:  # resize (allocated on the compute stream): kept experts first, moved on the device
+            else:  # new buffers (allocated on the compute stream): kept experts moved on the device
                 bufs = {n: torch.zeros((S, *t.shape[1:]), dtype=t.dtype, device=self.device) for n, t in old.items()}
-                slot_experts = keep + [-1] * (S - len(keep))
             if nb:
                 # the compute that last read the slots, and the allocation above, come first
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream) if nb else contextlib.nullcontext():
-                if bufs is not old:
-                    for j, e in enumerate(keep):
-                        s = cur.index(e)
-                        for n in self.names:
-                            bufs[n][j].copy_(old[n][s], non_blocking=nb)
-                        self.device_copy_bytes += self.expert_bytes
-                free = [s for s, e in enumerate(slot_experts) if e < 0]
-                for e, s in zip(incoming, free):
-                    _copy_expert([bufs[n][s] for n in self.names], [self.host[n][e] for n in self.names], nb)
-                    slot_experts[s] = e
+                for k_old, k_new in moves:
+                    for n in self.names:
+                        bufs[n][k_new].copy_(old[n][k_old], non_blocking=nb)
+                    self.device_copy_bytes += self.expert_bytes
+                for e, k in loads:
+                    _copy_expert([bufs[n][k] for n in self.names], [self.host[n][e] for n in self.names], nb)
                 if nb:
                     self._ready = torch.cuda.Event()
                     self._ready.record(stream)
@@ -360,10 +398,9 @@ class ReplicatedMoELayer(nn.Module):
                     t.record_stream(stream)
         self.expert_weights = bufs
         self.slot_experts = slot_experts
-        self.last_load_experts = incoming
-        if incoming:
+        if loads:
             self.loads += 1
-            self.load_bytes += len(incoming) * self.expert_bytes
+            self.load_bytes += len(loads) * self.expert_bytes
         self.load_s += time.perf_counter() - t0
 
     def device_expert_bytes(self) -> int:
@@ -427,25 +464,6 @@ class ReplicatedMoELayer(nn.Module):
             out = out + layer.shared_experts(x_TD)
         return out if x.dim() == 2 else out.view(x.shape)
 
-    def _slot_segments(self, counts_PM: torch.Tensor):
-        """(src_starts, dst_starts, lengths, slot_offsets) of the segment copy from the received
-        order (source s, hosted expert j ascending; ``counts_PM[s, j]`` rows) to slot order (slot
-        k, then source), and the [slots + 1] row offsets of the slots (free slots: no rows)."""
-        P, Md = counts_PM.shape
-        S = len(self.slot_experts)
-        slot_of = {e: k for k, e in enumerate(self.slot_experts) if e >= 0}
-        col = torch.tensor([slot_of[e] for e in self._hosted], dtype=torch.int64)
-        c_SP = torch.zeros(S, P, dtype=torch.int64)
-        c_SP[col] = counts_PM.t()
-        lens = counts_PM.reshape(-1)
-        src = torch.cumsum(lens, 0) - lens
-        flat = c_SP.reshape(-1)
-        dst_SP = (torch.cumsum(flat, 0) - flat).view(S, P)
-        dst = dst_SP[col].t().reshape(-1)  # (s, j) -> start of (slot_of[j], s)
-        off = torch.zeros(S + 1, dtype=torch.int64)
-        off[1:] = torch.cumsum(c_SP.sum(1), 0)
-        return src, dst, lens, off
-
     def experts(self, x_TD: torch.Tensor, routing, counts_PE: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for this rank's tokens, computed where the placement
         puts them; ``counts_PE``: every rank's per-expert counts (from :meth:`_exchange_counts`)."""
@@ -488,7 +506,7 @@ class ReplicatedMoELayer(nn.Module):
         if rows and Md:
             # recv holds chunks (source s, hosted expert j ascending); the grouped FFN wants them
             # by slot (the slot of each hosted expert), then source: one segment copy each way
-            src, dst, lens, off = self._slot_segments(recv_counts_PM)
+            src, dst, lens, off = slot_segments(recv_counts_PM, mine, self.slot_experts)
             copy = implementation("copy_segments", c.backend, recv.device)
             dev = recv.device
             src, dst, lens = src.to(dev), dst.to(dev), lens.to(dev)
