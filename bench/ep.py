@@ -36,7 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -61,12 +60,6 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def _in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _measure_rank(rank: int, P: int, spec: dict, device: torch.device, progress) -> list[dict]:
@@ -177,9 +170,9 @@ def _aggregate(per_rank: list[list[dict]], spec: dict, P: int, backend: str) -> 
 def _spawned_rank(rank: int, P: int, port: int, spec: dict, outdir: str, timeout_s: float, measure=None) -> None:
     """A spawned rank: init gloo, run ``measure(rank, P, spec, device, progress)`` (default: this
     module's), write its result for the parent."""
+    from tritonmoe.comm.rendezvous import init_local
+
     measure = measure or _measure_rank
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     heartbeat = os.path.join(outdir, f"progress{rank}")
 
@@ -188,7 +181,7 @@ def _spawned_rank(rank: int, P: int, port: int, spec: dict, outdir: str, timeout
             f.write(".")
 
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=timeout_s))
+        init_local(rank, P, port, timeout_s)
         progress()
         result = {"ok": measure(rank, P, spec, torch.device("cpu"), progress)}
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -212,7 +205,10 @@ def _run_spawned(P: int, spec: dict, timeout_s: float, measure=None, what: str =
     progress for timeout_s seconds. Every rank's result, in rank order."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
+        from tritonmoe.comm.rendezvous import local_store
+
+        store = local_store(P, timeout_s + 60.0)  # served until the ranks have ended (no free-port race)
+        port = store.port
         procs = [
             ctx.Process(target=_spawned_rank, args=(r, P, port, spec, outdir, timeout_s, measure), daemon=True)
             for r in range(P)

@@ -30,13 +30,16 @@ Lina-scheduled gradient allreduce, for instance::
     register(FaultCase("exit in a scheduled allreduce", "rank 1 dies inside the gradient allreduce",
                        _exit_in_allreduce, victims=(1,)))
 
-Every case runs in its own process group (a fault leaves a gloo group unusable) except the
+Ranks rendezvous on a TCPStore the parent serves on a port the kernel assigned as it bound it
+(a free port chosen by the parent and bound later by rank 0 could be taken in between by the
+sockets of the other groups running at once). Every case runs in its own process group (a fault leaves a gloo group unusable) except the
 ``shared`` ones, whose outcome leaves the group healthy (legal cases and errors that every rank
 raises together); those of one world size share one group, run one after the other. Groups run
 concurrently (``parallel``): each rank times its case from a barrier after start-up, so
 start-up contention does not count. Ranks initialize with a long timeout and run each case on a
-new group with the short one (``pg_timeout_s``), so slow start-up on a busy machine is not a
-timeout.
+new group created with the long timeout (its creation connects ranks that arrive at different
+times on a busy machine) and then given the short one (``pg_timeout_s``), so slow start-up is
+not a timeout.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -58,6 +60,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tritonmoe.comm.rendezvous import init_local, local_store
 
 __all__ = [
     "FaultCase",
@@ -138,6 +142,14 @@ class RankCtx:
         """Raise :class:`InjectedFault` (an ``inject`` action)."""
         raise InjectedFault(f"injected fault on rank {self.rank} ({self.case})")
 
+    def default_group_timeout(self) -> None:
+        """Give the default group the case's timeout (``pg_timeout_s``), as a user's
+        ``init_process_group(timeout=...)`` would: for cases whose library-made groups are carved
+        out of the default group (they must inherit its timeout). The harness starts the default
+        group with the long start-up timeout; each case runs in its own processes, so this is
+        never undone."""
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.pg_timeout_s), None)
+
 
 def inject(owner: Any, attr: str, *, action: Callable[..., Any], when: Optional[Callable[..., bool]] = None,
            nth: int = 1) -> None:
@@ -178,6 +190,8 @@ class FaultCase:
         stays_up: the victim's process lives on after its outcome (it caught the error), past
             its peers' timeout, keeping its connections open: the peers can only time out.
             Otherwise it ends at once, as an uncaught exception ends a training process.
+        setup_delay_s: the victims reach the creation of the case's group this much later than
+            the others (a harness self-test: on a busy machine ranks arrive seconds apart).
     """
 
     name: str
@@ -188,6 +202,7 @@ class FaultCase:
     shared: bool = False
     extra_s: float = 0.0
     stays_up: bool = False
+    setup_delay_s: float = 0.0
 
 
 CASES: dict[str, FaultCase] = {}
@@ -215,6 +230,8 @@ def ep_step(
     pipeline_degrees: Optional[Sequence[int]] = None,
     dtypes: Optional[Sequence[torch.dtype]] = None,
     before: Optional[Callable[[RankCtx, Any, torch.Tensor], torch.Tensor]] = None,
+    ep_capacity: Optional[int] = None,
+    build_dtype: Optional[torch.dtype] = None,
 ) -> dict:
     """One forward + backward of an expert-parallel MoELayer (E = 2P experts, top-2, fp64) on
     ``ctx.group``, checked against a single-process layer holding all experts on every rank's
@@ -226,6 +243,10 @@ def ep_step(
             (ranks that disagree: construction must refuse it on every rank).
         before: ``before(ctx, layer, x) -> x`` runs after construction, before the forward (the
             place to inject a fault on the victim or change its input).
+        ep_capacity: the static expert-parallel mode (``MoEConfig(ep_capacity=C)``, pipeline
+            degree 1); the reference drops the same slots (its capacity is C).
+        build_dtype: every rank builds its layer in this dtype and casts it to ``dtype`` after
+            construction (as ``model.to(dtype)`` after building does).
 
     Returns: ``{"correct": bool, "max_err": float}`` (output, input gradient, this rank's
     experts' weight gradients).
@@ -238,8 +259,14 @@ def ep_step(
     n = pipeline_degrees[r] if pipeline_degrees is not None else pipeline_degree
     layer_dtype = dtypes[r] if dtypes is not None else dtype
     torch.manual_seed(SEED)
-    ref = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, E, TOP_K), dtype=dtype)
-    layer = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, E, TOP_K, pipeline_degree=n), ep_group=ctx.group, dtype=layer_dtype)
+    static = {} if ep_capacity is None else {"ep_capacity": ep_capacity}
+    if static:
+        n = 1
+    ref = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, E, TOP_K, **static), dtype=dtype)
+    layer = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, E, TOP_K, pipeline_degree=n, **static), ep_group=ctx.group,
+                        dtype=build_dtype or layer_dtype)
+    if build_dtype is not None:
+        layer.to(layer_dtype)
     L = E // P
     mine = slice(r * L, (r + 1) * L)
     with torch.no_grad():
@@ -365,6 +392,10 @@ def _exit_in_lina_allreduce(ctx: RankCtx) -> dict:
     allreduce runs in Lina's micro-ops on the scheduler's lane; the victim dies in its first
     gradient micro-op. The mesh spans the default group (its timeout is the long start-up one;
     a dead peer is reported at once)."""
+    return _lina_step(ctx, arm_exit=True)
+
+
+def _lina_step(ctx: RankCtx, arm_exit: bool = False) -> dict:
     import tritonmoe as tm
     from tritonmoe.comm.priority import CommScheduler
     from tritonmoe.parallel import MoEMesh, data_parallel
@@ -377,7 +408,7 @@ def _exit_in_lina_allreduce(ctx: RankCtx) -> dict:
         tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 2 * P, TOP_K), mesh=mesh, dtype=torch.float64),
     )
     ddp = data_parallel(model, mesh, comm="lina", chunk_bytes=256)
-    if ctx.is_victim:
+    if ctx.is_victim and arm_exit:
         inject(CommScheduler, "_reduce", action=ctx.exit)
     x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + ctx.rank))
     ctx.start_clock()
@@ -412,6 +443,107 @@ def _exit_in_saa(ctx: RankCtx) -> dict:
     return {"correct": True, "max_err": 0.0}
 
 
+STATIC_C = 4  # the static cases' ep_capacity (slots per expert and rank)
+
+
+def _static_ragged(ctx: RankCtx) -> dict:
+    return ep_step(ctx, tokens=[(3, 17, 1, 9)[s % 4] for s in range(ctx.world_size)], ep_capacity=STATIC_C)
+
+
+def _static_cast_everywhere(ctx: RankCtx) -> dict:
+    return ep_step(ctx, ep_capacity=STATIC_C, build_dtype=torch.float32)
+
+
+def _static_dtype_at_construction(ctx: RankCtx) -> dict:
+    return ep_step(ctx, ep_capacity=STATIC_C,
+                   dtypes=[torch.float32 if s == 1 else torch.float64 for s in range(ctx.world_size)])
+
+
+def _static_cast_after_construction(ctx: RankCtx) -> dict:
+    def cast(c, layer, x):
+        layer.float()
+        return x.float()
+
+    return ep_step(ctx, ep_capacity=STATIC_C, before=on_victim(cast))
+
+
+def _parm_groups(ctx: RankCtx):
+    """Parm's groups for MP = 2 over the P ranks (ParmLayout.make(2, P, 1)), carved out of the
+    default group, which has the case's timeout."""
+    from tritonmoe.parm_layout import ParmLayout
+
+    dist.barrier()  # the ranks arrive together at the group creation, which the short timeout bounds
+    ctx.default_group_timeout()
+    lay = ParmLayout.make(2, ctx.world_size, 1)
+    return lay, lay.process_groups()
+
+
+def _parm_step(ctx: RankCtx, lay, groups) -> dict:
+    import tritonmoe as tm
+
+    torch.manual_seed(SEED)
+    layer = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 2 * ctx.world_size, TOP_K, parm_schedule="s2"),
+                        parm_groups=groups, dtype=torch.float64)
+    torch.manual_seed(SEED + lay.mp_group[groups.rank])  # the MP group's ranks hold the same tokens
+    x = torch.randn(8, D_MODEL, dtype=torch.float64, requires_grad=True)
+    ctx.start_clock()
+    if ctx.is_victim:
+        ctx.raise_fault()  # before the forward's first collective, on Parm's groups
+    layer(x).sum().backward()
+    ctx.stop_clock()
+    return {"correct": True, "max_err": 0.0}
+
+
+def _parm_peer_absent(ctx: RankCtx) -> dict:
+    lay, groups = _parm_groups(ctx)
+    return _parm_step(ctx, lay, groups)
+
+
+def _hier_groups(ctx: RankCtx):
+    from tritonmoe.comm import hierarchical_groups
+
+    return hierarchical_groups(2, group=ctx.group)  # node groups of 2 ranks (and rails for P = 4)
+
+
+def _hier_exchange(ctx: RankCtx, groups, *, victim_raises: bool = False) -> dict:
+    from tritonmoe.comm import hierarchical_all_to_all
+
+    P = ctx.world_size
+    splits = [2] * P
+    x = torch.randn(2 * P, D_MODEL, dtype=torch.float64, requires_grad=True)
+    ctx.start_clock()
+    if ctx.is_victim and victim_raises:
+        ctx.raise_fault()
+    # Splits given and unchecked: the first collective is the step-size exchange on a node group.
+    hierarchical_all_to_all(x, splits, splits, groups=groups, check=False).sum().backward()
+    ctx.stop_clock()
+    return {"correct": True, "max_err": 0.0}
+
+
+def _hier_peer_absent(ctx: RankCtx) -> dict:
+    return _hier_exchange(ctx, _hier_groups(ctx), victim_raises=True)
+
+
+def _hier_exit(ctx: RankCtx) -> dict:
+    groups = _hier_groups(ctx)
+    if ctx.is_victim:
+        inject(_executor(), "all_to_all", action=ctx.exit)  # inside the two-step exchange
+    return _hier_exchange(ctx, groups)
+
+
+def _grad_lane_cannot_start(ctx: RankCtx) -> dict:
+    """The Lina data-parallel step of :func:`_exit_in_lina_allreduce`, but the victim's gradient
+    lane cannot start its worker thread (a process out of threads)."""
+    import threading
+
+    def no_thread(th, *a, **k):
+        raise RuntimeError("can't start new thread")
+
+    if ctx.is_victim:
+        inject(threading.Thread, "start", action=no_thread, when=lambda th, *a, **k: th.name == "tritonmoe-grad-lane")
+    return _lina_step(ctx)
+
+
 for _case in (
     FaultCase("zero tokens on a rank", "rank 0 has no tokens (it still takes part in every exchange)",
               _zero_tokens, legal=True, shared=True),
@@ -440,6 +572,25 @@ for _case in (
     FaultCase("exit in a Lina allreduce", "rank 1 dies in its first gradient micro-op of a Lina-scheduled "
               "data-parallel step (data_parallel(..., comm='lina'))", _exit_in_lina_allreduce, victims=(1,)),
     FaultCase("exit in SAA", "rank 1 dies inside Parm S2's SAA collective (MP = 2)", _exit_in_saa, victims=(1,)),
+    FaultCase("static EP: ragged batches", "MoEConfig(ep_capacity=4): 3, 17, 1, 9 tokens per rank (slots past "
+              "the capacity dropped, as the reference drops them)", _static_ragged, legal=True, shared=True),
+    FaultCase("static EP: every rank casts", "ep_capacity=4; every rank builds in fp32 and casts to fp64 after "
+              "construction (the ranks re-agree on the rows' dtype)", _static_cast_everywhere, legal=True, shared=True),
+    FaultCase("static EP: dtype differs at construction", "ep_capacity=4; rank 1 builds its layer in fp32, the "
+              "others in fp64", _static_dtype_at_construction, victims=(1,), shared=True),
+    FaultCase("static EP: dtype cast after construction", "ep_capacity=4; rank 1 casts its layer and input to fp32 "
+              "after construction (no counts exchange carries the dtype)", _static_cast_after_construction,
+              victims=(1,)),
+    FaultCase("Parm groups: rank raises (stays up)", "rank 1 raises before its Parm S2 forward and lives on: its "
+              "peers wait on Parm's groups, created from the default group (they must inherit its timeout)",
+              _parm_peer_absent, victims=(1,), stays_up=True),
+    FaultCase("hierarchical: rank raises (stays up)", "rank 1 raises before a hierarchical all-to-all and lives on: "
+              "its peers wait on the node groups hierarchical_groups created (they must inherit the parent's "
+              "timeout)", _hier_peer_absent, victims=(1,), stays_up=True),
+    FaultCase("exit in a hierarchical all-to-all", "rank 1 dies inside the two-step exchange on the created node "
+              "and rail groups", _hier_exit, victims=(1,)),
+    FaultCase("gradient lane cannot start", "rank 1's Lina gradient lane cannot start its thread (LaneStartError) "
+              "in a data-parallel step", _grad_lane_cannot_start, victims=(1,)),
 ):
     register(_case)
 
@@ -499,12 +650,6 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _qualname(e: BaseException) -> str:
     return f"{type(e).__module__}.{type(e).__qualname__}"
 
@@ -526,8 +671,6 @@ def _write(outdir: str, name: str, rank: int, rec: Outcome) -> None:
 
 
 def _rank_main(rank: int, P: int, port: int, cases: list[FaultCase], pg_timeout_s: float, outdir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     import tritonmoe.comm.executor  # noqa: F401 - imported before the clock starts, not inside a case
 
@@ -536,10 +679,15 @@ def _rank_main(rank: int, P: int, port: int, cases: list[FaultCase], pg_timeout_
         name = case.name
         try:  # set-up: a failure here is the harness's, never a case's outcome
             if i == 0:
-                dist.init_process_group("gloo", rank=rank, world_size=P,
-                                        timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+                init_local(rank, P, port, INIT_TIMEOUT_S)  # the parent serves the store on `port`
                 _warm_up()
-            group = dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=pg_timeout_s))
+            if rank in case.victims and case.setup_delay_s:  # e.g. its warm-up took longer
+                time.sleep(case.setup_delay_s)
+            # Created under the start-up timeout (creation connects the ranks, who reach it at
+            # different times on a busy machine), then given the case's timeout.
+            dist.barrier()
+            group = dist.new_group(list(range(P)), timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=pg_timeout_s), group)
             dist.barrier()  # every rank starts the case together (start-up is not timed)
         except BaseException as e:  # noqa: BLE001 - reported in the table
             for n in names[i:]:
@@ -631,12 +779,13 @@ def _run_group(P: int, cases: list[FaultCase], pg_timeout_s: float, init_timeout
     """Start P ranks that run ``cases`` in order; every rank's outcome per case."""
     ctx = _mp_context()
     with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, P, port, cases, pg_timeout_s, outdir), daemon=True)
+        store = local_store(P, init_timeout_s)  # lives until every rank has ended (no free-port race)
+        procs = [ctx.Process(target=_rank_main, args=(r, P, store.port, cases, pg_timeout_s, outdir), daemon=True)
                  for r in range(P)]
         for p in procs:
             p.start()
         killed = _watch(procs, cases, outdir, pg_timeout_s, init_timeout_s, hang_slack_s)
+        del store
         table: dict[str, list[Outcome]] = {}
         for case in cases:
             row = []

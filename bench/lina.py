@@ -81,9 +81,10 @@ def _measure_priority(rank: int, P: int, spec: dict) -> dict:
     module docstring): per variant, per rep, the all-to-all's completion time and how much of it
     overlapped a gradient micro-op."""
     from tritonmoe.comm import CommScheduler, RealExecutor, Timeline
+    from tritonmoe.comm.errors import new_group
 
-    ep_group = dist.new_group(list(range(P)))
-    red_group = dist.new_group(list(range(P)))  # the gradient lane's own group, as data_parallel makes
+    ep_group = new_group(range(P))  # the default group's timeout
+    red_group = new_group(range(P))  # the gradient lane's own group, as data_parallel makes
     scheds = {"fifo": CommScheduler.fifo()}
     for mb in spec["chunk_mb"]:
         scheds[f"lina/{mb:g}MB"] = CommScheduler.lina(int(mb * 2**20))

@@ -19,7 +19,6 @@ whether the fitted model ranks the schedules as this machine does.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -49,12 +48,12 @@ def default_grid(world_size: int = 4) -> tuple[list[tuple[int, int]], list[dict]
 
 def _rank_body(rank: int, P: int, port: int, layouts, shapes, reps: int, warmup: int, dtype_name: str,
                timeout_s: float, outdir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    from tritonmoe.comm.rendezvous import init_local
+
     torch.set_num_threads(1)
     result = None
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=timeout_s))
+        init_local(rank, P, port, timeout_s)
         result = ("ok", _measure(rank, P, layouts, shapes, reps, warmup, getattr(torch, dtype_name)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = ("error", traceback.format_exc())
@@ -128,14 +127,6 @@ def _measure(rank: int, P: int, layouts, shapes, reps: int, warmup: int, dtype) 
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_parm(
     *,
     world_size: int = 4,
@@ -153,7 +144,10 @@ def run_parm(
     shapes = shapes or d_shapes
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
+        from tritonmoe.comm.rendezvous import local_store
+
+        store = local_store(world_size, timeout_s)  # served until the ranks have ended (no free-port race)
+        port = store.port
         procs = [ctx.Process(target=_rank_body, args=(r, world_size, port, layouts, shapes, reps, warmup, dtype,
                                                      timeout_s, outdir), daemon=True) for r in range(world_size)]
         deadline = time.monotonic() + timeout_s * 20

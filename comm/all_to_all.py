@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .errors import backend_errors
 from .splits import _as_int_list, check_splits, exchange_splits, group_rank_size
 
 __all__ = ["all_to_all", "all_to_all_raw"]
@@ -30,12 +31,15 @@ def all_to_all_raw(
 ):
     """Unchecked, non-differentiable all-to-all of rows: ``(out, work)`` (``work`` is None unless
     ``async_op``). The splits must already agree across the group (derived from
-    :func:`~tritonmoe.comm.exchange_counts` or checked with :func:`~tritonmoe.comm.check_splits`)."""
+    :func:`~tritonmoe.comm.exchange_counts` or checked with :func:`~tritonmoe.comm.check_splits`).
+    A backend failure raises :class:`~tritonmoe.comm.ScheduleError` (with ``async_op``, when the
+    collective is issued; wait for the work inside :func:`~tritonmoe.comm.errors.backend_errors`)."""
     x = x.contiguous()
     out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
-    work = dist.all_to_all_single(
-        out, x, list(output_split_sizes), list(input_split_sizes), group=group, async_op=async_op
-    )
+    with backend_errors(f"an all-to-all of {x.shape[0]} rows", group):
+        work = dist.all_to_all_single(
+            out, x, list(output_split_sizes), list(input_split_sizes), group=group, async_op=async_op
+        )
     return out, work
 
 

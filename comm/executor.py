@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .errors import LaneStartError, ScheduleError, backend_errors, lane_start
 from .timeline import Timeline
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "Executor",
     "RealExecutor",
     "ScheduleError",
+    "LaneStartError",
 ]
 
 #: Lane names.
@@ -69,11 +71,6 @@ COMM2 = "comm2"
 COPY = "copy"
 #: Every lane a schedule may name. Communication lanes are those starting with "comm".
 LANES = (COMPUTE, COMM, COMM2, COPY)
-
-
-class ScheduleError(RuntimeError):
-    """A step of a schedule failed (a peer died, a collective timed out); the message names the
-    operation, micro-op and phase."""
 
 
 @dataclass(frozen=True)
@@ -295,8 +292,10 @@ class Executor:
 
 @functools.lru_cache(maxsize=None)
 def _lane_stream(device_index: int, lane: str) -> "torch.cuda.Stream":
-    """The dedicated CUDA stream of a non-compute lane on a device (created once, reused)."""
-    return torch.cuda.Stream(device=device_index)
+    """The dedicated CUDA stream of a non-compute lane on a device (created once, reused; a
+    failure is not cached and raises :class:`LaneStartError`)."""
+    with lane_start(f"the CUDA stream of lane {lane!r} on cuda:{device_index}"):
+        return torch.cuda.Stream(device=device_index)
 
 
 @functools.lru_cache(maxsize=1)
@@ -305,8 +304,36 @@ def _copy_worker() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tritonmoe-copy")
 
 
+def _submit_copy(fn: Callable[..., Any], *args: Any) -> Future:
+    """Run ``fn(*args)`` on the CPU copy lane's worker thread; a worker that cannot start (no
+    thread left, a pool shut down at interpreter exit) raises :class:`LaneStartError`."""
+    with lane_start("the copy lane's worker thread"):
+        return _copy_worker().submit(fn, *args)
+
+
 def _values(args: Sequence[Any]) -> list[Any]:
     return [a.value if isinstance(a, Handle) else a for a in args]
+
+
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a torch.device the real executor can run on, or a ValueError/TypeError
+    naming it (before any stream or thread is started)."""
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device={device!r} is not a device string ({e}); use e.g. 'cpu' or 'cuda:0'") from None
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device or a device string, got {type(device).__name__}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device} but CUDA is not available here; run the schedule on 'cpu'")
+        n = torch.cuda.device_count()
+        if device.index is not None and not 0 <= device.index < n:
+            raise ValueError(f"device={device} but this process sees {n} CUDA device(s) (indices 0..{n - 1})")
+    elif device.type != "cpu":
+        raise ValueError(f"device={device}: the real executor runs on 'cpu' (gloo) or 'cuda' (NCCL) devices")
+    return device
 
 
 class RealExecutor(Executor):
@@ -327,6 +354,7 @@ class RealExecutor(Executor):
         self, device: torch.device, *, phase: str = "fwd", timeline: Optional[Timeline] = None, scheduler=None
     ) -> None:
         super().__init__(phase=phase, timeline=timeline)
+        device = _check_device(device)
         self.device = device
         #: a :class:`~tritonmoe.comm.CommScheduler` collectives are started through (None: directly)
         self.scheduler = scheduler
@@ -335,7 +363,8 @@ class RealExecutor(Executor):
         if self.cuda:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self._index = index
-            self.compute_stream = torch.cuda.current_stream(device)
+            with lane_start(f"the compute lane (the current stream of {device})"):
+                self.compute_stream = torch.cuda.current_stream(device)
 
     # -- lanes ---------------------------------------------------------------------------------
 
@@ -405,7 +434,7 @@ class RealExecutor(Executor):
         if lane == COPY:
             vals = _values(args)
             h = self._new(lane, entry, None)
-            fut = _copy_worker().submit(fn, *vals)
+            fut = _submit_copy(fn, *vals)
             h._ready = fut
             fut.add_done_callback(lambda f, h=h: setattr(h, "value", f.result() if not f.exception() else None))
             return h
@@ -417,14 +446,20 @@ class RealExecutor(Executor):
 
     # -- communication -------------------------------------------------------------------------
 
-    def _collective(self, lane, entry, deps, run: Callable[[], tuple[Any, Any]], kind, micro_op, priority=0) -> Handle:
+    def _collective(self, lane, entry, deps, run: Callable[[], tuple[Any, Any]], kind, micro_op, priority=0,
+                    group=None) -> Handle:
         """Issue ``run() -> (out, work)`` on ``lane`` after ``deps`` (through the installed
-        scheduler, which may gate other traffic behind it, when there is one)."""
+        scheduler, which may gate other traffic behind it, when there is one). A backend failure
+        when the collective is issued (a peer's connection already closed) raises the same
+        :class:`ScheduleError` as one when it is waited for."""
         if not lane.startswith("comm"):
             raise ValueError(f"collectives run on a communication lane ('comm', 'comm2'), not {lane!r}")
         sched = self.scheduler
-        if sched is not None:
-            run = functools.partial(sched.launch, run, priority=priority, cuda=self.cuda)
+        launch = run if sched is None else functools.partial(sched.launch, run, priority=priority, cuda=self.cuda)
+
+        def issue():
+            with backend_errors(f"{entry.op} '{entry.kind}' of micro-op {entry.micro_op} ({entry.phase})", group):
+                return launch()
         if self.cuda:
             stream = self._stream(lane)
             self._await(deps, lane)
@@ -433,7 +468,7 @@ class RealExecutor(Executor):
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)  # inputs produced on the compute stream before this call
                 rec = self._span(kind, micro_op, lane, stream)
-                out, work = run()
+                out, work = issue()
                 if work is not None:
                     work.wait()  # NCCL: the lane's stream waits for the collective; the host does not
                 if rec is not None:
@@ -448,7 +483,7 @@ class RealExecutor(Executor):
         for d in deps:
             self._host_wait(d)
         rec = self._span(kind, micro_op, lane)
-        out, work = run()
+        out, work = issue()
         if rec is not None and work is not None:
             self.timeline.stop_when_done(rec, work.get_future())
         elif rec is not None:
@@ -477,7 +512,7 @@ class RealExecutor(Executor):
             work = dist.all_to_all_single(out, t, list(recv_splits), list(send_splits), group=group, async_op=True)
             return out, work
 
-        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     def all_gather(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "all_gather", kind, micro_op)
@@ -491,7 +526,7 @@ class RealExecutor(Executor):
             work = dist.all_gather_into_tensor(out, t, group=group, async_op=True)
             return out, work
 
-        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     def all_reduce(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "all_reduce", kind, micro_op)
@@ -502,7 +537,7 @@ class RealExecutor(Executor):
             work = dist.all_reduce(t, group=group, async_op=True)
             return t, work
 
-        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     def reduce_scatter(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "reduce_scatter", kind, micro_op)
@@ -518,7 +553,7 @@ class RealExecutor(Executor):
             work = dist.reduce_scatter_tensor(out, t, group=group, async_op=True)
             return out, work
 
-        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     def send_recv(self, sends, recvs, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "send_recv", kind, micro_op)
@@ -537,7 +572,7 @@ class RealExecutor(Executor):
             works = dist.batch_isend_irecv(ops) if ops else []
             return outs, _Works(works)
 
-        return self._collective(lane, entry, deps, run, kind, micro_op, priority)
+        return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     # -- copies --------------------------------------------------------------------------------
 
@@ -590,7 +625,7 @@ class RealExecutor(Executor):
             h.value = v
             return v
 
-        h._ready = _copy_worker().submit(job)
+        h._ready = _submit_copy(job)
         return h
 
     # -- waiting -------------------------------------------------------------------------------

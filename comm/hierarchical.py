@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .errors import backend_errors, new_group
 from .executor import Executor, Handle, RealExecutor, VirtualTensor, Work
 from .partition import _transpose_chunks
 from .splits import _as_int_list, check_splits, comm_device, exchange_splits, group_rank_size
@@ -64,7 +65,8 @@ class HierarchicalGroups:
 def hierarchical_groups(local_size: int, *, group=None, cache: Optional[dict] = None) -> HierarchicalGroups:
     """Create the node and rail groups of ``group`` for ``local_size`` ranks per node. Collective
     over the default group (``torch.distributed.new_group`` for every node group, then every rail
-    group, in that order on every rank); ``cache`` (a dict) reuses groups with the same members."""
+    group, in that order on every rank); ``cache`` (a dict) reuses groups with the same members.
+    The groups inherit ``group``'s timeout (:func:`~tritonmoe.comm.errors.group_timeout`)."""
     if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
         raise ValueError(f"local_size must be a positive int, got {local_size!r}")
     rank, P = group_rank_size(group)
@@ -80,7 +82,7 @@ def hierarchical_groups(local_size: int, *, group=None, cache: Optional[dict] = 
     def make(ranks: list[int]):
         key = tuple(ranks)
         if key not in cache:
-            cache[key] = dist.new_group(list(ranks))
+            cache[key] = new_group(ranks, parent=group)  # the parent's timeout, not the 30-minute default
         return cache[key]
 
     a, i = divmod(rank, local_size)
@@ -289,7 +291,8 @@ def hierarchical_all_to_all(
     if p > 1:
         t = torch.tensor(vec, dtype=torch.int64, device=comm_device(groups.intra))
         got = torch.empty_like(t)
-        dist.all_to_all_single(got, t, group=groups.intra)
+        with backend_errors("the hierarchical all-to-all's step-size exchange (intra-node group)", groups.intra):
+            dist.all_to_all_single(got, t, group=groups.intra)
         table = got.view(p, 2 * n).tolist()  # host sync: step sizes are host ints
     else:
         table = [vec]

@@ -68,7 +68,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .executor import ScheduleError
+from .errors import LaneStartError, ScheduleError, backend_errors, lane_start
 from .timeline import Timeline
 
 __all__ = [
@@ -146,13 +146,15 @@ def ordered_all_reduce_(t: torch.Tensor, group=None) -> torch.Tensor:
     send = t.new_zeros(P * seg)
     send[:n] = t.reshape(-1)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with backend_errors("the ordered allreduce's all-to-all", group):
+        dist.all_to_all_single(recv, send, group=group)
     rows = recv.view(P, seg)
     acc = rows[0].clone()
     for r in range(1, P):
         acc += rows[r]
     out = torch.empty_like(send)
-    _all_gather_single()(out, acc, group=group)
+    with backend_errors("the ordered allreduce's all-gather", group):
+        _all_gather_single()(out, acc, group=group)
     t.view(-1).copy_(out[:n])
     return t
 
@@ -243,7 +245,7 @@ class CommScheduler:
         self._micro_op = 0
         self._held_since: Optional[float] = None
         self._check_queued = False
-        self._backward_error: Optional[str] = None
+        self._backward_error: Optional[tuple[str, type]] = None
         self._pass_buckets: list[_Bucket] = []
 
     @classmethod
@@ -344,7 +346,8 @@ class CommScheduler:
         fut: torch.futures.Future = torch.futures.Future()
         in_backward = self._queue_backward_check()
         if self._error is not None:
-            self._fail_bucket(_Bucket(flat, 1, fut, in_backward), f"the gradient lane failed earlier: {self._error}")
+            self._fail_bucket(_Bucket(flat, 1, fut, in_backward), f"the gradient lane failed earlier: {self._error}",
+                              type(self._error) if isinstance(self._error, LaneStartError) else ScheduleError)
             return fut
         if flat.numel() == 0 or group_size(group) == 1:
             fut.set_result(flat)
@@ -360,10 +363,16 @@ class CommScheduler:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(flat.device))
         with self._cv:
-            for p in pieces:
-                self._queue.append(_Item(p, group, bucket, ready))
-            self._ensure_worker()
-            self._cv.notify_all()
+            try:
+                self._ensure_worker()  # first: nothing is queued on a lane that cannot start
+            except LaneStartError as e:
+                self._error = e
+            else:
+                for p in pieces:
+                    self._queue.append(_Item(p, group, bucket, ready))
+                self._cv.notify_all()
+        if isinstance(self._error, LaneStartError):  # delivered like a failed reduction, typed
+            self._fail_bucket(bucket, str(self._error), LaneStartError)
         return fut
 
     def _queue_backward_check(self) -> bool:
@@ -390,30 +399,35 @@ class CommScheduler:
             while not b.future.done() and time.monotonic() < deadline:
                 time.sleep(_GATE_POLL_S)
         with self._cv:
-            msg, self._backward_error = self._backward_error, None
-        if msg is not None:
-            raise ScheduleError(f"{msg}; the gradients of this step were not reduced (do not step the optimizer)")
+            failed, self._backward_error = self._backward_error, None
+        if failed is not None:
+            msg, cls = failed
+            raise cls(f"{msg}; the gradients of this step were not reduced (do not step the optimizer)")
 
-    def _fail_bucket(self, bucket: "_Bucket", msg: str) -> None:
-        """Deliver a failed reduction: in a backward pass through :meth:`_check_backward`, else
-        as the future's exception."""
+    def _fail_bucket(self, bucket: "_Bucket", msg: str, cls: type = ScheduleError) -> None:
+        """Deliver a failed reduction as ``cls(msg)``: in a backward pass through
+        :meth:`_check_backward`, else as the future's exception."""
         if bucket.future.done():
             return
         if bucket.in_backward:
             with self._cv:
                 if self._backward_error is None:
-                    self._backward_error = msg
+                    self._backward_error = (msg, cls)
             bucket.future.set_result(bucket.flat)
         else:
-            bucket.future.set_exception(ScheduleError(msg))
+            bucket.future.set_exception(cls(msg))
 
     def _ensure_worker(self) -> None:
+        """Start the gradient lane's thread if it is not running; a thread that cannot start
+        raises :class:`~tritonmoe.comm.errors.LaneStartError` (nothing is queued then)."""
         if self._thread is None or not self._thread.is_alive():
             self._stop = False
-            self._thread = threading.Thread(
+            thread = threading.Thread(
                 target=_worker_main, args=(weakref.ref(self),), name="tritonmoe-grad-lane", daemon=True
             )
-            self._thread.start()
+            with lane_start("the gradient lane's worker thread (CommScheduler)"):
+                thread.start()
+            self._thread = thread
             weakref.finalize(self, _stop_worker, self._cv, self._thread)
 
     def _next_item(self, timeout_s: float) -> Optional[_Item]:
@@ -468,7 +482,8 @@ class CommScheduler:
         if self.reduction == "ordered":
             ordered_all_reduce_(t, group)
         else:
-            dist.all_reduce(t, group=group)
+            with backend_errors("a gradient micro-op's allreduce", group):
+                dist.all_reduce(t, group=group)
 
     def _finish(self, item: _Item, error: Optional[BaseException]) -> None:
         if error is not None:
@@ -533,7 +548,8 @@ def _grad_stream(device: torch.device):
 
 @functools.lru_cache(maxsize=None)
 def _grad_stream_of(index: int):
-    return torch.cuda.Stream(device=index)
+    with lane_start(f"the gradient lane's CUDA stream on cuda:{index}"):
+        return torch.cuda.Stream(device=index)
 
 
 def group_size(group) -> int:

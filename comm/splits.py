@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .executor import ScheduleError
+from .errors import ScheduleError, backend_errors, group_timeout, new_group  # noqa: F401 - re-exported
 
 __all__ = [
     "SplitMismatchError",
@@ -36,6 +36,8 @@ __all__ = [
     "plan_from_counts",
     "group_rank_size",
     "comm_device",
+    "group_timeout",
+    "new_group",
 ]
 
 
@@ -106,16 +108,8 @@ def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group, what: str) -> Non
     """``dist.all_to_all_single`` whose backend failure (a peer that died or raised before the
     collective, a timeout) becomes a typed :class:`~comm.executor.ScheduleError` naming the step,
     as the pipelined exchanges' failures do."""
-    try:
+    with backend_errors(f"{what} (expert-parallel group)", group):
         dist.all_to_all_single(recv, send, group=group)
-    except RuntimeError as e:
-        if isinstance(e, ScheduleError):
-            raise
-        rank = dist.get_rank(group) if dist.is_initialized() else -1
-        raise ScheduleError(
-            f"{what} failed on rank {rank} of the expert-parallel group: {type(e).__name__}: {e}. A peer failed or "
-            "left before this collective (its own first error says why), or the process-group timeout expired"
-        ) from e
 
 
 def _exchange_rows(vec: torch.Tensor, group, what: str = "the settings exchange") -> torch.Tensor:

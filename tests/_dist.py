@@ -1,7 +1,9 @@
 """Spawned gloo process groups for the distributed tests.
 
 ``run_group(P, fn, *args)`` starts P fresh processes (spawn), each initializes a gloo group on
-loopback (a free port, ``timeout`` on init and on every collective), runs ``fn(rank, P, *args)``
+loopback (rendezvous on a TCPStore the parent serves on a port the kernel assigned as it bound
+it, so concurrent groups and other processes of a busy machine cannot take it between choosing
+and binding; ``timeout`` on init and on every collective), runs ``fn(rank, P, *args)``
 and writes its outcome to a file. The parent joins them with a deadline and kills stragglers,
 so a hang becomes a test failure, never a hung test run. Spawning costs seconds on the shared
 CPU machine: batch many checks into one call (a table of cases per group).
@@ -9,10 +11,8 @@ CPU machine: batch many checks into one call (a table of cases per group).
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from tritonmoe.comm.rendezvous import local_store
 
 
 @dataclass
@@ -29,24 +31,16 @@ class RankResult:
     value: Any = None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, P: int, port: int, pg_timeout_s: float, fn: Callable, args: tuple, outdir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    from tritonmoe.comm.rendezvous import init_local
+
     torch.set_num_threads(1)
     ok = False
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=pg_timeout_s)
-        )
+        init_local(rank, P, port, pg_timeout_s)  # the parent serves the store on `port`
         result = ("ok", fn(rank, P, *args))
         ok = True
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -79,9 +73,9 @@ def run_group(
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
-        port = free_port()
+        store = local_store(world_size, deadline_s)  # served until every rank has ended
         procs = [
-            ctx.Process(target=_entry, args=(r, world_size, port, pg_timeout_s, fn, args, outdir), daemon=True)
+            ctx.Process(target=_entry, args=(r, world_size, store.port, pg_timeout_s, fn, args, outdir), daemon=True)
             for r in range(world_size)
         ]
         t0 = time.monotonic()
@@ -94,6 +88,7 @@ def run_group(
                 p.kill()
                 p.join(5)
         wall = time.monotonic() - t0
+        del store
         results = []
         for r in range(world_size):
             path = os.path.join(outdir, f"rank{r}.pkl")

@@ -30,33 +30,118 @@ def _step(fn, layer, x, g):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)])
-def test_no_graph_breaks_and_compiled_equals_eager(backend, dtype):
-    """fullgraph=True (any graph break raises), forward and backward, two batch sizes (dynamic),
-    with a capacity: bitwise equal to eager with the aot_eager backend (the same implementations
+@pytest.mark.parametrize(
+    "backend,dtype,ffn_path,want_path",
+    [
+        ("torch", torch.float64, "auto", "unfused"),
+        ("triton", torch.float32, "auto", "fused"),
+        ("torch", torch.float64, "fused", "fused"),
+        ("triton", torch.float32, "unfused", "unfused"),
+    ],
+)
+def test_no_graph_breaks_and_compiled_equals_eager(backend, dtype, ffn_path, want_path):
+    """fullgraph=True (any graph break raises), forward and backward, three batch sizes
+    (dynamic) under ``error_on_recompile``, with a capacity: the compiled layer runs the variant
+    the eager layer chooses (``config.ffn_path``; "auto" is unfused on the reference, fused on the
+    kernels) and is bitwise equal to eager with the aot_eager backend (the same implementations
     run inside the ops)."""
-    extra = dict(capacity_factor=1.25, expert_ffn_bias=True, shared_d_ffn=8, routed_scaling_factor=1.5)
+    extra = dict(capacity_factor=1.25, expert_ffn_bias=True, shared_d_ffn=8, routed_scaling_factor=1.5,
+                 ffn_path=ffn_path)
     eager, layer = _layers(backend, dtype, **extra)
     ex = torch._dynamo.explain(layer)(torch.randn(5, 16, dtype=dtype))
     assert ex.graph_break_count == 0 and ex.graph_count == 1, [str(b.reason)[:200] for b in ex.break_reasons]
+    torch._dynamo.reset()
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
     frames = []
-    for T in (7, 11, 3):
-        x = torch.randn(T, 16, dtype=dtype)
-        g = torch.randn(T, 16, dtype=dtype)
-        eager.zero_grad(set_to_none=True)
-        layer.zero_grad(set_to_none=True)
-        want = _step(eager, eager, x, g)
-        got = _step(compiled, layer, x, g)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        for n, gw in want[2].items():
-            assert torch.equal(got[2][n], gw), n
-        assert torch.equal(layer.last_routing.topk_ids, eager.last_routing.topk_ids)
-        frames.append(counter.frame_count)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompilation raises
+        for T in (7, 11, 3):
+            x = torch.randn(T, 16, dtype=dtype)
+            g = torch.randn(T, 16, dtype=dtype)
+            eager.zero_grad(set_to_none=True)
+            layer.zero_grad(set_to_none=True)
+            want = _step(eager, eager, x, g)
+            got = _step(compiled, layer, x, g)
+            assert eager.ffn_path_used == layer.ffn_path_used == want_path
+            assert torch.equal(got[0], want[0])
+            # The compiled step trains through the *_train ops (saved activations, explicit
+            # backward): the kernels' shared backward (bitwise), the reference's grouped FFN
+            # (bitwise); the reference's fused moe_ffn_train sums dx and the gate gradient in
+            # another order than autograd of the composition (to rounding).
+            exact = not (backend == "torch" and want_path == "fused")
+            for n, gw in [("x", want[1])] + list(want[2].items()):
+                g_got = got[1] if n == "x" else got[2][n]
+                if exact:
+                    assert torch.equal(g_got, gw), n
+                else:
+                    torch.testing.assert_close(g_got, gw, rtol=1e-12, atol=1e-13, msg=lambda m: f"{n}: {m}")
+            assert torch.equal(layer.last_routing.topk_ids, eager.last_routing.topk_ids)
+            frames.append(counter.frame_count)
     assert frames[0] == frames[-1], frames  # no recompilation for a new batch size (the capacity is symbolic)
+    ops_in_graph = {n.target._qualified_op_name for gm in counter.graphs for n in gm.graph.nodes
+                    if n.op == "call_function" and hasattr(n.target, "_qualified_op_name")}
+    fused_ops = {"tritonmoe::moe_ffn_train"}
+    unfused_ops = {"tritonmoe::permute", "tritonmoe::grouped_ffn_train", "tritonmoe::unpermute"}
+    assert (fused_ops if want_path == "fused" else unfused_ops) <= ops_in_graph, ops_in_graph
+    assert not ((unfused_ops if want_path == "fused" else fused_ops) & ops_in_graph), ops_in_graph
+
+
+@pytest.mark.parametrize("ffn_path", ["fused", "unfused"])
+def test_compiled_ffn_op_forms(ffn_path):
+    """Which expert-FFN op a compiled layer traces: the ``*_train`` form (activations saved, no
+    GEMM rerun in backward) when training in the default "save" mode; the recomputing form under
+    ``preact_mode("recompute")`` (memory) and for inference (no grad: nothing to save). Every
+    form gives the eager gradients (reference, fp64)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from tritonmoe.kernels._gemm_config import preact_mode
+
+    ffn = "tritonmoe::moe_ffn" if ffn_path == "fused" else "tritonmoe::grouped_ffn"
+    eager, layer = _layers("torch", torch.float64, ffn_path=ffn_path)
+    x, g = torch.randn(6, 16, dtype=torch.float64), torch.randn(6, 16, dtype=torch.float64)
+    want = _step(eager, eager, x, g)
+    for mode, grad, want_op in (("save", True, ffn + "_train"), ("recompute", True, ffn), ("save", False, ffn)):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        compiled = torch.compile(layer, backend=counter, fullgraph=True)
+        layer.zero_grad(set_to_none=True)
+        with preact_mode(mode), torch.set_grad_enabled(grad):
+            if grad:
+                got = _step(compiled, layer, x, g)
+                for n, gw in want[2].items():
+                    torch.testing.assert_close(got[2][n], gw, rtol=1e-12, atol=1e-13)
+            else:
+                assert torch.equal(compiled(x), want[0])
+        names = {n.target._qualified_op_name for gm in counter.graphs for n in gm.graph.nodes
+                 if n.op == "call_function" and hasattr(n.target, "_qualified_op_name")}
+        assert want_op in names and not ({ffn, ffn + "_train"} - {want_op}) & names, (mode, grad, names)
+
+
+def test_default_dynamic_recompiles_once():
+    """``torch.compile`` without ``dynamic=``: the second batch size makes dynamo mark the batch
+    dimension dynamic (one recompilation, PyTorch's automatic dynamic shapes); later sizes, and
+    training steps with an optimizer, reuse that graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager, layer = _layers("torch", torch.float64, ffn_path="unfused")
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    counts = []
+    for T in (5, 8, 13, 6):
+        x = torch.randn(T, 16, dtype=torch.float64)
+        assert torch.equal(compiled(x), eager(x))
+        counts.append(counter.frame_count)
+    assert counts == [1, 2, 2, 2], counts
+    # training steps (backward, optimizer updates in place, aux loss read back): no recompilation
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for T in (7, 9, 4):
+        opt.zero_grad()
+        (compiled(torch.randn(T, 16, dtype=torch.float64)).square().sum() + layer.aux_loss).backward()
+        opt.step()
+    assert counter.frame_count == 2, counter.frame_count
 
 
 @pytest.mark.slow
@@ -78,7 +163,10 @@ def test_export():
     batch = torch.export.Dim("batch", min=2, max=1024)
     ep = torch.export.export(layer, (x,), dynamic_shapes=({0: batch},))
     names = {n.target.name() for n in ep.graph.nodes if n.op == "call_function" and hasattr(n.target, "name")}
-    assert {"tritonmoe::route", "tritonmoe::moe_ffn"} <= names, names
+    # ffn_path "auto" on the reference backend: the unfused path, as in eager
+    # (traced with grad enabled: the training form of the grouped FFN)
+    assert {"tritonmoe::route", "tritonmoe::permute", "tritonmoe::grouped_ffn_train", "tritonmoe::unpermute"} <= names, \
+        names
     x2 = torch.randn(13, 16)
     torch.testing.assert_close(ep.module()(x2), layer(x2), rtol=0, atol=0)
 
@@ -135,3 +223,43 @@ def test_opcheck_row_movers_and_gemms():
     got = torch.ops.tritonmoe.grouped_ffn(xq.detach(), offs, w1.detach(), w2.detach(), b1.detach(), b2.detach(),
                                           "swiglu_oai", 0.8, 1.3, "torch")
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("ffn_path", ["fused", "unfused"])
+def test_gpu_compiled_layer_equals_eager(ffn_path):
+    """On CUDA with the Triton kernels (bf16): fullgraph, dynamic batch, no recompilation, the
+    eager variant, bitwise equal to eager with aot_eager (training ops' shared backward) and to
+    rounding with inductor."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cfg = dict(CFG, d_model=128, d_ffn=64, num_experts=8, backend="triton", ffn_path=ffn_path, capacity_factor=1.25)
+    mk = lambda: tm.MoELayer(tm.MoEConfig(**cfg), device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    torch.manual_seed(0)
+    eager = mk()
+    torch.manual_seed(0)
+    layer = mk()
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T in (40, 300, 97):
+            x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+            eager.zero_grad(set_to_none=True)
+            layer.zero_grad(set_to_none=True)
+            want, got = _step(eager, eager, x, g), _step(compiled, layer, x, g)
+            assert layer.ffn_path_used == eager.ffn_path_used == ffn_path
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            for n, gw in want[2].items():
+                assert torch.equal(got[2][n], gw), n
+    torch._dynamo.reset()
+    layer.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    want, got = _step(eager, eager, x, g), _step(torch.compile(layer, fullgraph=True), layer, x, g)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    for n, gw in want[2].items():
+        torch.testing.assert_close(got[2][n], gw, rtol=5e-2, atol=5e-2, msg=lambda m: f"{n}: {m}")

@@ -186,6 +186,8 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
 
     import torch.distributed as dist
 
+    from .comm.errors import backend_errors
+
     err: Optional[BaseException] = None
     found: list = []
     try:
@@ -213,7 +215,8 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
         ])
         W = dist.get_world_size(group)
         table_t = torch.empty(W * 4, dtype=torch.int64, device=dev)
-        dist.all_gather_into_tensor(table_t, head, group=group)
+        with backend_errors("update_expert_bias's argument check (all-gather)", group):
+            dist.all_gather_into_tensor(table_t, head, group=group)
         table = table_t.view(W, 4).tolist()  # host sync: the verdict (the update path, once per step)
         failed = [r for r in range(W) if table[r][0]]
         if err is not None:
@@ -246,7 +249,8 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
         return []
     if group is not None:
         flat = torch.cat(loads)
-        dist.all_reduce(flat, group=group)
+        with backend_errors("the expert-load allreduce of update_expert_bias", group):
+            dist.all_reduce(flat, group=group)
         summed = list(flat.split([load.numel() for load in loads]))
     else:
         summed = [load.clone() for load in loads]

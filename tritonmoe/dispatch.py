@@ -62,6 +62,13 @@ OPS: dict[str, OpSpec] = {
     "grouped_gemm": OpSpec(reference.grouped_gemm, "grouped_gemm", "grouped_gemm", _F16_BF16_F32),
     "grouped_ffn": OpSpec(reference.grouped_ffn, "grouped_gemm", "grouped_ffn", _F16_BF16_F32),
     "moe_ffn": OpSpec(reference.moe_ffn, "grouped_gemm", "moe_ffn", _F16_BF16_F32),
+    # the training forms (tritonmoe.ops' *_train custom ops): forward with saved activations, backward from them
+    "grouped_ffn_train": OpSpec(reference.grouped_ffn_train, "grouped_gemm", "grouped_ffn_train", _F16_BF16_F32),
+    "grouped_ffn_train_backward": OpSpec(reference.grouped_ffn_train_backward, "grouped_gemm",
+                                         "grouped_ffn_train_backward", _F16_BF16_F32),
+    "moe_ffn_train": OpSpec(reference.moe_ffn_train, "grouped_gemm", "moe_ffn_train", _F16_BF16_F32),
+    "moe_ffn_train_backward": OpSpec(reference.moe_ffn_train_backward, "grouped_gemm", "moe_ffn_train_backward",
+                                     _F16_BF16_F32),
     "copy_segments": OpSpec(reference.copy_segments, "partition", "copy_segments"),
 }
 

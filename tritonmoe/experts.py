@@ -147,27 +147,61 @@ class LocalExperts(ExpertPath):
     """
 
     def choose(self, x_TD: torch.Tensor) -> str:
+        """The variant for ``x_TD`` ("fused" or "unfused"): ``config.ffn_path``, or for "auto" the
+        rule above. The same decision eager and compiled (under ``torch.compile`` it is taken once
+        at trace time, see :func:`_local_ffn_path`)."""
         c = self.config
-        if c.ffn_path != "auto":
-            return c.ffn_path
-        return "unfused" if self.impl("moe_ffn", x_TD) is reference.moe_ffn else "fused"
+        return _local_ffn_path(c.ffn_path, c.backend, x_TD.device.type, x_TD.dtype)
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
         c = self.config
         w, kw = weights, ffn_options(c)
-        if torch.compiler.is_compiling():  # one opaque custom op (tritonmoe.ops): no graph break
-            self.path_used = "fused"
-            return ops.moe_ffn(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
         path = self.choose(x_TD)
         self.path_used = path
+        # Traced by torch.compile: the custom ops (tritonmoe.ops; one opaque node each, no graph
+        # break), the same variant and implementations as eager.
+        compiling = torch.compiler.is_compiling()
+        # Training (grad enabled) in the "save" pre-activation mode: the ops that return the
+        # activations backward needs, so the compiled backward reruns no GEMM, as eager; else
+        # (inference, or TRITONMOE_FFN_PREACT=recompute for memory) the recomputing ops.
+        train = compiling and torch.is_grad_enabled() and _saves_activations()
         if path == "fused":
+            if train:
+                return ops.moe_ffn_train(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
+            if compiling:
+                return ops.moe_ffn(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
             return self.impl("moe_ffn", x_TD)(x_TD, routing, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         # num_rows: the static bound of the permuted rows, so permute needs no host sync
         T, k = routing.topk_ids.shape
         rows = reference.max_permuted_rows(T, k, c.num_experts)
+        if compiling:
+            x_perm, info = ops.permute(x_TD, routing.topk_ids, c.num_experts, num_rows=rows, backend=c.backend)
+            ffn = ops.grouped_ffn_train if train else ops.grouped_ffn
+            y_perm = ffn(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2, backend=c.backend, **kw)
+            return ops.unpermute(y_perm, info, routing.topk_weights, backend=c.backend)
         x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts, num_rows=rows)
         y_perm = self.impl("grouped_ffn", x_TD)(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
+
+
+@torch._dynamo.assume_constant_result
+def _saves_activations() -> bool:
+    """Whether the compiled layer's expert FFN saves its activations for backward (the
+    ``*_train`` custom ops) rather than recomputing them: :func:`tritonmoe.ops.preact_mode`,
+    read once at trace time."""
+    return ops.preact_mode() == "save"
+
+
+@torch._dynamo.assume_constant_result
+def _local_ffn_path(ffn_path: str, backend: Optional[str], device_type: str, dtype: torch.dtype) -> str:
+    """:meth:`LocalExperts.choose` from plain values. Marked ``assume_constant_result``: under
+    ``torch.compile`` it runs once at trace time (the dispatch table is Python state dynamo need
+    not trace) and its answer is a constant of the graph, like the backend the custom ops are
+    given; changing the process default backend afterwards does not retrace a compiled layer."""
+    if ffn_path != "auto":
+        return ffn_path
+    impl = implementation("moe_ffn", backend, torch.device(device_type), dtype)
+    return "unfused" if impl is reference.moe_ffn else "fused"
 
 
 #: dtypes as small ints for the cross-rank agreement check.
@@ -315,6 +349,16 @@ class StaticExpertParallelExperts(ExpertPath):
     config applied to each rank's batch; padding rows never reach an output.
 
     Construction is collective (one small all-to-all checks that the ranks agree on the config).
+
+    Dtype of the rows: the ranks agree on it at construction, and the equal-split exchanges move
+    rows of that dtype with no counts exchange to compare it in. A rank whose rows have another
+    dtype at a forward (it cast its layer and input after construction) first re-agrees on a
+    control group of the same ranks (one small all-gather and a host sync, only on that forward):
+    when every rank cast the same way they all re-agree and go on; otherwise every rank ends in a
+    typed error before any row of the wrong size moves, the ranks that changed in a ``TypeError``
+    naming every rank's dtype, the others in :class:`~tritonmoe.comm.ScheduleError` (their
+    exchange's peer never joined) within the group's timeout. The forward whose dtype is the
+    agreed one costs nothing more (a host-side dtype comparison).
     """
 
     def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
@@ -334,6 +378,45 @@ class StaticExpertParallelExperts(ExpertPath):
         self.group, self.rank, self.world_size = group, rank, P
         self.num_local_experts = E // P
         self.expert_start = rank * self.num_local_experts
+        #: the dtype of the exchanged rows every rank of the group agreed on
+        self.wire_dtype = dtype
+        self._control = _control_group(group)
+
+    def _check_wire_dtype(self, dtype: torch.dtype) -> None:
+        """Re-agree on the rows' dtype when this rank's changed (see the class docstring)."""
+        if dtype == self.wire_dtype:
+            return
+        import torch.distributed as dist
+
+        from .comm.errors import ScheduleError, backend_errors
+        from .comm.splits import comm_device
+
+        P = self.world_size
+        code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+        mine = torch.tensor([code], dtype=torch.int64, device=comm_device(self._control))
+        table = torch.empty(P, dtype=torch.int64, device=mine.device)
+        try:
+            with backend_errors("the static expert-parallel dtype re-agreement", self._control):
+                dist.all_gather_into_tensor(table, mine, group=self._control)
+        except ScheduleError as e:
+            raise TypeError(
+                f"rank {self.rank}'s expert-parallel rows are {dtype} but the group agreed on {self.wire_dtype}, and the "
+                "other ranks did not re-agree (their rows kept the agreed dtype, or they failed): cast every rank's "
+                f"layer and input the same way ({type(e).__name__}: {str(e)[:200]})"
+            ) from e
+        codes = table.tolist()  # host sync: only on a forward whose dtype changed
+        if len(set(codes)) > 1:
+            names = ", ".join(
+                f"rank {r}: {str(_DTYPE_CODES[c]).replace('torch.', '') if c >= 0 else 'unsupported'}"
+                for r, c in enumerate(codes)
+            )
+            raise TypeError(
+                f"the ranks of the static expert-parallel group would exchange rows of different dtypes ({names}); "
+                "cast every rank's layer and input the same way"
+            )
+        if code < 0:
+            raise TypeError(f"static expert parallelism exchanges rows of {_DTYPE_CODES}, got {dtype}")
+        self.wire_dtype = dtype
 
     def send_rows(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dest [T*k], valid [T*k])``: the row of the [E*C] send buffer each slot goes to
@@ -361,6 +444,7 @@ class StaticExpertParallelExperts(ExpertPath):
         self.path_used = "expert_parallel_static"
         E, C, P, L = c.num_experts, c.ep_capacity, self.world_size, self.num_local_experts
         T, d = x_TD.shape
+        self._check_wire_dtype(x_TD.dtype)  # before any row moves; free unless the dtype changed
         k = routing.topk_ids.shape[1]
         dest, valid = self.send_rows(routing)
         x_slots = x_TD.unsqueeze(1).expand(T, k, d).reshape(T * k, d)
@@ -381,6 +465,26 @@ class StaticExpertParallelExperts(ExpertPath):
         back = torch.cat([back, back.new_zeros(1, d)], dim=0)
         w = torch.where(valid.view(T, k), routing.topk_weights.to(acc), torch.zeros((), dtype=acc, device=x_TD.device))
         return (back[dest].view(T, k, d).to(acc) * w.unsqueeze(-1)).sum(1).to(x_TD.dtype)
+
+
+#: control groups of expert-parallel groups: id(group) -> (group, control group); one per group,
+#: however many layers use it (the group is kept to tell a recycled id from the same group)
+_CONTROL_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _control_group(group: Any) -> Any:
+    """A second process group with ``group``'s ranks and timeout, for agreements that must not
+    be matched against ``group``'s data exchanges (created once per group; collective over its
+    ranks only)."""
+    import torch.distributed as dist
+
+    from .comm.errors import new_group
+
+    hit = _CONTROL_GROUPS.get(id(group))
+    if hit is None or hit[0] is not group:
+        control = new_group(dist.get_process_group_ranks(group), parent=group, use_local_synchronization=True)
+        hit = _CONTROL_GROUPS[id(group)] = (group, control)
+    return hit[1]
 
 
 def _announce(scheduler):

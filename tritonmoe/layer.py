@@ -443,6 +443,22 @@ class MoELayer(nn.Module):
         return load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.expert_path, LocalExperts):
+            return self._forward_eagerly(x)
+        return self._forward(x)
+
+    @torch.compiler.disable
+    def _forward_eagerly(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward of the distributed layouts (expert parallel, static or dynamic; Parm),
+        always eager: inside a model under ``torch.compile`` the layer is a deliberate graph
+        break (dynamo compiles the code before and after it and runs the layer as it runs without
+        compile). Their collectives take host-side split sizes, their schedules drive streams,
+        events and process groups dynamo does not trace, and their exact weight-gradient
+        deferral cannot live in a custom op. ``fullgraph=True`` therefore refuses a model with
+        such a layer; the local layer compiles into the graph (:mod:`tritonmoe.ops`)."""
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

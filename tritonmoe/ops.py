@@ -1,24 +1,34 @@
 """tritonmoe's ops as ``torch.library`` custom ops, for ``torch.compile`` and ``torch.export``:
-``torch.ops.tritonmoe.route``, ``moe_ffn``, ``permute_metadata``, ``permute`` (static
-``num_rows``), ``unpermute``, ``grouped_gemm``, ``grouped_ffn``.
+``torch.ops.tritonmoe.route``, ``moe_ffn``, ``moe_ffn_train``, ``permute_metadata``, ``permute``
+(static ``num_rows``), ``unpermute``, ``grouped_gemm``, ``grouped_ffn``, ``grouped_ffn_train``.
 
 Each op is one opaque node of a traced graph: a fake implementation gives its output shapes and
 dtypes (no data-dependent size: the routing's outputs are [T, k] and [E], the FFN's [T, d]), and
 its implementation asks :func:`tritonmoe.dispatch.implementation` at run time for the Triton
 kernel or the reference, so the graph is the same for both backends. The local
 :class:`~tritonmoe.MoELayer` calls these ops while ``torch.compile`` traces it
-(``torch.compiler.is_compiling()``): a compiled layer has no graph break, forward or backward,
-and dynamic batch sizes trace symbolically (``MoEConfig.capacity`` of a SymInt). In eager mode
-the layer calls the implementations directly, as before.
+(``torch.compiler.is_compiling()``), in the variant eager runs (``config.ffn_path``: ``moe_ffn``,
+or ``permute`` + ``grouped_ffn`` + ``unpermute``): a compiled layer has no graph break, forward
+or backward, and dynamic batch sizes trace symbolically (``MoEConfig.capacity`` of a SymInt). In
+eager mode the layer calls the implementations directly, as before.
 
-Backward: each op's gradient is a second custom op (``route_backward``, ``moe_ffn_backward``)
-that recomputes the forward with autograd and differentiates it, so a compiled step gets exactly
-the eager gradients (the same implementations, the same order of operations). The cost is one
-extra forward of the op in the backward, which the eager path (saved activations) does not pay;
-with the Triton backend that is one more GEMM pair per layer in a compiled step. Custom ops
-cannot carry the deferred weight gradients of :mod:`tritonmoe.exact`, so the expert-parallel
-paths (not traceable anyway: collectives with host-side splits) keep calling the
-implementations directly.
+Backward, two forms of the expert FFN:
+
+* Recomputing (``moe_ffn``, ``grouped_ffn`` and the other ops): the gradient is a second custom op
+  (``*_backward``) that recomputes the forward with autograd and differentiates it; only inputs
+  are saved, the cost is the forward again in backward (both GEMMs).
+* Training (``moe_ffn_train``, ``grouped_ffn_train``): the forward also returns the activations
+  backward needs (A [rows, F], H [rows, n1]; non-differentiable outputs), which the autograd
+  registration saves, and the backward op runs the implementation's explicit backward on them
+  (the kernels' ``ffn_backward`` / ``moe_backward``, shared with the eager autograd.Functions):
+  no GEMM rerun, the eager memory.
+
+The compiled layer uses the training forms when grad is enabled and :func:`preact_mode` is "save"
+(the default), the recomputing ones for inference and under ``TRITONMOE_FFN_PREACT=recompute``.
+Custom ops cannot carry the deferred weight gradients of :mod:`tritonmoe.exact`, so the
+expert-parallel paths (not traceable anyway: collectives with host-side splits) keep calling the
+implementations directly, and the layer runs them eagerly inside a compiled model
+(``torch.compiler.disable``).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from torch import Tensor
 from . import dispatch
 from .types import PermuteInfo, Routing
 
-__all__ = ["route", "moe_ffn"]
+__all__ = ["route", "moe_ffn", "moe_ffn_train", "permute", "unpermute", "grouped_ffn", "grouped_ffn_train", "preact_mode"]
 
 _LIB = "tritonmoe"
 
@@ -350,7 +360,7 @@ def _restore_inputs(ctx) -> list:
 
 def _permute_backward(ctx, d_x_perm, *_):
     args = _restore_inputs(ctx)
-    (dx,) = torch.ops.tritonmoe.permute_backward(d_x_perm, *args)
+    dx = torch.ops.tritonmoe.permute_backward(d_x_perm, *args)
     return (dx,) + (None,) * 5
 
 
@@ -359,14 +369,15 @@ _permute_op.register_autograd(_permute_backward, setup_context=_save_inputs)
 
 @torch.library.custom_op(f"{_LIB}::permute_backward", mutates_args=())
 def _permute_backward_op(d_x_perm: Tensor, x: Tensor, topk_ids: Tensor, num_experts: int, pad_to: int, num_rows: int,
-                         backend: str) -> tuple[Tensor]:
+                         backend: str) -> Tensor:
     fn = _permute_fn(backend)
-    return tuple(_recompute_grads(fn, [x, topk_ids, num_experts, pad_to, num_rows], (0,), [d_x_perm]))
+    (dx,) = _recompute_grads(fn, [x, topk_ids, num_experts, pad_to, num_rows], (0,), [d_x_perm])
+    return dx
 
 
 @_permute_backward_op.register_fake
 def _(d_x_perm, x, *args):
-    return (torch.empty_like(x),)
+    return torch.empty_like(x)
 
 
 _permute_backward_op.register_autograd(_not_twice("permute_backward"), setup_context=_setup_nothing)
@@ -506,3 +517,236 @@ def _(d_y, x, expert_offsets, w1, w2, b1, b2, *args):
 
 
 _grouped_ffn_backward_op.register_autograd(_not_twice("grouped_ffn_backward"), setup_context=_setup_nothing)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python entry points of the row movers and the grouped FFN (the layer's unfused path while
+# torch.compile traces it; arguments validated by the caller)
+# ---------------------------------------------------------------------------------------------
+
+
+def permute(x: Tensor, topk_ids: Tensor, num_experts: int, *, num_rows: int, pad_to: int = 1,
+            backend: Optional[str] = None) -> tuple[Tensor, PermuteInfo]:
+    """``tritonmoe::permute`` as ``(x_perm [num_rows, d], PermuteInfo)``; ``num_rows`` (at least
+    :func:`tritonmoe.max_permuted_rows`) keeps the shape static."""
+    from ._settings import resolve_backend
+
+    x_perm, offsets, slot_rows, counts = torch.ops.tritonmoe.permute(x, topk_ids, num_experts, pad_to, num_rows,
+                                                                     resolve_backend(backend))
+    info = PermuteInfo(expert_offsets=offsets, slot_rows=slot_rows, counts=counts, num_tokens=topk_ids.shape[0],
+                       pad_to=pad_to)
+    return x_perm, info
+
+
+def unpermute(y_perm: Tensor, info: PermuteInfo, topk_weights: Tensor, *, backend: Optional[str] = None) -> Tensor:
+    """``tritonmoe::unpermute``."""
+    from ._settings import resolve_backend
+
+    return torch.ops.tritonmoe.unpermute(y_perm, info.expert_offsets, info.slot_rows, info.counts, topk_weights,
+                                         info.slot_rows.shape[0], info.pad_to, resolve_backend(backend))
+
+
+def grouped_ffn(x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor, activation: str = "swiglu",
+                b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
+                swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
+    """``tritonmoe::grouped_ffn``."""
+    from ._settings import resolve_backend
+
+    return torch.ops.tritonmoe.grouped_ffn(x, expert_offsets, w1, w2, b1, b2, activation, float(swiglu_limit),
+                                           float(swiglu_alpha), resolve_backend(backend))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training forms: moe_ffn_train, grouped_ffn_train
+# ---------------------------------------------------------------------------------------------
+#
+# moe_ffn / grouped_ffn above save only their inputs and their backward ops rerun the forward
+# under autograd: the smallest memory, at the price of the first GEMM (and the second) again in
+# every backward. The training forms return the activations the backward needs as extra outputs
+# (A [rows, F] and the pre-activation H [rows, N1], marked non-differentiable), which the autograd
+# registration saves; their backward ops take them and run the implementation's explicit
+# backward (the Triton kernels' ffn_backward / moe_backward, the same functions the eager
+# autograd.Functions call, so a compiled step's gradients are the eager ones bit for bit; or
+# the reference's per-expert GEMMs, equal to its autograd to rounding): no GEMM is rerun.
+# Which form the compiled layer uses follows the kernels' pre-activation mode
+# (:func:`preact_mode`): "save" (the default) -> the training forms, as eager saves H;
+# "recompute" (``TRITONMOE_FFN_PREACT=recompute``) -> the recomputing forms, for memory.
+
+
+def preact_mode() -> str:
+    """The FFN backward's pre-activation mode: ``tritonmoe.kernels._gemm_config.ffn_preact_mode``
+    (the ``TRITONMOE_FFN_PREACT`` variable or its ``preact_mode`` context), read from the
+    environment alone where triton does not import."""
+    try:
+        from .kernels._gemm_config import ffn_preact_mode
+    except ImportError:
+        import os
+
+        v = os.environ.get("TRITONMOE_FFN_PREACT", "save").strip().lower()
+        return v if v in ("save", "recompute") else "save"
+    return ffn_preact_mode()
+
+
+def _n1_f(w1: Tensor, w2: Tensor) -> tuple[int, int]:
+    return w1.shape[2], w2.shape[1]
+
+
+def _opt(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return t if t is not None else _empty(like)
+
+
+def _kw(activation: str, swiglu_limit: float, swiglu_alpha: float) -> dict:
+    return {"swiglu_limit": swiglu_limit, "swiglu_alpha": swiglu_alpha} if activation == "swiglu_oai" else {}
+
+
+@torch.library.custom_op(f"{_LIB}::moe_ffn_train", mutates_args=())
+def _moe_ffn_train_op(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
+    b2: Optional[Tensor], activation: str, swiglu_limit: float, swiglu_alpha: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    routing = Routing(topk_ids=topk_ids, topk_weights=topk_weights, counts=counts, selected_counts=counts)
+    with torch.no_grad():
+        out, a, h = _impl("moe_ffn_train", backend, x)(x, routing, w1, w2, activation, b1, b2,
+                                                       **_kw(activation, swiglu_limit, swiglu_alpha))
+    return out.contiguous(), a.contiguous(), h.contiguous()
+
+
+@_moe_ffn_train_op.register_fake
+def _(x, topk_ids, topk_weights, counts, w1, w2, b1, b2, activation, swiglu_limit, swiglu_alpha, backend):
+    rows = topk_ids.shape[0] * topk_ids.shape[1]
+    n1, f = _n1_f(w1, w2)
+    return torch.empty_like(x), x.new_empty(rows, f), x.new_empty(rows, n1)
+
+
+def _moe_ffn_train_setup(ctx, inputs, output) -> None:
+    x, ids, w, counts, w1, w2, b1, b2, *statics = inputs
+    _, a, h = output
+    ctx.mark_non_differentiable(a, h)
+    ctx.statics = tuple(statics)
+    ctx.has_bias = (b1 is not None, b2 is not None)
+    ctx.save_for_backward(x, ids, w, counts, w1, w2, b1, b2, a, h)
+
+
+def _moe_ffn_train_backward(ctx, d_out, _d_a, _d_h):
+    x, ids, w, counts, w1, w2, b1, b2, a, h = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[i]) for i in (0, 2, 4, 5, 6, 7)]
+    dx, dw, dw1, dw2, db1, db2 = torch.ops.tritonmoe.moe_ffn_train_backward(
+        d_out, x, ids, w, counts, w1, w2, b1, b2, a, h, needs, *ctx.statics
+    )
+    keep = lambda g, i: g if needs[i] else None  # noqa: E731
+    return (keep(dx, 0), None, keep(dw, 1), None, keep(dw1, 2), keep(dw2, 3),
+            keep(db1, 4) if ctx.has_bias[0] else None, keep(db2, 5) if ctx.has_bias[1] else None,
+            None, None, None, None)
+
+
+_moe_ffn_train_op.register_autograd(_moe_ffn_train_backward, setup_context=_moe_ffn_train_setup)
+
+
+@torch.library.custom_op(f"{_LIB}::moe_ffn_train_backward", mutates_args=())
+def _moe_ffn_train_backward_op(
+    d_out: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, counts: Tensor, w1: Tensor, w2: Tensor,
+    b1: Optional[Tensor], b2: Optional[Tensor], a: Tensor, h: Tensor, needs: list[bool], activation: str,
+    swiglu_limit: float, swiglu_alpha: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    routing = Routing(topk_ids=topk_ids, topk_weights=topk_weights, counts=counts, selected_counts=counts)
+    with _autograd_inside_op():  # the reference differentiates its elementwise activation
+        grads = _impl("moe_ffn_train_backward", backend, x)(
+            d_out, x, routing, w1, w2, b1, b2, a, h, activation, needs=tuple(needs),
+            **_kw(activation, swiglu_limit, swiglu_alpha),
+        )
+    likes = (x, topk_weights, w1, w2, b1, b2)
+    return tuple(g.detach().contiguous() if g is not None else _empty(x) for g, t in zip(grads, likes))
+
+
+@_moe_ffn_train_backward_op.register_fake
+def _(d_out, x, topk_ids, topk_weights, counts, w1, w2, b1, b2, a, h, needs, *args):
+    likes = (x, topk_weights, w1, w2, b1, b2)
+    return tuple(torch.empty_like(t) if (t is not None and n) else _empty(x) for t, n in zip(likes, needs))
+
+
+_moe_ffn_train_backward_op.register_autograd(_not_twice("moe_ffn_train_backward"), setup_context=_setup_nothing)
+
+
+@torch.library.custom_op(f"{_LIB}::grouped_ffn_train", mutates_args=())
+def _grouped_ffn_train_op(x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
+                          b2: Optional[Tensor], activation: str, swiglu_limit: float, swiglu_alpha: float,
+                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    with torch.no_grad():
+        y, a, h = _impl("grouped_ffn_train", backend, x)(x, expert_offsets, w1, w2, activation, b1, b2,
+                                                         **_kw(activation, swiglu_limit, swiglu_alpha))
+    return y.contiguous(), a.contiguous(), h.contiguous()
+
+
+@_grouped_ffn_train_op.register_fake
+def _(x, expert_offsets, w1, w2, b1, b2, activation, swiglu_limit, swiglu_alpha, backend):
+    n1, f = _n1_f(w1, w2)
+    R = x.shape[0]
+    return x.new_empty(R, w2.shape[2]), x.new_empty(R, f), x.new_empty(R, n1)
+
+
+def _grouped_ffn_train_setup(ctx, inputs, output) -> None:
+    x, offsets, w1, w2, b1, b2, *statics = inputs
+    _, a, h = output
+    ctx.mark_non_differentiable(a, h)
+    ctx.statics = tuple(statics)
+    ctx.has_bias = (b1 is not None, b2 is not None)
+    ctx.save_for_backward(x, offsets, w1, w2, b1, b2, a, h)
+
+
+def _grouped_ffn_train_backward(ctx, d_y, _d_a, _d_h):
+    x, offsets, w1, w2, b1, b2, a, h = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[i]) for i in (0, 2, 3, 4, 5)]
+    dx, dw1, dw2, db1, db2 = torch.ops.tritonmoe.grouped_ffn_train_backward(d_y, x, offsets, w1, w2, b1, b2, a, h,
+                                                                           needs, *ctx.statics)
+    keep = lambda g, i: g if needs[i] else None  # noqa: E731
+    return (keep(dx, 0), None, keep(dw1, 1), keep(dw2, 2), keep(db1, 3) if ctx.has_bias[0] else None,
+            keep(db2, 4) if ctx.has_bias[1] else None, None, None, None, None)
+
+
+_grouped_ffn_train_op.register_autograd(_grouped_ffn_train_backward, setup_context=_grouped_ffn_train_setup)
+
+
+@torch.library.custom_op(f"{_LIB}::grouped_ffn_train_backward", mutates_args=())
+def _grouped_ffn_train_backward_op(
+    d_y: Tensor, x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor], b2: Optional[Tensor],
+    a: Tensor, h: Tensor, needs: list[bool], activation: str, swiglu_limit: float, swiglu_alpha: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with _autograd_inside_op():  # the reference differentiates its elementwise activation
+        grads = _impl("grouped_ffn_train_backward", backend, x)(
+            d_y, x, expert_offsets, w1, w2, b1, b2, a, h, activation, needs=tuple(needs),
+            **_kw(activation, swiglu_limit, swiglu_alpha),
+        )
+    return tuple(g.detach().contiguous() if g is not None else _empty(x) for g in grads)
+
+
+@_grouped_ffn_train_backward_op.register_fake
+def _(d_y, x, expert_offsets, w1, w2, b1, b2, a, h, needs, *args):
+    likes = (x, w1, w2, b1, b2)
+    return tuple(torch.empty_like(t) if (t is not None and n) else _empty(x) for t, n in zip(likes, needs))
+
+
+_grouped_ffn_train_backward_op.register_autograd(_not_twice("grouped_ffn_train_backward"),
+                                                 setup_context=_setup_nothing)
+
+
+def moe_ffn_train(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str = "swiglu",
+                  b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
+                  swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
+    """``tritonmoe::moe_ffn_train``'s output (its saved activations stay with autograd)."""
+    from ._settings import resolve_backend
+
+    out, _, _ = torch.ops.tritonmoe.moe_ffn_train(x, routing.topk_ids, routing.topk_weights, routing.counts, w1, w2,
+                                                  b1, b2, activation, float(swiglu_limit), float(swiglu_alpha),
+                                                  resolve_backend(backend))
+    return out
+
+
+def grouped_ffn_train(x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor, activation: str = "swiglu",
+                      b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
+                      swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
+    """``tritonmoe::grouped_ffn_train``'s output (its saved activations stay with autograd)."""
+    from ._settings import resolve_backend
+
+    y, _, _ = torch.ops.tritonmoe.grouped_ffn_train(x, expert_offsets, w1, w2, b1, b2, activation, float(swiglu_limit),
+                                                    float(swiglu_alpha), resolve_backend(backend))
+    return y

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from .comm.errors import backend_errors
 from .comm.executor import RealExecutor, Work
 from .comm.parm import (
     BASELINE,
@@ -483,7 +484,8 @@ class ParmExperts(ExpertPath):
         if g is not None:
             # host sync: the decision must be the same on every rank (ragged batches differ in T)
             t = torch.tensor([T], dtype=torch.int64, device=comm_device(g))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+            with backend_errors("the Parm schedule agreement (allreduce MAX of the token count)", g):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
             T = int(t)
         return choose_schedule(self.cost_model, self.config, self.layout, T, dtype=x_TD.dtype)
 

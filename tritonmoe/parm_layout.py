@@ -232,8 +232,15 @@ class ParmLayout:
         dense = torch.empty(self.num_batches, self.n_mp, dtype=torch.int64)
         for i in range(self.P):
             dense[self.mp_group[i], self.mp_rank[i]] = self.ranks[i]
-        moe = DeviceMesh(device_type, grid, mesh_dim_names=("ep", "esp"))
-        return moe, DeviceMesh(device_type, dense, mesh_dim_names=("dp", "mp"))
+        from tritonmoe.comm.errors import mesh_backend_override
+
+        def mesh(t: torch.Tensor, names: tuple[str, str]) -> DeviceMesh:
+            # The mesh's groups inherit the default group's timeout (not new_group's 30 minutes).
+            override = mesh_backend_override({n: t.shape[i] for i, n in enumerate(names)}) or {}
+            return DeviceMesh(device_type, t, mesh_dim_names=names,
+                              backend_override=tuple(override.get(n, (None, None)) for n in names))
+
+        return mesh(grid, ("ep", "esp")), mesh(dense, ("dp", "mp"))
 
     def describe(self) -> str:
         return f"ParmLayout(n_mp={self.n_mp}, n_ep={self.n_ep}, n_esp={self.n_esp}, P={self.P})"
@@ -257,18 +264,21 @@ class ParmLayout:
         """
         import torch.distributed as dist
 
+        from tritonmoe.comm.errors import backend_errors, new_group
         from tritonmoe.comm.splits import comm_device
 
         enc = self.encode()
         width = torch.tensor([len(enc)], dtype=torch.int64)
         W = dist.get_world_size()
         sizes = [torch.zeros_like(width) for _ in range(W)]
-        dist.all_gather(sizes, width)
+        with backend_errors("the ParmLayout check (all-gather of the layouts' lengths)"):
+            dist.all_gather(sizes, width)
         n = max(int(t) for t in sizes)  # host sync: construction only
         vec = torch.full((n,), -1, dtype=torch.int64, device=comm_device(None))
         vec[: len(enc)] = torch.tensor(enc, dtype=torch.int64)
         table = torch.empty(W * n, dtype=torch.int64, device=vec.device)
-        dist.all_gather_into_tensor(table, vec)
+        with backend_errors("the ParmLayout check (all-gather of the layouts)"):
+            dist.all_gather_into_tensor(table, vec)
         rows = table.view(W, n).tolist()  # host sync: the verdict is a host decision
         differ = [r for r in range(W) if rows[r] != rows[0]]
         if differ:
@@ -283,7 +293,7 @@ class ParmLayout:
         def group(layout_ranks: tuple[int, ...], tag: str = ""):
             key = (tuple(self.ranks[j] for j in layout_ranks), tag)
             if key not in cache:
-                cache[key] = dist.new_group(list(key[0]))
+                cache[key] = new_group(key[0])  # the default group's timeout, not the 30-minute default
             return cache[key]
 
         mine = self.ranks.index(me) if me in self.ranks else None
@@ -352,7 +362,10 @@ class ParmGroups:
         esp = mesh.get_group("esp") if "esp" in names and mesh.size(names.index("esp")) > 1 else None
         union = None
         if len(names) == 2 and mesh.size() > 1:
-            union = mesh._flatten("ep_esp").get_group()
+            from tritonmoe.comm.errors import mesh_backend_override
+
+            override = mesh_backend_override({"ep_esp": mesh.size()})  # the default group's timeout
+            union = mesh._flatten("ep_esp", backend_override=override["ep_esp"] if override else None).get_group()
         mp = None
         if mp_mesh is not None:
             if not isinstance(mp_mesh, DeviceMesh):
@@ -423,6 +436,7 @@ def groups_from_process_groups(
     """
     import torch.distributed as dist
 
+    from tritonmoe.comm.errors import backend_errors, new_group
     from tritonmoe.comm.splits import comm_device
 
     me = dist.get_rank()
@@ -438,7 +452,8 @@ def groups_from_process_groups(
     vec += [int((values or {})[k]) for k in names]
     t = torch.tensor(vec, dtype=torch.int64, device=comm_device(None))
     table_t = torch.empty(W * len(vec), dtype=torch.int64, device=t.device)
-    dist.all_gather_into_tensor(table_t, t)
+    with backend_errors(f"the layout check of {what} (all-gather over the default group)"):
+        dist.all_gather_into_tensor(table_t, t)
     table = table_t.view(W, len(vec)).tolist()  # host sync: construction only
     layout, problems = _layout_from_table(table, names, what)
     if problems:
@@ -454,11 +469,17 @@ def groups_from_process_groups(
         elif esp_group is not None and len(mine["esp"]) == len(union):
             ep_esp = esp_group
         else:
-            ep_esp = dist.new_group(list(union), use_local_synchronization=True)
+            ep_esp = new_group(union, parent=_parent(ep_group, esp_group, mp_group), use_local_synchronization=True)
     mp_lane = mp_group
     if mp_group is not None and len(mine["mp"]) == len(union):
-        mp_lane = dist.new_group(list(union), use_local_synchronization=True)
+        mp_lane = new_group(union, parent=mp_group, use_local_synchronization=True)
     return ParmGroups(layout=layout, rank=i, mp=mp_group, ep=ep_group, esp=esp_group, ep_esp=ep_esp, mp_lane=mp_lane)
+
+
+def _parent(*groups):
+    """The group a new group of the layout inherits its timeout from: the first given one (None:
+    the default group)."""
+    return next((g for g in groups if g is not None), None)
 
 
 def _layout_from_table(table: list[list[int]], names: list[str], what: str):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .exact import WeightGradSlot, elementwise_scalar, row_invariant_grouped_gemm
+from .exact import WeightGradSlot, elementwise_scalar, grouped_wgrad, row_invariant_grouped_gemm, rowwise_mm
 from .types import PermuteInfo, Routing
 
 __all__ = [
@@ -504,7 +504,7 @@ def clamped_offsets(expert_offsets: torch.Tensor, num_rows: int) -> list[int]:
     Example: [-3, 2, 9] with R = 5 -> [0, 2, 5]; [0, 4, 2, 5] -> [0, 4, 4, 5].
     """
     out, lo = [], 0
-    for o in expert_offsets.tolist():
+    for o in expert_offsets.tolist():  # host sync: the reference slices rows per expert on the host
         lo = min(max(o, lo), num_rows)
         out.append(lo)
     return out
@@ -650,6 +650,196 @@ def moe_ffn(
     y_perm = grouped_ffn(x_perm, info.expert_offsets, w1_EDN, w2_EFD, activation, b1, b2,
                          swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     return unpermute(y_perm, info, routing.topk_weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training forms of grouped_ffn and moe_ffn: the forward also returns the activations its
+# backward needs (A [R, F] and the pre-activation H [R, N1], both in x's dtype, as the kernels
+# write them), and the backward takes them, so it never reruns the first GEMM. They back the
+# custom ops ``tritonmoe::grouped_ffn_train`` / ``moe_ffn_train`` (:mod:`tritonmoe.ops`), whose
+# autograd registration saves those outputs. The backward is explicit (per-expert GEMMs as the
+# autograd of :func:`grouped_ffn` runs them); only the elementwise activation is re-evaluated
+# (autograd over it, for its derivative). Equal to the autograd of :func:`grouped_ffn` /
+# :func:`moe_ffn` to rounding (the same products; the gate-weight gradient of ``moe_ffn`` is
+# summed as <A, dout @ w2^T> + <dout, b2>, as the kernels do, since y is not kept).
+# ---------------------------------------------------------------------------------------------
+
+
+def _segment_input_grad(dy_RN: torch.Tensor, offs: list, w_EKN: torch.Tensor) -> torch.Tensor:
+    """Rows of each segment times w[e]^T (dy's dtype; rows outside the segments zero)."""
+    acc = dy_RN.dtype
+    out = dy_RN.new_zeros(dy_RN.shape[0], w_EKN.shape[1])
+    for e in range(w_EKN.shape[0]):
+        a, b = offs[e], offs[e + 1]
+        if b > a:
+            we = w_EKN[e].to(acc).t()
+            out[a:b] = rowwise_mm(dy_RN[a:b], we) if acc == torch.float64 else dy_RN[a:b] @ we
+    return out
+
+
+def grouped_ffn_train(
+    x_RD: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w1_EDN: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    activation: str = "swiglu",
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`grouped_ffn`'s output and the activations its backward needs: ``(y [R, D],
+    A [R, F], H [R, N1])``, not differentiable (see :func:`grouped_ffn_train_backward`)."""
+    with torch.no_grad():
+        h = _grouped_gemm_acc(x_RD, expert_offsets, w1_EDN, b1)
+        a = apply_activation(h, activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha).to(x_RD.dtype)
+        y = grouped_gemm(a, expert_offsets, w2_EFD, b2)
+    return y, a, h.to(x_RD.dtype)
+
+
+def _ffn_train_grads(dy_RD, da_RF, x_RD, offs, w1, w2, b1, b2, a_RF, h_RN, activation, swiglu_limit, swiglu_alpha,
+                     needs):
+    """(dx, dw1, dw2, db1, db2) of the grouped FFN from dy (accumulation dtype) and optionally
+    dA already computed (accumulation dtype); None where ``needs`` is False."""
+    need_x, need_w1, need_w2, need_b1, need_b2 = needs
+    acc = dy_RD.dtype
+    E = w1.shape[0]
+    dx = dw1 = dw2 = db1 = db2 = None
+    if need_w2:
+        dw2 = grouped_wgrad(a_RF.to(acc), dy_RD, offs, E).to(w2.dtype)
+    if need_b2:
+        db2 = _grouped_bias_grad(dy_RD, dy_RD, offs, E).to(b2.dtype)
+    if need_x or need_w1 or need_b1:
+        if da_RF is None:
+            da_RF = _segment_input_grad(dy_RD, offs, w2)
+        da_RF = da_RF.to(x_RD.dtype).to(acc)  # the forward rounded A to x's dtype
+        with torch.enable_grad():
+            h_leaf = h_RN.to(acc).detach().requires_grad_()
+            act = apply_activation(h_leaf, activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+            (dh,) = torch.autograd.grad(act, h_leaf, da_RF)
+        if need_x:
+            dx = _segment_input_grad(dh, offs, w1).to(x_RD.dtype)
+        if need_w1:
+            dw1 = grouped_wgrad(x_RD.to(acc), dh, offs, E).to(w1.dtype)
+        if need_b1:
+            db1 = _grouped_bias_grad(dh, dh, offs, E).to(b1.dtype)
+    return dx, dw1, dw2, db1, db2
+
+
+def grouped_ffn_train_backward(
+    dy_RD: torch.Tensor,
+    x_RD: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w1_EDN: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    a_RF: torch.Tensor,
+    h_RN: torch.Tensor,
+    activation: str = "swiglu",
+    *,
+    needs: tuple[bool, ...] = (True,) * 5,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
+) -> tuple:
+    """The gradients (dx, dw1, dw2, db1, db2) of :func:`grouped_ffn` from the activations of
+    :func:`grouped_ffn_train`, no GEMM rerun; None where ``needs`` (x, w1, w2, b1, b2) is False."""
+    offs = clamped_offsets(expert_offsets, x_RD.shape[0])  # host sync: the reference slices rows per expert
+    acc = _acc_dtype(x_RD.dtype)
+    needs = (needs[0], needs[1], needs[2], needs[3] and b1 is not None, needs[4] and b2 is not None)
+    return _ffn_train_grads(dy_RD.to(acc), None, x_RD, offs, w1_EDN, w2_EFD, b1, b2, a_RF, h_RN, activation,
+                            float(swiglu_limit), float(swiglu_alpha), needs)
+
+
+def moe_ffn_train(
+    x_TD: torch.Tensor,
+    routing: Routing,
+    w1_EDN: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    activation: str = "swiglu",
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_ffn`'s output and the activations its backward needs: ``(out [T, D],
+    A [T*k, F], H [T*k, N1])`` with the rows in the permuted order of
+    :func:`permute_metadata` (rows of unrouted slots zero, at the end); not differentiable."""
+    T, k = routing.topk_ids.shape
+    with torch.no_grad():
+        x_perm, info = permute(x_TD, routing.topk_ids, w1_EDN.shape[0], num_rows=T * k)
+        y_perm, a, h = grouped_ffn_train(x_perm, info.expert_offsets, w1_EDN, w2_EFD, activation, b1, b2,
+                                         swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+        out = unpermute(y_perm, info, routing.topk_weights)
+    return out, a, h
+
+
+def moe_ffn_train_backward(
+    dout_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    routing: Routing,
+    w1_EDN: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    a_RF: torch.Tensor,
+    h_RN: torch.Tensor,
+    activation: str = "swiglu",
+    *,
+    needs: tuple[bool, ...] = (True,) * 6,
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
+) -> tuple:
+    """The gradients (dx, d topk_weights, dw1, dw2, db1, db2) of :func:`moe_ffn` from the
+    activations of :func:`moe_ffn_train`, no GEMM rerun; None where ``needs`` is False."""
+    T, k = routing.topk_ids.shape
+    E = w1_EDN.shape[0]
+    rows = T * k
+    acc = _acc_dtype(x_TD.dtype)
+    info = permute_metadata(routing.topk_ids, E)
+    offs = clamped_offsets(info.expert_offsets, rows)  # host sync: the reference slices rows per expert
+    slot_rows = info.slot_rows.reshape(-1)
+    routed = slot_rows >= 0
+    # Token and gate weight of every row (rows of unrouted slots: token T, weight 0).
+    tok = torch.full((rows + 1,), T, dtype=torch.int64, device=x_TD.device)
+    tok[torch.where(routed, slot_rows, torch.full_like(slot_rows, rows))] = torch.arange(rows, device=x_TD.device) // k
+    tok = tok[:rows]
+    w_S = torch.where(routed, routing.topk_weights.reshape(-1).to(acc), torch.zeros((), dtype=acc, device=x_TD.device))
+    w_R = torch.zeros(rows + 1, dtype=acc, device=x_TD.device)
+    w_R[torch.where(routed, slot_rows, torch.full_like(slot_rows, rows))] = w_S
+    w_R = w_R[:rows]
+    g_RD = torch.cat([dout_TD.to(acc), dout_TD.new_zeros(1, dout_TD.shape[1], dtype=acc)])[tok]  # dout per row
+    need_x, need_w, need_w1, need_w2, need_b1, need_b2 = needs
+    need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
+    du_RF = _segment_input_grad(g_RD, offs, w2_EFD) if (need_x or need_w or need_w1 or need_b1) else None
+    dgate = None
+    if need_w:
+        # d w[t, j] = <dout[t], y_row> with y_row = A_row @ w2[e] + b2[e] = <A_row, dout[t] @ w2[e]^T> + <dout[t], b2[e]>
+        part = (a_RF.to(acc) * du_RF).sum(1)
+        if b2 is not None:
+            e_R = torch.repeat_interleave(torch.arange(E, device=x_TD.device), torch.tensor(
+                [offs[e + 1] - offs[e] for e in range(E)], device=x_TD.device), output_size=offs[E])
+            bias_R = torch.zeros(rows, dtype=acc, device=x_TD.device)
+            bias_R[: offs[E]] = (g_RD[: offs[E]] * b2.to(acc)[e_R]).sum(1)
+            part = part + bias_R
+        part_ext = torch.cat([part, part.new_zeros(1)])
+        dgate = part_ext[torch.where(routed, slot_rows, torch.full_like(slot_rows, rows))].view(T, k)
+        dgate = dgate.to(routing.topk_weights.dtype)
+    dy_RD = (g_RD * w_R.unsqueeze(1)).to(x_TD.dtype).to(acc)  # the forward's expert outputs were in x's dtype
+    da_RF = du_RF * w_R.unsqueeze(1) if du_RF is not None else None
+    x_perm = permute_rows(x_TD, info, rows)
+    dx_perm, dw1, dw2, db1, db2 = _ffn_train_grads(dy_RD, da_RF, x_perm, offs, w1_EDN, w2_EFD, b1, b2, a_RF, h_RN,
+                                                   activation, float(swiglu_limit), float(swiglu_alpha),
+                                                   (need_x, need_w1, need_w2, need_b1, need_b2))
+    dx = None
+    if need_x:
+        # each token's rows summed in slot order (the gradient of the gather)
+        dx_ext = torch.cat([dx_perm.to(acc), dx_perm.new_zeros(1, dx_perm.shape[1], dtype=acc)])
+        dx = dx_ext[torch.where(routed, slot_rows, torch.full_like(slot_rows, rows))].view(T, k, x_TD.shape[1]).sum(1)
+        dx = dx.to(x_TD.dtype)
+    return dx, dgate, dw1, dw2, db1, db2
 
 
 def copy_segments(

@@ -427,12 +427,14 @@ class ReplicatedMoELayer(nn.Module):
                 vec[E:] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
         if self.world_size == 1:
             return vec.view(1, -1)
+        from ..comm.errors import backend_errors
         from ..comm.splits import comm_device
 
         dev = comm_device(self.group)  # NCCL gathers CUDA tensors
         vec = vec.to(dev)
         parts = [torch.empty_like(vec) for _ in range(self.world_size)]
-        dist.all_gather(parts, vec, group=self.group)
+        with backend_errors("the replicated layer's counts all-gather", self.group):
+            dist.all_gather(parts, vec, group=self.group)
         return torch.stack(parts).cpu()  # host sync: the splits and the placement are host values
 
     def _schedule(self, table: torch.Tensor) -> None:

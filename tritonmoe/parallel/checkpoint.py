@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tritonmoe.comm.errors import backend_errors
+
 __all__ = [
     "expert_state_dict_hook",
     "expert_load_pre_hook",
@@ -259,7 +261,8 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: Optional[dict] = No
     else:
         meta = None
     box = [meta]
-    dist.broadcast_object_list(box, src=src)
+    with backend_errors("the broadcast of the checkpoint's key check"):
+        dist.broadcast_object_list(box, src=src)
     meta = box[0]
     if meta["bad"]:
         raise ValueError(f"the global state dict on rank {src} has wrong shapes: " + "; ".join(meta["bad"][:8]))
@@ -276,16 +279,19 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: Optional[dict] = No
         if isinstance(t, DTensor):
             first, rows = _local_box(t)
             boxes: list = [None] * world
-            dist.all_gather_object(boxes, (first, rows))
+            with backend_errors(f"the all-gather of {k!r}'s shard boxes"):
+                dist.all_gather_object(boxes, (first, rows))
             out = torch.empty_like(t.to_local())
             pieces = None
             if rank == src:
                 full = state_dict[k].to(device=out.device, dtype=out.dtype)
                 pieces = [full.narrow(0, a, n).contiguous() for a, n in boxes]
-            dist.scatter(out, pieces, src=src)
+            with backend_errors(f"the scatter of {k!r}"):
+                dist.scatter(out, pieces, src=src)
             t.to_local().copy_(out)
         elif isinstance(t, torch.Tensor):
             buf = state_dict[k].to(device=t.device, dtype=t.dtype).contiguous() if rank == src else torch.empty_like(t)
-            dist.broadcast(buf, src=src)
+            with backend_errors(f"the broadcast of {k!r}"):
+                dist.broadcast(buf, src=src)
             t.copy_(buf)
     return model.load_state_dict(target, strict=strict)

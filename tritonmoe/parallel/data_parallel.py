@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from tritonmoe.comm.errors import backend_errors, new_group
 from tritonmoe.comm.priority import DEFAULT_CHUNK_BYTES, CommScheduler, GradSyncState, scheduled_allreduce_hook
 
 from .mesh import ROLES, MoEMesh, as_moe_mesh, group_ranks
@@ -67,7 +68,7 @@ def _new_groups(rank_sets: list[list[int]]):
     mine = None
     me = dist.get_rank()
     for ranks in rank_sets:
-        g = dist.new_group(ranks)
+        g = new_group(ranks)  # the default group's timeout, not the 30-minute default
         if me in ranks:
             mine = g
     return mine
@@ -213,7 +214,8 @@ def data_parallel(
         src = mesh.ranks("expert_dp")[0]
         with torch.no_grad():
             for _, p in expert_named:
-                dist.broadcast(p.data, src=src, group=mesh.expert_dp_group)
+                with backend_errors("the broadcast of expert replicas in data_parallel", mesh.expert_dp_group):
+                    dist.broadcast(p.data, src=src, group=mesh.expert_dp_group)
 
     sync = ExpertGradSync([p for _, p in expert_named], scheduler, expert_group, D, ddp)
     for layer in expert_layers:

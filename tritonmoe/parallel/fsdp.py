@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tritonmoe.comm.errors import new_group
+
 from .mesh import MoEMesh, as_moe_mesh, group_ranks
 from .params import moe_layers
 
@@ -37,7 +39,7 @@ def _singleton_mesh(mesh: MoEMesh) -> DeviceMesh:
     me = dist.get_rank()
     mine = None
     for r in range(dist.get_world_size()):
-        g = dist.new_group([r])
+        g = new_group([r])
         if r == me:
             mine = g
     return DeviceMesh.from_group(mine, mesh.device_type)

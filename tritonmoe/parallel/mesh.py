@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tritonmoe.comm.errors import mesh_backend_override
+
 __all__ = ["DimRole", "ROLES", "SUPPORTED_DIMS", "MoEMesh", "as_moe_mesh"]
 
 
@@ -134,7 +136,10 @@ class MoEMesh:
         world = dist.get_world_size()
         if dp * ep != world:
             raise ValueError(f"dp*ep = {dp}*{ep} = {dp * ep} but the world has {world} ranks; choose dp*ep = {world}")
-        mesh = init_device_mesh(device_type or _device_type(), (dp, ep), mesh_dim_names=("dp", "ep"))
+        # The mesh's groups inherit the default group's timeout (new_group's own default is 30 min).
+        override = mesh_backend_override({"dp": dp, "ep": ep})
+        mesh = init_device_mesh(device_type or _device_type(), (dp, ep), mesh_dim_names=("dp", "ep"),
+                                **({"backend_override": override} if override else {}))
         return cls(mesh)
 
     def _product(self, keep, name: str) -> Optional[DeviceMesh]:
@@ -144,7 +149,10 @@ class MoEMesh:
             return None
         if len(dims) == 1:
             return self.device_mesh[dims[0]]
-        return self.device_mesh[tuple(dims)]._flatten("_".join(dims))
+        name = "_".join(dims)
+        sub = self.device_mesh[tuple(dims)]
+        override = mesh_backend_override({name: sub.size()})  # the default group's timeout
+        return sub._flatten(name, backend_override=override[name] if override else None)
 
     # -- sizes and coordinates ----------------------------------------------------------------
 

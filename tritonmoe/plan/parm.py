@@ -268,6 +268,7 @@ def measure_cost_model(
 
     from tritonmoe.comm.splits import comm_device
 
+    from ..comm.errors import backend_errors
     from ..comm.executor import RealExecutor
     from ..comm.saa import saa_schedule
 
@@ -321,7 +322,8 @@ def measure_cost_model(
                     ))
 
                 elems = x.numel()
-            times[name].append(_time(fn, reps))
+            with backend_errors(f"timing the Parm collective {name!r} ({r} rows)", g):
+                times[name].append(_time(fn, reps))
             sizes[name].append(float(elems))
     # compute rates: a GEMM of this layer's width and a row gather
     a = torch.randn(512, d_model, dtype=dtype, device=dev)
@@ -339,7 +341,8 @@ def measure_cost_model(
         # Every rank fits the same model: the median over ranks of each measurement (robust to
         # one rank descheduled during a measurement; deterministic, so the same everywhere).
         table = torch.empty(P * t.numel(), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(table, t, group=groups.ep_esp)
+        with backend_errors("the exchange of the Parm cost model's measurements", groups.ep_esp):
+            dist.all_gather_into_tensor(table, t, group=groups.ep_esp)
         t = table.view(P, -1).median(dim=0).values
     vals = t.tolist()  # host sync: the fit is a host computation
     fits = {}

@@ -41,7 +41,7 @@ import torch
 from .._validation import GLU_ACTIVATIONS
 import torch.distributed as dist
 
-from tritonmoe.comm.splits import comm_device
+from tritonmoe.comm.splits import comm_device, new_group
 
 from .cost_model import COLLECTIVES, CommSample, ComputeSample, CostModel, HostSample, InterferenceSample
 from .work import HOST, WorkModel
@@ -155,7 +155,7 @@ def _collective_samples(spec: ProfileSpec, device, node_of: list[int]) -> list:
     out = []
     for g in sizes:
         members = list(range(g))
-        group = dist.group.WORLD if g == P else dist.new_group(members)
+        group = dist.group.WORLD if g == P else new_group(members)  # the default group's timeout
         link = "intra" if len({node_of[r] for r in members}) == 1 else "inter"
         if rank in members:
             for kind in spec.kinds:
@@ -602,11 +602,11 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
 
 
 def _spawned(rank: int, P: int, port: int, spec: ProfileSpec, out: str, err_dir: str, timeout_s: float) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    from tritonmoe.comm.rendezvous import init_local
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=timeout_s))
+        init_local(rank, P, port, timeout_s)
         profile(spec, out=out)
         dist.barrier()
         dist.destroy_process_group()
@@ -625,10 +625,11 @@ def profile_spawned(nproc: int, spec: Optional[ProfileSpec] = None, *, out: str,
     if nproc < 2:
         raise ValueError(f"--nproc {nproc}: profiling collectives needs at least 2 ranks")
     spec = spec or ProfileSpec()
+    from tritonmoe.comm.rendezvous import local_store
+
     with tempfile.TemporaryDirectory() as err_dir:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        store = local_store(nproc, timeout_s)  # served until the ranks have ended (no free-port race)
+        port = store.port
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_spawned, args=(r, nproc, port, spec, out, err_dir, timeout_s), daemon=True)
                  for r in range(nproc)]
@@ -641,6 +642,7 @@ def profile_spawned(nproc: int, spec: Optional[ProfileSpec] = None, *, out: str,
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        del store
         errs = []
         for r in range(nproc):
             path = os.path.join(err_dir, f"rank{r}.err")

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from tritonmoe.comm.errors import backend_errors
 from tritonmoe.comm.splits import comm_device, group_rank_size
 from tritonmoe.comm.timeline import Timeline
 
@@ -114,7 +115,8 @@ class DegreePolicy:
     def _agree(self, values: list[float]) -> list[float]:
         """Element-wise maximum over the group (one all-reduce, one host sync)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        with backend_errors("the pipeline-degree agreement (allreduce MAX)", self.group):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()  # host sync: the degree is a host decision
 
     def step(self, tokens: int, timeline: Optional[Timeline]) -> tuple[int, Optional[Timeline]]:

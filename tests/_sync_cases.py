@@ -1,0 +1,47 @@
+"""Per-rank body of tests/test_host_sync.py (spawned gloo groups, tests/_dist.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import tritonmoe as tm
+from _sync import HostSyncs
+
+D = 8
+
+
+def _layer_step(layer: tm.MoELayer, T: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, dtype=torch.float64, generator=gen).requires_grad_()
+    out = layer(x)
+    ((out * torch.randn(out.shape, dtype=torch.float64, generator=gen)).sum() + layer.aux_loss).backward()
+
+
+def layer_syncs(rank: int, P: int) -> dict:
+    """Host syncs of a whole expert-parallel layer step (route, aux loss, expert path, shared
+    expert, load statistics; forward and backward), static mode (several configs and batch
+    sizes, a rank with zero tokens) and dynamic mode: ``{case: [(kind, where, source), ...]}``."""
+    out = {}
+    static = [
+        ("static", dict(ep_capacity=3, aux_loss_coef=0.01, z_loss_coef=0.001), (5, 0)),
+        ("static+features", dict(ep_capacity=2, aux_loss_coef=0.01, expert_ffn_bias=True, shared_d_ffn=4,
+                                 routed_scaling_factor=1.5, activation="swiglu_oai", expert_bias=True,
+                                 n_groups=2, topk_groups=1), (7, 3)),
+    ]
+    for name, opts, tokens in static:
+        torch.manual_seed(0)
+        layer = tm.MoELayer(tm.MoEConfig(D, 6, 4, 2, **opts), ep_group=dist.group.WORLD, dtype=torch.float64)
+        _layer_step(layer, 4, 1)  # warm-up (first-call caches)
+        for i, T in enumerate(tokens):
+            T = T if rank == 0 else tokens[::-1][i]
+            with HostSyncs() as s:
+                _layer_step(layer, T, 10 + i)
+            out[f"{name} T={T}"] = [(y.kind, y.where, y.source().strip(), y.commented()) for y in s.syncs]
+    torch.manual_seed(0)
+    dyn = tm.MoELayer(tm.MoEConfig(D, 6, 4, 2, aux_loss_coef=0.01), ep_group=dist.group.WORLD, dtype=torch.float64)
+    _layer_step(dyn, 4, 1)
+    with HostSyncs() as s:
+        _layer_step(dyn, 6 if rank == 0 else 0, 20)
+    out["dynamic"] = [(y.kind, y.where, y.source().strip(), y.commented()) for y in s.syncs]
+    return out
