@@ -25,6 +25,15 @@ Figures (each a dict with ``figure``):
   features in x), and the most rows any rank computed (mean over batches). On a CPU machine
   with fewer cores than ranks the ranks' compute does not run in parallel, so balance moves
   the latency less than it would on GPUs.
+* ``serving-memory``: per rank, the device bytes held by each variant's expert weights after the
+  gloo run (the slot buffers' storages: the hosted experts only, replicas included) against the
+  all-resident E experts (the wrapped layer's expert tensors).
+* ``replan-load``: bytes :class:`~tritonmoe.inference.ReplicatedMoELayer` copies from host
+  memory on a placement change (counted by wrapping its copy function: only the experts newly
+  hosted on the rank) and the time of ``set_placement``, per rank, for explicit changes between
+  the contiguous, Lina and EPLB placements (two rounds, median and max), and per forward of the
+  ``lina`` variant (re-planned by the scheduler every batch: loads, bytes and seconds per
+  forward, against its forward's p50).
 * ``latency-sim``: the same placements' forward time in the simulator
   (:func:`tritonmoe.plan.simulate`, Lina's testbed preset ``lina_cluster()``, 16 GPUs, fp16,
   BERT-Large-like widths): a placement becomes an expert-parallel layer of P*M "physical
@@ -210,6 +219,7 @@ def _measure_gloo(rank: int, P: int, spec: dict, device, progress) -> dict:
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     rows: dict[str, list[float]] = {k: [] for k in variants}
+    base = (variants["lina"].loads, variants["lina"].load_bytes, variants["lina"].load_s)  # the construction's load
     g = torch.Generator().manual_seed(100 + rank)
     with torch.no_grad():
         for b in range(spec["gloo_batches"] + 2):
@@ -224,7 +234,67 @@ def _measure_gloo(rank: int, P: int, spec: dict, device, progress) -> dict:
                     times[name].append(float(dt[0]))
                     rows[name].append(float(dt[1]))
             progress()
-    return dict(times=times, max_rows=rows)
+    # device memory held by experts, measured from the slot buffers' storages, against all E
+    from tritonmoe.inference.replicated import EXPERT_TENSORS
+
+    all_resident = _storage_bytes([getattr(layer, n) for n in EXPERT_TENSORS if getattr(layer, n) is not None])
+    held = {name: _storage_bytes(rep.expert_weights.values()) for name, rep in variants.items()}
+    sch_rep = variants["lina"]
+    sched = dict(loads=sch_rep.loads - base[0], load_bytes=sch_rep.load_bytes - base[1], load_s=sch_rep.load_s - base[2],
+                 forwards=spec["gloo_batches"] + 2)
+    # explicit placement changes: bytes copied from host memory (counted by wrapping the copy)
+    # and the time of set_placement (its copies waited for on CUDA)
+    seq = {"contiguous": Placement.contiguous(E, P), "lina": lina_placement(expected, P),
+           "eplb": eplb_placement(expected, P)}
+    rep = ReplicatedMoELayer(layer, placement=seq["contiguous"])
+    changes = []
+    with _CountCopies() as cc:
+        for a, b in [("contiguous", "lina"), ("lina", "eplb"), ("eplb", "contiguous"), ("contiguous", "eplb"),
+                     ("eplb", "lina"), ("lina", "contiguous")] * 2:
+            rep.set_placement(seq[a])
+            _sync(device)
+            cc.bytes = 0
+            t0 = time.perf_counter()
+            rep.set_placement(seq[b])
+            _sync(device)
+            changes.append(dict(frm=a, to=b, bytes=cc.bytes, seconds=time.perf_counter() - t0))
+    return dict(times=times, max_rows=rows, held=held, all_resident=all_resident, sched=sched, changes=changes,
+                expert_bytes=rep.expert_bytes)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (measured from the tensors)."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _sync(device) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _CountCopies:
+    """Count the bytes ReplicatedMoELayer copies from host memory (wraps its copy function)."""
+
+    def __enter__(self):
+        import tritonmoe.inference.replicated as R
+
+        self.R, self.orig, self.bytes = R, R._copy_expert, 0
+
+        def counting(dst, src, non_blocking):
+            self.bytes += sum(t.numel() * t.element_size() for t in src)
+            self.orig(dst, src, non_blocking)
+
+        R._copy_expert = counting
+        return self
+
+    def __exit__(self, *a):
+        self.R._copy_expert = self.orig
 
 
 def run_gloo_latency(spec: dict, timeout_s: float = 300.0) -> list[dict]:
@@ -243,7 +313,35 @@ def run_gloo_latency(spec: dict, timeout_s: float = 300.0) -> list[dict]:
                         p50_speedup_vs_contiguous=base / statistics.median(ts),
                         p95_speedup_vs_contiguous=base95 / _pctl(ts, 0.95),
                         max_rows_per_rank_mean=statistics.fmean(r0["max_rows"][name])))
+    for name in r0["held"]:
+        held = [r["held"][name] for r in per_rank]
+        out.append(dict(figure="serving-memory", world_size=P, placement=name, experts=spec["experts"],
+                        expert_bytes=r0["expert_bytes"], device_expert_bytes_per_rank=held,
+                        all_resident_bytes=r0["all_resident"], max_fraction_of_all=max(held) / r0["all_resident"]))
+    fw = r0["sched"]["forwards"]
+    out.append(dict(figure="replan-load", world_size=P, change="lina scheduler, per forward",
+                    loads_per_forward=[r["sched"]["loads"] / fw for r in per_rank],
+                    bytes_per_forward=[r["sched"]["load_bytes"] / fw for r in per_rank],
+                    seconds_per_forward=[r["sched"]["load_s"] / fw for r in per_rank],
+                    forward_p50_s=statistics.median(r0["times"]["lina"])))
+    pairs = {}
+    for r in per_rank:
+        for c in r["changes"]:
+            pairs.setdefault((c["frm"], c["to"]), []).append(c)
+    for (a, b), cs in pairs.items():
+        out.append(dict(figure="replan-load", world_size=P, change=f"{a} -> {b}",
+                        bytes_per_rank=_per_rank(cs, "bytes", P),
+                        max_bytes=max(c["bytes"] for c in cs), all_resident_bytes=r0["all_resident"],
+                        seconds_median=statistics.median(c["seconds"] for c in cs),
+                        seconds_max=max(c["seconds"] for c in cs)))
     return out
+
+
+def _per_rank(cs: list, key: str, P: int) -> list:
+    """``cs``: the changes of one pair, rank-major (each rank's repetitions in a row): the first
+    repetition's value per rank."""
+    reps = len(cs) // P
+    return [cs[r * reps][key] for r in range(P)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,6 +555,19 @@ def _fmt(r: dict) -> str:
     if f.startswith("latency"):
         return (f"{f} P={r['world_size']} {r['placement']:<10} p50 {r['p50_s'] * 1e3:.3f} ms p95 {r['p95_s'] * 1e3:.3f} ms "
                 f"(x{r['p50_speedup_vs_contiguous']:.2f} / x{r['p95_speedup_vs_contiguous']:.2f} vs contiguous)")
+    if f == "serving-memory":
+        kb = [b / 1e3 for b in r["device_expert_bytes_per_rank"]]
+        return (f"serving-memory P={r['world_size']} {r['placement']:<10} device expert KB per rank "
+                f"{' / '.join(f'{x:.0f}' for x in kb)} (all-resident {r['all_resident_bytes'] / 1e3:.0f} KB; "
+                f"max {r['max_fraction_of_all']:.0%})")
+    if f == "replan-load":
+        if "bytes_per_forward" in r:
+            return (f"replan-load P={r['world_size']} {r['change']}: loads {max(r['loads_per_forward']):.2f}, "
+                    f"max KB {max(r['bytes_per_forward']) / 1e3:.0f}, max ms {max(r['seconds_per_forward']) * 1e3:.2f} "
+                    f"(forward p50 {r['forward_p50_s'] * 1e3:.1f} ms)")
+        return (f"replan-load P={r['world_size']} {r['change']:<22} KB per rank "
+                f"{' / '.join(f'{b / 1e3:.0f}' for b in r['bytes_per_rank'])} of {r['all_resident_bytes'] / 1e3:.0f}; "
+                f"median {r['seconds_median'] * 1e3:.2f} ms, max {r['seconds_max'] * 1e3:.2f} ms")
     if f == "estimation":
         return (f"estimation {r['stack']:<12} L1 conditional {r['l1_conditional']:.3f} unconditional "
                 f"{r['l1_unconditional']:.3f}; top-2 accuracy {r['top2_accuracy_conditional']:.0%} vs "

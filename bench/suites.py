@@ -912,7 +912,8 @@ def run_memory_suite(ctx: Context, progress=None) -> list[dict]:
 
 def describe_inference(ctx: Context) -> list[str]:
     return ["balance (E=16, P=16 and 4, Zipf max/min 5.56), estimation (correlated/uncorrelated stacks), offload "
-            "(host, disk), latency in the simulator (16 GPUs) and on gloo (4 ranks) [bench.inference.run_inference]"]
+            "(host, disk), latency in the simulator (16 GPUs) and on gloo (4 ranks), device expert bytes per rank and "
+            "re-plan loads (gloo) [bench.inference.run_inference]"]
 
 
 def _inference_extra(d: dict) -> dict:
@@ -924,6 +925,16 @@ def _inference_extra(d: dict) -> dict:
         if d.get("replan_rate") is not None:
             out["replan_rate"] = d["replan_rate"]
         return out
+    if f == "serving-memory":
+        held = d["device_expert_bytes_per_rank"]
+        return {"device_expert_bytes_max": max(held), "device_expert_bytes_min": min(held),
+                "all_resident_bytes": d["all_resident_bytes"], "max_fraction_of_all": d["max_fraction_of_all"]}
+    if f == "replan-load":
+        if "bytes_per_forward" in d:
+            return {"loads_per_forward_max": max(d["loads_per_forward"]), "bytes_per_forward_max": max(d["bytes_per_forward"]),
+                    "seconds_per_forward_max": max(d["seconds_per_forward"]), "forward_p50_s": d["forward_p50_s"]}
+        return {"max_bytes": d["max_bytes"], "all_resident_bytes": d["all_resident_bytes"],
+                "seconds_median": d["seconds_median"], "seconds_max": d["seconds_max"]}
     keys = {"two-phase": ("replan_rate", "phase1_max_over_mean"),
             "latency-gloo": ("p50_s", "p95_s", "p50_speedup_vs_contiguous", "p95_speedup_vs_contiguous",
                              "max_rows_per_rank_mean"),
@@ -946,12 +957,13 @@ def run_inference_suite(ctx: Context, progress=None) -> list[dict]:
         f = d["figure"]
         case = {"balance": "P={world_size} {placement}", "two-phase": "P={world_size} m={path_length}", "latency-gloo": "gloo P={world_size} {placement}",
                 "latency-sim": "sim P={world_size} {placement}", "estimation": "{stack}",
-                "offload": "{tier}"}.get(f, "{figure}")
+                "offload": "{tier}", "serving-memory": "memory P={world_size} {placement}",
+                "replan-load": "replan P={world_size} {change}"}.get(f, "{figure}")
         try:
             case = case.format(**d)
         except KeyError:
             case = f
-        row = new_row(suite="inference", case=case, mode=f, impl=str(d.get("placement") or d.get("tier") or "lina"),
+        row = new_row(suite="inference", case=case, mode=f, impl=str(d.get("placement") or d.get("tier") or ("replan" if f == "replan-load" else "lina")),
                       params={k: v for k, v in d.items() if isinstance(v, (int, float, str)) and k in (
                           "world_size", "experts", "tokens", "tokens_per_rank", "d_model", "d_ffn", "layers", "slots")})
         if "error" in d:

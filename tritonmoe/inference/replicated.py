@@ -1,9 +1,12 @@
 """Expert-parallel serving of a :class:`~tritonmoe.inference.Placement` with replicas and
 packing (Lina's inference scheduler, paper 001 §5.2 and §6.2; PAPERS.md §1.5).
 
-:class:`ReplicatedMoELayer` wraps a local :class:`~tritonmoe.MoELayer` that holds all E experts
-(identical on every rank of the group: inference weights, built from one seed or one
-checkpoint). Each rank routes its own tokens with the layer's router, then:
+:class:`ReplicatedMoELayer` wraps a local :class:`~tritonmoe.MoELayer` whose E experts are
+identical on every rank of the group (inference weights, built from one seed or one checkpoint).
+The full expert set lives in host memory (the layer's CPU tensors, a state dict, or a pinned
+copy of the layer's GPU tensors); each rank's device holds only the experts its placement hosts
+on it (replicas included), in compact ``[slots, ...]`` buffers with a slot -> expert map. Each
+rank routes its own tokens with the layer's router, then:
 
 1. gathers every rank's per-expert counts (one small all-gather; a host sync: the split sizes
    are host values, as in the expert-parallel layer), from which every rank derives every
@@ -11,14 +14,17 @@ checkpoint). Each rank routes its own tokens with the layer's router, then:
 2. permutes its tokens by expert, splits the rows of each expert over its replicas
    (:meth:`Placement.split`: in proportion to the replicas' weights, remainders rotated by
    source rank) and sends each chunk to its replica's device (the all-to-all of the rows);
-3. computes the experts the device hosts (one grouped FFN over the layer's expert tensors in
-   which the experts it does not host have empty segments);
+3. reorders the received rows by slot (one segment copy) and computes the hosted experts (one
+   grouped FFN over the slot buffers; a free slot has an empty segment);
 4. returns the rows with the reverse all-to-all and combines them (``unpermute``).
 
-Every rank keeps all E experts' weights (the wrapped layer's); a placement changes which of
-them it computes, so re-planning costs no weight copy. Holding only the hosted experts on the
-device and swapping weights in from host memory when the placement changes (001 §6.2) is not
-done here. Where a token's rows are computed changes, not how: the output equals the local layer's on the
+A placement change (:meth:`ReplicatedMoELayer.set_placement`, or a re-plan of the scheduler)
+loads only the experts newly hosted on the rank from host memory, into the slots of the experts
+it no longer hosts; kept experts stay in their slots (001 §6.2's swap-in). On CUDA the copies
+run on a copy stream, after the compute that last read the slots and before the next compute
+(events); on CPU they are plain copies.
+
+Where a token's rows are computed changes, not how: the output equals the local layer's on the
 same tokens (bitwise in fp64 on the reference backend; ``tests/test_replicated.py``).
 
 :class:`LinaScheduler` ties popularity estimation to placement over a stack of such layers
@@ -34,7 +40,10 @@ its actual counts.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import time
+import weakref
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +52,7 @@ from torch import nn
 from .placement import MAX_PACKED_PER_DEVICE, Placement, lina_placement
 from .popularity import PopularityEstimator, top_choices, top_k_match
 
-__all__ = ["ReplicatedMoELayer", "LinaScheduler"]
+__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments"]
 
 
 class LinaScheduler:
@@ -108,27 +117,124 @@ class LinaScheduler:
         return out
 
 
+#: The expert tensors of a MoELayer a serving rank holds per hosted expert (biases when present).
+EXPERT_TENSORS = ("w1", "w2", "b1", "b2")
+
+# Layers whose expert tensors were on the device and were moved to host memory by a
+# ReplicatedMoELayer: their host copies, so that a second wrapper of the same layer shares them.
+_RELEASED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _copy_expert(dst: list, src: list, non_blocking: bool) -> None:
+    """Copy one expert's tensors (``src``: views of the host copy) into its device slot (``dst``):
+    the only host-to-device path of :class:`ReplicatedMoELayer` (tests wrap it to count bytes)."""
+    for d, s in zip(dst, src):
+        d.copy_(s, non_blocking=non_blocking)
+
+
+def plan_slots(current: Sequence[int], hosted: Sequence[int], num_slots: int):
+    """How a rank's slots change from holding ``current`` (the expert per slot, -1 free) to
+    holding ``hosted`` in ``num_slots`` slots: ``(slot_experts, moves, loads)``. With the same
+    number of slots the buffers are kept: the experts still hosted stay in their slots and the
+    newly hosted ones take the freed slots (lowest first). Otherwise new buffers: the kept
+    experts first (``moves``: (old slot, new slot), device-to-device), then the new ones.
+    ``loads``: (expert, slot) copied from host memory, exactly the experts of ``hosted`` not in
+    ``current``."""
+    want = set(hosted)
+    have = set(e for e in current if e >= 0)
+    incoming = [e for e in hosted if e not in have]
+    if num_slots == len(current):
+        slot_experts = [e if e in want else -1 for e in current]
+        moves: list = []
+    else:
+        keep = [(k, e) for k, e in enumerate(current) if e in want]
+        slot_experts = [e for _, e in keep] + [-1] * (num_slots - len(keep))
+        moves = [(k, j) for j, (k, _) in enumerate(keep)]
+    free = [k for k, e in enumerate(slot_experts) if e < 0]
+    loads = list(zip(incoming, free))
+    for e, k in loads:
+        slot_experts[k] = e
+    return slot_experts, moves, loads
+
+
+def slot_segments(counts_PM: torch.Tensor, hosted: Sequence[int], slot_experts: Sequence[int]):
+    """(src_starts, dst_starts, lengths, slot_offsets), int64: the segment copy from the
+    received order (source s, then hosted expert j in ``hosted`` order; ``counts_PM[s, j]``
+    rows) to slot order (slot k, then source), and the [slots + 1] row offsets of the slots in
+    the result (a free slot: no rows). The reverse copy swaps the starts."""
+    P = counts_PM.shape[0]
+    S = len(slot_experts)
+    slot_of = {e: k for k, e in enumerate(slot_experts) if e >= 0}
+    col = torch.tensor([slot_of[e] for e in hosted], dtype=torch.int64)
+    c_SP = torch.zeros(S, P, dtype=torch.int64)
+    c_SP[col] = counts_PM.to(torch.int64).t()
+    lens = counts_PM.to(torch.int64).reshape(-1)
+    src = torch.cumsum(lens, 0) - lens
+    flat = c_SP.reshape(-1)
+    dst_SP = (torch.cumsum(flat, 0) - flat).view(S, P)
+    dst = dst_SP[col].t().reshape(-1)  # (s, j) -> the start of (slot of j, s)
+    off = torch.zeros(S + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(c_SP.sum(1), 0)
+    return src, dst, lens, off
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (measured, not computed from shapes)."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
 class ReplicatedMoELayer(nn.Module):
     """Serve a local :class:`~tritonmoe.MoELayer` (all E experts, identical on every rank) over
     the expert-parallel group ``group`` with a :class:`Placement` (see the module docstring).
 
     Args:
-        layer: the local MoELayer (not expert-parallel; dropless routing: no capacity).
+        layer: the local MoELayer (not expert-parallel; dropless routing: no capacity). Its
+            router (and shared experts) run on its device; its routed experts are served from
+            host memory (below).
         group: the process group (None: the default group).
         placement: a fixed placement (default: :meth:`Placement.contiguous`); every rank must
             pass the same one (checked once, collectively).
         scheduler: a :class:`LinaScheduler` choosing the placement per forward (then
             ``layer_index`` is this layer's position in the stack, the layers run in order).
+        host_experts: the full expert set in host memory, ``{"w1": [E, ...], "w2": ..., "b1",
+            "b2"}`` (the layer's expert tensors' names, shapes and dtypes; CPU tensors, e.g. a
+            checkpoint's state dict). Default: the layer's own expert tensors when they are on
+            the CPU (shared, not copied); when they are on a GPU they are copied once into pinned
+            host memory and the layer's device copies are released (the layer then no longer
+            runs locally; another wrapper of the same layer shares the host copy).
+        slots: device slots for hosted experts. None: exactly as many as the placement hosts on
+            this rank (the buffers are reallocated when that number changes, kept experts copied
+            over on the device); an int: a fixed buffer of that many slots, and a placement
+            hosting more experts on any device raises ValueError.
+
+    The device holds only the hosted experts: ``expert_weights`` (name -> [slots, ...]) and
+    ``slot_experts`` (the global expert in each slot, -1 for a free slot). A new placement loads
+    only the experts newly hosted on this rank from the host copy, into the slots of the experts
+    it no longer hosts (kept experts stay in their slots): on CUDA on a copy stream, ordered
+    after the compute that last read the slots and before the next forward's compute by events;
+    on CPU a plain copy.
 
     After a forward, ``placement_used`` is the placement that served it, ``decision`` the
-    scheduler's phase-two outcome, ``rows_served`` the rows this rank computed.
+    scheduler's phase-two outcome, ``rows_served`` the rows this rank computed. Load
+    statistics: ``last_load_experts`` (experts loaded by the last placement change),
+    ``load_bytes`` / ``load_s`` / ``loads`` (host-to-device bytes, host seconds spent issuing
+    them, placement changes that loaded something; cumulative), ``device_copy_bytes`` (kept
+    experts moved on the device when the slot buffers were resized).
 
     Inference only: the exchanges are not differentiable (run it under ``torch.no_grad()``) and
     no auxiliary loss is computed. Every rank of the group must call it, in the same order.
     """
 
     def __init__(self, layer: nn.Module, group=None, *, placement: Optional[Placement] = None,
-                 scheduler: Optional[LinaScheduler] = None, layer_index: Optional[int] = None) -> None:
+                 scheduler: Optional[LinaScheduler] = None, layer_index: Optional[int] = None,
+                 host_experts: Optional[Mapping[str, torch.Tensor]] = None, slots: Optional[int] = None) -> None:
         super().__init__()
         from ..comm.splits import group_rank_size
         from ..layer import MoELayer
@@ -143,6 +249,12 @@ class ReplicatedMoELayer(nn.Module):
         self.group = group
         self.layer = layer
         E = layer.config.num_experts
+        if slots is not None:
+            if isinstance(slots, bool) or not isinstance(slots, int):
+                raise TypeError(f"slots must be an int or None, got {type(slots).__name__}")
+            if slots < 1:
+                raise ValueError(f"slots={slots} must be >= 1 (or None: as many as the placement hosts)")
+        self.slots = slots
         if scheduler is not None:
             if not isinstance(scheduler, LinaScheduler):
                 raise TypeError(f"scheduler must be a LinaScheduler, got {type(scheduler).__name__}")
@@ -154,33 +266,146 @@ class ReplicatedMoELayer(nn.Module):
                     0 <= layer_index < scheduler.estimator.num_layers):
                 raise ValueError(f"layer_index={layer_index!r}: give this layer's position in the stack, "
                                  f"0 <= layer_index < {scheduler.estimator.num_layers}")
+            if slots is not None and scheduler.max_per_device > slots:
+                raise ValueError(f"slots={slots} is below the scheduler's max_per_device={scheduler.max_per_device}: "
+                                 f"its placements may host {scheduler.max_per_device} experts on a device; use "
+                                 f"slots >= {scheduler.max_per_device}")
         self.scheduler = scheduler
         self.layer_index = layer_index
+        self.device = layer.router.weight.device
+        self.names = [n for n in EXPERT_TENSORS if getattr(layer, n) is not None]
+        self.host = self._host_source(layer, host_experts)
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
+        self._cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._ready = None  # CUDA event: the last placement change's copies are done
+        self.slot_experts: list[int] = []
+        self.expert_weights: dict[str, torch.Tensor] = {
+            n: torch.zeros((0, *t.shape[1:]), dtype=t.dtype, device=self.device) for n, t in self.host.items()}
         self.placement_used: Optional[Placement] = None
         self.decision: Optional[str] = None
         self.rows_served = 0
+        self.last_load_experts: list[int] = []
+        self.load_bytes = self.device_copy_bytes = self.loads = 0
+        self.load_s = 0.0
         self._hosted: tuple = ()
         self.placement = None
         self.set_placement(placement if placement is not None else Placement.contiguous(E, self.world_size), check=True)
 
+    def _host_source(self, layer, host_experts) -> dict:
+        """name -> the full [E, ...] expert tensor in host memory (pinned when serving on CUDA)."""
+        pin = self.device.type == "cuda"
+        if host_experts is not None:
+            if not isinstance(host_experts, Mapping):
+                raise TypeError(f"host_experts must be a mapping of tensor names to tensors, got "
+                                f"{type(host_experts).__name__}")
+            if set(host_experts) != set(self.names):
+                raise ValueError(f"host_experts has {sorted(host_experts)}; the layer's expert tensors are "
+                                 f"{self.names}: pass exactly those")
+            out = {}
+            for n in self.names:
+                t, ref = host_experts[n], getattr(layer, n)
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"host_experts[{n!r}] must be a tensor, got {type(t).__name__}")
+                if t.device.type != "cpu":
+                    raise ValueError(f"host_experts[{n!r}] is on {t.device}; the host copy lives in CPU memory")
+                if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
+                    raise ValueError(f"host_experts[{n!r}] is {tuple(t.shape)} {t.dtype}; the layer's is "
+                                     f"{tuple(ref.shape)} {ref.dtype}")
+                t = t.detach()
+                out[n] = t.pin_memory() if pin and not t.is_pinned() else t
+            return out
+        if layer in _RELEASED:
+            return _RELEASED[layer]
+        ts = {n: getattr(layer, n).detach() for n in self.names}
+        if all(t.device.type == "cpu" for t in ts.values()):
+            # the layer's CPU copy is the shared source (pinned copies when serving on CUDA)
+            return {n: (t.pin_memory() if pin and not t.is_pinned() else t) for n, t in ts.items()}
+        with torch.no_grad():
+            out = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for n, t in ts.items()}
+            for n in self.names:  # release the layer's device copies: the host holds them now
+                p = getattr(layer, n)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        _RELEASED[layer] = out
+        return out
+
     # -- placement -----------------------------------------------------------------------------
 
     def set_placement(self, placement: Placement, *, check: bool = False) -> None:
-        """Serve ``placement`` from now on. ``check``: compare it across ranks first (collective;
-        the same ValueError on every rank when they differ)."""
+        """Serve ``placement`` from now on and load the experts newly hosted on this rank.
+        ``check``: compare it across ranks first (collective; the same ValueError on every rank
+        when they differ). The checks on the placement itself run before any collective and
+        raise on every rank (they read only the placement, the same on every rank)."""
         if not isinstance(placement, Placement):
             raise TypeError(f"placement must be a tritonmoe.inference.Placement, got {type(placement).__name__}")
         E = self.layer.config.num_experts
+        for d, h in enumerate(placement.hosted):
+            for e in h:
+                if e >= E:
+                    raise ValueError(f"the placement hosts expert {e} on device {d}; the layer's experts are "
+                                     f"[0, {E}): plan the placement for {E} experts")
         if placement.num_experts != E or placement.num_devices != self.world_size:
             raise ValueError(f"placement is for {placement.num_experts} experts on {placement.num_devices} devices; "
                              f"the layer has {E} experts on a group of {self.world_size}")
+        if self.slots is not None:
+            for d, h in enumerate(placement.hosted):
+                if len(h) > self.slots:
+                    raise ValueError(f"the placement hosts {len(h)} experts on device {d}, more than its slots={self.slots}; "
+                                     f"use a placement with at most {self.slots} experts per device or more slots")
         if check and self.world_size > 1:
             from ..comm import check_agreement
 
             check_agreement({"placement": hash((placement.hosted, placement.weights)) % (2**61)}, group=self.group,
                             what="the placement (pass the same Placement on every rank)")
+        self._load(placement.hosted[self.rank])
         self.placement = placement
         self._hosted = placement.hosted[self.rank]
+
+    def _load(self, hosted: tuple) -> None:
+        """Make the slots hold exactly ``hosted``: kept experts stay (in their slot, or moved on
+        the device when the buffers are resized), newly hosted ones are copied from the host."""
+        t0 = time.perf_counter()
+        cur = self.slot_experts
+        S = len(hosted) if self.slots is None else self.slots
+        slot_experts, moves, loads = plan_slots(cur, hosted, S)
+        self.last_load_experts = [e for e, _ in loads]
+        if S == len(cur) and not loads:  # nothing to copy: the experts no longer hosted just leave
+            self.slot_experts = slot_experts
+            return
+        stream = self._copy_stream
+        nb = stream is not None
+        old = self.expert_weights
+        with torch.no_grad():
+            if S == len(cur):  # the same buffers: the new experts take the freed slots
+                bufs = old
+            else:  # new buffers (allocated on the compute stream): kept experts moved on the device
+                bufs = {n: torch.zeros((S, *t.shape[1:]), dtype=t.dtype, device=self.device) for n, t in old.items()}
+            if nb:
+                # the compute that last read the slots, and the allocation above, come first
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream) if nb else contextlib.nullcontext():
+                for k_old, k_new in moves:
+                    for n in self.names:
+                        bufs[n][k_new].copy_(old[n][k_old], non_blocking=nb)
+                    self.device_copy_bytes += self.expert_bytes
+                for e, k in loads:
+                    _copy_expert([bufs[n][k] for n in self.names], [self.host[n][e] for n in self.names], nb)
+                if nb:
+                    self._ready = torch.cuda.Event()
+                    self._ready.record(stream)
+            if nb:  # the copy stream uses these: their memory is not reused before it is done
+                for t in {id(t): t for t in list(old.values()) + list(bufs.values())}.values():
+                    t.record_stream(stream)
+        self.expert_weights = bufs
+        self.slot_experts = slot_experts
+        if loads:
+            self.loads += 1
+            self.load_bytes += len(loads) * self.expert_bytes
+        self.load_s += time.perf_counter() - t0
+
+    def device_expert_bytes(self) -> int:
+        """Device bytes held by this rank's expert weights (the slot buffers' storages)."""
+        return _storage_bytes(self.expert_weights.values())
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -245,7 +470,7 @@ class ReplicatedMoELayer(nn.Module):
         """The routed experts' weighted sum for this rank's tokens, computed where the placement
         puts them; ``counts_PE``: every rank's per-expert counts (from :meth:`_exchange_counts`)."""
         from ..comm.all_to_all import all_to_all_raw
-        from ..comm.partition import _transpose_chunks
+        from ..dispatch import implementation
         from ..experts import ffn_options
 
         layer, c = self.layer, self.layer.config
@@ -281,14 +506,20 @@ class ReplicatedMoELayer(nn.Module):
         rows = recv.shape[0]
         self.rows_served = rows
         if rows and Md:
-            x_RD = _transpose_chunks(recv, recv_counts_PM.to(recv.device), c.backend)
-            per_expert = torch.zeros(c.num_experts, dtype=torch.int64)
-            per_expert[list(mine)] = recv_counts_PM.sum(0)  # hosted experts ascending: segments in expert order
-            off = torch.zeros(c.num_experts + 1, dtype=torch.int64)
-            off[1:] = torch.cumsum(per_expert, 0)
-            y_RD = impl("grouped_ffn", x_RD)(x_RD, off.to(recv.device), layer.w1, layer.w2, c.activation, layer.b1,
-                                             layer.b2, **ffn_options(c))
-            y = _transpose_chunks(y_RD, recv_counts_PM.t().contiguous().to(recv.device), c.backend)
+            # recv holds chunks (source s, hosted expert j ascending); the grouped FFN wants them
+            # by slot (the slot of each hosted expert), then source: one segment copy each way
+            src, dst, lens, off = slot_segments(recv_counts_PM, mine, self.slot_experts)
+            copy = implementation("copy_segments", c.backend, recv.device)
+            dev = recv.device
+            src, dst, lens = src.to(dev), dst.to(dev), lens.to(dev)
+            x_RD = copy(recv, src, dst, lens, rows)
+            if self._ready is not None:  # the placement change's copies land before the compute
+                torch.cuda.current_stream(self.device).wait_event(self._ready)
+                self._ready = None
+            w = self.expert_weights
+            y_RD = impl("grouped_ffn", x_RD)(x_RD, off.to(dev), w["w1"], w["w2"], c.activation, w.get("b1"),
+                                             w.get("b2"), **ffn_options(c))
+            y = copy(y_RD, dst, src, lens, rows)
         else:
             y = recv.new_zeros(rows, x_TD.shape[1])
         back, _ = all_to_all_raw(y, recv_splits, send_splits, self.group) if P > 1 else (y, None)
