@@ -178,6 +178,10 @@ class ExpertFFN:
         offsets: ``offsets(i)`` -> int64 [L+1] segment starts of micro-op i's local experts.
         resend: ``resend(i)`` -> micro-op i's send buffer again (the permuted rows of its
             tokens), for the re-dispatch of "recomm"; None keeps the forward's send buffers.
+        train, train_backward: the dispatched ``grouped_ffn_train`` / ``grouped_ffn_train_backward``
+            of the layer's backend (:mod:`tritonmoe.dispatch`: the Triton grouped FFN kernels'
+            forward and backward, or the reference), used for every dtype but fp64; None: the
+            GEMM-by-GEMM forward and per-expert backward (fp64 always takes that exact path).
     """
 
     activation: str
@@ -188,6 +192,14 @@ class ExpertFFN:
     resend: Optional[Callable[[int], torch.Tensor]] = None
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    train: Optional[Callable[..., tuple]] = None
+    train_backward: Optional[Callable[..., tuple]] = None
+
+    def fused(self, dtype: torch.dtype) -> bool:
+        """Whether rows of ``dtype`` run through the dispatched training ops (not fp64: fp64 takes
+        the exact path, whose row-invariant input gradients and deferred weight gradients make
+        every strategy and degree bitwise equal)."""
+        return self.train is not None and self.train_backward is not None and dtype != torch.float64
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         return reference.apply_activation(h, self.activation, swiglu_limit=self.swiglu_limit,
@@ -195,6 +207,12 @@ class ExpertFFN:
 
     def forward(self, x: torch.Tensor, offs_t: torch.Tensor, w1, w2, b1, b2) -> tuple[torch.Tensor, torch.Tensor]:
         """(MI, y) of rows x: MI = FC1(x) + b1, y = FC2(act(MI)) + b2."""
+        if self.fused(x.dtype):
+            # the grouped FFN's fused forward (GEMM1 + bias + activation epilogue, GEMM2), as
+            # the unmanaged path runs it; A is not kept (backward recomputes it from MI)
+            y, _, h = self.train(x, offs_t, w1, w2, self.activation, b1, b2, swiglu_limit=self.swiglu_limit,
+                                 swiglu_alpha=self.swiglu_alpha)
+            return h, y
         h = self.gemm(x, offs_t, w1, b1)
         return h, self.gemm(self.act(h), offs_t, w2, b2)
 
@@ -248,11 +266,20 @@ class _ExpertFFN(torch.autograd.Function):
         mgr, i = ctx.mgr, ctx.i
         mgr.ensure(i)  # refill the shared buffers with micro-op i's DI and MI where overwritten
         x, h, w1, w2, b1, b2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        ffn = mgr.ffn
+        if ffn.fused(x.dtype):
+            # the grouped FFN's backward (Triton kernels on the kernel backends): A again from MI
+            # (elementwise), then dact, dX, dW1, dW2 and the bias sums from the saved DI and MI
+            a = ffn.act(h)
+            needs = (need[2], need[3], need[4], need[5] and b1 is not None, need[6] and b2 is not None)
+            dx, dw1, dw2, db1, db2 = ffn.train_backward(
+                dy.contiguous(), x, mgr.offsets_t[i], w1, w2, b1, b2, a, h, ffn.activation, needs=needs,
+                swiglu_limit=ffn.swiglu_limit, swiglu_alpha=ffn.swiglu_alpha)
+            return None, None, dx, dw1, dw2, db1, db2
         offs = mgr.offs[i]
         L = w1.shape[0]
         acc = _acc(dy.dtype)
-        need = ctx.needs_input_grad
-        ffn = mgr.ffn
         dy = dy.contiguous()
         # the activation again from MI (elementwise), and its backward
         with torch.enable_grad():

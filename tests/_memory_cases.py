@@ -219,9 +219,38 @@ def auto_and_errors(rank: int, P: int) -> dict:
     return out
 
 
+class KernelCalls:
+    """Counts the grouped FFN kernels' forward / backward entry points
+    (``kernels.grouped_gemm.ffn_forward`` / ``ffn_backward``, shared by the eager autograd
+    function and the training ops) and the managed block's per-expert torch fallback
+    (``comm.memory._input_grad``) while active."""
+
+    def __init__(self) -> None:
+        from tritonmoe.kernels import grouped_gemm as kg
+
+        self.mods = [(kg, "ffn_forward"), (kg, "ffn_backward"), (memory_mod, "_input_grad")]
+        self.counts = {name: 0 for _, name in self.mods}
+
+    def __enter__(self):
+        self.orig = [getattr(m, name) for m, name in self.mods]
+        for (m, name), f in zip(self.mods, self.orig):
+            def wrapped(*a, _f=f, _name=name, **k):
+                self.counts[_name] += 1
+                return _f(*a, **k)
+
+            setattr(m, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for (m, name), f in zip(self.mods, self.orig):
+            setattr(m, name, f)
+
+
 def triton_case(rank: int, P: int) -> list[str]:
     """The Triton path (the interpreter on CPU): fp32 outputs and gradients of two strategies
-    (host copies; re-dispatch + recompute) equal to the unmanaged layer's to rounding."""
+    (host copies; re-dispatch + recompute) equal to the unmanaged layer's to rounding, the managed
+    block's forward and backward running the grouped FFN kernels (one ffn_forward and one
+    ffn_backward per micro-op, counted here) and never the per-expert torch GEMMs."""
     failures = []
     c = Case("swiglu", 2, None, True, 0, "triton")
     tokens = TOKENS[P][0]
@@ -242,7 +271,12 @@ def triton_case(rank: int, P: int) -> list[str]:
     for s in ("offload", "recomm_recompute"):  # "keep" runs the same FFN code without the restores
         layer = tm.MoELayer(_config(c, 2, s, backend="triton"), ep_group=dist.group.WORLD, dtype=dt)
         layer.load_state_dict(ref.state_dict())
-        for j, (a, b) in enumerate(zip(step(layer), want)):
+        with KernelCalls() as kc:
+            got = step(layer)
+        want_calls = {"ffn_forward": 2, "ffn_backward": 2, "_input_grad": 0}  # n = 2 micro-ops
+        if kc.counts != want_calls:
+            failures.append(f"triton {s}: kernel entry calls {kc.counts}, expected {want_calls}")
+        for j, (a, b) in enumerate(zip(got, want)):
             try:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
             except AssertionError as e:

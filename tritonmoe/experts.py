@@ -340,6 +340,9 @@ class ExpertParallelExperts(ExpertPath):
             to_source_major=lambda i, y: _transpose_chunks(y, plan.recv_counts[i].t(), disp.backend),
             offsets=lambda i: disp.expert_offsets(plan, i), resend=resend,
             swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha,
+            # the grouped FFN's forward and backward as the unmanaged path dispatches them (Triton
+            # kernels on GPUs and backend='triton'; the reference on 'torch'); fp64 stays exact
+            train=self.impl("grouped_ffn_train", x_TD), train_backward=self.impl("grouped_ffn_train_backward", x_TD),
         )
 
     def expert_fn(self, plan, x_like: torch.Tensor, weights: ExpertWeights):
