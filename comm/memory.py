@@ -10,9 +10,9 @@ the expert block of every micro-op i keeps two activations for backward:
   the counterpart of the paper's in-place activation).
 
 With strategy ``"keep"`` every micro-op keeps its own DI and MI (n separate allocations: the
-paper's PMoE baseline). Every other strategy **reuses memory**: the DI of micro-op i lives in one
-of two shared device buffers (double buffering: i overwrites i-2's), the MI in one shared buffer
-(i overwrites i-1's), each sized to the largest micro-op of the pass. What an overwritten
+paper's PMoE baseline). Every other strategy **reuses memory**: the DI and the MI of micro-op i
+each live in one of two shared device buffers (double buffering: i overwrites i-2's), each sized
+to the largest micro-op of the pass. What an overwritten
 micro-op lacks in backward is **restored** (004 Table II):
 
 ================== =================== =====================
@@ -26,9 +26,10 @@ strategy           DI restored by      MI restored by
 
 Host copies run on the executor's copy lane (a CUDA stream into pinned memory; a worker thread
 on CPU) while the pipeline computes: forward copies start as soon as a micro-op's expert compute
-has produced them and are waited for only before their buffer is overwritten; backward restores
-of DI are issued together with micro-op i's first exchange (before micro-op i-1's compute), the
-single MI buffer is refilled just before micro-op i's compute. A re-dispatch re-permutes the
+has produced them and are waited for only before their buffer is overwritten (by micro-op i+2);
+backward restores of DI and MI are issued together with micro-op i's first exchange, one
+micro-op ahead (before micro-op i-1's compute, into the buffers micro-op i-2 has finished with).
+A re-dispatch re-permutes the
 layer's input (which the router keeps for its own backward anyway) and re-runs micro-op i's
 dispatch all-to-all with the forward's splits, so the rows come back in the same order; a
 recompute re-runs the first GEMM on the restored DI. Only micro-ops whose buffer is really
@@ -84,10 +85,11 @@ RESTORE = {
     "recompute": ("offload", "recompute"),
     "recomm_recompute": ("recomm", "recompute"),
 }
-#: Shared device buffers under memory reuse: DI is double-buffered (the next micro-op's rows
-#: arrive while one computes), MI single (the micro-ops' expert computes run one after another).
+#: Shared device buffers under memory reuse: DI and MI are both double-buffered (micro-op i
+#: reuses i-2's), so that micro-op i's restores (host copies, re-dispatch) can be issued one
+#: micro-op ahead, while micro-op i-1 computes from the other buffer.
 DI_SLOTS = 2
-MI_SLOTS = 1
+MI_SLOTS = 2
 
 
 def restore_schedule(n: int, slots: int) -> tuple[int, ...]:
@@ -404,31 +406,28 @@ class _Memory:
 
     def prefetch(self, i: int) -> list:
         """Issued with micro-op i's first backward exchange (before micro-op i-1's compute): the
-        restore of its DI into buffer i % 2, which micro-op i-2 has finished with."""
-        lay = self.layout
-        if i not in lay.di_restore:
-            return []
-        s, R = i % lay.di_slots, self.rows[i]
-        self.di_owner[s] = i
-        if lay.di_method == "offload":
-            return [self.ex.copy(self.host_di.pop(i), to="device", out=_alias(self.di_buf[s], R, self.width),
-                                 kind="restore", micro_op=i)]
-        # re-dispatch: the same rows, the same splits, so the same received order
-        send = self.ffn.resend(i) if self.ffn.resend is not None else self.sends[i]
-        h = self.ex.all_to_all(send, self.plan.send_splits[i], self.plan.recv_splits[i], group=self.group,
-                               kind="recomm", micro_op=i)
-        self.recomm[i] = h
-        return [h]
-
-    def pre_compute(self, i: int) -> list:
-        """Just before micro-op i's backward compute: refill the MI buffer from the host copy."""
-        lay = self.layout
-        if i not in lay.mi_restore or lay.mi_method != "offload":
-            return []
-        s = i % lay.mi_slots
-        self.mi_owner[s] = i
-        return [self.ex.copy(self.host_mi.pop(i), to="device", out=_alias(self.mi_buf[s], self.rows[i], self.n1),
-                             kind="restore", micro_op=i)]
+        restores of its DI and MI into buffers i % 2, which micro-op i-2 has finished with."""
+        lay, R = self.layout, self.rows[i]
+        works = []
+        if i in lay.di_restore:
+            s = i % lay.di_slots
+            self.di_owner[s] = i
+            if lay.di_method == "offload":
+                works.append(self.ex.copy(self.host_di.pop(i), to="device", out=_alias(self.di_buf[s], R, self.width),
+                                          kind="restore", micro_op=i))
+            else:
+                # re-dispatch: the same rows, the same splits, so the same received order
+                send = self.ffn.resend(i) if self.ffn.resend is not None else self.sends[i]
+                h = self.ex.all_to_all(send, self.plan.send_splits[i], self.plan.recv_splits[i], group=self.group,
+                                       kind="recomm", micro_op=i)
+                self.recomm[i] = h
+                works.append(h)
+        if i in lay.mi_restore and lay.mi_method == "offload":
+            s = i % lay.mi_slots
+            self.mi_owner[s] = i
+            works.append(self.ex.copy(self.host_mi.pop(i), to="device", out=_alias(self.mi_buf[s], R, self.n1),
+                                      kind="restore", micro_op=i))
+        return works
 
     def ensure(self, i: int) -> None:
         """Inside micro-op i's backward compute: finish the restores that run on the compute lane
@@ -560,7 +559,7 @@ class _MemoryPipelinedExperts(torch.autograd.Function):
 
         try:
             d_sends = backward_pass(ex, dys, plan, expert_bwd, group=state.group, weight_step=weight_step,
-                                    prefetch=mem.prefetch, pre_compute=mem.pre_compute)
+                                    prefetch=mem.prefetch)
         finally:
             mem.close()
             state.mem = None

@@ -40,7 +40,7 @@ def test_strategies_bitwise_equal_and_saved_bytes_match_the_model(world_size):
     assert len(acct) == world_size * len(_memory_cases.CASES[world_size]) * 4 * 5
     for a in acct:
         assert a["measured"] == a["model"] or abs(a["measured"] - a["model"]) <= 0.01 * a["model"]
-    # reuse keeps the largest micro-op's rows in 2 + 1 buffers: less than "keep" for balanced
+    # reuse keeps the largest micro-op's rows in 2 + 2 buffers: less than "keep" for balanced
     # micro-ops at n >= 4, possibly more for very unbalanced ones (the model says which)
     by = {(a["case"], a["n"], a["strategy"], a["rank"]): a for a in acct}
     for (ci, n, s, r), a in by.items():
@@ -90,7 +90,7 @@ def test_expert_block_bytes(rows, d, n1):
     n = len(rows)
     for s in ("offload", "recomm", "recompute", "recomm_recompute"):
         b = expert_block_bytes(rows, d, n1, s, 4)
-        assert b["device"] == 4 * max(rows) * (min(n, 2) * d + n1)
+        assert b["device"] == 4 * max(rows) * min(n, 2) * (d + n1)  # DI and MI double-buffered
         lay = memory_layout(s, n)
         host = 4 * (sum(rows[i] for i in lay.di_offloaded) * d + sum(rows[i] for i in lay.mi_offloaded) * n1)
         assert b["host"] == host
@@ -155,7 +155,10 @@ def test_budget_forces_reuse_and_reports_rejected():
     assert p.device_bytes <= budget and p.strategy != "keep"
     rejected = p.rejected
     assert rejected and all(k.device_bytes > budget and k.step_time > 0 for k in rejected)
-    assert all(k.strategy == "keep" for k in rejected)
+    # rejected: "keep" at n = 4, and at n = 2 every strategy (with DI and MI double-buffered, reuse
+    # at n = 2 holds two micro-ops' rows, as "keep" does); every reuse strategy at n = 4 fits
+    assert any(k.strategy == "keep" for k in rejected)
+    assert all(k.strategy == "keep" or k.pipeline_degree == 2 for k in rejected)
     assert "chosen" in p.table() and "budget" in p.table()
     # every restore path costs time in the simulator: keep is the fastest without a budget
     t = {(k.pipeline_degree, k.strategy): k.step_time for k in free.candidates}

@@ -19,9 +19,10 @@ receives. Adapting the paper to the real tensors:
   paper's H doubles) and d_ffn otherwise; the activation's output is not kept (recomputed from
   MI, the paper's "in place");
 * "keep": sum_i R_i * (d + n1) elements;
-* every reuse strategy: min(n, 2) DI buffers and min(n, 1) MI buffer of the largest micro-op,
-  ``(2 * d + n1) * max_i R_i`` elements for n >= 2 (the paper's T_DI double buffer and T_M
-  single buffer; the paper's T_DO / T_O buffers are not this block's: the combine's outputs are
+* every reuse strategy: min(n, 2) DI buffers and min(n, 2) MI buffers of the largest micro-op,
+  ``2 * (d + n1) * max_i R_i`` elements for n >= 2 (the paper's T_DI double buffer; its T_M is
+  single-buffered, ours double so that micro-op i's MI restore is issued one micro-op ahead,
+  while i-1 computes from the other buffer; the paper's T_DO / T_O buffers are not this block's: the combine's outputs are
   kept by the unpermute for the routing weights' gradient);
 * host bytes: the DI / MI of the micro-ops a strategy copies out
   (:func:`tritonmoe.comm.memory.restore_schedule`).
@@ -29,8 +30,8 @@ receives. Adapting the paper to the real tensors:
 **The time of a candidate** is the simulator's (:func:`tritonmoe.plan.simulate`) with the
 restores issued as the runtime issues them (:func:`issue_memory_ops`): forward offload copies on
 the copy lane after each micro-op's expert compute, backward DI restores (host copy or
-re-dispatch all-to-all) with micro-op i's first exchange, MI restores (host copy) before its
-compute, FC1 recomputes inside it.
+re-dispatch all-to-all) and MI restores (host copy) with micro-op i's first exchange (one
+micro-op ahead), FC1 recomputes inside micro-op i's compute.
 
 **The joint choice** :func:`choose_memory` evaluates every (degree, strategy) candidate, rejects
 those whose predicted bytes exceed the budget (reporting each one's predicted bytes and step time)
@@ -140,20 +141,23 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
             ex.copy(VirtualTensor((rows[i], n1), dt), to="host", kind="offload", micro_op=i, after=(y,))
 
     def bwd_prefetch(i: int) -> list:
-        if i not in lay.di_restore:
-            return []
-        if lay.di_method == "offload":
-            return [ex.copy(VirtualTensor((rows[i], d), dt), to="device", kind="restore", micro_op=i)]
-        a, b = st.bounds[i]
-        R = plan.send_rows(i)
-        send = ex.compute(None, work=W.permute(b - a, R, backward=False), kind="permute", micro_op=i,
-                          out=VirtualTensor((R, d), dt))
-        return [ex.all_to_all(send, plan.send_splits[i], plan.recv_splits[i], kind="recomm", micro_op=i)]
+        works = []
+        if i in lay.di_restore:
+            if lay.di_method == "offload":
+                works.append(ex.copy(VirtualTensor((rows[i], d), dt), to="device", kind="restore", micro_op=i))
+            else:
+                a, b = st.bounds[i]
+                R = plan.send_rows(i)
+                send = ex.compute(None, work=W.permute(b - a, R, backward=False), kind="permute", micro_op=i,
+                                  out=VirtualTensor((R, d), dt))
+                works.append(ex.all_to_all(send, plan.send_splits[i], plan.recv_splits[i], kind="recomm",
+                                           micro_op=i))
+        if i in lay.mi_restore and lay.mi_method == "offload":  # one micro-op ahead, as DI's
+            works.append(ex.copy(VirtualTensor((rows[i], n1), dt), to="device", kind="restore", micro_op=i))
+        return works
 
     def bwd_pre(i: int) -> list:
-        if i in lay.mi_restore and lay.mi_method == "offload":
-            return [ex.copy(VirtualTensor((rows[i], n1), dt), to="device", kind="restore", micro_op=i)]
-        return []
+        return []  # every restore is issued one micro-op ahead (bwd_prefetch)
 
     def extra_fwd(i: int) -> Work:
         if not lay.reuse:
