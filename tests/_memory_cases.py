@@ -312,13 +312,30 @@ def search_run(rank: int, P: int) -> dict:
     return {"ran": ran, "decided": dict(policy.cache), "profiled": policy.steps_profiled, "failures": failures}
 
 
+def missing_cost_model(rank: int, P: int) -> str:
+    """memory_strategy="auto" with an integer degree and a cost-model file that is missing on
+    rank 1 only: every rank raises a ValueError at construction (none waits in a forward's
+    collective); rank 1's names the missing file."""
+    from tritonmoe.plan.runtime import DEFAULT_CPU_MODEL
+
+    path = DEFAULT_CPU_MODEL if rank != 1 else DEFAULT_CPU_MODEL + ".missing"
+    c = CASES[P][0]
+    try:
+        tm.MoELayer(_config(c, 2, "auto", cost_model=path), ep_group=dist.group.WORLD, dtype=torch.float64)
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def table(rank: int, P: int) -> dict:
     failures, acct = [], []
     for ci, c in enumerate(CASES[P]):
         f, a = run_case(rank, P, c, ci)
         failures += f
         acct += a
-    extra = auto_and_errors(rank, P)
+    missing = missing_cost_model(rank, P) if P == 2 else None
+    extra = auto_and_errors(rank, P)  # collectives after the failed construction: the group is in step
+    extra["missing_cost_model"] = missing
     failures += extra.pop("failures")
     if P == 2:
         failures += triton_case(rank, P)

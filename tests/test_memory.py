@@ -48,6 +48,11 @@ def test_strategies_bitwise_equal_and_saved_bytes_match_the_model(world_size):
         if s != "keep" and n >= 4 and min(rows) > 0 and max(rows) <= 1.2 * min(rows):
             assert a["measured"] < by[(ci, n, "keep", r)]["measured"], a
     assert any(a["measured"] < by[(a["case"], a["n"], "keep", a["rank"])]["measured"] for a in acct)
+    if world_size == 2:
+        # a cost model missing on rank 1 only: a ValueError on every rank at construction
+        msgs = [v["auto"]["missing_cost_model"] for v in vals]
+        assert all(m.startswith("ValueError") and "memory_policy" in m for m in msgs), msgs
+        assert ".missing does not exist" in msgs[1] and "does not exist" not in msgs[0], msgs
     if world_size == 2:  # MPMoE-pb online: all ranks ran the same candidates and decided alike
         runs = [v["auto"]["search"] for v in vals]
         assert all(r["ran"] == runs[0]["ran"] and r["decided"] == runs[0]["decided"] for r in runs), runs

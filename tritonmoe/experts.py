@@ -272,24 +272,41 @@ class ExpertParallelExperts(ExpertPath):
         device = _group_device(group)
         check_offload(c.memory_strategy, device)
         memory_code = -1 if c.memory_strategy is None else MEMORY_STRATEGIES.index(c.memory_strategy)
-        check_agreement(
-            dict(
-                num_experts=c.num_experts, d_model=c.d_model, dtype=dtype_code,
-                pipeline_degree=_DEGREE_CODES.get(c.pipeline_degree, c.pipeline_degree), degree_policy=policy_code,
-                memory_strategy=memory_code, memory_budget=c.memory_budget_bytes or 0,
-            ),
-            group=group,
-            what="the expert-parallel MoEConfig (degree_policy: the cost model's fingerprint, -1 where it failed to load)",
-        )
+        # memory_strategy="auto": the runtime (degree, strategy) choice, built (its cost model
+        # loaded) on every rank before the agreement check, like the degree policy, so that a
+        # rank where it fails makes every rank raise instead of leaving the others waiting in the
+        # first forward's all-reduce
+        memory_policy, memory_policy_code = None, 0
+        if c.memory_strategy == "auto":
+            memory_policy = self._memory_policy(group, dtype)
+            memory_policy_code = -1 if isinstance(memory_policy, Exception) else memory_policy.fingerprint
+        local_failures = [p for p in (policy if isinstance(c.pipeline_degree, str) else None, memory_policy)
+                          if isinstance(p, Exception)]
+        try:
+            check_agreement(
+                dict(
+                    num_experts=c.num_experts, d_model=c.d_model, dtype=dtype_code,
+                    pipeline_degree=_DEGREE_CODES.get(c.pipeline_degree, c.pipeline_degree),
+                    degree_policy=policy_code, memory_strategy=memory_code, memory_budget=c.memory_budget_bytes or 0,
+                    memory_policy=memory_policy_code,
+                ),
+                group=group,
+                what="the expert-parallel MoEConfig (degree_policy, memory_policy: the cost model's fingerprint, -1 "
+                     "where it failed to load)",
+            )
+        except ValueError as exc:
+            if local_failures:  # name this rank's own cause too
+                raise ValueError(f"{exc}. On this rank: {type(local_failures[0]).__name__}: "
+                                 f"{local_failures[0]}") from local_failures[0]
+            raise
+        if local_failures:  # every rank failed alike
+            raise local_failures[0]
         if isinstance(c.pipeline_degree, str):
-            if isinstance(policy, Exception):
-                raise policy
             self.degree_policy = policy
         self.memory_policy = None
         if c.memory_strategy == "auto":
-            # the runtime (degree, strategy) choice replaces the degree policy; built after the
-            # agreement check (its cost model is the degree policy's)
-            self.memory_policy = self._memory_policy(group, dtype)
+            # the runtime (degree, strategy) choice replaces the degree policy
+            self.memory_policy = memory_policy
             self.degree_policy = None
         self.degree_used: Optional[int] = None
         #: the memory strategy of the last forward (None: unmanaged) and, when set to a dict,
@@ -304,6 +321,15 @@ class ExpertParallelExperts(ExpertPath):
         self.scheduler = None
 
     def _memory_policy(self, group: Any, dtype: torch.dtype):
+        """The ``memory_strategy="auto"`` policy, or the exception its construction raised (a
+        cost model that does not load; returned, not raised, so every rank can first compare
+        outcomes). Local: no collective."""
+        try:
+            return self._build_memory_policy(group, dtype)
+        except (OSError, ValueError) as exc:
+            return exc
+
+    def _build_memory_policy(self, group: Any, dtype: torch.dtype):
         from .memory import pinned_memory_available, uses_offload
         from .plan.memory import AutoMemory, SearchMemory
         from .comm.memory import STRATEGIES
