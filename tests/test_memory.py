@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import _memory_cases
 import tritonmoe as tm
 from _dist import run_group, values_or_fail
-from tritonmoe.comm.memory import memory_layout, restore_schedule
+from tritonmoe.comm.memory import STRATEGIES, memory_layout, restore_schedule
 from tritonmoe.memory import check_offload, pinned_memory_available
 from tritonmoe.plan.memory import (
     MemoryBudgetError,
@@ -234,3 +234,72 @@ def test_memory_layout_rejects_bad_input():
     with pytest.raises(ValueError, match="B must be a non-negative int"):
         paper_memory(8, 8, 1, -1, 2)
     assert math.isclose(paper_memory(768, 3072, 64, 1 << 30, 8)["phi"], (6 * 8 - 8) / 64, rel_tol=1e-3)
+
+
+# -- the planner's memory_strategy dimension -----------------------------------------------------
+
+
+def test_planner_memory_dimension_matches_choose_memory():
+    """plan.choose with memory_strategy="auto" evaluates (degree, strategy) like choose_memory:
+    the same step times, bytes, rejections and choice, under a budget that rejects "keep" at n=4."""
+    from tritonmoe.plan import choose
+    from tritonmoe.plan.cluster import Cluster
+
+    c = Cluster.preset("mpmoe-valor")
+    plain = tm.MoEConfig(1024, 4096, 16, 2, activation="gelu")
+    p0 = choose(plain, 4096, c, pipeline_degree=(2, 4), dtype="float16", mode="symmetric")
+    assert all(set(k.values) == {"schedule", "pipeline_degree"} and k.device_bytes is None for k in p0.candidates)
+    assert p0.memory_strategy is None
+    cfg = tm.MoEConfig(1024, 4096, 16, 2, activation="gelu", memory_strategy="auto")
+    free = choose_memory(cfg, 4096, c, degrees=(2, 4), dtype="float16", mode="symmetric")
+    keep4 = next(k for k in free.candidates if k.strategy == "keep" and k.pipeline_degree == 4)
+    budget = keep4.device_bytes - 1
+    want = choose_memory(cfg, 4096, c, degrees=(2, 4), dtype="float16", mode="symmetric", budget_bytes=budget)
+    got = choose(cfg, 4096, c, pipeline_degree=(2, 4), dtype="float16", mode="symmetric", memory_budget_bytes=budget)
+    assert (got.pipeline_degree, got.memory_strategy) == (want.pipeline_degree, want.strategy)
+    by = {(k.values["pipeline_degree"], k.values["memory_strategy"]): k for k in got.candidates}
+    assert len(by) == 2 * 5
+    for k in want.candidates:
+        g = by[(k.pipeline_degree, k.strategy)]
+        assert g.device_bytes == k.device_bytes and g.step_time == pytest.approx(k.step_time)
+        assert (g.rejected is None) == (k.rejected is None)
+    assert got.rejected and all(k.device_bytes > budget for k in got.rejected)
+    table = got.table()
+    assert "saved MiB" in table and "rejected: needs" in table and "<- chosen" in table
+    # a fixed strategy is one value; a budget without a strategy plans all five; below all: an error
+    one = choose(tm.MoEConfig(1024, 4096, 16, 2, memory_strategy="recompute"), 4096, c, pipeline_degree=(4,),
+                 dtype="float16", mode="symmetric")
+    assert [k.values["memory_strategy"] for k in one.candidates] == ["recompute"]
+    assert {k.values["memory_strategy"] for k in choose(plain, 4096, c, pipeline_degree=(4,), dtype="float16",
+                                                        mode="symmetric", memory_budget_bytes=1 << 40).candidates} \
+        == set(STRATEGIES)
+    with pytest.raises(MemoryBudgetError, match="memory_budget_bytes=100 is below the smallest candidate's need"):
+        choose(cfg, 4096, c, pipeline_degree=(2,), dtype="float16", mode="symmetric", memory_budget_bytes=100)
+    with pytest.raises(ValueError, match="memory_budget_bytes must be a positive int"):
+        choose(cfg, 4096, c, memory_budget_bytes=-5)
+
+
+def test_planner_cli_memory_budget(capsys, tmp_path):
+    import json
+
+    from tritonmoe.plan.__main__ import main
+
+    out_json = tmp_path / "plan.json"
+    args = ["plan", "--cluster", "mpmoe-valor", "--tokens", "4096", "--d-model", "1024", "--d-ffn", "4096", "-E", "16",
+            "-k", "2", "--activation", "gelu", "--degrees", "4", "--dtype", "float16", "--mode", "symmetric"]
+    assert main(args + ["--memory-strategies", "keep,recompute", "--memory-budget", "64MiB", "--json",
+                        str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "memory_strategy" in out and "choice:" in out and "saved MiB" in out
+    d = json.loads(out_json.read_text())
+    assert d["budget_bytes"] == 64 << 20 and {c["values"]["memory_strategy"] for c in d["candidates"]} == {
+        "keep", "recompute"}
+    assert all(c["device_bytes"] > 0 for c in d["candidates"])
+    rej = {c["values"]["memory_strategy"]: c["rejected"] for c in d["candidates"]}
+    assert rej["keep"] is not None and rej["recompute"] is None and d["choice"]["memory_strategy"] == "recompute"
+    assert main(args + ["--memory-budget", "1"]) == 2
+    assert "memory_budget_bytes=1 is below" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(args + ["--memory-strategies", "swap"])
+    with pytest.raises(SystemExit):
+        main(args + ["--memory-budget", "lots"])

@@ -60,6 +60,33 @@ def _layer_args(p: argparse.ArgumentParser) -> None:
                    help="simulate every rank, or one representative (auto: full up to 64 ranks)")
 
 
+def _strategies(text: str) -> tuple:
+    from tritonmoe.comm.memory import STRATEGIES
+
+    if text.strip() == "all":
+        return tuple(STRATEGIES)
+    out = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in out if t not in STRATEGIES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: use 'all' or a comma-separated list of {', '.join(STRATEGIES)}")
+    return out
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def _positive_bytes(text: str) -> int:
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 2147483648, 512MiB, 2GiB)")
+    v = int(m.group(1)) * _UNITS[m.group(2).lower()]
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 bytes")
+    return v
+
+
 def _setup(args):
     import tritonmoe as tm
     from .cluster import Cluster
@@ -106,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--spans", action="store_true", help="also print the spans of the slowest rank")
         else:
             sp.add_argument("--degrees", type=_ints, default=None, help="pipeline degrees to try (default 1..8)")
+            sp.add_argument("--memory-strategies", type=_strategies, default=None, metavar="S[,S2,...]|all",
+                            help="MPMoE memory strategies to try (keep, offload, recomm, recompute, recomm_recompute; "
+                                 "all: the five; default: none, or all with --memory-budget)")
+            sp.add_argument("--memory-budget", type=_positive_bytes, default=None, metavar="BYTES",
+                            help="device bytes the expert block may keep for backward per rank (e.g. 2147483648 or "
+                                 "2GiB); candidates over it are rejected")
         sp.add_argument("--json", metavar="FILE", help="also write the result as JSON")
 
     cal = sub.add_parser("calibrate", help="the papers' results next to the simulator's",
@@ -193,15 +226,19 @@ def _plan(args) -> int:
 
     cfg, machine, toks = _setup(args)
     over = {"pipeline_degree": args.degrees} if args.degrees else {}
+    if args.memory_strategies:
+        over["memory_strategy"] = args.memory_strategies
     plan = choose(cfg, toks, machine, world_size=args.world_size, routing=args.routing, dtype=args.dtype,
-                  mode=args.mode, candidates_override=over)
+                  mode=args.mode, candidates_override=over, memory_budget_bytes=args.memory_budget)
     print(f"{plan.cost_source}: P={plan.world_size}, d={cfg.d_model} f={cfg.d_ffn} E={cfg.num_experts} k={cfg.top_k}")
     print(plan.table())
     print(f"choice: {plan.choice} ({plan.step_time * 1e3:.3f} ms predicted)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"choice": plan.choice, "step_time_s": plan.step_time,
-                       "candidates": [{"values": c.values, "step_time_s": c.step_time} for c in plan.candidates]}, f,
+                       "budget_bytes": plan.budget_bytes,
+                       "candidates": [{"values": c.values, "step_time_s": c.step_time, "device_bytes": c.device_bytes,
+                                       "rejected": c.rejected} for c in plan.candidates]}, f,
                       indent=1)
     return 0
 

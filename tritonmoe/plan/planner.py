@@ -29,6 +29,10 @@ class Candidate:
     values: dict
     step_time: float
     breakdown: Optional[dict] = None
+    #: with a memory strategy: the expert block's predicted saved bytes on the most loaded rank
+    #: (:func:`tritonmoe.plan.memory.expert_block_bytes`) and, over the budget, why it was rejected
+    device_bytes: Optional[int] = None
+    rejected: Optional[str] = None
 
 
 @dataclass
@@ -50,21 +54,36 @@ class Plan:
     world_size: int = 0
     routing: Any = "uniform"
     cost_source: str = ""
+    budget_bytes: Optional[int] = None
 
     @property
     def pipeline_degree(self) -> int:
         return int(self.choice.get("pipeline_degree", 1))
 
+    @property
+    def memory_strategy(self) -> Optional[str]:
+        """The chosen memory strategy (None: the dimension was not planned)."""
+        return self.choice.get("memory_strategy")
+
+    @property
+    def rejected(self) -> list[Candidate]:
+        """Candidates over the memory budget (each with its predicted bytes and step time)."""
+        return [c for c in self.candidates if c.rejected is not None]
+
     def table(self) -> str:
-        """The candidates as an aligned text table, the choice marked."""
+        """The candidates as an aligned text table, the choice marked (with a memory strategy:
+        the predicted saved bytes, and why a candidate was rejected)."""
         names = list(dict.fromkeys(k for c in self.candidates for k in c.values))
-        head = [*names, "step ms", "vs best"]
+        mem = any(c.device_bytes is not None for c in self.candidates)
+        head = [*names, *(["saved MiB"] if mem else []), "step ms", "vs best"]
         rows = []
         for c in self.candidates:
-            mark = " <- chosen" if c.values == self.choice else ""
-            rows.append([str(c.values.get(k, "")) for k in names]
+            mark = " <- chosen" if c.values == self.choice else (f"  rejected: {c.rejected}" if c.rejected else "")
+            mib = [("-" if c.device_bytes is None else f"{c.device_bytes / 2**20:.2f}")] if mem else []
+            rows.append([str(c.values.get(k, "")) for k in names] + mib
                         + [f"{c.step_time * 1e3:.3f}", f"{c.step_time / self.step_time:.3f}x{mark}"])
-        widths = [max(len(h), *(len(r[i].split(' <-')[0]) for r in rows)) for i, h in enumerate(head)]
+        widths = [max(len(h), *(len(r[i].split(' <-')[0].split('  rejected')[0]) for r in rows))
+                  for i, h in enumerate(head)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
         lines += ["  ".join(v.rjust(w) if i < len(widths) - 1 else v for i, (v, w) in enumerate(zip(r, widths))) for r in rows]
         return "\n".join(lines)
@@ -82,7 +101,7 @@ def candidates(ctx: PlanContext) -> list[dict]:
         raise ValueError(f"unknown candidate dimension(s) {unknown}; registered: {', '.join(DIMENSIONS)}")
     out = []
     for s in scheds:
-        dims = dimensions_of(s)
+        dims = [d for d in dimensions_of(s) if d.name in ctx.overrides or d.applies(ctx)]
         axes = []
         for d in dims:
             vals = list(ctx.overrides[d.name]) if d.name in ctx.overrides else list(d.values(ctx))
@@ -110,6 +129,7 @@ def choose(
     dtype: Optional[Union[str, torch.dtype]] = None,
     mode: str = "auto",
     breakdown: bool = False,
+    memory_budget_bytes: Optional[int] = None,
     **overrides: Sequence[Any],
 ) -> Plan:
     """Simulate every candidate and return the fastest as a :class:`Plan`.
@@ -118,19 +138,57 @@ def choose(
         config, tokens_per_rank, cluster_or_cost, world_size, routing, dtype, mode: as
             :func:`tritonmoe.plan.simulate`.
         candidates_override / ``**overrides``: values to try per dimension, replacing the
-            registered defaults, e.g. ``choose(..., pipeline_degree=(1, 2, 4, 8))``.
+            registered defaults, e.g. ``choose(..., pipeline_degree=(1, 2, 4, 8))`` or
+            ``memory_strategy=("keep", "recompute")``.
         breakdown: also record every candidate's step-time breakdown.
+        memory_budget_bytes: device bytes the expert block may keep for backward on the most
+            loaded rank (default ``config.memory_budget_bytes``); candidates over it are
+            rejected (reported with their bytes and step time). A budget makes the memory
+            strategy a dimension (all five) when neither the config nor an override names it.
+
+    Raises:
+        MemoryBudgetError: (a ValueError) no candidate fits the budget.
 
     Ties go to the candidate evaluated first (the smaller degree)."""
+    from .memory import MemoryBudgetError, _rows_per_rank, expert_block_bytes
+
+    budget = memory_budget_bytes if memory_budget_bytes is not None else getattr(config, "memory_budget_bytes", None)
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"memory_budget_bytes must be a positive int or None, got {budget!r}")
     cost = resolve_cost(cluster_or_cost, dtype)
     dt = parse_dtype(dtype or cost.dtype)
     toks = _tokens(tokens_per_rank, world_size, cost)
     ov = dict(candidates_override or {})
     ov.update(overrides)
+    if budget is not None and "memory_strategy" not in ov and getattr(config, "memory_strategy", None) is None:
+        from tritonmoe.comm.memory import STRATEGIES
+
+        ov["memory_strategy"] = STRATEGIES
     ctx = PlanContext(config, toks, len(toks), cost, dt, ov)
+    es = torch.empty((), dtype=dt).element_size()
     results = []
     for cand in candidates(ctx):
         tl = simulate(config, toks, cost, routing=routing, candidate=cand, dtype=dt, mode=mode)
-        results.append(Candidate(cand, tl.step_time(), tl.breakdown() if breakdown else None))
-    best = min(results, key=lambda c: c.step_time)
-    return Plan(best.values, best.step_time, results, toks, len(toks), routing, cost.path or cost.source)
+        c = Candidate(cand, tl.step_time(), tl.breakdown() if breakdown else None)
+        s = cand.get("memory_strategy")
+        if s is not None:
+            n = int(cand.get("pipeline_degree", 1))
+            c.device_bytes = max(expert_block_bytes(r, config.d_model, config.n1, s, es)["device"]
+                                 for r in _rows_per_rank(config, toks, n, routing))
+            if budget is not None and c.device_bytes > budget:
+                c.rejected = f"needs {c.device_bytes} B > budget {budget} B"
+        elif budget is not None:
+            c.rejected = "no memory strategy (its bytes are not modelled)"
+        results.append(c)
+    fits = [c for c in results if c.rejected is None]
+    if not fits:
+        sized = [c for c in results if c.device_bytes is not None] or results
+        small = min(sized, key=lambda c: (c.device_bytes or 0, c.step_time))
+        raise MemoryBudgetError(
+            f"memory_budget_bytes={budget} is below the smallest candidate's need: {small.device_bytes} bytes "
+            f"({small.values}) for {max(toks)} tokens per rank; raise the budget to at least {small.device_bytes}, "
+            "or allow larger pipeline degrees"
+        )
+    best = min(fits, key=lambda c: c.step_time)
+    return Plan(best.values, best.step_time, results, toks, len(toks), routing, cost.path or cost.source,
+                budget_bytes=budget)

@@ -22,9 +22,9 @@ hierarchical all-to-all):
    ...)))`` where
    ``build(ex, step)`` issues the step, calling the new schedule functions for the expert block
    and reading its parameters from ``step.candidate`` (e.g. ``step.candidate["memory_strategy"]``).
-3. ``register_dimension(Dimension("memory_strategy", values, schedules=("name",), default=...))``
-   for each new parameter; ``values(ctx)`` may depend on the context (e.g. only when a
-   model-parallel group exists). The planner, ``simulate(..., candidate={...})`` and the CLI
+3. ``register_dimension(Dimension("memory_strategy", values, schedules=("name",), applies=...))``
+   for each new parameter; ``values(ctx)`` may depend on the context, and ``applies(ctx)`` leaves
+   the dimension out where it does not apply (e.g. no model-parallel group). The planner, ``simulate(..., candidate={...})`` and the CLI
    pick it up; the runtime ``"auto"`` mode chooses whatever dimensions the layer can apply.
 """
 
@@ -135,6 +135,9 @@ class Dimension:
     values: Callable[[PlanContext], Sequence[Any]]
     schedules: tuple[str, ...] = ()
     doc: str = ""
+    #: whether the dimension is part of the candidates for ``ctx`` (a dimension that does not
+    #: apply is left out of every candidate unless ``ctx.overrides`` names it)
+    applies: Callable[[PlanContext], bool] = lambda ctx: True
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
@@ -300,4 +303,20 @@ register_schedule(ScheduleSpec(
 register_dimension(Dimension(
     "pipeline_degree", _degrees, ("ep-pipeline", "ep-sequential"),
     "micro-batches of the expert-parallel pipeline",
+))
+
+
+def _memory_strategies(ctx: PlanContext) -> Sequence[str]:
+    """The layer's memory strategy, or all five when it is "auto"."""
+    from tritonmoe.comm.memory import STRATEGIES
+
+    s = getattr(ctx.config, "memory_strategy", None)
+    return tuple(STRATEGIES) if s == "auto" else (s,)
+
+
+register_dimension(Dimension(
+    "memory_strategy", _memory_strategies, ("ep-pipeline",),
+    "MPMoE's memory reuse and restore strategy of the pipelined expert block (tritonmoe.comm.memory); candidates "
+    "over a memory budget (MoEConfig.memory_budget_bytes or choose(memory_budget_bytes=)) are rejected",
+    applies=lambda ctx: getattr(ctx.config, "memory_strategy", None) is not None,
 ))
