@@ -22,7 +22,7 @@ bench: setup
 	$(PY) -m bench $(BENCH_ARGS)
 
 test: setup
-	$(PY) -m pytest $(TEST_ARGS)
+	bash scripts/run_tests.sh $(PY) $(TEST_ARGS)
 
 # GPU verification on one H100/H200 (no network needed; under 9 minutes): the gpu-marked tests,
 # the harness's core set against roofs and baselines measured in the same run, and the target

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# make test: the whole suite. Without CUDA: one pytest run (Triton's interpreter runs the kernels
+# on CPU tensors; tests/conftest.py switches it on). With CUDA: the interpreter and the CUDA
+# kernels cannot share a process (TRITON_INTERPRET is read once, at import), so the CPU suite runs
+# first with the device hidden (exactly what CI runs), then the gpu-marked tests on the device.
+# TRITONMOE_TEST_SPLIT=1 forces the two-pass form (to exercise it on a machine without CUDA).
+set -uo pipefail
+PY=${1:?usage: run_tests.sh PYTHON [pytest args...]}
+shift
+if [ "${TRITONMOE_TEST_SPLIT:-}" = 1 ] || "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "test: CUDA present: the CPU suite with the device hidden (interpreter), then the gpu tests on the device"
+  CUDA_VISIBLE_DEVICES= "$PY" -m pytest -m "not gpu" "$@"
+  rc=$?
+  [ $rc -eq 5 ] && rc=0   # no test selected (e.g. -k matched only gpu tests)
+  "$PY" -m pytest -m gpu "$@"
+  rc2=$?
+  [ $rc2 -eq 5 ] && rc2=0
+  [ $rc -ne 0 ] && exit $rc
+  exit $rc2
+fi
+exec "$PY" -m pytest "$@"
