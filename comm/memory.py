@@ -41,10 +41,14 @@ what the block keeps: separate tensors under "keep", views of the shared buffers
 Restores write into the shared buffers through aliases that do not share the saved views'
 version counters (a refill is not an in-place change of the saved value, it puts it back).
 
-Exactness: the forward computes each micro-op's FFN with the same ops as the unmanaged path, the
-backward reproduces the reference GEMMs' row-invariant input gradients (fp64) and defers their
+Exactness: in fp64 the forward computes each micro-op's FFN with the same ops as the unmanaged
+path, the backward reproduces the reference GEMMs' row-invariant input gradients and defers their
 weight gradients to the pipeline's W step, so outputs and all gradients are bitwise equal across
-strategies and degrees in fp64; other dtypes agree to rounding.
+strategies and degrees. In fp16/bf16/fp32 the forward and backward are the layer backend's
+dispatched ``grouped_ffn_train`` / ``grouped_ffn_train_backward`` (the Triton grouped FFN
+kernels' ``ffn_forward`` / ``ffn_backward`` on GPUs, the reference on ``backend="torch"``),
+the unmanaged path's kernels, with A recomputed elementwise from the saved MI (the kernels'
+saved A is not kept); they agree with the unmanaged layer to rounding.
 """
 
 from __future__ import annotations
@@ -273,7 +277,8 @@ class _ExpertFFN(torch.autograd.Function):
         if ffn.fused(x.dtype):
             # the grouped FFN's backward (Triton kernels on the kernel backends): A again from MI
             # (elementwise), then dact, dX, dW1, dW2 and the bias sums from the saved DI and MI
-            a = ffn.act(h)
+            # in fp32 from the stored MI, rounded once, as the kernels' GEMM1 epilogue computes A
+            a = ffn.act(h.float()).to(h.dtype)
             needs = (need[2], need[3], need[4], need[5] and b1 is not None, need[6] and b2 is not None)
             dx, dw1, dw2, db1, db2 = ffn.train_backward(
                 dy.contiguous(), x, mgr.offsets_t[i], w1, w2, b1, b2, a, h, ffn.activation, needs=needs,

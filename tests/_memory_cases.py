@@ -160,6 +160,14 @@ def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]
                            "restore": len(lay.di_offloaded) + len(lay.mi_offloaded)}
             if counts != want_counts:
                 failures.append(f"{label}: trace {counts}, expected {want_counts}")
+            # every restore of micro-op i (DI and MI) is issued one micro-op ahead: before micro-op
+            # i-1's backward expert compute
+            bwd = [e for e in layer.expert_path.trace if e.phase == "bwd"]
+            compute_at = {e.micro_op: j for j, e in enumerate(bwd) if e.op == "compute" and e.kind == "expert"}
+            for j, e in enumerate(bwd):
+                if e.kind in ("restore", "recomm") and e.micro_op >= 1 and not j < compute_at[e.micro_op - 1]:
+                    failures.append(f"{label}: {e.op} {e.kind} of micro-op {e.micro_op} issued after micro-op "
+                                    f"{e.micro_op - 1}'s backward compute")
             for nm, a, b in zip(["output", "x.grad"] + [f"{nm}.grad" for nm in names], got, want):
                 if a is None or b is None or not torch.equal(a, b):
                     diff = "missing" if a is None or b is None else f"max diff {(a - b).abs().max():.3g}"
@@ -247,16 +255,17 @@ class KernelCalls:
 
 
 def triton_case(rank: int, P: int) -> list[str]:
-    """The Triton path (the interpreter on CPU): fp32 outputs and gradients of two strategies
-    (host copies; re-dispatch + recompute) equal to the unmanaged layer's to rounding, the managed
-    block's forward and backward running the grouped FFN kernels (one ffn_forward and one
-    ffn_backward per micro-op, counted here) and never the per-expert torch GEMMs."""
+    """The non-fp64 path: fp32 outputs and gradients of two strategies at n = 3 (micro-ops 0 and
+    2 restored: host copies; re-dispatch + recompute) equal to the unmanaged layer's to rounding,
+    on backend="triton" (the interpreter on CPU) with the managed block's forward and backward
+    running the grouped FFN kernels (one ffn_forward and one ffn_backward per micro-op, counted
+    here) and never the per-expert torch GEMMs, and on backend="torch" (the reference training
+    ops: no kernel entry)."""
     failures = []
     c = Case("swiglu", 2, None, True, 0, "triton")
     tokens = TOKENS[P][0]
     dt = torch.float32
-    torch.manual_seed(11)
-    ref = tm.MoELayer(_config(c, 1, None, backend="triton"), ep_group=dist.group.WORLD, dtype=dt)
+    n = 3
     gen = torch.Generator().manual_seed(12)
     xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
 
@@ -267,20 +276,24 @@ def triton_case(rank: int, P: int) -> list[str]:
         return [out.detach(), x.grad, layer.router.weight.grad, layer.w1.grad, layer.w2.grad, layer.b1.grad,
                 layer.b2.grad]
 
-    want = step(ref)
-    for s in ("offload", "recomm_recompute"):  # "keep" runs the same FFN code without the restores
-        layer = tm.MoELayer(_config(c, 2, s, backend="triton"), ep_group=dist.group.WORLD, dtype=dt)
-        layer.load_state_dict(ref.state_dict())
-        with KernelCalls() as kc:
-            got = step(layer)
-        want_calls = {"ffn_forward": 2, "ffn_backward": 2, "_input_grad": 0}  # n = 2 micro-ops
-        if kc.counts != want_calls:
-            failures.append(f"triton {s}: kernel entry calls {kc.counts}, expected {want_calls}")
-        for j, (a, b) in enumerate(zip(got, want)):
-            try:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-            except AssertionError as e:
-                failures.append(f"triton {s} tensor {j}: {str(e).splitlines()[0]}")
+    for backend in ("triton", "torch"):
+        torch.manual_seed(11)
+        ref = tm.MoELayer(_config(c, 1, None, backend=backend), ep_group=dist.group.WORLD, dtype=dt)
+        want = step(ref)
+        for s in ("offload", "recomm_recompute"):  # "keep" runs the same FFN code without the restores
+            layer = tm.MoELayer(_config(c, n, s, backend=backend), ep_group=dist.group.WORLD, dtype=dt)
+            layer.load_state_dict(ref.state_dict())
+            with KernelCalls() as kc:
+                got = step(layer)
+            k = n if backend == "triton" else 0
+            want_calls = {"ffn_forward": k, "ffn_backward": k, "_input_grad": 0}
+            if kc.counts != want_calls:
+                failures.append(f"{backend} {s}: kernel entry calls {kc.counts}, expected {want_calls}")
+            for j, (a, b) in enumerate(zip(got, want)):
+                try:
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+                except AssertionError as e:
+                    failures.append(f"{backend} {s} tensor {j}: {str(e).splitlines()[0]}")
     return failures
 
 
