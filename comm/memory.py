@@ -10,10 +10,11 @@ the expert block of every micro-op i keeps two activations for backward:
   the counterpart of the paper's in-place activation).
 
 With strategy ``"keep"`` every micro-op keeps its own DI and MI (n separate allocations: the
-paper's PMoE baseline). Every other strategy **reuses memory**: the DI and the MI of micro-op i
-each live in one of two shared device buffers (double buffering: i overwrites i-2's), each sized
-to the largest micro-op of the pass. What an overwritten
-micro-op lacks in backward is **restored** (004 Table II):
+paper's PMoE baseline). Every other strategy **reuses memory** as paper 004 §III-C does: the DI
+of micro-op i lives in one of two shared device buffers (T_DI double-buffered: i overwrites
+i-2's), the MI in one shared buffer (T_M single-buffered: i overwrites i-1's), each sized to the
+largest micro-op of the pass. What an overwritten micro-op lacks in backward is **restored**
+(004 Table II):
 
 ================== =================== =====================
 strategy           DI restored by      MI restored by
@@ -26,10 +27,12 @@ strategy           DI restored by      MI restored by
 
 Host copies run on the executor's copy lane (a CUDA stream into pinned memory; a worker thread
 on CPU) while the pipeline computes: forward copies start as soon as a micro-op's expert compute
-has produced them and are waited for only before their buffer is overwritten (by micro-op i+2);
-backward restores of DI and MI are issued together with micro-op i's first exchange, one
-micro-op ahead (before micro-op i-1's compute, into the buffers micro-op i-2 has finished with).
-A re-dispatch re-permutes the
+has produced them and are waited for only before their buffer is overwritten (DI by micro-op
+i+2, MI by i+1). In backward, DI restores are issued together with micro-op i's first exchange,
+one micro-op ahead (before micro-op i-1's compute, into the buffer micro-op i-2 has finished
+with); the MI restore of micro-op i is issued as early as the single buffer allows: right after
+micro-op i-1's backward compute, the buffer's previous reader, is issued (micro-op 0's with its
+first exchange), and micro-op i's compute waits for it. A re-dispatch re-permutes the
 layer's input (which the router keeps for its own backward anyway) and re-runs micro-op i's
 dispatch all-to-all with the forward's splits, so the rows come back in the same order; a
 recompute re-runs the first GEMM on the restored DI. Only micro-ops whose buffer is really
@@ -89,11 +92,11 @@ RESTORE = {
     "recompute": ("offload", "recompute"),
     "recomm_recompute": ("recomm", "recompute"),
 }
-#: Shared device buffers under memory reuse: DI and MI are both double-buffered (micro-op i
-#: reuses i-2's), so that micro-op i's restores (host copies, re-dispatch) can be issued one
-#: micro-op ahead, while micro-op i-1 computes from the other buffer.
+#: Shared device buffers under memory reuse (paper 004 §III-C): DI is double-buffered (the next
+#: micro-op's rows arrive, or are restored, while one computes: micro-op i reuses i-2's), MI
+#: single (the micro-ops' expert computes run one after another: i reuses i-1's).
 DI_SLOTS = 2
-MI_SLOTS = 2
+MI_SLOTS = 1
 
 
 def restore_schedule(n: int, slots: int) -> tuple[int, ...]:
@@ -359,6 +362,7 @@ class _Memory:
         self.host_di: dict = {}
         self.host_mi: dict = {}
         self.recomm: dict = {}
+        self.mi_pending: dict = {}  # micro-op -> its MI restore, issued after the previous reader
         self.d2h = {"di": 0, "mi": 0}  # bytes copied out (reported in the pass statistics)
 
     def wslot(self, i: int):
@@ -411,7 +415,8 @@ class _Memory:
 
     def prefetch(self, i: int) -> list:
         """Issued with micro-op i's first backward exchange (before micro-op i-1's compute): the
-        restores of its DI and MI into buffers i % 2, which micro-op i-2 has finished with."""
+        restore of its DI into buffer i % 2, which micro-op i-2 has finished with, and of its MI
+        when no earlier micro-op reads its buffer in backward (micro-op 0: the buffer is free)."""
         lay, R = self.layout, self.rows[i]
         works = []
         if i in lay.di_restore:
@@ -427,12 +432,32 @@ class _Memory:
                                        kind="recomm", micro_op=i)
                 self.recomm[i] = h
                 works.append(h)
-        if i in lay.mi_restore and lay.mi_method == "offload":
-            s = i % lay.mi_slots
-            self.mi_owner[s] = i
-            works.append(self.ex.copy(self.host_mi.pop(i), to="device", out=_alias(self.mi_buf[s], R, self.n1),
-                                      kind="restore", micro_op=i))
+        if i < lay.mi_slots:
+            works.extend(self._restore_mi(i, ()))
         return works
+
+    def _restore_mi(self, i: int, after: tuple) -> list:
+        """The host copy of micro-op i's MI back into its (single) buffer, after ``after``."""
+        lay = self.layout
+        if i >= lay.n or i not in lay.mi_restore or lay.mi_method != "offload":
+            return []
+        s = i % lay.mi_slots
+        self.mi_owner[s] = i
+        return [self.ex.copy(self.host_mi.pop(i), to="device", out=_alias(self.mi_buf[s], self.rows[i], self.n1),
+                             kind="restore", micro_op=i, after=after)]
+
+    def post_compute(self, i: int, y) -> None:
+        """Right after micro-op i's backward compute is issued: it was the last reader of the MI
+        buffer, so the restore of micro-op i+1's MI starts now (on the copy lane, after that
+        compute); micro-op i+1's compute waits for it (:meth:`pre_compute`)."""
+        j = i + self.layout.mi_slots
+        works = self._restore_mi(j, (y,))
+        if works:
+            self.mi_pending[j] = works
+
+    def pre_compute(self, i: int) -> list:
+        """Just before micro-op i's backward compute: the MI restore it waits for."""
+        return self.mi_pending.pop(i, [])
 
     def ensure(self, i: int) -> None:
         """Inside micro-op i's backward compute: finish the restores that run on the compute lane
@@ -451,7 +476,7 @@ class _Memory:
 
     def close(self) -> None:
         self.di_buf = self.mi_buf = []
-        self.host_di, self.host_mi, self.recomm = {}, {}, {}
+        self.host_di, self.host_mi, self.recomm, self.mi_pending = {}, {}, {}, {}
 
 
 @dataclass
@@ -564,7 +589,8 @@ class _MemoryPipelinedExperts(torch.autograd.Function):
 
         try:
             d_sends = backward_pass(ex, dys, plan, expert_bwd, group=state.group, weight_step=weight_step,
-                                    prefetch=mem.prefetch)
+                                    prefetch=mem.prefetch, pre_compute=mem.pre_compute,
+                                    post_compute=mem.post_compute)
         finally:
             mem.close()
             state.mem = None

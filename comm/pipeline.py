@@ -97,7 +97,8 @@ def pipeline_pass(
         pre_compute: ``pre_compute(i)`` is called just before micro-op i's compute is issued
             (after micro-op i-1's); its handles become dependencies of that compute too.
         post_compute: ``post_compute(i, handle)`` is called right after micro-op i's compute is
-            issued (the simulator's offload copies hang off it).
+            issued (the simulator's offload copies hang off it; in backward, the restore of the
+            next micro-op's single-buffered MI).
 
     Returns: the N second-exchange results, micro-op i's rows back in the order of ``sends[i]``.
     """
@@ -179,15 +180,17 @@ def backward_pass(
     weight_step_work: Optional[Work] = None,
     prefetch: Optional[Callable[[int], Sequence[Any]]] = None,
     pre_compute: Optional[Callable[[int], Sequence[Any]]] = None,
+    post_compute: Optional[Callable[[int, Any], None]] = None,
 ) -> list[Any]:
     """The backward schedule: the combine's reverse exchange, the expert backward (input
     gradients), the dispatch's reverse exchange per micro-op, and the W step (``weight_step``,
     always issued, kind "wgrad") while the last input gradients travel back. ``prefetch`` /
-    ``pre_compute``: the memory strategies' restores (see :func:`pipeline_pass`)."""
+    ``pre_compute`` / ``post_compute``: the memory strategies' restores (see
+    :func:`pipeline_pass`)."""
     return pipeline_pass(
         ex, grads, plan, compute, group=group, kinds=("combine", "dispatch"), work=work, out_like=out_like,
         tail=weight_step if weight_step is not None else _noop, tail_work=weight_step_work,
-        prefetch=prefetch, pre_compute=pre_compute,
+        prefetch=prefetch, pre_compute=pre_compute, post_compute=post_compute,
     )
 
 

@@ -19,19 +19,25 @@ receives. Adapting the paper to the real tensors:
   paper's H doubles) and d_ffn otherwise; the activation's output is not kept (recomputed from
   MI, the paper's "in place");
 * "keep": sum_i R_i * (d + n1) elements;
-* every reuse strategy: min(n, 2) DI buffers and min(n, 2) MI buffers of the largest micro-op,
-  ``2 * (d + n1) * max_i R_i`` elements for n >= 2 (the paper's T_DI double buffer; its T_M is
-  single-buffered, ours double so that micro-op i's MI restore is issued one micro-op ahead,
-  while i-1 computes from the other buffer; the paper's T_DO / T_O buffers are not this block's: the combine's outputs are
-  kept by the unpermute for the routing weights' gradient);
+* every reuse strategy: min(n, 2) DI buffers and one MI buffer of the largest micro-op (the
+  paper's T_DI double buffer and T_M single buffer), in elements::
+
+      DI: min(n, 2) * d * max_i R_i      (2 * d * max_i R_i for n >= 2)
+      MI: n1 * max_i R_i                 (n1 = 2 * d_ffn for SwiGLU)
+      device = (min(n, 2) * d + n1) * max_i R_i
+
+  (the paper's T_DO / T_O buffers are not this block's: the combine's outputs are kept by the
+  unpermute for the routing weights' gradient);
 * host bytes: the DI / MI of the micro-ops a strategy copies out
   (:func:`tritonmoe.comm.memory.restore_schedule`).
 
 **The time of a candidate** is the simulator's (:func:`tritonmoe.plan.simulate`) with the
 restores issued as the runtime issues them (:func:`issue_memory_ops`): forward offload copies on
-the copy lane after each micro-op's expert compute, backward DI restores (host copy or
-re-dispatch all-to-all) and MI restores (host copy) with micro-op i's first exchange (one
-micro-op ahead), FC1 recomputes inside micro-op i's compute.
+the copy lane after each micro-op's expert compute (the compute that overwrites a buffer waits
+for its occupant's copy), backward DI restores (host copy or re-dispatch all-to-all) with
+micro-op i's first exchange (one micro-op ahead), MI restores (host copy) after micro-op i-1's
+backward compute (the single buffer's previous reader; micro-op 0's with its first exchange),
+FC1 recomputes inside micro-op i's compute.
 
 **The joint choice** :func:`choose_memory` evaluates every (degree, strategy) candidate, rejects
 those whose predicted bytes exceed the budget (reporting each one's predicted bytes and step time)
@@ -128,17 +134,32 @@ def _fc1_work(W, R: int) -> Work:
 def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
     """The hooks :func:`tritonmoe.comm.pipeline.forward_pass` / ``backward_pass`` take, issuing
     on the simulator's executor what :mod:`tritonmoe.comm.memory` issues for ``strategy``:
-    ``{"fwd_post": ..., "bwd_prefetch": ..., "bwd_pre": ..., "extra_bwd_work": i -> Work,
-    "extra_fwd_work": i -> Work}``."""
+    ``{"fwd_pre": ..., "fwd_post": ..., "bwd_prefetch": ..., "bwd_pre": ..., "bwd_post": ...,
+    "extra_bwd_work": i -> Work, "extra_fwd_work": i -> Work}``."""
     lay = memory_layout(strategy, st.n)
     W, d, dt, plan = st.work, st.config.d_model, st.dtype, st.plan
     n1 = W.n1
+    offloads: dict = {}  # (kind, micro-op) -> its forward host copy
+    mi_pending: dict = {}  # micro-op -> its backward MI restore
+
+    def fwd_pre(i: int) -> list:
+        # the runtime's store_di / store_mi wait for the host copy of the buffer's occupant
+        # (micro-op i-2's DI, i-1's MI) before micro-op i overwrites it
+        return [h for h in (offloads.pop(("di", i - lay.di_slots), None), offloads.pop(("mi", i - lay.mi_slots), None))
+                if h is not None]
 
     def fwd_post(i: int, y) -> None:
         if i in lay.di_offloaded:
-            ex.copy(VirtualTensor((rows[i], d), dt), to="host", kind="offload", micro_op=i, after=(y,))
+            offloads[("di", i)] = ex.copy(VirtualTensor((rows[i], d), dt), to="host", kind="offload", micro_op=i,
+                                          after=(y,))
         if i in lay.mi_offloaded:
-            ex.copy(VirtualTensor((rows[i], n1), dt), to="host", kind="offload", micro_op=i, after=(y,))
+            offloads[("mi", i)] = ex.copy(VirtualTensor((rows[i], n1), dt), to="host", kind="offload", micro_op=i,
+                                          after=(y,))
+
+    def restore_mi(i: int, after: tuple) -> list:
+        if i >= st.n or i not in lay.mi_restore or lay.mi_method != "offload":
+            return []
+        return [ex.copy(VirtualTensor((rows[i], n1), dt), to="device", kind="restore", micro_op=i, after=after)]
 
     def bwd_prefetch(i: int) -> list:
         works = []
@@ -152,12 +173,19 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
                                   out=VirtualTensor((R, d), dt))
                 works.append(ex.all_to_all(send, plan.send_splits[i], plan.recv_splits[i], kind="recomm",
                                            micro_op=i))
-        if i in lay.mi_restore and lay.mi_method == "offload":  # one micro-op ahead, as DI's
-            works.append(ex.copy(VirtualTensor((rows[i], n1), dt), to="device", kind="restore", micro_op=i))
+        if i < lay.mi_slots:  # nothing reads its MI buffer earlier in backward
+            works.extend(restore_mi(i, ()))
         return works
 
+    def bwd_post(i: int, y) -> None:
+        # micro-op i was the MI buffer's last reader: the next occupant's restore starts after it
+        j = i + lay.mi_slots
+        works = restore_mi(j, (y,))
+        if works:
+            mi_pending[j] = works
+
     def bwd_pre(i: int) -> list:
-        return []  # every restore is issued one micro-op ahead (bwd_prefetch)
+        return mi_pending.pop(i, [])
 
     def extra_fwd(i: int) -> Work:
         if not lay.reuse:
@@ -172,8 +200,8 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
             w = w + _fc1_work(W, rows[i])
         return w
 
-    return {"fwd_post": fwd_post, "bwd_prefetch": bwd_prefetch, "bwd_pre": bwd_pre, "extra_fwd_work": extra_fwd,
-            "extra_bwd_work": extra_bwd}
+    return {"fwd_pre": fwd_pre, "fwd_post": fwd_post, "bwd_prefetch": bwd_prefetch, "bwd_pre": bwd_pre,
+            "bwd_post": bwd_post, "extra_fwd_work": extra_fwd, "extra_bwd_work": extra_bwd}
 
 
 # ---------------------------------------------------------------------------------------------

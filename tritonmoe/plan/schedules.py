@@ -233,6 +233,7 @@ def build_ep_pipeline(ex: SimExecutor, st: RankStep) -> None:
     fwd_work = (lambda i: W.expert_fwd(rows[i], active[i], segs[i])) if mem is None else \
         (lambda i: W.expert_fwd(rows[i], active[i], segs[i]) + mem["extra_fwd_work"](i))
     forward_pass(ex, sends, plan, None, work=fwd_work, out_like=like,
+                 pre_compute=mem["fwd_pre"] if mem is not None else None,
                  post_compute=mem["fwd_post"] if mem is not None else None)
     for i, (a, b) in enumerate(st.bounds):
         ex.compute(None, work=W.unpermute(b - a, plan.send_rows(i), backward=False), kind="unpermute", micro_op=i)
@@ -251,6 +252,7 @@ def build_ep_pipeline(ex: SimExecutor, st: RankStep) -> None:
         ex, grads, plan, None, work=bwd_work, out_like=like, weight_step_work=wstep,
         prefetch=mem["bwd_prefetch"] if mem is not None else None,
         pre_compute=mem["bwd_pre"] if mem is not None else None,
+        post_compute=mem["bwd_post"] if mem is not None else None,
     )
     _backward_epilogue(ex, st)
 
