@@ -137,6 +137,10 @@ def test_static_mode_captures_in_a_cuda_graph():
         with torch.cuda.stream(stream):  # warm-up outside the capture
             layer.expert_path(static_x, routing, weights).float().sum().backward()
         torch.cuda.current_stream().wait_stream(stream)
+        # as PyTorch's whole-network capture recipe: no .grad from the warm-up (made outside the
+        # capture) for the captured backward to accumulate into; the graph allocates its own
+        layer.zero_grad(set_to_none=True)
+        static_x.grad = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = layer.expert_path(static_x, routing, weights)
