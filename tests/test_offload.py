@@ -60,11 +60,27 @@ def test_layers_out_of_order_and_bad_input():
     other = tm.MoELayer(tm.MoEConfig(8, 10, 4, 2), dtype=torch.float64)
     with pytest.raises(ValueError, match="the slots hold one shape"):
         OffloadedExperts(layers[:2] + [other], slots=1)
+    resident = copy.deepcopy(model)
     stack = OffloadedExperts(layers, slots=2)
+    x = torch.randn(5, 8, dtype=torch.float64)
     try:
-        with pytest.raises(RuntimeError, match="layer 1 called but layer 0 is next"):
-            with torch.no_grad():
+        with torch.no_grad():
+            with pytest.raises(RuntimeError, match="layer 1 called but layer 0 is next"):
                 layers[1](torch.randn(2, 8, dtype=torch.float64))
+            assert torch.equal(model(x), resident(x))  # the ordering error resets the ring
+            # a failed forward (the layer's own dtype check, mid-stack) leaves the ring usable: the next
+            # valid forward equals the resident stack (it raised KeyError(0) when the ring stalled)
+            model[:2](x)
+            with pytest.raises(TypeError, match="float32"):
+                layers[1](x.float())
+            for _ in range(2):
+                assert torch.equal(model(x), resident(x))
+            with pytest.raises(TypeError, match="float32"):
+                layers[0](x.float())
+            assert torch.equal(model(x), resident(x))
+            model[:2](x)  # a forward aborted between the layers: reset() by hand
+            stack.reset()
+            assert torch.equal(model(x), resident(x))
     finally:
         stack.close()
 

@@ -227,6 +227,7 @@ class OffloadedExperts:
         self._slot_of: dict[int, int] = {}
         self._ready: dict[int, object] = {}
         self._next = 0
+        self._active: Optional[int] = None  # the layer whose pre-hook completed and whose forward runs
         self._lock = threading.Lock()
         threaded = not cuda or self.disk_path is not None  # disk reads never block the compute thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tritonmoe-offload") if threaded else None
@@ -234,7 +235,9 @@ class OffloadedExperts:
         self._handles = []
         for i, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(self._pre_hook(i)))
-            self._handles.append(layer.register_forward_hook(self._post_hook(i)))
+            # always_call: the post-step also runs when the layer's forward raises, so a failed
+            # forward resets the ring instead of leaving it waiting for a copy it already consumed
+            self._handles.append(layer.register_forward_hook(self._post_hook(i), always_call=True))
         for i in range(slots):
             self._load(i, i)
 
@@ -299,12 +302,14 @@ class OffloadedExperts:
 
     def _pre_hook(self, i: int):
         def hook(module, args):
+            self._active = None
             if i != self._next:
                 raise RuntimeError(
                     f"OffloadedExperts: layer {i} called but layer {self._next} is next; the layers must run in the "
-                    "order given, each once per forward"
+                    "order given, each once per forward (the ring is reset now: the next forward starts at layer 0; "
+                    "call reset() after a forward aborted outside the MoE layers)"
                 )
-            ready = self._ready.pop(i)
+            ready = self._ready[i]
             t0 = time.perf_counter()
             if isinstance(ready, Future):
                 self.waits.append(not ready.done())
@@ -312,15 +317,23 @@ class OffloadedExperts:
             else:
                 self.waits.append(not ready.query())
                 torch.cuda.current_stream(self.device).wait_event(ready)
+            del self._ready[i]
             self.stall_s.append(time.perf_counter() - t0)
             slot = self.slots[self._slot_of[i]]
             for n in self.names:
                 getattr(module, n).data = slot[n]
+            self._active = i
 
         return hook
 
     def _post_hook(self, i: int):
         def hook(module, args, output):
+            # output is None only when the pre-hook or the layer's forward raised (always_call):
+            # the model forward is aborted, so the next one starts at layer 0
+            if output is None or self._active != i:
+                self.reset()
+                return None
+            self._active = None
             for n in self.names:
                 getattr(module, n).data = self._placeholder[n]
             slot = self._slot_of.pop(i)
@@ -335,6 +348,32 @@ class OffloadedExperts:
             return output
 
         return hook
+
+    def reset(self) -> None:
+        """Reset the ring to its start after an aborted forward: wait for the copies in flight,
+        then reload the first ``slots`` layers so that the next forward starts at layer 0. Runs by
+        itself when a layer's forward raises; call it after an error raised between the layers."""
+        self._active = None
+        for n in self.names:
+            for layer in self.layers:
+                getattr(layer, n).data = self._placeholder[n]
+        for r in list(self._ready.values()):
+            try:
+                if isinstance(r, Future):
+                    r.result(timeout=self.timeout_s)
+                else:
+                    r.synchronize()
+            except Exception:  # the failed copy is redone below; its error was (or is) raised elsewhere
+                pass
+        self._ready.clear()
+        self._slot_of.clear()
+        after = None
+        if self._stream is not None:  # the slots' last readers on the compute stream finish first
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        for s in range(len(self.slots)):
+            self._load(s, s, after)
+        self._next = 0
 
     def resident_bytes(self) -> int:
         """Device bytes held by expert weights: the distinct storages the slots and the layers'
