@@ -350,6 +350,35 @@ def replicated_cases(rank: int, P: int) -> dict:
     mine = Placement.contiguous(E, P) if rank else Placement(E, ((0, 1), (2, 3), (4, 5), (6, 7, 0)))
     out["disagree"] = _expect_error(lambda: ReplicatedMoELayer(layer, placement=mine), ValueError, "disagree")
     out["not_layer"] = _expect_error(lambda: ReplicatedMoELayer(torch.nn.Linear(2, 2)), TypeError, "MoELayer")
+    out.update(_refresh_and_agreement_cases(rank, P))
+    return out
+
+
+def _refresh_and_agreement_cases(rank: int, P: int) -> dict:
+    """load_state_dict / in-place edits of the host weights reach the device slots; a
+    set_placement that differs across ranks raises on every rank (checked by default)."""
+    out: dict = {}
+    layer, new = zipf_layer(30), zipf_layer(31)
+    x = _tokens(rank, 9, 300)
+    rep = ReplicatedMoELayer(layer)
+    sd = {n: getattr(layer, n).detach().clone() for n in ("w1", "w2")}
+    rep_sd = ReplicatedMoELayer(layer, host_experts=sd)  # a separate host copy: rebound to the loaded weights
+    rep.load_state_dict({"layer." + k: v for k, v in new.state_dict().items()})
+    with torch.no_grad():
+        want = new(x)
+        eq = [bool(torch.equal(rep(x), want)), bool(torch.equal(layer(x), want))]
+    rep_sd.load_state_dict({"layer." + k: v for k, v in new.state_dict().items()})
+    with torch.no_grad():
+        eq.append(bool(torch.equal(rep_sd(x), want)))
+        layer.w1.mul_(0.5)  # an in-place edit of the host copy: refresh_experts() reloads the slots
+        rep.refresh_experts()
+        eq.append(bool(torch.equal(rep(x), layer(x))))
+    out["refresh"] = eq
+    before = rep.placement
+    mine = Placement.contiguous(E, P) if rank else Placement(E, ((0, 1), (2, 3), (4, 5), (6, 7, 0)))
+    out["set_placement_disagree"] = _expect_error(lambda: rep.set_placement(mine), ValueError, "disagree")
+    with torch.no_grad():  # the group is still in step and the placement unchanged
+        out["after_disagree"] = rep.placement == before and bool(torch.equal(rep(x), layer(x)))
     return out
 
 

@@ -117,6 +117,12 @@ def test_bad_placement_and_capacity_on_every_rank(results):
         assert r["unchanged_after_error"] and r["after_errors_equal"]
 
 
+def test_refresh_and_set_placement_agreement(results):
+    for r in results:
+        assert r["refresh"] == [True] * 4, r["refresh"]
+        assert r["set_placement_disagree"] == "ok" and r["after_disagree"], r["set_placement_disagree"]
+
+
 def _check_single_device(s: dict, cuda: bool) -> None:
     assert "error" not in s, s.get("error")
     assert s["held"] and s["held2"]

@@ -291,6 +291,49 @@ class ReplicatedMoELayer(nn.Module):
         self._hosted: tuple = ()
         self.placement = None
         self.set_placement(placement if placement is not None else Placement.contiguous(E, self.world_size), check=True)
+        # load_state_dict writes the layer's expert tensors: reload the slots from them afterwards
+        self.register_load_state_dict_post_hook(ReplicatedMoELayer._after_load_state_dict)
+
+    @staticmethod
+    def _after_load_state_dict(module, incompatible_keys) -> None:
+        module._sync_host_from_layer()
+        module.refresh_experts()
+
+    def _sync_host_from_layer(self) -> None:
+        """After load_state_dict: when the host copy is not the layer's own storage (an explicit
+        ``host_experts``) and the layer holds its expert tensors, the host copy is rebound to a
+        copy of them (the caller's ``host_experts`` tensors are not written)."""
+        pin = self.device.type == "cuda"
+        with torch.no_grad():
+            for n in self.names:
+                t, h = getattr(self.layer, n), self.host[n]
+                if t.shape != h.shape or t.untyped_storage().data_ptr() == h.untyped_storage().data_ptr():
+                    continue  # released device copy (the host is the truth) or the same storage
+                c = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+                self.host[n] = c.copy_(t.detach())
+
+    def refresh_experts(self) -> None:
+        """Reload every hosted slot from the host copy. Called after ``load_state_dict``; call it
+        yourself after editing the host copy (the layer's expert tensors, or ``host_experts``) in
+        place, since the device slots hold copies made when the experts were loaded."""
+        if not self.slot_experts or all(e < 0 for e in self.slot_experts):
+            return
+        stream = self._copy_stream
+        nb = stream is not None
+        bufs = self.expert_weights
+        with torch.no_grad():
+            if nb:  # the compute that last read the slots comes first
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream) if nb else contextlib.nullcontext():
+                for k, e in enumerate(self.slot_experts):
+                    if e >= 0:
+                        _copy_expert([bufs[n][k] for n in self.names], [self.host[n][e] for n in self.names], nb)
+                if nb:
+                    self._ready = torch.cuda.Event()
+                    self._ready.record(stream)
+            if nb:
+                for t in bufs.values():
+                    t.record_stream(stream)
 
     def _host_source(self, layer, host_experts) -> dict:
         """name -> the full [E, ...] expert tensor in host memory (pinned when serving on CUDA)."""
@@ -331,10 +374,12 @@ class ReplicatedMoELayer(nn.Module):
 
     # -- placement -----------------------------------------------------------------------------
 
-    def set_placement(self, placement: Placement, *, check: bool = False) -> None:
+    def set_placement(self, placement: Placement, *, check: bool = True) -> None:
         """Serve ``placement`` from now on and load the experts newly hosted on this rank.
-        ``check``: compare it across ranks first (collective; the same ValueError on every rank
-        when they differ). The checks on the placement itself run before any collective and
+        ``check`` (default True): compare it across ranks first (one small collective, here only,
+        never in the forward; the same ValueError on every rank when they differ, instead of a
+        mismatched exchange in the next forward); pass False only when every rank provably holds
+        the same placement (the scheduler's own changes skip it). The checks on the placement itself run before any collective and
         raise on every rank (they read only the placement, the same on every rank)."""
         if not isinstance(placement, Placement):
             raise TypeError(f"placement must be a tritonmoe.inference.Placement, got {type(placement).__name__}")
@@ -445,7 +490,7 @@ class ReplicatedMoELayer(nn.Module):
         placement, self.decision = sch.phase_two(l, tot[:E])
         if l + 1 < sch.estimator.num_layers:
             sch.phase_one(l + 1, tot[E:])
-        self.set_placement(placement)
+        self.set_placement(placement, check=False)  # planned from the all-gathered counts: the same on every rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer, c = self.layer, self.layer.config
