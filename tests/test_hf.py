@@ -316,3 +316,12 @@ def test_restore_puts_trained_blocks_back_and_refuses_a_partial_model():
     with pytest.raises(ValueError, match="partially converted"):
         hf.restore(partial)
     assert isinstance(partial.model.layers[0].mlp, hf.HFMoEBlock) and type(partial.model.layers[1].mlp) is block_cls
+    # apply -> a dtype cast -> restore: the blocks come back in the model's current dtype
+    hf.apply(model)
+    model.float()
+    with torch.no_grad():
+        want32 = model(ids).logits
+    hf.restore(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want32, rtol=1e-5, atol=1e-5)

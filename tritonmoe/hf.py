@@ -380,13 +380,21 @@ def _meta_copy(block: nn.Module) -> nn.Module:
     return copy.deepcopy(block, memo)
 
 
-def _materialize(block: nn.Module, device: torch.device) -> nn.Module:
-    """Give a meta copy's parameters (uninitialized) storage on ``device``; buffers move there."""
+def _materialize(block: nn.Module, device: torch.device, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Give a meta copy's parameters (uninitialized) storage on ``device``; buffers move there.
+    ``dtype``: the layer's current dtype; when the copy's floating tensors all had one dtype (the
+    model's at apply time) they take ``dtype`` (the model was cast since, e.g. ``model.float()``);
+    a block that mixed dtypes keeps each tensor's own."""
+    floats = {t.dtype for t in list(block.parameters()) + list(block.buffers()) if t.is_floating_point()}
+    cast = dtype if dtype is not None and len(floats) == 1 and dtype not in floats else None
     for module in block.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-    return block.to(device)
+                dt = cast if cast is not None and p.is_floating_point() else p.dtype
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device, dtype=dt),
+                                                        requires_grad=p.requires_grad)
+    block = block.to(device)
+    return block.to(cast) if cast is not None else block
 
 
 def apply(model: nn.Module, *, backend: Optional[str] = None, aux_loss_coef: float = 0.0,
@@ -419,8 +427,8 @@ def apply(model: nn.Module, *, backend: Optional[str] = None, aux_loss_coef: flo
 @torch.no_grad()
 def restore(model: nn.Module) -> list[str]:
     """The reverse of :func:`apply`: put a transformers block back for every :class:`HFMoEBlock`
-    of ``model``, holding the layer's (trained) weights (:func:`to_hf`), on the layer's device;
-    returns the restored modules' names.
+    of ``model``, holding the layer's (trained) weights (:func:`to_hf`), on the layer's device
+    and in its current dtype (after ``model.float()`` etc. too); returns the restored modules' names.
 
     Refuses (``ValueError``, nothing changed) a partially converted model: one that mixes
     HFMoEBlocks with supported transformers blocks still unconverted (``apply`` on a submodule,
@@ -442,7 +450,7 @@ def restore(model: nn.Module) -> list[str]:
                          "with tritonmoe.hf.to_hf(block.moe, a_new_transformers_block); nothing was changed")
     made = []
     for name, m in converted:
-        block = _materialize(copy.deepcopy(m._original), m.moe.w1.device)
+        block = _materialize(copy.deepcopy(m._original), m.moe.w1.device, m.moe.w1.dtype)
         to_hf(m.moe, block)  # writes every parameter (or raises): nothing stays uninitialized
         block.train(m.training)
         made.append((name, block))
