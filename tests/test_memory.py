@@ -180,6 +180,24 @@ def test_budget_below_every_candidate_is_a_value_error():
     assert issubclass(MemoryBudgetError, ValueError)
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(degrees=[0]), ValueError, "degrees holds 0"),
+    (dict(degrees=[]), ValueError, "degrees is empty"),
+    (dict(degrees=[-2]), ValueError, "degrees holds -2"),
+    (dict(degrees=[2.0]), TypeError, "degrees holds 2.0"),
+    (dict(strategies="keep"), TypeError, "strategies='keep' is a string"),
+    (dict(strategies=[]), ValueError, "strategies is empty"),
+    (dict(world_size=None), ValueError, "world_size=None"),
+    (dict(time_fn=lambda n, s: float("nan") if n == 1 else 1.0), ValueError, r"time_fn\(1, 'keep'\) returned nan"),
+    (dict(time_fn=lambda n, s: -1.0), ValueError, "returned -1.0"),
+])
+def test_choose_memory_bad_arguments_are_typed_errors(kw, exc, match):
+    cfg = tm.MoEConfig(64, 128, 8, 2)
+    kw = dict(dict(world_size=2, time_fn=lambda n, s: 1.0), **kw)
+    with pytest.raises(exc, match=match):
+        choose_memory(cfg, 256, None, **kw)
+
+
 def test_search_joint_finds_the_oracle_argmin():
     """MPMoE-pb: Algorithm 1 per strategy, then the best strategy, on a convex oracle."""
     best_n = {"keep": 2, "offload": 3, "recomm": 5, "recompute": 4, "recomm_recompute": 6}

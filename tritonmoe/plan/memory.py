@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Optional, Sequence, Union
 
+import math
 import torch
 
 from tritonmoe.comm.executor import VirtualTensor, Work
@@ -297,7 +298,29 @@ def choose_memory(
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                                      or budget_bytes <= 0):
         raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
-    strategies = tuple(strategies or STRATEGIES)
+    if strategies is None:
+        strategies = STRATEGIES
+    elif isinstance(strategies, str):
+        raise TypeError(f"strategies={strategies!r} is a string; pass a sequence of strategies, e.g. [{strategies!r}]")
+    strategies = tuple(strategies)
+    if not strategies:
+        raise ValueError(f"strategies is empty; pass at least one of {', '.join(STRATEGIES)} (or None: all five)")
+    if degrees is not None:
+        if isinstance(degrees, (str, bytes)) or not isinstance(degrees, Sequence):
+            raise TypeError(f"degrees must be a sequence of ints, got {type(degrees).__name__}")
+        if not degrees:
+            raise ValueError("degrees is empty; pass at least one pipeline degree >= 1 (or None: the defaults)")
+        for n in degrees:
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"degrees holds {n!r} ({type(n).__name__}); pipeline degrees are ints >= 1")
+            if n < 1:
+                raise ValueError(f"degrees holds {n}; pipeline degrees are ints >= 1")
+    if time_fn is not None and not callable(time_fn):
+        raise TypeError(f"time_fn must be callable (n, strategy) -> seconds, got {type(time_fn).__name__}")
+    if time_fn is not None and isinstance(tokens_per_rank, int) and (
+            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size={world_size!r}: with time_fn and an int tokens_per_rank, pass world_size "
+                         "(an int >= 1), or tokens_per_rank as a per-rank sequence")
     for s in strategies:
         if s not in RESTORE:
             raise ValueError(f"unknown memory strategy {s!r}; use one of {', '.join(STRATEGIES)}")
@@ -323,6 +346,8 @@ def choose_memory(
             host = max(x["host"] for x in sizes)
             if time_fn is not None:
                 t = float(time_fn(n, s))
+                if not math.isfinite(t) or t < 0:
+                    raise ValueError(f"time_fn({n}, {s!r}) returned {t}; it must return finite seconds >= 0")
             else:
                 t = simulate(config, toks, cost, candidate={"schedule": "ep-pipeline", "pipeline_degree": n,
                                                             "memory_strategy": s},
