@@ -251,11 +251,11 @@ def _measure_gloo(rank: int, P: int, spec: dict, device, progress) -> dict:
     with _CountCopies() as cc:
         for a, b in [("contiguous", "lina"), ("lina", "eplb"), ("eplb", "contiguous"), ("contiguous", "eplb"),
                      ("eplb", "lina"), ("lina", "contiguous")] * 2:
-            rep.set_placement(seq[a])
+            rep.set_placement(seq[a], check=False)  # the same seq on every rank: time the loads alone
             _sync(device)
             cc.bytes = 0
             t0 = time.perf_counter()
-            rep.set_placement(seq[b])
+            rep.set_placement(seq[b], check=False)
             _sync(device)
             changes.append(dict(frm=a, to=b, bytes=cc.bytes, seconds=time.perf_counter() - t0))
     return dict(times=times, max_rows=rows, held=held, all_resident=all_resident, sched=sched, changes=changes,

@@ -129,7 +129,8 @@ def test_static_mode_captures_in_a_cuda_graph():
         torch.manual_seed(0)
         layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
-        _, routing = layer.route(x)
+        with torch.no_grad():  # the router ran outside the capture (on the default stream): its
+            _, routing = layer.route(x)  # backward must not be part of the captured one
         weights = layer.expert_weights()
         static_x = x.clone().requires_grad_()
         stream = torch.cuda.Stream()

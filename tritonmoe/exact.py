@@ -225,7 +225,10 @@ class _RowInvariantGroupedGemm(torch.autograd.Function):
         if slot is not None and w_EKN.requires_grad:
             site = slot.claim_site(w_EKN)
             if site is not None:
-                ctx.defer = (slot, site)
+                # the parameter itself, not the saved copy: the store matches parameters by
+                # identity, and a saved tensor comes back as another object under saved-tensor
+                # hooks (non-reentrant checkpoint, save_on_cpu)
+                ctx.defer = (slot, site, w_EKN)
         ctx.save_for_backward(x_RK, w_EKN)
         return y
 
@@ -244,8 +247,8 @@ class _RowInvariantGroupedGemm(torch.autograd.Function):
                     dx[a:b] = rowwise_mm(dy_RN[a:b], w_EKN[e].t())
         if ctx.needs_input_grad[2]:
             if ctx.defer is not None:
-                slot, site = ctx.defer
-                slot.add(w_EKN, site, x_RK, dy_RN, offs, grouped_wgrad)
+                slot, site, w_param = ctx.defer
+                slot.add(w_param, site, x_RK, dy_RN, offs, grouped_wgrad)
             else:
                 dw = grouped_wgrad(x_RK, dy_RN, offs, E)
         return dx, None, dw, None

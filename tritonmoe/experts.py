@@ -204,6 +204,16 @@ def _local_ffn_path(ffn_path: str, backend: Optional[str], device_type: str, dty
     return "unfused" if impl is reference.moe_ffn else "fused"
 
 
+def _under_nonreentrant_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s (a non-reentrant
+    checkpoint's forward or its recomputation)."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError, TypeError):  # a torch without the query: cannot tell
+        return False
+    return bool(hooks) and (getattr(hooks[0], "__module__", "") or "").startswith("torch.utils.checkpoint")
+
+
 #: dtypes as small ints for the cross-rank agreement check.
 _DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 #: run-time pipeline degrees as ints for the agreement check
@@ -394,6 +404,14 @@ class ExpertParallelExperts(ExpertPath):
         disp = self.dispatcher
         n, timeline = c.pipeline_degree, self.timeline
         strategy = c.memory_strategy
+        if strategy not in (None, "keep") and _under_nonreentrant_checkpoint():
+            # local and the same on every rank (the model code is): raised before any collective
+            raise ValueError(
+                f"memory_strategy={strategy!r} reuses buffers across micro-ops and restores them itself; inside "
+                "torch.utils.checkpoint(use_reentrant=False) the recomputed forward's buffers would replace the "
+                "restored ones in backward. Use memory_strategy='keep' (or None) under that checkpoint, checkpoint "
+                "with use_reentrant=True, or let the memory strategy do the saving instead of the checkpoint"
+            )
         if self.memory_policy is not None:  # one small all-reduce; a budget error is raised on every rank
             n, strategy, timeline = self.memory_policy.step(x_TD.shape[0], self.timeline)
         elif self.degree_policy is not None:
