@@ -167,7 +167,7 @@ def test_gpu_path_budget_failures_and_strict(tmp_path, capsys):
     why) while the others run; a failed entry and failed tests make the exit status 1; --strict
     fails on unmet targets."""
     runner = FakeH100(EFFICIENCY, fail=(("route", None, "fwd", "triton"),), tests="failed")
-    rc = check.run_check(["--results-dir", str(tmp_path), "--budget-s", "100"], runner=runner)
+    rc = check.run_check(["--results-dir", str(tmp_path), "--budget-s", "60"], runner=runner)
     assert rc == 1
     assert runner.test_timeout == 30.0  # the tests get what the budget leaves, at least 30 s
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
@@ -188,7 +188,7 @@ def test_gpu_path_budget_failures_and_strict(tmp_path, capsys):
 
 
 def test_a_section_overrunning_its_estimate_leaves_time_for_the_table(tmp_path, capsys):
-    """ffn cases that take 300 s each (estimate: 150 s for the whole section): the second case
+    """ffn cases that take 300 s each (estimate: 70 s for the whole section): the second case
     still starts (300 s of 530 used), the ones after it are skipped inside the section, the later
     sections are skipped whole, and the run ends with its files and table."""
     runner = FakeH100(EFFICIENCY, case_seconds={"ffn": 300.0})

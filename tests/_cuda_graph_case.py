@@ -1,0 +1,51 @@
+"""The static expert-parallel mode's CUDA-graph capture, run in its own process by
+tests/test_ep.py: a failed capture leaves the CUDA RNG in capture mode, which would fail every
+later test of a shared process ("Offset increment outside graph capture")."""
+
+import torch
+
+import tritonmoe as tm
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:  # one rank: an in-process store, no port
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = tm.MoEConfig(256, 512, 8, 2, ep_capacity=64)
+        torch.manual_seed(0)
+        layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():  # the router ran outside the capture (on the default stream): its
+            _, routing = layer.route(x)  # backward must not be part of the captured one
+        weights = layer.expert_weights()
+        static_x = x.clone().requires_grad_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture
+            layer.expert_path(static_x, routing, weights).float().sum().backward()
+        torch.cuda.current_stream().wait_stream(stream)
+        # as PyTorch's whole-network capture recipe: no .grad from the warm-up (made outside the
+        # capture) for the captured backward to accumulate into; the graph allocates its own
+        layer.zero_grad(set_to_none=True)
+        static_x.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer.expert_path(static_x, routing, weights)
+            out.float().sum().backward()
+        new = torch.randn_like(x)
+        static_x.data.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = layer.expert_path(new, routing, weights)
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    print("captured and replayed: equal to eager")
