@@ -66,7 +66,7 @@ from tritonmoe import reference
 from tritonmoe.exact import WeightGradStore, grouped_wgrad, rowwise_mm
 
 from .executor import RealExecutor
-from .pipeline import backward_pass, forward_pass
+from .pipeline import backward_pass, forward_pass, param_grads
 from .splits import DispatchPlan
 from .timeline import Timeline
 
@@ -598,15 +598,7 @@ class _MemoryPipelinedExperts(torch.autograd.Function):
                 state.scheduler.exchanges_done()
         if state.trace is not None:
             state.trace.extend(ex.trace)
-        it = iter(acc)
-        d_params = []
-        for p in params:
-            if not p.requires_grad:
-                d_params.append(None)
-                continue
-            g = next(it)
-            d_params.append(torch.zeros_like(p) if g is None else g)
-        return (None, None, *d_sends, *d_params)
+        return (None, None, *d_sends, *param_grads(params, acc))
 
 
 def run_memory_pipelined(

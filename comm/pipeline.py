@@ -290,15 +290,22 @@ class _PipelinedExperts(torch.autograd.Function):
                 state.scheduler.exchanges_done()  # the exchanges announced at the layer output are over
         if state.trace is not None:
             state.trace.extend(ex.trace)
-        it = iter(acc)
-        d_params = []
-        for p in params:
-            if not p.requires_grad:
-                d_params.append(None)
-                continue
-            g = next(it)
-            d_params.append(torch.zeros_like(p) if g is None else g)
-        return (None, *d_sends, *d_params)
+        return (None, *d_sends, *param_grads(params, acc))
+
+
+def param_grads(params: Sequence[torch.Tensor], acc: Sequence[Optional[torch.Tensor]]) -> list:
+    """The gradients autograd expects for ``params``: None for a parameter that needs none, else
+    the next accumulated gradient of ``acc`` (one per parameter that requires grad, in order),
+    zeros where nothing was accumulated."""
+    it = iter(acc)
+    out = []
+    for p in params:
+        if not p.requires_grad:
+            out.append(None)
+            continue
+        g = next(it)
+        out.append(torch.zeros_like(p) if g is None else g)
+    return out
 
 
 def run_pipelined(

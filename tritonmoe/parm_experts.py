@@ -69,6 +69,7 @@ from .comm.parm import (
     saa_plan,
 )
 from .comm.partition import _transpose_chunks
+from .reference import _SegmentBias
 from .comm.splits import comm_device
 from ._validation import ACTIVATIONS, GLU_ACTIVATIONS
 from .bias import nan_weights_if_nonfinite
@@ -280,41 +281,6 @@ class _Dump(torch.autograd.Function):
         return _sum_copies(grad, pos), None, None
 
 
-class _BiasGradOnly(torch.autograd.Function):
-    """``y`` unchanged; backward: ``y``'s gradient, and the gradient of the per-expert bias
-    ``b`` [L, N] as if ``b[e]`` had been added to the rows of segment e (the column sums of each
-    expert's rows, :func:`tritonmoe.reference._grouped_bias_grad`), deferred to the schedule's
-    weight-gradient store when ``slot`` holds ``b`` (the W step then sums the rows in the
-    unscheduled order, as for the shard that adds the bias). The ESP shards that do not add
-    ``b2`` get its gradient this way."""
-
-    @staticmethod
-    def forward(ctx, y_RN, offs, b_LN, slot):
-        ctx.offs = offs
-        ctx.num_experts = b_LN.shape[0]
-        ctx.defer = None
-        if slot is not None and b_LN.requires_grad:
-            site = slot.claim_site(b_LN)
-            if site is not None:
-                ctx.defer = (slot, site, b_LN)
-        return y_RN.view_as(y_RN)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy_RN):
-        from .reference import _grouped_bias_grad
-
-        db = None
-        if ctx.needs_input_grad[2]:
-            x_R0 = dy_RN.new_empty(dy_RN.shape[0], 0)
-            if ctx.defer is not None:
-                slot, site, b = ctx.defer
-                slot.add(b, site, x_R0, dy_RN, ctx.offs, _grouped_bias_grad)
-            else:
-                db = _grouped_bias_grad(x_R0, dy_RN, ctx.offs, ctx.num_experts)
-        return dy_RN, None, db, None
-
-
 def _sum_copies(buf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """out[r] = sum over s (in order) of buf[pos[r, s]] -- Parm's local combine."""
     out = buf.index_select(0, pos[:, 0])
@@ -460,7 +426,7 @@ class ParmExperts(ExpertPath):
             y_em = ffn(x_em, offsets, w.w1, w.w2, c.activation, w.b1, b2, **opts, **kw)
             if w.b2 is not None and not adds_b2:
                 slot = wgrad if (defers and y_em.dtype == torch.float64) else None
-                y_em = _BiasGradOnly.apply(y_em, offs_host, w.b2, slot)
+                y_em = _SegmentBias.apply(y_em, offs_host, w.b2, slot, False)  # its gradient only
             return _transpose_chunks(y_em, counts_GL.t(), backend)
 
         return ExpertShard(fn=fn, params=weights.params(), work=_ffn_work(c, self.shard_width, x_like.dtype))

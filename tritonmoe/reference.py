@@ -463,15 +463,20 @@ class _SegmentBias(torch.autograd.Function):
     """y + bias[e] on the rows of segment e (an elementwise add: row-invariant); the bias gradient
     is one column sum per expert over its rows, or, with a :class:`WeightGradSlot` whose store
     holds ``bias``, deferred to that store (so a pipelined schedule's bias gradient is bitwise the
-    unscheduled one, like its weight gradients)."""
+    unscheduled one, like its weight gradients). With ``add=False`` y passes unchanged and only the
+    bias gradient is produced, as if the bias had been added (Parm's ESP shards that do not add
+    ``b2`` get its gradient this way)."""
 
     @staticmethod
-    def forward(ctx, y_RN, offs, bias_EN, slot):
-        out = y_RN.clone()
-        for e in range(bias_EN.shape[0]):
-            a, b = offs[e], offs[e + 1]
-            if b > a:
-                out[a:b] += bias_EN[e]
+    def forward(ctx, y_RN, offs, bias_EN, slot, add=True):
+        if add:
+            out = y_RN.clone()
+            for e in range(bias_EN.shape[0]):
+                a, b = offs[e], offs[e + 1]
+                if b > a:
+                    out[a:b] += bias_EN[e]
+        else:
+            out = y_RN.view_as(y_RN)
         ctx.offs = offs
         ctx.num_experts = bias_EN.shape[0]
         ctx.defer = None
@@ -492,7 +497,7 @@ class _SegmentBias(torch.autograd.Function):
                 slot.add(bias_EN, site, x_R0, dy_RN, ctx.offs, _grouped_bias_grad)
             else:
                 db = _grouped_bias_grad(x_R0, dy_RN, ctx.offs, ctx.num_experts)
-        return dy_RN, None, db, None
+        return dy_RN, None, db, None, None
 
 
 def clamped_offsets(expert_offsets: torch.Tensor, num_rows: int) -> list[int]:

@@ -202,6 +202,7 @@ class OffloadedExperts:
             if self.disk_path is not None:
                 with open(self.disk_path, "wb") as f:
                     for layer in layers:
+                        # host copies: writing the disk tier once, at construction (no forward runs here)
                         ts = [getattr(layer, n).detach().cpu().contiguous() for n, *_ in self._parts]
                         for e in range(E):
                             for t in ts:

@@ -394,7 +394,7 @@ def eplb_placement(
             f"eplb_placement needs E={E} divisible by num_groups={G}, num_groups divisible by num_nodes={n_nodes}, "
             f"num_devices={P} divisible by num_nodes, num_replicas={R} >= E and divisible by num_devices"
         )
-    w = v.tolist()
+    w = v.tolist()  # host values: the packing is a host algorithm, run when a placement is planned
     gsize = E // G
     group_w = [sum(w[g * gsize:(g + 1) * gsize]) for g in range(G)]
     node_of_group = _balanced_packing(group_w, n_nodes)

@@ -56,7 +56,7 @@ def choices_from_layers(layers: Sequence[torch.nn.Module]) -> torch.Tensor:
         r = getattr(layer, "last_routing", None)
         if r is None:
             raise ValueError(f"layers[{i}] has no recorded routing; run a forward through the stack first")
-        cols.append(top_choices(r.topk_ids).cpu())
+        cols.append(top_choices(r.topk_ids).cpu())  # host sync: the estimator's tables live on the host
     T = {c.shape[0] for c in cols}
     if len(T) != 1:
         raise ValueError(f"the layers routed different token counts {sorted(T)}; record one batch through the stack")
@@ -79,7 +79,7 @@ def top_k_match(estimate: torch.Tensor, actual: torch.Tensor, k: int = 2) -> boo
     most popular (as sets; ties to the lower expert id)."""
     def top(v: torch.Tensor) -> set:
         order = torch.sort(-v.to(torch.float64), stable=True).indices
-        return set(order[:k].tolist())
+        return set(order[:k].tolist())  # host values: a host verdict (re-plan or not)
 
     return top(estimate) == top(actual)
 
@@ -120,7 +120,7 @@ class PopularityEstimator:
             raise TypeError(f"{what} must be an int tensor [tokens, layers], got {choices.dtype} {tuple(choices.shape)}")
         if choices.shape[1] != width:
             raise ValueError(f"{what} has {choices.shape[1]} layers (columns), expected {width}")
-        c = choices.to(torch.int64).cpu()
+        c = choices.to(torch.int64).cpu()  # host sync: the tables are host dicts keyed by sample paths
         if c.numel() and (int(c.min()) < 0 or int(c.max()) >= self.num_experts):
             bad = c[(c < 0) | (c >= self.num_experts)][0]
             raise ValueError(f"{what} holds expert id {int(bad)} outside [0, {self.num_experts}); dropped slots (-1) "
