@@ -205,7 +205,12 @@ def collect(opt: Options, timeout_s: float) -> tuple[list[str], str]:
     out = proc.stdout + proc.stderr
     if "No module named pytest" in out:
         return [], "pytest is not installed"
-    ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    ids: list[str] = []
+    for line in proc.stdout.splitlines():  # the ids, one a line, up to the first blank or ==== line
+        if not line.strip() or line.startswith("="):
+            break  # (a warnings summary after it names node ids again)
+        if "::" in line and not line.startswith(" ") and line not in ids:
+            ids.append(line.strip())
     if proc.returncode == 5:  # nothing selected
         return [], ""
     if proc.returncode != 0:
