@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -71,7 +70,7 @@ import torch
 from . import report, schema
 from . import suites as S
 from . import targets as TG
-from .harness import REPO_ROOT, Timer, environment, first_line, free_memory, new_row
+from .harness import Timer, environment, first_line, free_memory, new_row
 from .presets import PRESETS, parse_routing
 from .roofs import describe, dtype_name, measure_roofs
 from .telemetry import Telemetry
