@@ -29,8 +29,8 @@ status, the tail of its output when it failed) is written as ``<prefix>.json`` a
 ``<prefix>.md`` (each shard's whole output in ``<prefix>-logs/``), and printed.
 
 Balancing estimates: measured durations from an earlier summary (``--estimates FILE``, or the
-newest ``*-gpu-tests.json`` in the results directory), else :data:`ESTIMATES`, else
-:data:`DEFAULT_ESTIMATE_S`.
+newest ``*-gpu-tests.json`` in the results directory, else in ``bench/results``), else
+:data:`ESTIMATES`, else :data:`DEFAULT_ESTIMATE_S`.
 """
 
 from __future__ import annotations
@@ -148,9 +148,13 @@ def load_measured(path: Optional[str | Path]) -> dict[str, float]:
 
 
 def newest_summary(results_dir: str | Path) -> Optional[Path]:
-    """The newest ``*-gpu-tests.json`` in ``results_dir`` (None when there is none)."""
-    files = sorted(Path(results_dir).glob("*-gpu-tests.json"), key=lambda p: p.stat().st_mtime)
-    return files[-1] if files else None
+    """The newest ``*-gpu-tests.json`` in ``results_dir``, else in the repository's
+    ``bench/results`` (where a session commits them); None when there is none."""
+    for d in (Path(results_dir), REPO_ROOT / "bench" / "results"):
+        files = sorted(d.glob("*-gpu-tests.json"), key=lambda p: p.stat().st_mtime)
+        if files:
+            return files[-1]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +288,7 @@ class Shard:
 def _start(shard: Shard, opt: Options, now: float) -> None:
     threads = opt.threads_per_shard or max(1, (os.cpu_count() or 1) // max(1, opt.shards))
     timeout = max(1, int(opt.test_timeout_s) - 5)
-    cmd = _base_cmd(opt) + ["-p", "bench._shard_plugin", "-o", f"faulthandler_timeout={timeout}", "-q", "-rA",
+    cmd = _base_cmd(opt) + ["-p", "bench._shard_plugin", "-o", f"faulthandler_timeout={timeout}", "-q",
                             *shard.ids]
     env = _child_env(opt, {"TRITONMOE_SHARD_EVENTS": str(shard.events_path), "OMP_NUM_THREADS": str(threads),
                            "PYTHONFAULTHANDLER": "1"})
@@ -595,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write <gpu>-<date>-gpu-tests.{json,md} and the shard logs here")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json, PREFIX.md, PREFIX-logs/ instead")
     p.add_argument("--estimates", metavar="FILE", help="an earlier summary whose durations balance the shards "
-                   "(default: the newest *-gpu-tests.json in --results-dir)")
+                   "(default: the newest *-gpu-tests.json in --results-dir, else in bench/results)")
     p.add_argument("--without-cuda", action="store_true",
                    help="run even without a CUDA device (the gpu tests then skip; to try the runner)")
     return p
