@@ -17,7 +17,7 @@ if [ "${TRITONMOE_TEST_SPLIT:-}" = 1 ] || "$PY" -c "import sys, torch; sys.exit(
   [ $rc -eq 5 ] && rc=0   # no test selected (e.g. -k matched only gpu tests)
   if [ $# -eq 0 ]; then
     out=$(mktemp -d "${TMPDIR:-/tmp}/tritonmoe-gpu-tests.XXXXXX")
-    "$PY" -m bench gpu-tests --without-cuda --out "$out/gpu-tests"
+    "$PY" -m bench gpu-tests --without-cuda --deadline-s 3600 --out "$out/gpu-tests"
     rc2=$?
   else
     "$PY" -m pytest -m gpu "$@"
