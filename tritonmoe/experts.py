@@ -147,9 +147,9 @@ class LocalExperts(ExpertPath):
       the expert weights or the gate weights require grad) and "fused" otherwise. Measured on
       one H100 (bf16, ``bench/results/nvidia-h100-80gb-hbm3-2026-11-26.md``): forward + backward
       the unfused path is faster (Mixtral-like T=16k 65.4 against 83.5 ms, Qwen3-30B-A3B-like
-      T=32k 18.0 against 20.5 ms), forward alone the fused one is as fast or faster (20.4 against
-      20.8 ms, 5.38 against 6.06 ms; decode T <= 64 faster) because it skips the permuted copy
-      of x and the expert-ordered y. The price of training unfused is those buffers, held for
+      T=32k 18.0 against 20.5 ms), forward alone the fused one, which skips the permuted copy
+      of x and the expert-ordered y, is as fast or faster (20.4 against 20.8 ms, 5.38 against
+      6.06 ms; decode T <= 64 faster). The price of training unfused is those buffers, held for
       backward: peak 7.8 against 5.9 GiB at Qwen3-like T=32k (pass ``ffn_path="fused"`` where
       memory is the limit);
     * "fused" elsewhere (the Triton kernels in the interpreter: no timing to go by).
