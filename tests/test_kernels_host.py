@@ -61,3 +61,17 @@ def test_route_problem_is_cached_and_the_override_still_applies():
     # a different problem is a different entry, with its own checks
     with pytest.raises(ValueError, match="tile of"):
         kr._problem(4, 2 * kr.MAX_TILE_LANES, 2, None, None, "softmax", True, None, False, "top2sum", 1.0, True)
+
+
+def test_bench_host_measures_the_router_launchers(tmp_path):
+    """``python -m bench host``: every case measured, each with its stubbed launches counted."""
+    import json
+
+    from bench import host
+
+    out = tmp_path / "host.json"
+    assert host.main(["--calls", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["case"] for r in rows] == [c for c, _ in host.CASES]
+    assert all(r["host_us"] > 0 for r in rows)
+    assert [r["launches_per_call"] for r in rows] == [1, 1, 3]  # fwd kernel; + capacity scan and keep
