@@ -570,3 +570,25 @@ def test_unpermute_split_variant_is_the_same_op(monkeypatch):
     assert S.gather_split_impls(ctx, T, 2, 256, lambda st: None) == []  # one chunk: nothing to compare
     assert S.gather_split_impls(types.SimpleNamespace(backends=("triton",), device=torch.device("cpu"), itemsize=2),
                                 T, k, d, lambda st: None) == []
+
+
+def test_single_device_memory_check_runs_and_accounts(tmp_path):
+    """``python -m bench.memory --single`` (make gpu-memory) on its CPU stand-in: every (degree,
+    strategy) measured, the bytes saved for backward (counted by hooks) and copied to the host
+    equal to the memory model's, and every reuse strategy below keep."""
+    import subprocess
+
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.memory", "--single", "--device", "cpu", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {(r["n"], r["strategy"]) for r in rows} == {(n, s) for n in (2, 4) for s in
+                                                       ("keep", "offload", "recomm", "recompute", "recomm_recompute")}
+    for r in rows:
+        assert r["saved_bytes"] == r["model_bytes"] > 0, r
+        assert r["held_bytes"] is None and r["peak_bytes"] is None  # no device allocator on CPU
+        if r["strategy"] != "keep":
+            keep = next(k for k in rows if k["n"] == r["n"] and k["strategy"] == "keep")
+            assert r["saved_bytes"] < keep["saved_bytes"]
+        assert r["host_bytes"] == r["model_host_bytes"], r  # what went to the host: the layout's offloads
