@@ -63,7 +63,9 @@ class LinaScheduler:
         estimator: a profiled :class:`~tritonmoe.inference.PopularityEstimator` of the stack.
         num_devices: P, the expert-parallel group size.
         max_per_device: Lina's cap on packed experts per device (4).
-        k_top: how many of the most popular experts phase two compares (the paper's top-2).
+        k_top: how many of the most popular experts phase two compares (the paper's top-2); an
+            int in [1, E] (ValueError otherwise: 0 would compare empty sets, so phase two would
+            always resume).
 
     Attributes: ``resumes`` and ``replans`` (phase-two outcomes), ``unplanned`` (layers planned
     from their actual counts because no estimate existed), ``decisions``: per layer call
@@ -76,6 +78,18 @@ class LinaScheduler:
             raise TypeError(f"estimator must be a PopularityEstimator, got {type(estimator).__name__}")
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices={num_devices!r} must be an int >= 1")
+        if isinstance(max_per_device, bool) or not isinstance(max_per_device, int) or max_per_device < 1:
+            raise ValueError(f"max_per_device={max_per_device!r} must be an int >= 1 (Lina's cap is "
+                             f"{MAX_PACKED_PER_DEVICE})")
+        E = estimator.num_experts
+        # phase two compares the k_top most popular experts of the estimate and of the actual
+        # counts (PAPERS.md §1.5, the paper's top-k): k_top = 0 would compare empty sets, so every
+        # layer would "resume" and the gate's counts would never re-plan
+        if isinstance(k_top, bool) or not isinstance(k_top, int):
+            raise TypeError(f"k_top must be an int, got {type(k_top).__name__}")
+        if not 1 <= k_top <= E:
+            raise ValueError(f"k_top={k_top} must be in [1, {E}] (the {E} experts of the estimator): phase two compares "
+                             f"the k_top most popular experts; Lina uses 2, pass k_top={min(2, E)}")
         if estimator.num_experts > max_per_device * num_devices:
             raise ValueError(f"{estimator.num_experts} experts do not fit on {num_devices} devices with "
                              f"max_per_device={max_per_device}")
