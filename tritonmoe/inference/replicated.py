@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._released import _Released, is_released, mark_released
 from .placement import MAX_PACKED_PER_DEVICE, Placement, lina_placement
 from .popularity import PopularityEstimator, top_choices, top_k_match
 
@@ -139,6 +140,34 @@ EXPERT_TENSORS = ("w1", "w2", "b1", "b2")
 _RELEASED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def release_to_host(layer: nn.Module, names: Sequence[str], *, pin: bool) -> dict:
+    """Copy ``layer``'s expert tensors ``names`` into host memory (pinned when ``pin``), release
+    the layer's own copies (empty placeholders on their device) and mark the layer released
+    (:mod:`tritonmoe.inference._released`: a direct call raises
+    :class:`~tritonmoe.inference.ExpertsReleasedError`, ``state_dict`` reports the host copies,
+    ``load_state_dict`` writes into them). Returns the host copy, shared by every later wrapper
+    of the layer. What :class:`ReplicatedMoELayer` does with a layer on a GPU; device-agnostic
+    (a CPU layer with ``pin=False`` goes through the same steps)."""
+    with torch.no_grad():
+        out = {n: torch.empty(getattr(layer, n).shape, dtype=getattr(layer, n).dtype, pin_memory=pin)
+               .copy_(getattr(layer, n).detach()) for n in names}
+        for n in names:  # release the layer's device copies: the host holds them now
+            p = getattr(layer, n)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    _RELEASED[layer] = out
+
+    def write(values: dict) -> None:
+        with torch.no_grad():
+            for n, v in values.items():
+                out[n].copy_(v.detach())
+
+    mark_released(layer, _Released(
+        owner="a ReplicatedMoELayer", names=list(names), host=lambda: out, write=write,
+        call_hint="serve it through the ReplicatedMoELayer that wraps it, on every rank of its group",
+        on_restore=lambda: _RELEASED.pop(layer, None)))
+    return out
+
+
 def _copy_expert(dst: list, src: list, non_blocking: bool) -> None:
     """Copy one expert's tensors (``src``: views of the host copy) into its device slot (``dst``):
     the only host-to-device path of :class:`ReplicatedMoELayer` (tests wrap it to count bytes)."""
@@ -221,8 +250,11 @@ class ReplicatedMoELayer(nn.Module):
             "b2"}`` (the layer's expert tensors' names, shapes and dtypes; CPU tensors, e.g. a
             checkpoint's state dict). Default: the layer's own expert tensors when they are on
             the CPU (shared, not copied); when they are on a GPU they are copied once into pinned
-            host memory and the layer's device copies are released (the layer then no longer
-            runs locally; another wrapper of the same layer shares the host copy).
+            host memory and the layer's device copies are released (:func:`release_to_host`:
+            calling the layer itself then raises
+            :class:`~tritonmoe.inference.ExpertsReleasedError`, its ``state_dict`` reports the
+            host copy and ``load_state_dict`` writes into it; another wrapper of the same layer
+            shares the host copy; :func:`~tritonmoe.inference.restore_experts` undoes it).
         slots: device slots for hosted experts. None: exactly as many as the placement hosts on
             this rank (the buffers are reallocated when that number changes, kept experts copied
             over on the device); an int: a fixed buffer of that many slots, and a placement
@@ -374,17 +406,14 @@ class ReplicatedMoELayer(nn.Module):
             return out
         if layer in _RELEASED:
             return _RELEASED[layer]
+        if is_released(layer):
+            raise ValueError("layer's experts were moved to host memory by another wrapper (an OffloadedExperts stack); "
+                             "close it and call tritonmoe.inference.restore_experts(layer) first, or pass host_experts=")
         ts = {n: getattr(layer, n).detach() for n in self.names}
         if all(t.device.type == "cpu" for t in ts.values()):
             # the layer's CPU copy is the shared source (pinned copies when serving on CUDA)
             return {n: (t.pin_memory() if pin and not t.is_pinned() else t) for n, t in ts.items()}
-        with torch.no_grad():
-            out = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for n, t in ts.items()}
-            for n in self.names:  # release the layer's device copies: the host holds them now
-                p = getattr(layer, n)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        _RELEASED[layer] = out
-        return out
+        return release_to_host(layer, self.names, pin=True)
 
     # -- placement -----------------------------------------------------------------------------
 
