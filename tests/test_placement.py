@@ -204,9 +204,17 @@ def test_split_named_cases():
 
 # -- Lina is never worse than the contiguous layout --------------------------------------------
 
-_peak_loads = st.integers(1, 8).flatmap(
-    lambda N: st.tuples(st.just(N), st.integers(1, MAX_PACKED_PER_DEVICE).flatmap(
-        lambda L: st.lists(st.one_of(st.just(0.0), st.floats(0, 100)), min_size=N * L, max_size=N * L))))
+def _layouts(devices, per_device, value):
+    return devices.flatmap(lambda N: st.tuples(st.just(N), per_device.flatmap(
+        lambda L: st.lists(value, min_size=N * L, max_size=N * L))))
+
+
+# any layout, and the dense one where first-fit-decreasing overflows most (2-3 devices of 3-4
+# experts whose sizes fill the devices exactly: 17% of random 8-on-2 loads lost to contiguous)
+_peak_loads = st.one_of(
+    _layouts(st.integers(1, 8), st.integers(1, MAX_PACKED_PER_DEVICE), st.one_of(st.just(0.0), st.floats(0, 100))),
+    _layouts(st.integers(2, 3), st.integers(3, MAX_PACKED_PER_DEVICE), st.floats(1, 100)),
+)
 
 
 @given(_peak_loads)
