@@ -319,6 +319,14 @@ def released_case(rank: int, P: int, device: str = "cpu", group=None) -> dict:
         sd, rsd = layer.state_dict(), rep.state_dict()
         out["state_dict"] = all(bool(torch.equal(sd[n].to(device), getattr(ref, n))) for n in names) and all(
             bool(torch.equal(rsd["layer." + n].to(device), getattr(ref, n))) for n in names)
+        import io
+
+        buf = io.BytesIO()
+        torch.save(layer, buf)  # the whole module (still picklable), loaded back: released, the same weights
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+        out["pickled"] = is_released(clone) and all(bool(torch.equal(clone.state_dict()[n].to(device), getattr(ref, n)))
+                                                    for n in names)
         fresh = tm.MoELayer(cfg, device=device, dtype=dt)
         fresh.load_state_dict(sd)
         out["fresh_equal"] = bool(torch.equal(fresh(x), want))

@@ -158,7 +158,7 @@ def _check_released(s: dict) -> None:
     assert "error" not in s, s.get("error")
     assert s["released"] and s["equal"]
     assert s["direct"] == "ok", s["direct"]  # a typed refusal naming the wrapper and the fix
-    assert s["state_dict"] and s["fresh_equal"]  # the real weights, not empty tensors
+    assert s["state_dict"] and s["fresh_equal"] and s["pickled"]  # the real weights, not empty tensors
     assert s["load_equal"] and s["bad_shape"] == "ok", s["bad_shape"]
     assert s["restored"] and s["restore_twice"] == "ok", s["restore_twice"]
 

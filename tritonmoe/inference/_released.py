@@ -29,6 +29,10 @@ __all__ = ["ExpertsReleasedError", "restore_experts", "is_released"]
 _ATTR = "_tritonmoe_released"
 
 
+def _nothing() -> None:
+    return None
+
+
 class ExpertsReleasedError(RuntimeError):
     """A released layer (its expert weights live in host memory, held by a serving wrapper) was
     called directly, or restored while its wrapper still serves it."""
@@ -36,13 +40,15 @@ class ExpertsReleasedError(RuntimeError):
 
 @dataclass
 class _Released:
+    # (module-level functions and partials where the wrapper allows it: a released layer of a
+    # ReplicatedMoELayer stays picklable, e.g. torch.save(model))
     owner: str  # the wrapper, for the messages
     names: list  # the released expert tensors' names
     host: Callable[[], dict]  # name -> the full [E, ...] weights (host tensors)
     write: Optional[Callable[[dict], None]]  # writes full weights into the host copy; None: read-only
     call_hint: str  # what serves the layer instead, for the direct-call refusal
-    busy: Callable[[], Optional[str]] = lambda: None  # why restoring is refused now (None: allowed)
-    on_restore: Callable[[], None] = lambda: None
+    busy: Callable[[], Optional[str]] = _nothing  # why restoring is refused now (None: allowed)
+    on_restore: Callable[[], None] = _nothing
     handles: list = field(default_factory=list)
 
 

@@ -41,6 +41,7 @@ its actual counts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from typing import Mapping, Optional, Sequence
@@ -155,17 +156,26 @@ def release_to_host(layer: nn.Module, names: Sequence[str], *, pin: bool) -> dic
             p = getattr(layer, n)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     _RELEASED[layer] = out
-
-    def write(values: dict) -> None:
-        with torch.no_grad():
-            for n, v in values.items():
-                out[n].copy_(v.detach())
-
     mark_released(layer, _Released(
-        owner="a ReplicatedMoELayer", names=list(names), host=lambda: out, write=write,
+        owner="a ReplicatedMoELayer", names=list(names), host=functools.partial(_identity, out),
+        write=functools.partial(_write_into, out),
         call_hint="serve it through the ReplicatedMoELayer that wraps it, on every rank of its group",
-        on_restore=lambda: _RELEASED.pop(layer, None)))
+        on_restore=functools.partial(_forget_released, layer)))
     return out
+
+
+def _identity(x):
+    return x
+
+
+def _write_into(host: dict, values: dict) -> None:
+    with torch.no_grad():
+        for n, v in values.items():
+            host[n].copy_(v.detach())
+
+
+def _forget_released(layer) -> None:
+    _RELEASED.pop(layer, None)
 
 
 def _copy_expert(dst: list, src: list, non_blocking: bool) -> None:
