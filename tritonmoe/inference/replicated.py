@@ -54,7 +54,7 @@ from ._released import _Released, is_released, mark_released
 from .placement import MAX_PACKED_PER_DEVICE, Placement, lina_placement
 from .popularity import PopularityEstimator, top_choices, top_k_match
 
-__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments"]
+__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments", "release_to_host"]
 
 
 class LinaScheduler:
@@ -418,7 +418,7 @@ class ReplicatedMoELayer(nn.Module):
             return _RELEASED[layer]
         if is_released(layer):
             raise ValueError("layer's experts were moved to host memory by another wrapper (an OffloadedExperts stack); "
-                             "close it and call tritonmoe.inference.restore_experts(layer) first, or pass host_experts=")
+                             "close it and call tritonmoe.inference.restore_experts(layer) first")
         ts = {n: getattr(layer, n).detach() for n in self.names}
         if all(t.device.type == "cpu" for t in ts.values()):
             # the layer's CPU copy is the shared source (pinned copies when serving on CUDA)
