@@ -193,6 +193,7 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
 
     import torch.distributed as dist
 
+    from .comm.compat import all_gather_single
     from .comm.errors import backend_errors
 
     err: Optional[BaseException] = None
@@ -223,7 +224,7 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
         W = dist.get_world_size(group)
         table_t = torch.empty(W * 4, dtype=torch.int64, device=dev)
         with backend_errors("update_expert_bias's argument check (all-gather)", group):
-            dist.all_gather_into_tensor(table_t, head, group=group)
+            all_gather_single(table_t, head, group=group)
         table = table_t.view(W, 4).tolist()  # host sync: the verdict (the update path, once per step)
         failed = [r for r in range(W) if table[r][0]]
         if err is not None:
