@@ -10,8 +10,9 @@ FUZZ_FACTOR ?= 10
 FUZZ_BUDGET_S ?= 1200
 
 CHECK_ARGS ?=
+GPU_TESTS_ARGS ?=
 
-.PHONY: setup bench test fuzz clean gpu-check gpu-profile
+.PHONY: setup bench test fuzz clean gpu-check gpu-profile gpu-tests
 
 $(VENV)/.tritonmoe-setup: pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -24,13 +25,25 @@ bench: setup
 test: setup
 	bash scripts/run_tests.sh $(PY) $(TEST_ARGS)
 
-# GPU verification on one H100/H200 (no network needed; under 9 minutes): the gpu-marked tests,
-# the harness's core set against roofs and baselines measured in the same run, and the target
-# table; writes bench/results/<gpu>-<date>.{json,md}. Without a GPU it runs end to end at CPU
-# stand-in shapes and says that the GPU targets are skipped. On a copy of the tree without .git,
-# name the commit: make gpu-check TRITONMOE_BENCH_COMMIT=<sha>.
+# GPU verification on one H100/H200 (no network needed; under 9 minutes): the gpu-marked tests
+# (as in gpu-tests, capped at 330 s), the harness's core set against roofs and baselines measured
+# in the same run, and the target table with the tests' outcome; writes
+# bench/results/<gpu>-<date>.{json,md} and <gpu>-<date>-gpu-tests.{json,md}. Without a GPU it runs
+# end to end at CPU stand-in shapes and says that the GPU targets are skipped. On a copy of the
+# tree without .git, name the commit: make gpu-check TRITONMOE_BENCH_COMMIT=<sha>. To spend one
+# device call on the tests and one on the benchmarks: make gpu-tests, then
+# make gpu-check CHECK_ARGS=--skip-tests.
 gpu-check: setup
 	$(PY) -m bench check $(CHECK_ARGS)
+
+# The gpu-marked tests alone (python -m bench gpu-tests, bench/gpu_tests.py): collected once,
+# split into up to 8 pytest processes balanced by estimated time and run at once on the one GPU
+# (Triton's JIT compiles on all cores; a crash or hang takes down only its shard, whose unstarted
+# tests rerun in a new one); one deadline (default 480 s); per-test status and shard, and the tail
+# of each failing shard, in bench/results/<gpu>-<date>-gpu-tests.{json,md} (shard logs beside).
+# E.g. make gpu-tests GPU_TESTS_ARGS="--shards 12 --deadline-s 300 -- -k routing".
+gpu-tests: setup
+	$(PY) -m bench gpu-tests $(GPU_TESTS_ARGS)
 
 # The same shapes under the PyTorch profiler: the kernels each entry launches, time per call.
 gpu-profile: setup

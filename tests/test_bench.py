@@ -542,3 +542,31 @@ def test_gpu_smoke(tmp_path):
             assert r["memory"]["peak_bytes"] > 0
     layer = [r for r in doc["results"] if r["suite"] == "layer" and r["status"] == "ok"]
     assert layer and all(r["memory"]["ratio"] > 0 for r in layer)
+
+
+def test_unpermute_split_variant_is_the_same_op(monkeypatch):
+    """The GPU-only "triton-split" unpermute entry (one d-chunk per program) computes what the
+    default launch does; it exists only when the row spans several chunks."""
+    import types
+
+    import tritonmoe as tm
+    from bench import suites as S
+    from tritonmoe import reference
+    from tritonmoe.kernels import permute as kp
+
+    monkeypatch.setattr(kp, "_sms", lambda device: 1)  # a "CUDA" device with enough tokens to loop; CPU tensors
+    ctx = types.SimpleNamespace(backends=("torch", "triton"), device=torch.device("cuda"), itemsize=2)
+    T, k, d, E = 16, 8, 2048, 8
+    g = torch.Generator().manual_seed(0)
+    r = reference.route(torch.randn(T, E, generator=g), k)
+    _, info = reference.permute(torch.empty(T, 0), r.topk_ids, E)
+    st = dict(y=torch.randn(T * k, d, generator=g), info=info, w=r.topk_weights)
+    impls = S.gather_split_impls(ctx, T, k, d, lambda st: tm.unpermute(st["y"], st["info"], st["w"], backend="triton"))
+    assert [name for name, _, _ in impls] == ["triton-split"]
+    got = impls[0][1](st)
+    want = tm.unpermute(st["y"], st["info"], st["w"], backend="triton")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, reference.unpermute(st["y"], info, st["w"]), rtol=1e-5, atol=1e-5)
+    assert S.gather_split_impls(ctx, T, 2, 256, lambda st: None) == []  # one chunk: nothing to compare
+    assert S.gather_split_impls(types.SimpleNamespace(backends=("triton",), device=torch.device("cpu"), itemsize=2),
+                                T, k, d, lambda st: None) == []
