@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather_single
 from .errors import LaneStartError, ScheduleError, backend_errors, lane_start
 from .timeline import Timeline
 
@@ -523,7 +524,7 @@ class RealExecutor(Executor):
             self._record_inputs(lane, t)
             P = dist.get_world_size(group)
             out = t.new_empty((P * t.shape[0],) + tuple(t.shape[1:]))
-            work = dist.all_gather_into_tensor(out, t, group=group, async_op=True)
+            work = all_gather_single(out, t, group=group, async_op=True)
             return out, work
 
         return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)

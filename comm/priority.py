@@ -68,6 +68,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather_single
 from .errors import LaneStartError, ScheduleError, backend_errors, lane_start
 from .timeline import Timeline
 
@@ -154,14 +155,9 @@ def ordered_all_reduce_(t: torch.Tensor, group=None) -> torch.Tensor:
         acc += rows[r]
     out = torch.empty_like(send)
     with backend_errors("the ordered allreduce's all-gather", group):
-        _all_gather_single()(out, acc, group=group)
+        all_gather_single(out, acc, group=group)
     t.view(-1).copy_(out[:n])
     return t
-
-
-def _all_gather_single():
-    """``all_gather_single`` (torch >= 2.12) or its older name ``all_gather_into_tensor``."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass

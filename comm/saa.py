@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather_single
 from .errors import backend_errors
 from .executor import COMM, COMM2, Executor, Handle, RealExecutor, VirtualTensor, Work
 from .splits import _as_int_list, check_splits, comm_device, exchange_splits, group_rank_size
@@ -287,7 +288,7 @@ def saa(
     mine = torch.tensor([rank] + recv, dtype=torch.int64, device=comm_device(mp_group))
     table = torch.empty(n_mp * (P + 1), dtype=torch.int64, device=mine.device)
     with backend_errors("SAA's exchange of the MP members' receive splits", mp_group):
-        dist.all_gather_into_tensor(table, mine, group=mp_group)
+        all_gather_single(table, mine, group=mp_group)
     rows = table.view(n_mp, P + 1).tolist()  # host sync: peer chunk sizes are host ints
     peers = [r[0] for r in rows]
     peer_recv = [r[1:] for r in rows]

@@ -117,7 +117,8 @@ class Counter:
     and the rows of every grouped-FFN call."""
 
     NAMES = {
-        "all_to_all_single": "all_to_all", "all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce",
+        "all_to_all_single": "all_to_all", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+        "all_reduce": "all_reduce",
         "reduce_scatter_tensor": "reduce_scatter", "batch_isend_irecv": "p2p",
     }
 
@@ -153,7 +154,8 @@ class Counter:
     def installed(self):
         from tritonmoe import dispatch
 
-        saved = {n: getattr(dist, n) for n in self.NAMES}
+        # (all_gather_single exists from torch 2.12; tritonmoe.comm.compat calls it where it does)
+        saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
         spec = dispatch.OPS["grouped_ffn"]
         ffn = spec.reference
 
@@ -163,7 +165,7 @@ class Counter:
             return ffn(x, *args, **kwargs)
 
         counting_ffn.defers_weight_grad = getattr(ffn, "defers_weight_grad", False)
-        for n in self.NAMES:
+        for n in saved:
             setattr(dist, n, self._wrap(n, saved[n]))
         dispatch.OPS["grouped_ffn"] = dataclasses.replace(spec, reference=counting_ffn)
         try:

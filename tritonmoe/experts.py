@@ -548,8 +548,7 @@ class StaticExpertParallelExperts(ExpertPath):
         """Re-agree on the rows' dtype when this rank's changed (see the class docstring)."""
         if dtype == self.wire_dtype:
             return
-        import torch.distributed as dist
-
+        from .comm.compat import all_gather_single
         from .comm.errors import ScheduleError, backend_errors
         from .comm.splits import comm_device
 
@@ -559,7 +558,7 @@ class StaticExpertParallelExperts(ExpertPath):
         table = torch.empty(P, dtype=torch.int64, device=mine.device)
         try:
             with backend_errors("the static expert-parallel dtype re-agreement", self._control):
-                dist.all_gather_into_tensor(table, mine, group=self._control)
+                all_gather_single(table, mine, group=self._control)
         except ScheduleError as e:
             raise TypeError(
                 f"rank {self.rank}'s expert-parallel rows are {dtype} but the group agreed on {self.wire_dtype}, and the "

@@ -42,6 +42,7 @@ from .._validation import GLU_ACTIVATIONS
 import torch.distributed as dist
 
 from tritonmoe.comm.splits import comm_device, new_group
+from tritonmoe.comm.compat import all_gather_single
 
 from .cost_model import COLLECTIVES, CommSample, ComputeSample, CostModel, HostSample, InterferenceSample
 from .work import HOST, WorkModel
@@ -106,7 +107,7 @@ def _collective(kind: str, nbytes: int, group, g: int, device: torch.device, dty
         return lambda: dist.all_to_all_single(y, x, group=group)
     if kind == "all_gather":
         y = torch.empty(n * g, device=device, dtype=dtype)
-        return lambda: dist.all_gather_into_tensor(y, x, group=group)
+        return lambda: all_gather_single(y, x, group=group)
     if kind == "reduce_scatter":
         y = torch.empty(n // g, device=device, dtype=dtype)
 
