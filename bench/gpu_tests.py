@@ -427,6 +427,11 @@ def _results_of(shard: Shard, events: list[dict]) -> tuple[dict[str, dict], list
                 rec["message"] = "collection error: " + collect_errors[0].get("msg", "")
             elif shard.stopped or shard.culprit:
                 rec["message"] = f"its shard stopped before it ({shard.stopped or 'crashed'})"
+            elif shard.rc not in (0, 1, 5) and not started:
+                # pytest ran none of the shard's tests and says why in its log (a usage error,
+                # "not found: <id>" for an id the collection pass had, or an internal error)
+                rec["status"] = "error"
+                rec["message"] = f"its shard exited (status {shard.rc}) before any test started (see its log)"
             else:
                 rec["message"] = f"its shard exited (status {shard.rc}) without running it"
             if t not in started:

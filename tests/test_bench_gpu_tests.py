@@ -238,7 +238,9 @@ def test_runner_does_not_count_what_did_not_finish(tmp_path, monkeypatch):
     exit status 1 (``os._exit(1)``, as LLVM's fatal errors do) has only its setup report, and
     must read "crashed", not "passed", with the tests after it run again; a file that imports in
     the collection pass but not in its shard reads "error"; a shard stuck at exit (a non-daemon
-    thread) is stopped after the per-test timeout, its test keeping its result. Also: pytest
+    thread) is stopped after the idle timeout, its test keeping its result; a shard whose pytest
+    exits with a usage error ("not found": an id that differs between the collection pass and
+    the shard) reads "error", not "not run" (which would make the run "timed out"). Also: pytest
     arguments that change what ``--collect-only`` prints (``-v``) still find every test, and a
     relative output prefix with ``root`` elsewhere keeps every file under it (the shards run in
     ``root``)."""
@@ -272,18 +274,26 @@ pytestmark = pytest.mark.gpu
 def test_thread():
     threading.Thread(target=time.sleep, args=(120,)).start()  # not a daemon: the exit waits
 ''',
+        "test_f.py": '''
+import os, pytest
+pytestmark = pytest.mark.gpu
+
+@pytest.mark.parametrize("v", ["x" if os.environ.get("TRITONMOE_SHARD_EVENTS", "").endswith("collect.events") else "y"])
+def test_f(v):
+    pass
+''',
     }
     root = _fake_tree(tmp_path, files)
     monkeypatch.chdir(tmp_path)
     heavy = frozenset(f"tests/test_c.py::{n}" for n in ("test_one", "test_exit1", "test_after"))
-    opt = GT.Options(root=root, shards=3, test_timeout_s=30, idle_timeout_s=8, min_start_s=1, deadline_s=90,
+    opt = GT.Options(root=root, shards=4, test_timeout_s=30, idle_timeout_s=8, min_start_s=1, deadline_s=90,
                      heavy=heavy, pytest_args=("-v",))
     s = GT.run(opt, out_prefix="rel/sum", log=lambda line: None)
     by_id = {t["id"]: t for t in s["tests"]}
     assert {k: v["status"] for k, v in by_id.items()} == {
         "tests/test_c.py::test_one": "passed", "tests/test_c.py::test_exit1": "crashed",
         "tests/test_c.py::test_after": "passed", "tests/test_d.py::test_d1": "error",
-        "tests/test_e.py::test_thread": "passed"}
+        "tests/test_e.py::test_thread": "passed", "tests/test_f.py::test_f[x]": "error"}
     assert "exit status 1" in by_id["tests/test_c.py::test_exit1"]["message"]
     assert by_id["tests/test_c.py::test_after"]["shard"] == "0.1"
     assert "only the collection pass" in by_id["tests/test_d.py::test_d1"]["message"]
@@ -292,7 +302,7 @@ def test_thread():
     assert s["status"] == "failed"
     assert (tmp_path / "rel" / "sum.json").exists() and not (root / "rel").exists()
     assert sorted(p.name for p in (tmp_path / "rel" / "sum-logs").iterdir()) == sorted(
-        f"shard-{n}.{ext}" for n in ("0", "0.1", "1", "2") for ext in ("log", "events"))
+        f"shard-{n}.{ext}" for n in ("0", "0.1", "1", "2", "3") for ext in ("log", "events"))
 
 
 def test_runner_stops_its_shards_when_terminated(tmp_path):
