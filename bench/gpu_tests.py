@@ -337,7 +337,10 @@ def _start(shard: Shard, opt: Options, now: float) -> None:
 def _stop(shard: Shard) -> None:
     """SIGTERM to the shard's process group, SIGKILL after the grace period; waits for it."""
     proc = shard.proc
-    if proc is None or proc.poll() is not None:
+    if proc is None:
+        return
+    if proc.poll() is not None:  # it exited on its own meanwhile: what it started may not have
+        _kill_group(proc)
         return
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
         try:
