@@ -177,7 +177,8 @@ def test_later():
     events = tmp_path / "out-logs" / "shard-0.events"
 
     def clock():
-        slow_started = events.exists() and "test_slow" in events.read_text()
+        # its "start" event (the shard's "collected" events name it before it runs)
+        slow_started = events.exists() and '"start", "id": "tests/test_slow.py::test_slow"' in events.read_text()
         return time.monotonic() + (10_000.0 if slow_started else 0.0)
 
     opt = GT.Options(root=root, shards=1, test_timeout_s=100, min_start_s=1, deadline_s=300)
