@@ -10,9 +10,10 @@ FUZZ_FACTOR ?= 10
 FUZZ_BUDGET_S ?= 1200
 
 CHECK_ARGS ?=
+MEMORY_ARGS ?=
 GPU_TESTS_ARGS ?=
 
-.PHONY: setup bench test fuzz clean gpu-check gpu-profile gpu-tests
+.PHONY: setup bench test fuzz clean gpu-check gpu-profile gpu-memory gpu-tests gpu-extras
 
 $(VENV)/.tritonmoe-setup: pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -48,6 +49,20 @@ gpu-tests: setup
 # The same shapes under the PyTorch profiler: the kernels each entry launches, time per call.
 gpu-profile: setup
 	$(PY) -m bench profile $(CHECK_ARGS)
+
+# MPMoE's memory strategies on one GPU (an expert-parallel group of one rank): the device memory
+# held between forward and backward and the peak per (degree, strategy), against the memory
+# model, and how much of the offload copies ran behind compute (about a minute; prints a table).
+gpu-memory: setup
+	$(PY) -m bench.memory --single $(MEMORY_ARGS)
+
+# What gpu-check leaves out, for a second device call beside it (a few minutes): the grouped-GEMM
+# variants (tile, persistent TMA, torch._grouped_mm) at the issue's presets, and gpu-memory;
+# files in bench/results named by date.
+gpu-extras: setup
+	$(PY) -m bench gemm --json bench/results/gemm-variants-$$(date -u +%F).json \
+		--markdown bench/results/gemm-variants-$$(date -u +%F).md
+	$(PY) -m bench.memory --single --json bench/results/gpu-memory-$$(date -u +%F).json $(MEMORY_ARGS)
 
 fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz TRITONMOE_FUZZ_FACTOR=$(FUZZ_FACTOR) TRITONMOE_FUZZ_BUDGET_S=$(FUZZ_BUDGET_S) \
