@@ -8,6 +8,8 @@ happens, so the runner knows what a shard did even when it is killed or crashes 
   teardown);
 * ``{"e": "finish", "id"}`` when its teardown is over;
 * ``{"e": "collect_error", "id", "msg"}`` for a file that failed to collect;
+* ``{"e": "collected", "id"}`` for each test selected once collection is over (the collection
+  pass reads the node ids from these, whatever the verbosity or output of pytest);
 * ``{"e": "end", "rc"}`` at the end of the session.
 
 Standard library only; without the variable it does nothing.
@@ -63,6 +65,11 @@ def pytest_runtest_logfinish(nodeid, location):
 def pytest_collectreport(report):
     if report.failed:
         _emit(e="collect_error", id=report.nodeid, msg=_message(report))
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        _emit(e="collected", id=item.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -16,6 +16,9 @@ costs the tests nothing since none times itself). Standard library only (subproc
 * Hangs: a test running longer than ``--test-timeout-s`` has its shard killed (pytest's
   faulthandler dumps its stack into the shard log first); it is reported "timed out" and the
   shard's remaining tests go to a new shard.
+* Stuck outside a test (collection, or at exit: a non-daemon thread, a process group's
+  teardown): a shard with no test running that writes no event for ``idle_timeout_s`` is
+  killed; its tests keep their results.
 * One deadline (``--deadline-s``) for the whole run: shards still running then are killed; their
   test in progress reads "timed out", the ones not started "not run". No shard starts when less
   than ``MIN_START_S`` is left.
@@ -36,6 +39,7 @@ newest ``*-gpu-tests.json`` in the results directory, else in ``bench/results``)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -175,6 +179,7 @@ class Options:
     shards: int = DEFAULT_SHARDS
     deadline_s: float = DEFAULT_DEADLINE_S
     test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S
+    idle_timeout_s: float = DEFAULT_TEST_TIMEOUT_S
     min_start_s: float = MIN_START_S
     threads_per_shard: Optional[int] = None
     heavy: frozenset = HEAVY
@@ -197,23 +202,42 @@ def _child_env(opt: Options, extra: dict) -> dict:
 
 
 def collect(opt: Options, timeout_s: float) -> tuple[list[str], str]:
-    """The node ids ``pytest -m <marker> --collect-only -q`` finds, and an error ("" if none)."""
-    cmd = _base_cmd(opt) + ["--collect-only", "-q", *opt.paths]
-    try:
-        proc = subprocess.run(cmd, cwd=opt.root, capture_output=True, text=True, timeout=timeout_s,
-                              env=_child_env(opt, {}))
-    except subprocess.TimeoutExpired:
-        return [], f"collection did not finish in {timeout_s:.0f} s"
-    except OSError as exc:
-        return [], f"collection could not start: {exc}"
+    """The node ids ``pytest -m <marker> --collect-only -q`` finds, and an error ("" if none).
+
+    The ids come from :mod:`bench._shard_plugin`'s "collected" events (exact, whatever the
+    verbosity or output: ``-- -v`` or ``-- -q`` change what ``--collect-only`` prints); the
+    printed list is read only when the plugin wrote nothing."""
+    import tempfile
+
+    cmd = _base_cmd(opt) + ["-p", "bench._shard_plugin", "--collect-only", "-q", *opt.paths]
+    with tempfile.TemporaryDirectory(prefix="tritonmoe-collect-") as tmp:
+        events = Path(tmp) / "collect.events"
+        try:
+            proc = subprocess.run(cmd, cwd=opt.root, capture_output=True, text=True, timeout=timeout_s,
+                                  env=_child_env(opt, {"TRITONMOE_SHARD_EVENTS": str(events)}))
+        except subprocess.TimeoutExpired:
+            return [], f"collection did not finish in {timeout_s:.0f} s"
+        except OSError as exc:
+            return [], f"collection could not start: {exc}"
+        try:
+            lines = events.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            lines = []
     out = proc.stdout + proc.stderr
     if "No module named pytest" in out:
         return [], "pytest is not installed"
     ids: list[str] = []
-    for line in proc.stdout.splitlines():  # the ids, one a line, up to the first blank or ==== line
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("e") == "collected" and ev["id"] not in ids:
+            ids.append(ev["id"])
+    for line in ([] if lines else proc.stdout.splitlines()):  # the ids, one a line, up to the first blank or ==== line
         if not line.strip() or line.startswith("="):
             break  # (a warnings summary after it names node ids again)
-        if "::" in line and not line.startswith(" ") and line not in ids:
+        if "::" in line and not line.startswith(" ") and line.strip() not in ids:
             ids.append(line.strip())
     if proc.returncode == 5:  # nothing selected
         return [], ""
@@ -270,6 +294,14 @@ class Shard:
                 current = None
         return current
 
+    def idle_s(self) -> float:
+        """Seconds since the shard last wrote an event (or started: its events file is created
+        then)."""
+        try:
+            return time.time() - self.events_path.stat().st_mtime
+        except OSError:
+            return 0.0
+
     def tail(self, lines: int = 40) -> str:
         """The end of the shard's output; where the faulthandler dumped a stack (a crash, or a
         test past pytest's faulthandler_timeout) the start of that dump, which names the
@@ -305,7 +337,10 @@ def _start(shard: Shard, opt: Options, now: float) -> None:
 def _stop(shard: Shard) -> None:
     """SIGTERM to the shard's process group, SIGKILL after the grace period; waits for it."""
     proc = shard.proc
-    if proc is None or proc.poll() is not None:
+    if proc is None:
+        return
+    if proc.poll() is not None:  # it exited on its own meanwhile: what it started may not have
+        _kill_group(proc)
         return
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
         try:
@@ -317,11 +352,36 @@ def _stop(shard: Shard) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    # leftovers of its process group (children that outlived pytest)
+    _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to what is left of a shard's process group (children that outlived pytest; the
+    group keeps its id, which the kernel does not reuse while a member lives)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """SIGTERM raises SystemExit(143) in the block (main thread only), so the runner's cleanup
+    runs; the previous handler is restored after."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _outcome(reports: list[dict]) -> tuple[str, str, float]:
@@ -366,9 +426,15 @@ def _results_of(shard: Shard, events: list[dict]) -> tuple[dict[str, dict], list
         else:
             rec["status"] = "not run"
             if collect_errors and t not in started:
+                rec["status"] = "error"  # its shard failed to collect it: pytest ran none of them
                 rec["message"] = "collection error: " + collect_errors[0].get("msg", "")
-            elif shard.stopped == "deadline" or shard.culprit:
+            elif shard.stopped or shard.culprit:
                 rec["message"] = f"its shard stopped before it ({shard.stopped or 'crashed'})"
+            elif shard.rc not in (0, 1, 5) and not started:
+                # pytest ran none of the shard's tests and says why in its log (a usage error,
+                # "not found: <id>" for an id the collection pass had, or an internal error)
+                rec["status"] = "error"
+                rec["message"] = f"its shard exited (status {shard.rc}) before any test started (see its log)"
             else:
                 rec["message"] = f"its shard exited (status {shard.rc}) without running it"
             if t not in started:
@@ -389,7 +455,7 @@ def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[st
 
         log_dir = Path(tempfile.mkdtemp(prefix="tritonmoe-gpu-tests-"))
     else:
-        log_dir = Path(f"{out_prefix}-logs")
+        log_dir = Path(f"{out_prefix}-logs").absolute()  # the shards' cwd is opt.root
         log_dir.mkdir(parents=True, exist_ok=True)
     summary = dict(kind="tritonmoe gpu-tests", marker=opt.marker, paths=list(opt.paths),
                    pytest_args=list(opt.pytest_args), shards_planned=0, jobs=opt.shards, deadline_s=opt.deadline_s,
@@ -417,7 +483,10 @@ def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[st
 
     def finish(shard: Shard) -> None:
         events = shard.events()
-        if shard.culprit is None and (shard.stopped or (shard.rc is not None and shard.rc not in (0, 1, 5))):
+        if shard.culprit is None:
+            # a test that started and never finished: the process died in it, whatever its exit
+            # status (os._exit(1), LLVM's fatal errors exit 1: its setup report alone must not
+            # read "passed")
             cur = shard.running(events)
             shard.culprit = cur[0] if cur else None
         res, unstarted = _results_of(shard, events)
@@ -436,40 +505,55 @@ def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[st
                                      Path(f"{base}.log"), Path(f"{base}.events"), retries=shard.retries + 1))
                 log(f"  shard {label}: the {len(unstarted)} tests shard {shard.label} had not started")
 
-    while pending or running:
-        now = clock()
-        while pending and len(running) < opt.shards and deadline - now >= opt.min_start_s:
-            shard = pending.pop(0)
-            _start(shard, opt, now)
-            running.append(shard)
-        if not running:
-            break  # what is pending cannot start before the deadline
-        if now >= deadline:
-            for shard in running:
-                shard.stopped = "deadline"
-                cur = shard.running(shard.events())
-                shard.culprit = cur[0] if cur else None
-                _stop(shard)
-                shard.ended, shard.rc = clock(), shard.proc.returncode
-                finish(shard)
-            running = []
-            break
-        for shard in list(running):
-            rc = shard.proc.poll()
-            if rc is not None:
-                shard.ended, shard.rc = clock(), rc
-                running.remove(shard)
-                finish(shard)
-                continue
-            cur = shard.running(shard.events())
-            if cur is not None and time.time() - cur[1] > opt.test_timeout_s:
-                shard.stopped = f"test timeout {opt.test_timeout_s:.0f} s"
-                shard.culprit = cur[0]
-                _stop(shard)
-                shard.ended, shard.rc = clock(), shard.proc.returncode
-                running.remove(shard)
-                finish(shard)
-        time.sleep(0.2)
+    # A shard runs in its own session (so it can be killed with what it started): an interrupt
+    # (Ctrl-C, or SIGTERM from a device call's time limit) does not reach it, so the runner stops
+    # the running shards itself before it goes.
+    try:
+        with _sigterm_as_exit():
+            while pending or running:
+                now = clock()
+                while pending and len(running) < opt.shards and deadline - now >= opt.min_start_s:
+                    shard = pending.pop(0)
+                    _start(shard, opt, now)
+                    running.append(shard)
+                if not running:
+                    break  # what is pending cannot start before the deadline
+                if now >= deadline:
+                    for shard in running:
+                        shard.stopped = "deadline"
+                        cur = shard.running(shard.events())
+                        shard.culprit = cur[0] if cur else None
+                        _stop(shard)
+                        shard.ended, shard.rc = clock(), shard.proc.returncode
+                        finish(shard)
+                    running = []
+                    break
+                for shard in list(running):
+                    rc = shard.proc.poll()
+                    if rc is not None:
+                        _kill_group(shard.proc)  # what its tests started and left running
+                        shard.ended, shard.rc = clock(), rc
+                        running.remove(shard)
+                        finish(shard)
+                        continue
+                    cur = shard.running(shard.events())
+                    if cur is not None and time.time() - cur[1] > opt.test_timeout_s:
+                        shard.stopped = f"test timeout {opt.test_timeout_s:.0f} s"
+                        shard.culprit = cur[0]
+                    elif cur is None and shard.idle_s() > opt.idle_timeout_s:
+                        # no test running and no event for that long: stuck in collection or at
+                        # exit (a non-daemon thread, a process group's teardown)
+                        shard.stopped = f"no test running for {opt.idle_timeout_s:.0f} s"
+                    if shard.stopped:
+                        _stop(shard)
+                        shard.ended, shard.rc = clock(), shard.proc.returncode
+                        running.remove(shard)
+                        finish(shard)
+                time.sleep(0.2)
+    except BaseException:
+        for shard in running:
+            _stop(shard)
+        raise
     for shard in pending:  # never started: the deadline came first
         for t in shard.ids:
             results[t] = dict(id=t, shard=shard.label, status="not run", duration_s=None,
@@ -632,7 +716,7 @@ def main(argv: list[str]) -> int:
             return 0
     opt = Options(root=Path(args.root), paths=tuple(p for p in args.paths.split(",") if p), marker=args.marker,
                   pytest_args=tuple(extra), shards=max(1, args.shards), deadline_s=args.deadline_s,
-                  test_timeout_s=args.test_timeout_s)
+                  test_timeout_s=args.test_timeout_s, idle_timeout_s=args.test_timeout_s)
     prefix = args.out or _default_prefix(args.results_dir)
     est = args.estimates or newest_summary(Path(prefix).parent)
     measured = load_measured(est)

@@ -177,7 +177,8 @@ def test_later():
     events = tmp_path / "out-logs" / "shard-0.events"
 
     def clock():
-        slow_started = events.exists() and "test_slow" in events.read_text()
+        # its "start" event (the shard's "collected" events name it before it runs)
+        slow_started = events.exists() and '"start", "id": "tests/test_slow.py::test_slow"' in events.read_text()
         return time.monotonic() + (10_000.0 if slow_started else 0.0)
 
     opt = GT.Options(root=root, shards=1, test_timeout_s=100, min_start_s=1, deadline_s=300)
@@ -231,3 +232,123 @@ def torch_device():
     import torch
 
     return torch.device("cpu")
+
+
+def test_runner_does_not_count_what_did_not_finish(tmp_path, monkeypatch):
+    """Ways a summary could lie, each in a shard of its own: a test that ends its process with
+    exit status 1 (``os._exit(1)``, as LLVM's fatal errors do) has only its setup report, and
+    must read "crashed", not "passed", with the tests after it run again; a file that imports in
+    the collection pass but not in its shard reads "error"; a shard stuck at exit (a non-daemon
+    thread) is stopped after the idle timeout, its test keeping its result; a shard whose pytest
+    exits with a usage error ("not found": an id that differs between the collection pass and
+    the shard) reads "error", not "not run" (which would make the run "timed out"). Also: pytest
+    arguments that change what ``--collect-only`` prints (``-v``) still find every test, and a
+    relative output prefix with ``root`` elsewhere keeps every file under it (the shards run in
+    ``root``)."""
+    files = {
+        "test_c.py": '''
+import os, pytest
+pytestmark = pytest.mark.gpu
+
+def test_one():
+    pass
+
+def test_exit1():
+    os._exit(1)
+
+def test_after():
+    pass
+''',
+        "test_d.py": '''
+import os, pytest
+if not os.environ.get("TRITONMOE_SHARD_EVENTS", "").endswith("collect.events"):
+    raise ImportError("only the collection pass imports this")
+pytestmark = pytest.mark.gpu
+
+def test_d1():
+    pass
+''',
+        "test_e.py": '''
+import threading, time, pytest
+pytestmark = pytest.mark.gpu
+
+def test_thread():
+    threading.Thread(target=time.sleep, args=(120,)).start()  # not a daemon: the exit waits
+''',
+        "test_f.py": '''
+import os, pytest
+pytestmark = pytest.mark.gpu
+
+@pytest.mark.parametrize("v", ["x" if os.environ.get("TRITONMOE_SHARD_EVENTS", "").endswith("collect.events") else "y"])
+def test_f(v):
+    pass
+''',
+    }
+    root = _fake_tree(tmp_path, files)
+    monkeypatch.chdir(tmp_path)
+    heavy = frozenset(f"tests/test_c.py::{n}" for n in ("test_one", "test_exit1", "test_after"))
+    opt = GT.Options(root=root, shards=4, test_timeout_s=30, idle_timeout_s=8, min_start_s=1, deadline_s=90,
+                     heavy=heavy, pytest_args=("-v",))
+    s = GT.run(opt, out_prefix="rel/sum", log=lambda line: None)
+    by_id = {t["id"]: t for t in s["tests"]}
+    assert {k: v["status"] for k, v in by_id.items()} == {
+        "tests/test_c.py::test_one": "passed", "tests/test_c.py::test_exit1": "crashed",
+        "tests/test_c.py::test_after": "passed", "tests/test_d.py::test_d1": "error",
+        "tests/test_e.py::test_thread": "passed", "tests/test_f.py::test_f[x]": "error"}
+    assert "exit status 1" in by_id["tests/test_c.py::test_exit1"]["message"]
+    assert by_id["tests/test_c.py::test_after"]["shard"] == "0.1"
+    assert "only the collection pass" in by_id["tests/test_d.py::test_d1"]["message"]
+    shard_e = next(r for r in s["shards"] if r["label"] == by_id["tests/test_e.py::test_thread"]["shard"])
+    assert shard_e["status"] == "stopped: no test running for 8 s"
+    assert s["status"] == "failed"
+    assert (tmp_path / "rel" / "sum.json").exists() and not (root / "rel").exists()
+    assert sorted(p.name for p in (tmp_path / "rel" / "sum-logs").iterdir()) == sorted(
+        f"shard-{n}.{ext}" for n in ("0", "0.1", "1", "2", "3") for ext in ("log", "events"))
+
+
+def test_runner_stops_its_shards_when_terminated(tmp_path):
+    """The shards run in sessions of their own: SIGTERM to the runner (a device call's time
+    limit) must not leave them running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "shard.pid"
+    root = _fake_tree(tmp_path, {"test_s.py": f'''
+import os, time, pytest
+pytestmark = pytest.mark.gpu
+
+def test_sleep():
+    open({str(pid_file)!r}, "w").write(str(os.getpid()))
+    time.sleep(120)
+'''})
+    code = ("import sys; from pathlib import Path; from bench import gpu_tests as GT; "
+            f"GT.run(GT.Options(root=Path({str(root)!r}), shards=1, deadline_s=120), out_prefix={str(tmp_path / 'o')!r})")
+    runner = subprocess.Popen([sys.executable, "-c", code], cwd=GT.REPO_ROOT, stdout=subprocess.DEVNULL)
+    shard_pid = None
+    try:
+        t0 = time.monotonic()
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        shard_pid = int(pid_file.read_text())
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            try:
+                os.kill(shard_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"shard {shard_pid} outlived its runner")
+        shard_pid = None
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        if shard_pid is not None:
+            try:
+                os.kill(shard_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
