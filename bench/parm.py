@@ -2,8 +2,10 @@
 ``parm_schedule="auto"`` picks.
 
 ``run_parm(...)`` spawns P local ranks on gloo (CPU), and for every layout (N_MP, N_ESP) of the
-grid fits the cost model ``auto`` uses on the real groups (:func:`tritonmoe.plan.parm.
-measure_cost_model`, collective), then for every layer shape times the forward + backward of
+grid fits the collectives once over the message sizes of every shape (:func:`tritonmoe.plan.parm.
+measure_collectives`, collective), then for every layer shape runs the first forward + backward of
+an ``auto`` layer (which fits the rest of its model as any auto layer does:
+:meth:`tritonmoe.parm_experts.ParmExperts.fit_cost_model`), then times the forward + backward of
 the baseline, S1 and S2 (round-robin inside each rep; a rep's time is the maximum over ranks;
 the median over reps is reported) and records the schedule ``auto`` picks and the one Parm's
 Algorithm 1 (communication only, forward only) picks. One dict per (layout, shape).

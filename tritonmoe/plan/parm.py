@@ -27,6 +27,19 @@ each schedule and its backward mirror (PAPERS.md 3.2 ambiguity 5) with alpha-bet
 (collective, group), plus the gate, the expert shards (forward, input and weight gradients) and
 the local copies at measured rates (PAPERS.md 3.4 ambiguity 6), and picks the least. With a
 model that has only Algorithm 1's three fits, ``auto`` is Algorithm 1.
+
+Fitting (:func:`measure_cost_model`, :func:`measure_collectives`): every collective is timed from
+one row per peer up to the layer's largest message (:func:`collective_rows`), all sizes
+interleaved round by round (a burst of load shifts a fit's points alike instead of tilting its
+line), the median of the rounds, then the median over the ranks; the line is fitted on the
+relative error (small messages set alpha, which decides between schedules with different numbers
+of collectives) in a closed form that gives the same bits on every rank. The collectives' fits
+are shared by every layer of a layout (Parm fits once per group). The local work is timed on the
+rank's own expert shards (``E / n_ep`` experts, ``d_ffn / n_esp`` wide) with the layer's ops, up
+to the baseline's rows. What these terms miss on a host-bound transport -- each schedule's fixed
+Python work (plans, autograd nodes, small copies) -- the layer measures on itself: its three
+schedules on a small batch (:data:`PROBE_TOKENS`) minus the prediction for that batch is each
+schedule's :attr:`ParmCostModel.startup`.
 """
 
 from __future__ import annotations
@@ -50,6 +63,8 @@ __all__ = [
     "measure_collectives",
     "collective_rows",
     "local_tokens",
+    "message_elements",
+    "geometric_sizes",
     "sim_groups",
     "parm_step_programs",
     "batch_counts",
