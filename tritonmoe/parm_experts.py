@@ -490,6 +490,8 @@ class ParmExperts(ExpertPath):
         rotating); a round's time is the maximum over the P ranks (a step ends when its last rank
         does); the median over ``reps`` rounds after one warm-up round. Collective; the same
         result on every rank. The layer's step state (logits, trace, timeline) is restored."""
+        from .plan.parm import device_sync
+
         scheds = ("baseline", "s1", "s2")
         params = [p for p in layer.parameters() if p.requires_grad]
         saved = (layer._step.logits, self.trace, self.timeline, self.schedule_used, self.path_used)
@@ -501,9 +503,11 @@ class ParmExperts(ExpertPath):
                 for j in range(len(scheds)):
                     k = (j + rep) % len(scheds)
                     xi = x_TD.detach().clone().requires_grad_()
+                    device_sync(xi.device)  # host sync (fit time only): time the work, not its launch
                     t0 = time.perf_counter()
                     out, _, _ = self._run_schedule(layer, xi, scheds[k])
                     torch.autograd.grad(out.sum(), [xi] + params, allow_unused=True)
+                    device_sync(xi.device)
                     ts[k] = time.perf_counter() - t0
                 if rep:
                     rows.append(ts)

@@ -278,12 +278,20 @@ def choose_schedule(model: ParmCostModel, config, layout, tokens: int, *, dtype=
 # ---------------------------------------------------------------------------------------------
 
 
-def _time_interleaved(fns: Sequence, reps: int) -> list[float]:
+def device_sync(device) -> None:
+    """Wait for ``device``'s queued work (CUDA; a no-op on CPU): host timers measure the work,
+    not its launch. A host sync, at fit time only."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_interleaved(fns: Sequence, reps: int, device=None) -> list[float]:
     """Median seconds of each of ``fns`` over ``reps`` rounds, one call of each per round (after
     one warm-up round). Interleaving puts every size of every fit under the same load, so a
     burst of load on a shared machine shifts all of a fit's points alike (its alpha and beta
     stay), where timing one size after another lets it tilt the line. The order rotates by
-    round and is the same on every rank (collectives are called in the same order)."""
+    round and is the same on every rank (collectives are called in the same order). On a CUDA
+    ``device`` each call is bracketed by :func:`device_sync`."""
     n = len(fns)
     for fn in fns:
         fn()
@@ -291,8 +299,10 @@ def _time_interleaved(fns: Sequence, reps: int) -> list[float]:
     for rep in range(reps):
         for j in range(n):
             i = (j + rep) % n
+            device_sync(device)
             t0 = time.perf_counter()
             fns[i]()
+            device_sync(device)
             ts[i].append(time.perf_counter() - t0)
     return [sorted(t)[len(t) // 2] for t in ts]
 
@@ -432,7 +442,7 @@ def measure_collectives(
     times = {n: [0.0] * len(rows) for n in names}
     if fns:
         with backend_errors(f"timing the Parm collectives ({len(fns)} of them)", groups.ep_esp):
-            measured = _time_interleaved(fns, reps)
+            measured = _time_interleaved(fns, reps, dev)
         vals = _median_over_ranks(groups, measured)
         for (name, j), v in zip(slots, vals):
             times[name][j] = v
@@ -512,7 +522,7 @@ def measure_cost_model(
     if config is not None:
         local_rows, steps = _local_steps(config, lay, dtype, dev, local_tokens(lay, T))
         fns += steps
-    vals = _median_over_ranks(groups, _time_interleaved(fns, reps))
+    vals = _median_over_ranks(groups, _time_interleaved(fns, reps, dev))
     item = torch.empty((), dtype=dtype).element_size()
     local = fit_alpha_beta(local_rows, vals[2:], relative=True) if local_rows else None
     return ParmCostModel(
