@@ -10,8 +10,10 @@ FUZZ_FACTOR ?= 10
 FUZZ_BUDGET_S ?= 1200
 
 CHECK_ARGS ?=
+MEMORY_ARGS ?=
+GPU_TESTS_ARGS ?=
 
-.PHONY: setup bench test fuzz clean gpu-check gpu-profile
+.PHONY: setup bench test fuzz clean gpu-check gpu-profile gpu-memory gpu-tests gpu-extras
 
 $(VENV)/.tritonmoe-setup: pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -24,17 +26,43 @@ bench: setup
 test: setup
 	bash scripts/run_tests.sh $(PY) $(TEST_ARGS)
 
-# GPU verification on one H100/H200 (no network needed; under 9 minutes): the gpu-marked tests,
-# the harness's core set against roofs and baselines measured in the same run, and the target
-# table; writes bench/results/<gpu>-<date>.{json,md}. Without a GPU it runs end to end at CPU
-# stand-in shapes and says that the GPU targets are skipped. On a copy of the tree without .git,
-# name the commit: make gpu-check TRITONMOE_BENCH_COMMIT=<sha>.
+# GPU verification on one H100/H200 (no network needed; under 9 minutes): the gpu-marked tests
+# (as in gpu-tests, capped at 330 s), the harness's core set against roofs and baselines measured
+# in the same run, and the target table with the tests' outcome; writes
+# bench/results/<gpu>-<date>.{json,md} and <gpu>-<date>-gpu-tests.{json,md}. Without a GPU it runs
+# end to end at CPU stand-in shapes and says that the GPU targets are skipped. On a copy of the
+# tree without .git, name the commit: make gpu-check TRITONMOE_BENCH_COMMIT=<sha>. To spend one
+# device call on the tests and one on the benchmarks: make gpu-tests, then
+# make gpu-check CHECK_ARGS=--skip-tests.
 gpu-check: setup
 	$(PY) -m bench check $(CHECK_ARGS)
+
+# The gpu-marked tests alone (python -m bench gpu-tests, bench/gpu_tests.py): collected once,
+# split into up to 8 pytest processes balanced by estimated time and run at once on the one GPU
+# (Triton's JIT compiles on all cores; a crash or hang takes down only its shard, whose unstarted
+# tests rerun in a new one); one deadline (default 480 s); per-test status and shard, and the tail
+# of each failing shard, in bench/results/<gpu>-<date>-gpu-tests.{json,md} (shard logs beside).
+# E.g. make gpu-tests GPU_TESTS_ARGS="--shards 12 --deadline-s 300 -- -k routing".
+gpu-tests: setup
+	$(PY) -m bench gpu-tests $(GPU_TESTS_ARGS)
 
 # The same shapes under the PyTorch profiler: the kernels each entry launches, time per call.
 gpu-profile: setup
 	$(PY) -m bench profile $(CHECK_ARGS)
+
+# MPMoE's memory strategies on one GPU (an expert-parallel group of one rank): the device memory
+# held between forward and backward and the peak per (degree, strategy), against the memory
+# model, and how much of the offload copies ran behind compute (about a minute; prints a table).
+gpu-memory: setup
+	$(PY) -m bench.memory --single $(MEMORY_ARGS)
+
+# What gpu-check leaves out, for a second device call beside it (a few minutes): the grouped-GEMM
+# variants (tile, persistent TMA, torch._grouped_mm) at the issue's presets, and gpu-memory;
+# files in bench/results named by date.
+gpu-extras: setup
+	$(PY) -m bench gemm --json bench/results/gemm-variants-$$(date -u +%F).json \
+		--markdown bench/results/gemm-variants-$$(date -u +%F).md
+	$(PY) -m bench.memory --single --json bench/results/gpu-memory-$$(date -u +%F).json $(MEMORY_ARGS)
 
 fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz TRITONMOE_FUZZ_FACTOR=$(FUZZ_FACTOR) TRITONMOE_FUZZ_BUDGET_S=$(FUZZ_BUDGET_S) \

@@ -6,6 +6,8 @@
   python -m bench report A.json [--markdown M] [--plot P]   re-render a result file
   python -m bench check [--sections S,...]  gpu-check: gpu tests, the core set, the target table
   python -m bench profile [--sections S,...]  the core set's kernels under the PyTorch profiler
+  python -m bench gpu-tests [--shards N]    the gpu-marked tests as concurrent pytest shards
+  python -m bench host                      host CPU time of the launchers' Python (kernels stubbed)
 
 Each suite (listed below) measures tritonmoe through its public API
 (backend "triton": the kernels; "torch": the reference path) beside baselines run in the same
@@ -540,6 +542,14 @@ def _main(argv: list[str]) -> int:
         from . import check
 
         return check.run_profile(argv[1:])
+    if argv[:1] == ["host"]:
+        from . import host
+
+        return host.main(argv[1:])
+    if argv[:1] == ["gpu-tests"]:
+        from . import gpu_tests
+
+        return gpu_tests.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.print_schema:

@@ -2,7 +2,9 @@
 
 ``python -m bench check`` runs, in one process and in this order:
 
-1. the ``gpu``-marked tests (``pytest -m gpu`` in a subprocess with a time limit);
+1. the ``gpu``-marked tests (:mod:`bench.gpu_tests`: ``pytest -m gpu`` split into up to 8
+   concurrent pytest processes balanced by an estimate, one deadline for all; the merged summary
+   goes to ``<gpu>-<date>-gpu-tests.{json,md}`` and its outcome into the final table);
 2. the roofs (dense bf16 8192^3 matmul, 1 GiB device copy) and the harness's core set, section by
    section (:data:`SECTIONS`): the router, permute / unpermute row movement, the grouped FFN and
    ``moe_ffn`` forward and forward+backward, decode ``moe_ffn`` and the layer, each against the
@@ -20,7 +22,8 @@ the grouped GEMM autotunes its pipeline depth on first use):
 section     est. s   what dominates
 ==========  =======  ==========================================================================
 startup         20   imports, CUDA context, roofs (20 reps of a 1.1 TFLOP matmul, 1 GiB copies)
-tests          330   (cap) pytest -m gpu: Triton compiles, then small-to-realistic shapes
+tests          330   (cap) pytest -m gpu in 8 shards: Triton compiles, then small-to-realistic
+                     shapes (~900 s of serial estimates, so ~150 s on 16 cores)
 route           20   ~8 kernel compiles; 8 cases x 4 entries x 110 calls of 5 us - 2 ms
 permute         15   ~6 compiles; 2 cases x 2 ops x ~8 entries x 40 calls of 0.1 - 1 ms
 ffn             70   GEMM compiles and pipeline-depth autotuning; 12 calls per entry of 5 - 60 ms
@@ -33,8 +36,10 @@ in what is left is skipped and says so (its targets read "not measured"), and in
 that overruns its estimate the cases that would start in the last 15 s are skipped, so the run
 ends with its table and files (one case can still overrun by its own length). The section estimates are the
 first H100 run's measured times (route 10 s, permute 6 s, ffn 42 s, decode 36 s, layer 8 s, after
-the tests had warmed the Triton cache) with a margin; that run's tests did not finish in a 210 s
-cap (23 of 87), so the cap is now what the sections leave of the budget. The ``check.sections``
+the tests had warmed the Triton cache) with a margin; that run's tests ran in one process and did
+not finish in a 210 s cap (23 of 87): they now run as concurrent shards, and the cap is what the
+sections leave of the budget. ``make gpu-tests`` runs the same tests alone (one device call), so
+a session can spend one call on the tests and one on ``make gpu-check CHECK_ARGS=--skip-tests``. The ``check.sections``
 record of a result file has each section's measured wall time to correct them with.
 
 Without a CUDA device it runs the same sections at CPU stand-in shapes on the reference path and
@@ -54,7 +59,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -66,7 +70,7 @@ import torch
 from . import report, schema
 from . import suites as S
 from . import targets as TG
-from .harness import REPO_ROOT, Timer, environment, first_line, free_memory, new_row
+from .harness import Timer, environment, first_line, free_memory, new_row
 from .presets import PRESETS, parse_routing
 from .roofs import describe, dtype_name, measure_roofs
 from .telemetry import Telemetry
@@ -199,35 +203,20 @@ class Runner:
     def environment(self, argv: list[str]) -> dict:
         return environment(["check", *argv], self.device)
 
-    def run_tests(self, timeout_s: float, log: Callable[[str], None]) -> dict:
-        """``pytest -m gpu -q`` in a subprocess, bounded by ``timeout_s``; its last lines are
-        logged. Returns {status: passed | failed | timed out | not run, summary, wall_s}."""
-        t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
-        log("tests: " + " ".join(cmd[2:]) + f" (limit {timeout_s:.0f} s)")
+    def run_tests(self, timeout_s: float, log: Callable[[str], None], out_prefix: str | None = None) -> dict:
+        """The gpu-marked tests as concurrent pytest shards (:mod:`bench.gpu_tests`), all done
+        within ``timeout_s``; the merged summary goes to ``<out_prefix>.{json,md}`` (shard logs in
+        ``<out_prefix>-logs/``). Returns :func:`tests_record` of it."""
+        from . import gpu_tests as GT
+
+        opt = GT.Options(python=sys.executable, deadline_s=timeout_s)
+        measured = GT.load_measured(GT.newest_summary(Path(out_prefix).parent)) if out_prefix else {}
+        log(f"tests: pytest -m gpu in up to {opt.shards} concurrent shards (deadline {timeout_s:.0f} s)")
         try:
-            proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as exc:
-            tail = (exc.stdout or b"")
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            for line in tail.strip().splitlines()[-5:]:
-                log(f"  {line}")
-            return dict(status="timed out", summary=f"killed after {timeout_s:.0f} s", wall_s=time.perf_counter() - t0)
+            summary = GT.run(opt, out_prefix=out_prefix, log=log, measured=measured)
         except OSError as exc:
-            return dict(status="not run", summary=first_line(exc), wall_s=time.perf_counter() - t0)
-        lines = (proc.stdout + proc.stderr).strip().splitlines()
-        for line in lines[-12:]:
-            log(f"  {line}")
-        summary = lines[-1].strip("= ") if lines else ""
-        if proc.returncode == 0:
-            status = "passed"
-        elif proc.returncode == 5:
-            status = "passed"  # no test collected (exit 5): nothing marked gpu failed
-        elif "No module named pytest" in proc.stderr:
-            status, summary = "not run", "pytest is not installed"
-        else:
-            status = "failed"
-        return dict(status=status, summary=summary, wall_s=time.perf_counter() - t0)
+            return dict(status="not run", summary=first_line(exc), wall_s=0.0)
+        return tests_record(summary)
 
     def clock(self) -> float:
         """Seconds on the clock the time budget is kept with."""
@@ -244,6 +233,32 @@ class Runner:
 
     def run_case(self, ctx: S.Context, case: S.Case) -> list[dict]:
         return S.run_case(ctx, case)
+
+
+def tests_record(summary: dict, max_failing: int = 60) -> dict:
+    """What ``check.tests`` keeps of a :mod:`bench.gpu_tests` summary: status, one-line summary,
+    wall time, counts per status, the shards, each test that did not pass (id, status, shard,
+    message) and the files written."""
+    return dict(status=summary["status"], summary=summary["summary"], wall_s=float(summary["wall_s"]),
+                counts={k: n for k, n in summary.get("counts", {}).items() if n},
+                shards=len(summary.get("shards", [])),
+                failing=[{k: t[k] for k in ("id", "status", "shard", "message")}
+                         for t in summary.get("failing", [])[:max_failing]],
+                files=list(summary.get("files", [])))
+
+
+def tests_lines(tests: dict, max_tests: int = 20) -> list[str]:
+    """The tests' part of the final table: the outcome, then each test that did not pass."""
+    where = f"; {tests['files'][1]}" if len(tests.get("files") or []) > 1 else ""
+    shards = f", {tests['shards']} shards" if tests.get("shards") else ""
+    out = [f"tests (pytest -m gpu{shards}): {tests['status']}: {tests['summary']}{where}"]
+    failing = tests.get("failing") or []
+    for t in failing[:max_tests]:
+        msg = f": {t['message'][:120]}" if t.get("message") else ""
+        out.append(f"  {t['status']:<9} [shard {t['shard']}] {t['id']}{msg}")
+    if len(failing) > max_tests:
+        out.append(f"  ... and {len(failing) - max_tests} more")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,9 +374,11 @@ def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> i
             "the sections run at small CPU stand-in shapes on the reference path and the torch baselines, "
             "to check the pipeline end to end (times say nothing about GPU kernels).")
 
+    paths = _output_paths(args, env, gpu, log)
     tests = dict(status="skipped", summary="no CUDA device" if not gpu else "--skip-tests", wall_s=0.0)
     if gpu and not args.skip_tests:
-        tests = runner.run_tests(min(args.tests_timeout_s, max(30.0, args.budget_s - 120.0)), log)
+        prefix = str(Path(paths["json"]).with_suffix("")) + "-gpu-tests" if paths["json"] else None
+        tests = runner.run_tests(min(args.tests_timeout_s, max(30.0, args.budget_s - 120.0)), log, prefix)
         log(f"tests: {tests['status']} ({tests['summary']}) in {tests['wall_s']:.0f} s")
 
     telemetry = runner.telemetry(log)
@@ -387,7 +404,6 @@ def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> i
     }
     doc = {"schema_version": schema.SCHEMA_VERSION, "complete": False, "env": env, "config": config,
            "roofs": ctx.roofs, "results": [], "notes": notes, "wall_time_s": 0.0}
-    paths = _output_paths(args, env, gpu, log)
 
     def checkpoint() -> None:
         doc["wall_time_s"] = runner.clock() - t0
@@ -448,6 +464,8 @@ def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> i
           f"wall {doc['wall_time_s']:.0f} s)")
     print(TG.render_text(results))
     print(", ".join(f"{n} {k}" for k, n in counts.items()))
+    for line in tests_lines(tests):
+        print(line)
     if not gpu:
         print("CPU MODE: GPU targets skipped (run `make gpu-check` on an H100/H200).")
     failed = tests["status"] in ("failed", "timed out") or n_err > 0
@@ -480,6 +498,8 @@ def render_markdown(doc: dict) -> str:
     out += [f"- {line}" for line in report.header_lines(doc)]
     out += [f"- tests (pytest -m gpu): {chk['tests']['status']} ({chk['tests']['summary']}, "
             f"{chk['tests']['wall_s']:.0f} s)"]
+    out += [f"  - {t['status']} [shard {t['shard']}] `{t['id']}`" + (f": {t['message'][:160]}" if t.get("message") else "")
+            for t in chk["tests"].get("failing") or []]
     out += [f"- wall time {doc['wall_time_s']:.0f} s; sections: "
             + ", ".join(f"{s['name']} {s['status']} {s['wall_s']:.0f} s (est. {s['estimate_s']:.0f})"
                         for s in chk["sections"]), ""]

@@ -17,6 +17,18 @@ memory strategy) on P spawned gloo ranks (CPU) and measures, round-robin per rep
 
 ``python -m bench memory`` runs it through the harness; ``python -m bench.memory`` standalone
 (prints a markdown table).
+
+``run_single(...)`` / ``python -m bench.memory --single`` is the device-memory check of one GPU
+(``make gpu-memory``; PAPERS.md 4.2, verification 3): an expert-parallel group of one rank in
+this process (NCCL on CUDA, gloo on CPU; the all-to-alls degenerate to local copies, the
+pipelined block, its buffers and its restores run as on P ranks), and per (degree, strategy)
+the device memory the step holds between forward and backward (``torch.cuda.memory_allocated``
+after the forward minus before; the activations MPMoE's reuse shrinks), the step's peak
+(``max_memory_allocated``), the bytes saved for backward (hooks, as above), the model's bytes,
+and the offload copies: their time on the copy stream and the fraction of it hidden behind
+compute. ``saving_vs_model`` = (held(keep) - held(strategy)) / (model(keep) - model(strategy)):
+the issue's check that the measured saving is at least 90% of the model's. On CPU only the
+hooks' bytes and times mean anything (no device allocator).
 """
 
 from __future__ import annotations
@@ -155,6 +167,151 @@ def run_memory(*, world_size: int = 2, timeout_s: float = 180.0, **overrides) ->
     return results
 
 
+#: The single-device check's defaults on a GPU: a GPT-XL-like expert FFN (004 Table III: d 2048,
+#: hidden 8192, GELU), 4 experts hosted by the one rank, 8192 tokens, top-2, bf16.
+SINGLE_GPU = dict(tokens=8192, d_model=2048, d_ffn=8192, num_experts=4, top_k=2, activation="gelu",
+                  degrees=(2, 4, 8), strategies=("keep", "offload", "recomm", "recompute", "recomm_recompute"),
+                  reps=5, warmup=2, dtype="bfloat16")
+#: ... and its CPU stand-in (the same code path, small).
+SINGLE_CPU = dict(SINGLE_GPU, tokens=256, d_model=64, d_ffn=128, degrees=(2, 4), reps=2, warmup=1, dtype="float32")
+
+
+def run_single(device: str = "auto", **overrides) -> list[dict]:
+    """The single-device memory check (module docstring): one dict per (degree, strategy).
+    Initializes (and destroys) a process group of one rank in this process."""
+    import tritonmoe as tm
+    from tritonmoe.comm import memory as memory_mod
+    from tritonmoe.comm.timeline import Timeline, _intersection_length, _union
+    from tritonmoe.plan.memory import expert_block_bytes
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    cuda = dev.type == "cuda"
+    spec = dict(SINGLE_GPU if cuda else SINGLE_CPU)
+    spec.update(overrides)
+    dt = getattr(torch, spec["dtype"])
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"run_single needs a process group of one rank, this one has {dist.get_world_size()}")
+    try:
+        def sync():
+            if cuda:
+                torch.cuda.synchronize(dev)
+
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(spec["tokens"], spec["d_model"], generator=gen).to(dev, dt)
+        g = torch.randn(spec["tokens"], spec["d_model"], generator=gen).to(dev, dt)
+        out = []
+        first_state = None
+        for n in spec["degrees"]:
+            for strategy in spec["strategies"]:
+                cfg = tm.MoEConfig(spec["d_model"], spec["d_ffn"], spec["num_experts"], spec["top_k"],
+                                   activation=spec["activation"], pipeline_degree=n, memory_strategy=strategy)
+                torch.manual_seed(0)
+                layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, device=dev, dtype=dt)
+                if first_state is None:
+                    first_state = {k: v.clone() for k, v in layer.state_dict().items()}
+                else:
+                    layer.load_state_dict(first_state)
+                layer.expert_path.memory_stats = {}
+                params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+                orig = memory_mod.run_memory_pipelined
+                seen: dict = {}
+
+                def counted(*args, **kwargs):
+                    def pack(t):
+                        st = t.untyped_storage()
+                        if st.data_ptr() not in params and st.nbytes() > 0:
+                            seen[st.data_ptr()] = st.nbytes()
+                        return t
+
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        return orig(*args, **kwargs)
+
+                times, held, peak, copies = [], None, None, (0.0, None)
+                for rep in range(spec["warmup"] + spec["reps"]):
+                    xi = x.clone().requires_grad_()
+                    last = rep == spec["warmup"] + spec["reps"] - 1
+                    layer.timeline = Timeline() if last else None
+                    memory_mod.run_memory_pipelined = counted if rep == 0 else orig
+                    try:
+                        sync()
+                        if cuda:
+                            torch.cuda.reset_peak_memory_stats(dev)
+                        before = torch.cuda.memory_allocated(dev) if cuda else 0
+                        t0 = time.perf_counter()
+                        y = layer(xi)
+                        if rep == spec["warmup"]:  # what the forward left for the backward
+                            sync()
+                            held = (torch.cuda.memory_allocated(dev) - before) if cuda else None
+                        (y * g).sum().backward()
+                        sync()
+                        t = time.perf_counter() - t0
+                        if rep == spec["warmup"] and cuda:
+                            peak = torch.cuda.max_memory_allocated(dev) - before
+                    finally:
+                        memory_mod.run_memory_pipelined = orig
+                    del y, xi
+                    for p in layer.parameters():
+                        p.grad = None
+                    if rep >= spec["warmup"] and rep != spec["warmup"]:  # the rep that paused is not timed
+                        times.append(t)
+                    if last:
+                        spans = layer.timeline.spans()
+                        cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
+                        comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
+                        total = sum(b - a for a, b in cp)
+                        copies = (total, _intersection_length(cp, comp) / total if total > 0 else None)
+                        layer.timeline = None
+                st = layer.expert_path.memory_stats
+                model = expert_block_bytes(st["rows"], spec["d_model"], layer.config.n1, strategy,
+                                           torch.empty((), dtype=dt).element_size())
+                out.append({"n": n, "strategy": strategy, "device": str(dev), "step_s": times,
+                            "step_median_s": statistics.median(times) if times else None,
+                            "held_bytes": held, "peak_bytes": peak, "saved_bytes": sum(seen.values()),
+                            "model_bytes": model["device"], "host_bytes": sum(st["d2h_bytes"].values()),
+                            "model_host_bytes": model["host"], "copy_s": copies[0], "copy_hidden_frac": copies[1],
+                            **{k: spec[k] for k in ("tokens", "d_model", "d_ffn", "num_experts", "top_k",
+                                                     "activation", "dtype")}})
+                del layer
+                if cuda:
+                    torch.cuda.empty_cache()
+    finally:
+        if created:
+            dist.destroy_process_group()
+    keep = {r["n"]: r for r in out if r["strategy"] == "keep"}
+    for r in out:
+        k = keep.get(r["n"])
+        if k is None:
+            continue
+        r["time_vs_keep"] = r["step_median_s"] / k["step_median_s"] if r["step_median_s"] and k["step_median_s"] else None
+        model_saving = k["model_bytes"] - r["model_bytes"]
+        if r["held_bytes"] is not None and k["held_bytes"] is not None and model_saving > 0:
+            r["saving_vs_model"] = (k["held_bytes"] - r["held_bytes"]) / model_saving
+        else:
+            r["saving_vs_model"] = None
+        r["saved_vs_model"] = r["saved_bytes"] / r["model_bytes"] if r["model_bytes"] else None
+    return out
+
+
+def format_single(results: list[dict]) -> str:
+    mib = 2.0**20
+    lines = ["| n | strategy | fwd+bwd ms | vs keep | held after fwd MiB | peak MiB | saved MiB (hooks) | model MiB | "
+             "saving / model's | host MiB | copy ms | hidden |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, scale=1.0, fmt="{:.1f}"):
+        return "-" if v is None else fmt.format(v / scale)
+
+    for r in results:
+        lines.append(" | ".join([
+            f"| {r['n']}", r["strategy"], f(r["step_median_s"], 1e-3), f(r.get("time_vs_keep"), 1, "{:.2f}x"),
+            f(r["held_bytes"], mib), f(r["peak_bytes"], mib), f(r["saved_bytes"], mib), f(r["model_bytes"], mib),
+            f(r.get("saving_vs_model"), 1, "{:.0%}"), f(r["host_bytes"], mib), f(r["copy_s"], 1e-3),
+            f(r["copy_hidden_frac"], 1, "{:.0%}")]) + " |")
+    return "\n".join(lines)
+
+
 def format_table(results: list[dict]) -> str:
     lines = ["| n | strategy | fwd+bwd ms | vs keep | saved KiB (hooks) | model KiB | vs keep | host KiB | copy ms | "
              "hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -172,7 +329,20 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=DEFAULTS["tokens"])
     ap.add_argument("--reps", type=int, default=DEFAULTS["reps"])
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--single", action="store_true",
+                    help="the single-device memory check (one rank in this process; make gpu-memory)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a = ap.parse_args(argv)
+    if a.single:
+        kw = {} if a.tokens == DEFAULTS["tokens"] else {"tokens": a.tokens}
+        if a.reps != DEFAULTS["reps"]:
+            kw["reps"] = a.reps
+        res = run_single(a.device, **kw)
+        print(format_single(res))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     res = run_memory(world_size=a.world_size, tokens=a.tokens, reps=a.reps)
     print(format_table(res))
     if a.json:

@@ -121,6 +121,20 @@ SCHEMA: dict = {
                         "status": {"type": "string", "enum": ["passed", "failed", "timed out", "not run", "skipped"]},
                         "summary": {"type": "string"},
                         "wall_s": {"type": "number", "minimum": 0},
+                        # bench.gpu_tests: tests per status, shards run, each test that did not
+                        # pass, the summary files
+                        "counts": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
+                        "shards": {"type": "integer", "minimum": 0},
+                        "failing": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["id", "status", "shard"],
+                                "properties": {"id": {"type": "string"}, "status": {"type": "string"},
+                                               "shard": {"type": "string"}, "message": {"type": "string"}},
+                            },
+                        },
+                        "files": _str_list,
                     },
                 },
                 "sections": {

@@ -93,6 +93,8 @@ from typing import Iterator, Optional
 import torch
 import triton
 
+from ._host import cdiv, next_power_of_2
+
 __all__ = [
     "DECODE_MAX_TOKENS",
     "KINDS",
@@ -198,7 +200,7 @@ def autotune_enabled(device: torch.device) -> bool:
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(1, n)))
+    return max(lo, next_power_of_2(max(1, n)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -418,13 +420,13 @@ def select_decode(
     widths = (128, 64) if kind == "mm" else ((64, 32) if dual else (128, 64, 32))
     bn = widths[-1]
     for cand in widths:
-        if active * triton.cdiv(n, cand) >= target:
+        if active * cdiv(n, cand) >= target:
             bn = cand
             break
     bn = min(bn, _pow2_at_least(n))
     split = 1
     if kind == "mm":
-        while split < 8 and active * triton.cdiv(n, bn) * split < target and triton.cdiv(k, bk) >= 8 * split:
+        while split < 8 and active * cdiv(n, bn) * split < target and cdiv(k, bk) >= 8 * split:
             split *= 2
     cfg = TileConfig(BM=bm, BN=bn, BK=bk, GROUP_M=1, num_warps=4, num_stages=2, SPLIT_K=split)
     for stages in (4, 3, 2):
@@ -487,7 +489,7 @@ def colsum_config(device: torch.device) -> tuple[int, int, int]:
 def rows_hint(rows: int, num_experts: int) -> int:
     """Autotune key for the row dimension: average rows per expert, rounded up to a power of two
     (so that a new batch size re-tunes only when its rows-per-expert bucket changes)."""
-    return triton.next_power_of_2(max(1, rows // max(1, num_experts)))
+    return next_power_of_2(max(1, rows // max(1, num_experts)))
 
 
 def _smem_bytes(cfg: TileConfig, stages: int, elem: int, dual: bool) -> int:

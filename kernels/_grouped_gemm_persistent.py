@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
-import triton
 
 from . import _gemm_config as C
+from ._host import cdiv, next_power_of_2
 from ._grouped_gemm_kernels import ACT_SWIGLU
 from ._grouped_gemm_persistent_kernels import RAGGED_ROWS, _grouped_mm_persistent_kernel
 
@@ -266,7 +266,7 @@ def mm(
         if dual:
             hu_desc = _ragged_desc(h, N, N, BM, BN // split)
     hh = h if h is not None else out  # never dereferenced without STORE_H
-    max_tiles = (triton.cdiv(rows, BM) + E) * triton.cdiv(N, BN)
+    max_tiles = (cdiv(rows, BM) + E) * cdiv(N, BN)
     progs = num_programs(dev, max_tiles)
     C.launch(
         _grouped_mm_persistent_kernel, (progs,), cfg, ("N", "K", "ROWS_HINT"), dev, a.element_size(), dual,
@@ -278,7 +278,7 @@ def mm(
         out.stride(0), out.stride(1),
         hh.stride(0), hh.stride(1),
         ACT=act, STORE_H=h is not None, GATHER_A=gather_a, SCATTER_C=scatter, SCALE=scale is not None,
-        TOPK=topk, PREC=prec, EVEN_K=K % BK == 0, SEG=triton.next_power_of_2(E + 1),
+        TOPK=topk, PREC=prec, EVEN_K=K % BK == 0, SEG=next_power_of_2(E + 1),
         B_KMAJOR=acc.b_kmajor, EPI_SPLIT=split, FLATTEN=flatten(opts, gather_a=gather_a, dual=dual),
     )
 

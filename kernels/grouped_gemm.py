@@ -59,9 +59,9 @@ import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
-import triton
 from torch.autograd.function import once_differentiable
 
+from ._host import cdiv, next_power_of_2
 from .._settings import validation_enabled
 from ..types import Routing
 from . import _gemm_config as C
@@ -103,7 +103,7 @@ def _prec(dtype: torch.dtype) -> str:
 def _segp(E: int) -> int:
     """Lanes of the segment vector of the tile-map kernels: the E + 2 segments (zero head, E
     experts, zero tail), rounded up to a power of two."""
-    return triton.next_power_of_2(E + 2)
+    return next_power_of_2(E + 2)
 
 
 def tile_bound(rows: int, num_experts: int, BM: int) -> int:
@@ -164,7 +164,7 @@ def _build_tile_map(src: torch.Tensor, rows: int, E: int, BM: int, *, from_count
         tm.count.zero_()
         return tm
     BT, warps = C.tile_map_config(dev)
-    _tile_map_kernel[(triton.cdiv(tm.bound, BT),)](
+    _tile_map_kernel[(cdiv(tm.bound, BT),)](
         src, offsets_out if offsets_out is not None else src, tm.tiles, tm.count, rows, E, tm.bound,
         FROM_COUNTS=from_counts, WRITE_OFFS=offsets_out is not None, BM=BM, SEGP=_segp(E), BT=BT,
         num_warps=warps,
@@ -239,7 +239,7 @@ def _kind(act: _Act) -> str:
 
 
 def _grid(tm: TileMap, n_cols: int, cfg: C.TileConfig, dev: torch.device, elem: int, dual: bool) -> tuple[int]:
-    items = tm.bound * triton.cdiv(n_cols, cfg.BN) * cfg.SPLIT_K
+    items = tm.bound * cdiv(n_cols, cfg.BN) * cfg.SPLIT_K
     return (max(1, min(items, C.max_programs(dev, cfg, elem, dual))),)
 
 
@@ -326,7 +326,7 @@ def _dact(
     kind = "dact_swiglu" if act.glu else "dact"
     cfg = C.select(kind, rows=rows, n=F, k=D, num_experts=E, dtype=g.dtype, tf32=_tf32(g.dtype), device=dev)
     cols_per_item = cfg.BN * (2 if act.glu else 1)  # the GLU backward runs two BN-column accumulators
-    n_tiles = triton.cdiv(F, cols_per_item)
+    n_tiles = cdiv(F, cols_per_item)
     part = torch.empty(rows, n_tiles, device=dev, dtype=torch.float32) if dgate else None
     if rows == 0 or F == 0:
         if dgate:
@@ -370,7 +370,7 @@ def _wgrad(
         return out
     rows = space.rows
     cfg = C.select("wgrad", rows=rows, n=N, k=M, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
-    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), E)
+    grid = (cdiv(M, cfg.BM) * cdiv(N, cfg.BN), E)
     rm = space.row_map if space.row_map is not None else space.offsets
     C.launch(
         _grouped_wgrad_kernel, grid, cfg, ("M", "N", "ROWS_HINT"), dev, a.element_size(), False,
@@ -394,7 +394,7 @@ def _colsum(b: torch.Tensor, space: RowSpace, out_dtype: torch.dtype, *, gather:
         return out
     BR, BN, warps = C.colsum_config(b.device)
     rm = space.row_map if space.row_map is not None else space.offsets
-    _segment_colsum_kernel[(triton.cdiv(N, BN), E)](
+    _segment_colsum_kernel[(cdiv(N, BN), E)](
         b, out, space.offsets, rm, scale if scale is not None else b,
         space.rows, N, b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         GATHER_B=gather, SCALE_B=scale is not None, TOPK=space.topk, BR=BR, BN=BN, num_warps=warps,
@@ -415,7 +415,7 @@ def _combine(buf: torch.Tensor, w_TK: torch.Tensor | None, ids_TK: torch.Tensor 
     else:
         split, stride_bs, (stride_bm, stride_bd) = 1, 0, buf.stride()
     BT, BD, warps = C.combine_config(out.device)
-    grid = (triton.cdiv(T, BT), triton.cdiv(D, BD))
+    grid = (cdiv(T, BT), cdiv(D, BD))
     has_w = w_TK is not None
     w = w_TK if has_w else out
     ids = ids_TK if has_w else out
@@ -444,11 +444,11 @@ def _dgate(part: torch.Tensor, dout_TD: torch.Tensor, ids_TK: torch.Tensor, b2_E
     has_b2 = b2_ED is not None
     b2 = b2_ED if has_b2 else part
     D = dout_TD.shape[1]
-    _dgate_kernel[(triton.cdiv(S, BS),)](
+    _dgate_kernel[(cdiv(S, BS),)](
         part, dout_TD, ids_TK, b2, out, S, D, E, part.shape[1],
         part.stride(0), part.stride(1), dout_TD.stride(0), dout_TD.stride(1), ids_TK.stride(0), ids_TK.stride(1),
         b2.stride(0), b2.stride(1), out.stride(0), out.stride(1),
-        TOPK=k, HAS_B2=has_b2, BS=BS, BD=min(BD, triton.next_power_of_2(max(D, 1))), num_warps=warps,
+        TOPK=k, HAS_B2=has_b2, BS=BS, BD=min(BD, next_power_of_2(max(D, 1))), num_warps=warps,
     )
     return out
 

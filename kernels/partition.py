@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
-import triton
 
+from ._host import cdiv, next_power_of_2
 from ._partition_kernels import _copy_segments_kernel
 
 __all__ = ["copy_segments", "PartitionConfig", "select_config", "override_config"]
@@ -45,7 +45,7 @@ def select_config(d: int, element_size: int) -> PartitionConfig:
     override = _override.get()
     if override is not None:
         return override
-    block_d = min(triton.next_power_of_2(max(d, 1)), max(16, 512 // element_size))
+    block_d = min(next_power_of_2(max(d, 1)), max(16, 512 // element_size))
     block_r = max(1, min(64, (16384 // element_size) // block_d))
     return PartitionConfig(block_r=block_r, block_d=block_d, num_warps=4)
 
@@ -85,7 +85,7 @@ def _launch(
     seg_len = lengths[order].contiguous()
     cfg = select_config(D, src_RD.element_size())
     top = 1 << (C.bit_length() - 1)  # largest power of two <= C
-    grid = (triton.cdiv(num_rows, cfg.block_r), triton.cdiv(D, cfg.block_d))
+    grid = (cdiv(num_rows, cfg.block_r), cdiv(D, cfg.block_d))
     _copy_segments_kernel[grid](
         src_RD,
         out,

@@ -43,13 +43,13 @@ import functools
 from typing import Iterator
 
 import torch
-import triton
 import triton.language as tl
 
 from tritonmoe import _validation as V
 from tritonmoe.reference import max_permuted_rows
 from tritonmoe.types import PermuteInfo
 
+from ._host import cdiv, next_power_of_2
 from ._permute_kernels import (
     _block_hist_kernel,
     _block_rank_kernel,
@@ -168,15 +168,15 @@ def metadata_config(num_slots: int, num_experts: int, device: torch.device) -> M
     Interpreter: whole-tile numpy ops are cheap and programs run one at a time, so one fused
     program with large tiles.
     """
-    E_pow2 = triton.next_power_of_2(max(num_experts, 1))
-    nb_pow2 = triton.next_power_of_2(triton.cdiv(max(num_slots, 1), 256))
+    E_pow2 = next_power_of_2(max(num_experts, 1))
+    nb_pow2 = next_power_of_2(cdiv(max(num_slots, 1), 256))
     if device.type == "cuda":
         if num_slots * num_experts <= 1 << 15:
             cfg = MetadataConfig(True, 128, min(32, E_pow2), 16, 4)
         else:
             cfg = MetadataConfig(False, 256, min(32, E_pow2), min(128, nb_pow2), 8)
     else:
-        block_s = min(256, triton.next_power_of_2(max(num_slots, 1)))
+        block_s = min(256, next_power_of_2(max(num_slots, 1)))
         cfg = MetadataConfig(True, block_s, min(64, E_pow2), min(256, nb_pow2), 4)
     over = _OVERRIDE.get().get("metadata")
     return dataclasses.replace(cfg, **over) if over else cfg
@@ -192,18 +192,18 @@ def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, 
     over grid axis 1 only when there are too few tokens to fill the GPU (fewer than 4 programs per
     SM), and loop over the remaining chunks of the row otherwise.
     """
-    d_pow2 = triton.next_power_of_2(max(d, 1))
+    d_pow2 = next_power_of_2(max(d, 1))
     if kind == "scatter":
         block_d = min(d_pow2, max(16, 4096 // elem_size))
         num_warps = max(1, min(8, block_d * elem_size // 1024))
     elif kind == "gather":
-        block_k = triton.next_power_of_2(max(top_k, 1))
+        block_k = next_power_of_2(max(top_k, 1))
         block_d = min(d_pow2, max(16, 8192 // block_k), max(16, 8192 // elem_size))
         num_warps = max(1, min(8, block_k * block_d // 1024))
     else:
         raise ValueError(f"rows_config kind={kind!r}; use 'scatter' or 'gather'")
-    chunks = triton.cdiv(max(d, 1), block_d)
-    nsplit = min(chunks, max(1, triton.cdiv(4 * _sms(device), max(num_tokens, 1))))
+    chunks = cdiv(max(d, 1), block_d)
+    nsplit = min(chunks, max(1, cdiv(4 * _sms(device), max(num_tokens, 1))))
     cfg = RowsConfig(block_d, nsplit, num_warps)
     over = _OVERRIDE.get().get(kind)
     return dataclasses.replace(cfg, **over) if over else cfg
@@ -273,8 +273,8 @@ def permute_metadata(topk_ids: torch.Tensor, num_experts: int, pad_to: int = 1) 
                 BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, num_warps=cfg.num_warps,
             )
         else:
-            nb = triton.cdiv(S, cfg.block_s)
-            n_ec = triton.cdiv(E, cfg.block_e)
+            nb = cdiv(S, cfg.block_s)
+            n_ec = cdiv(E, cfg.block_e)
             hist = torch.empty(nb, E, dtype=torch.int32, device=dev)
             _block_hist_kernel[(nb, n_ec)](
                 ids, hist, S, E, BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, num_warps=cfg.num_warps
@@ -353,7 +353,7 @@ def _scatter(
     acc_torch = torch.float64 if fp64 else torch.float32
     elem = max(src_TD.element_size(), dot_RD.element_size() if dot_RD is not None else 1)
     cfg = rows_config("scatter", T, K, D, elem, dev)
-    n_tail = triton.cdiv(num_rows, cfg.tail_rows) if (write and tail) else 0
+    n_tail = cdiv(num_rows, cfg.tail_rows) if (write and tail) else 0
     n_pad = E if write else 0
     grid = (T + n_pad + n_tail, cfg.nsplit)
     if D == 0 or grid[0] == 0:
@@ -374,7 +374,7 @@ def _scatter(
             T, K, E, D, num_rows, cfg.nsplit, cfg.tail_rows,
             HAS_W=weights_TK is not None, HAS_DOT=dot_RD is not None, WRITE_OUT=write,
             ACC=tl.float64 if fp64 else tl.float32,
-            BLOCK_K=triton.next_power_of_2(max(K, 1)), BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+            BLOCK_K=next_power_of_2(max(K, 1)), BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
         )
     if dw is None:
         return None
@@ -424,7 +424,7 @@ def _gather(
             src_RD, src_RD.stride(0), src_RD.stride(1), rows, w, out,
             T, K, D, src_RD.shape[0], cfg.nsplit,
             HAS_W=weights_TK is not None, ACC=_acc_tl(src_RD.dtype),
-            BLOCK_K=triton.next_power_of_2(max(K, 1)), BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+            BLOCK_K=next_power_of_2(max(K, 1)), BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
         )
     return out
 

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
-import triton
 from torch.autograd.function import once_differentiable
 
 from tritonmoe.types import Routing
 
+from ._host import cdiv, next_power_of_2
 from ._routing_kernels import (
     _capacity_keep_kernel,
     _capacity_scan_kernel,
@@ -99,6 +101,7 @@ def config_override(config: RouteConfig) -> Iterator[None]:
         _override.reset(token)
 
 
+@functools.lru_cache(maxsize=None)  # a few (lanes, interpret) pairs; the config is immutable
 def route_config(lanes: int, interpret: bool = False) -> RouteConfig:
     """Launch parameters for a tile of ``lanes`` padded expert lanes per token.
 
@@ -115,11 +118,6 @@ def route_config(lanes: int, interpret: bool = False) -> RouteConfig:
     bt = max(1, min(64, 2048 // lanes))
     warps = max(4, min(16, bt * lanes // 512))
     return RouteConfig(block_t=bt, num_warps=warps, bwd_block_t=bt, bwd_num_warps=warps)
-
-
-def _config(lanes: int, device: torch.device) -> RouteConfig:
-    cfg = _override.get()
-    return cfg if cfg is not None else route_config(lanes, interpret=device.type != "cuda")
 
 
 @dataclass(frozen=True)
@@ -144,6 +142,42 @@ class _Problem:
     config: RouteConfig
 
 
+@functools.lru_cache(maxsize=1024)
+def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str, renormalize: bool, capacity,
+             with_aux: bool, group_score: str, scale: float, interpret: bool) -> _Problem:
+    """The static description of a route call, cached: the launcher's host work per call is the
+    launch, not rebuilding (and re-validating) the same problem and tile config for every batch.
+    Keyed by the validated arguments (bools and ints already normalized by the caller)."""
+    G = n_groups if n_groups is not None and n_groups > 1 else 1
+    S = E // G
+    block_g = next_power_of_2(G)
+    block_s = next_power_of_2(S)
+    lanes = block_g * block_s
+    if lanes > MAX_TILE_LANES:
+        raise ValueError(
+            f"num_experts={E} (n_groups={n_groups}) needs a tile of {lanes} expert lanes, above the "
+            f"Triton router's limit of {MAX_TILE_LANES}; use backend='torch' for this router"
+        )
+    return _Problem(
+        T=T,
+        E=E,
+        K=top_k,
+        G=G,
+        S=S,
+        topk_groups=topk_groups if G > 1 else 1,
+        softmax=score_func == "softmax",
+        renormalize=renormalize,
+        capacity=capacity,
+        with_aux=with_aux,
+        group_max=group_score == "max",
+        scale=scale,
+        block_g=block_g,
+        block_s=block_s,
+        block_k=next_power_of_2(top_k),
+        config=route_config(lanes, interpret=interpret),
+    )
+
+
 def _device_ctx(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
@@ -164,7 +198,7 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             lse_T = torch.empty(0, dtype=torch.float32, device=dev)
         return ids_TK, w_TK, counts_E, selected_E, score_sum_E, lse_T, ids_TK
 
-    NB = triton.cdiv(T, cfg.block_t)
+    NB = cdiv(T, cfg.block_t)
     dummy_i32 = counts_E
     split = cfg.scan_split_slots and K > 1
     slot_hist = torch.empty(K, NB, E, dtype=torch.int32, device=dev) if has_cap else dummy_i32
@@ -210,7 +244,7 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
         sel_ids_TK = ids_TK
         if has_cap:
             slots_per_prog = 1 if split else K
-            _capacity_scan_kernel[(K // slots_per_prog, triton.cdiv(E, cfg.scan_block_e))](
+            _capacity_scan_kernel[(K // slots_per_prog, cdiv(E, cfg.scan_block_e))](
                 slot_hist,
                 slot_tot,
                 counts_E,
@@ -257,7 +291,7 @@ def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_
     dss = dss_E.float() if dss_E is not None else dummy
     dlse = dlse_T.float() if dlse_T is not None else dummy
     with _device_ctx(logits_TE):
-        _route_bwd_kernel[(triton.cdiv(T, cfg.bwd_block_t),)](
+        _route_bwd_kernel[(cdiv(T, cfg.bwd_block_t),)](
             logits_TE,
             sel_ids_TK,
             ids_TK,
@@ -343,34 +377,11 @@ def route(
             "tritonmoe.dispatch sends fp64 to tritonmoe.reference.route"
         )
     T, E = logits_TE.shape
-    G = n_groups if n_groups is not None and n_groups > 1 else 1
-    S = E // G
-    block_g = triton.next_power_of_2(G)
-    block_s = triton.next_power_of_2(S)
-    lanes = block_g * block_s
-    if lanes > MAX_TILE_LANES:
-        raise ValueError(
-            f"num_experts={E} (n_groups={n_groups}) needs a tile of {lanes} expert lanes, above the "
-            f"Triton router's limit of {MAX_TILE_LANES}; use backend='torch' for this router"
-        )
-    prob = _Problem(
-        T=T,
-        E=E,
-        K=top_k,
-        G=G,
-        S=S,
-        topk_groups=topk_groups if G > 1 else 1,
-        softmax=score_func == "softmax",
-        renormalize=renormalize,
-        capacity=capacity,
-        with_aux=with_aux,
-        group_max=group_score == "max",
-        scale=float(routed_scaling_factor),
-        block_g=block_g,
-        block_s=block_s,
-        block_k=triton.next_power_of_2(top_k),
-        config=_config(lanes, logits_TE.device),
-    )
+    prob = _problem(T, E, top_k, n_groups, topk_groups, score_func, renormalize, capacity, with_aux, group_score,
+                    float(routed_scaling_factor), logits_TE.device.type != "cuda")
+    override = _override.get()
+    if override is not None:
+        prob = dataclasses.replace(prob, config=override)
     bias_E = expert_bias.detach().float().contiguous() if expert_bias is not None else None
     ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob)
     return Routing(

@@ -542,3 +542,53 @@ def test_gpu_smoke(tmp_path):
             assert r["memory"]["peak_bytes"] > 0
     layer = [r for r in doc["results"] if r["suite"] == "layer" and r["status"] == "ok"]
     assert layer and all(r["memory"]["ratio"] > 0 for r in layer)
+
+
+def test_unpermute_split_variant_is_the_same_op(monkeypatch):
+    """The GPU-only "triton-split" unpermute entry (one d-chunk per program) computes what the
+    default launch does; it exists only when the row spans several chunks."""
+    import types
+
+    import tritonmoe as tm
+    from bench import suites as S
+    from tritonmoe import reference
+    from tritonmoe.kernels import permute as kp
+
+    monkeypatch.setattr(kp, "_sms", lambda device: 1)  # a "CUDA" device with enough tokens to loop; CPU tensors
+    ctx = types.SimpleNamespace(backends=("torch", "triton"), device=torch.device("cuda"), itemsize=2)
+    T, k, d, E = 16, 8, 2048, 8
+    g = torch.Generator().manual_seed(0)
+    r = reference.route(torch.randn(T, E, generator=g), k)
+    _, info = reference.permute(torch.empty(T, 0), r.topk_ids, E)
+    st = dict(y=torch.randn(T * k, d, generator=g), info=info, w=r.topk_weights)
+    impls = S.gather_split_impls(ctx, T, k, d, lambda st: tm.unpermute(st["y"], st["info"], st["w"], backend="triton"))
+    assert [name for name, _, _ in impls] == ["triton-split"]
+    got = impls[0][1](st)
+    want = tm.unpermute(st["y"], st["info"], st["w"], backend="triton")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, reference.unpermute(st["y"], info, st["w"]), rtol=1e-5, atol=1e-5)
+    assert S.gather_split_impls(ctx, T, 2, 256, lambda st: None) == []  # one chunk: nothing to compare
+    assert S.gather_split_impls(types.SimpleNamespace(backends=("triton",), device=torch.device("cpu"), itemsize=2),
+                                T, k, d, lambda st: None) == []
+
+
+def test_single_device_memory_check_runs_and_accounts(tmp_path):
+    """``python -m bench.memory --single`` (make gpu-memory) on its CPU stand-in: every (degree,
+    strategy) measured, the bytes saved for backward (counted by hooks) and copied to the host
+    equal to the memory model's, and every reuse strategy below keep."""
+    import subprocess
+
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.memory", "--single", "--device", "cpu", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {(r["n"], r["strategy"]) for r in rows} == {(n, s) for n in (2, 4) for s in
+                                                       ("keep", "offload", "recomm", "recompute", "recomm_recompute")}
+    for r in rows:
+        assert r["saved_bytes"] == r["model_bytes"] > 0, r
+        assert r["held_bytes"] is None and r["peak_bytes"] is None  # no device allocator on CPU
+        if r["strategy"] != "keep":
+            keep = next(k for k in rows if k["n"] == r["n"] and k["strategy"] == "keep")
+            assert r["saved_bytes"] < keep["saved_bytes"]
+        assert r["host_bytes"] == r["model_host_bytes"], r  # what went to the host: the layout's offloads

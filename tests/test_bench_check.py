@@ -77,9 +77,17 @@ class FakeH100(check.Runner):
                    gpu_capability="9.0", driver="580.159.04", cuda="13.0", git_commit="f" * 40, git_dirty=False)
         return env
 
-    def run_tests(self, timeout_s, log):
-        self.test_timeout = timeout_s
-        return dict(status=self.tests, summary="12 passed", wall_s=95.0)
+    def run_tests(self, timeout_s, log, out_prefix=None):
+        self.test_timeout, self.test_prefix = timeout_s, out_prefix
+        failing = [] if self.tests == "passed" else [
+            dict(id="tests/test_x.py::test_bad[1]", status="failed", shard="2", message="AssertionError: boom"),
+            dict(id="tests/test_x.py::test_crash", status="crashed", shard="0",
+                 message="its shard's process died (exit status -11) while it ran"),
+        ]
+        counts = {"passed": 12, "failed": 1, "crashed": 1} if failing else {"passed": 12}
+        return check.tests_record(dict(status=self.tests, summary=", ".join(f"{n} {k}" for k, n in counts.items()),
+                                       wall_s=95.0, counts=counts, shards=[{}] * 8, failing=failing,
+                                       files=[f"{out_prefix}.json", f"{out_prefix}.md"]))
 
     def telemetry(self, log):
         return check.Telemetry.disabled("fake device")
@@ -171,6 +179,17 @@ def test_gpu_path_budget_failures_and_strict(tmp_path, capsys):
     assert rc == 1
     assert runner.test_timeout == 30.0  # the tests get what the budget leaves, at least 30 s
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    schema.validate(doc)
+    # the tests' summary beside the results, and each test that did not pass in the final table
+    assert runner.test_prefix == str(tmp_path / f"nvidia-h100-80gb-hbm3-{doc['env']['date_utc'][:10]}-gpu-tests")
+    tests = doc["check"]["tests"]
+    assert tests["counts"] == {"passed": 12, "failed": 1, "crashed": 1} and tests["shards"] == 8
+    tail = capsys.readouterr().out.split("== targets", 1)[1]
+    assert "tests (pytest -m gpu, 8 shards): failed: 12 passed, 1 failed, 1 crashed" in tail
+    assert "failed    [shard 2] tests/test_x.py::test_bad[1]: AssertionError: boom" in tail
+    assert "crashed   [shard 0] tests/test_x.py::test_crash" in tail
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert "  - crashed [shard 0] `tests/test_x.py::test_crash`" in md
     status = {s["name"]: s["status"] for s in doc["check"]["sections"]}
     assert status == {"route": "ran", "permute": "ran", "ffn": "skipped", "decode": "ran", "layer": "ran"}
     res = _by_name(doc["check"]["targets"])

@@ -88,6 +88,40 @@ def test_no_graph_breaks_and_compiled_equals_eager(backend, dtype, ffn_path, wan
     assert not ((unfused_ops if want_path == "fused" else fused_ops) & ops_in_graph), ops_in_graph
 
 
+def test_compiled_auto_path_follows_backward(monkeypatch):
+    """``ffn_path="auto"`` under torch.compile with the CUDA rule (unfused when a backward
+    follows) widened to CPU, on the interpreter's kernels: fullgraph (no graph break), the
+    training graph holds the unfused training ops and equals the eager auto layer bitwise
+    (output and every gradient); called under no_grad it retraces once (grad mode is guarded)
+    into the fused op and equals eager bitwise."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from tritonmoe import experts as X
+
+    monkeypatch.setattr(X, "_TRAIN_UNFUSED_DEVICES", frozenset({"cuda", "cpu"}))
+    eager, layer = _layers("triton", torch.float32, ffn_path="auto")
+    x, g = torch.randn(6, 16), torch.randn(6, 16)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    want, got = _step(eager, eager, x, g), _step(compiled, layer, x, g)
+    assert eager.ffn_path_used == layer.ffn_path_used == "unfused"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for n, gw in want[2].items():
+        assert torch.equal(got[2][n], gw), n
+    with torch.no_grad():
+        y_want, y_got = eager(x), compiled(x)
+    assert eager.ffn_path_used == layer.ffn_path_used == "fused"
+    assert torch.equal(y_got, y_want)
+    names = [{n.target._qualified_op_name for n in gm.graph.nodes
+              if n.op == "call_function" and hasattr(n.target, "_qualified_op_name")} for gm in counter.graphs]
+    assert counter.frame_count == 2 and len(names) == 2
+    assert {"tritonmoe::permute", "tritonmoe::grouped_ffn_train", "tritonmoe::unpermute"} <= names[0]
+    assert not {"tritonmoe::moe_ffn", "tritonmoe::moe_ffn_train"} & names[0]
+    assert "tritonmoe::moe_ffn" in names[1] and "tritonmoe::grouped_ffn" not in names[1]
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("ffn_path", ["fused", "unfused"])
 def test_compiled_ffn_op_forms(ffn_path):
     """Which expert-FFN op a compiled layer traces: the ``*_train`` form (activations saved, no
@@ -227,11 +261,11 @@ def test_opcheck_row_movers_and_gemms():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("ffn_path", ["fused", "unfused"])
+@pytest.mark.parametrize("ffn_path", ["fused", "unfused", "auto"])
 def test_gpu_compiled_layer_equals_eager(ffn_path):
     """On CUDA with the Triton kernels (bf16): fullgraph, dynamic batch, no recompilation, the
-    eager variant, bitwise equal to eager with aot_eager (training ops' shared backward) and to
-    rounding with inductor."""
+    eager variant ("auto" trains unfused on CUDA), bitwise equal to eager with aot_eager
+    (training ops' shared backward) and to rounding with inductor."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     cfg = dict(CFG, d_model=128, d_ffn=64, num_experts=8, backend="triton", ffn_path=ffn_path, capacity_factor=1.25)
@@ -250,7 +284,7 @@ def test_gpu_compiled_layer_equals_eager(ffn_path):
             eager.zero_grad(set_to_none=True)
             layer.zero_grad(set_to_none=True)
             want, got = _step(eager, eager, x, g), _step(compiled, layer, x, g)
-            assert layer.ffn_path_used == eager.ffn_path_used == ffn_path
+            assert layer.ffn_path_used == eager.ffn_path_used == {"auto": "unfused"}.get(ffn_path, ffn_path)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             for n, gw in want[2].items():
                 assert torch.equal(got[2][n], gw), n

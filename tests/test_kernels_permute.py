@@ -661,24 +661,27 @@ def _kernel_names(fn) -> set[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ffn_path", ["auto", "unfused"])
-def test_gpu_layer_runs_the_permute_kernels_on_its_unfused_path(ffn_path):
-    """On CUDA with backend "auto" the layer's expert path is the fused moe_ffn (no permuted
-    buffer, so no permute / unpermute kernels); with ffn_path="unfused" it permutes and
-    unpermutes with the Triton kernels. Both match the reference layer."""
+@pytest.mark.parametrize("ffn_path,train", [("auto", False), ("auto", True), ("unfused", False)])
+def test_gpu_layer_runs_the_permute_kernels_on_its_unfused_path(ffn_path, train):
+    """On CUDA with backend "auto": for inference (no grad) "auto" runs the fused moe_ffn (no
+    permuted buffer, so no permute / unpermute kernels); for training (grad enabled, parameters
+    that require grad) "auto" and ffn_path="unfused" permute and unpermute with the Triton
+    kernels. All match the reference layer."""
     torch.manual_seed(0)
     layer = tm.MoELayer(tm.MoEConfig(64, 128, 8, 2, backend="auto", ffn_path=ffn_path), device="cuda")
     ref_layer = tm.MoELayer(tm.MoEConfig(64, 128, 8, 2, backend="torch"), device="cuda")
     ref_layer.load_state_dict(layer.state_dict())
     x = torch.randn(3, 17, 64, device="cuda")
-    layer(x)  # compile outside the profile
-    out = {}
-    names = _kernel_names(lambda: out.setdefault("y", layer(x)))
+    with torch.set_grad_enabled(train):
+        layer(x)  # compile outside the profile
+        out = {}
+        names = _kernel_names(lambda: out.setdefault("y", layer(x)))
+        want = ref_layer(x)
     moved = {k for k in ("_scatter_rows_kernel", "_gather_rows_kernel") if any(k in n for n in names)}
-    if ffn_path == "unfused":
+    if ffn_path == "unfused" or train:
         assert layer.ffn_path_used == "unfused"
         assert moved == {"_scatter_rows_kernel", "_gather_rows_kernel"}, sorted(names)
     else:
         assert layer.ffn_path_used == "fused"
         assert not moved, sorted(names)
-    torch.testing.assert_close(out["y"], ref_layer(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["y"], want, rtol=1e-5, atol=1e-5)

@@ -51,7 +51,8 @@ class MoEConfig:
         ffn_path: how the layer runs its experts: "fused" (:func:`tritonmoe.moe_ffn`, token gather
             and weighted combine fused into the expert GEMMs), "unfused" (permute ->
             grouped_ffn -> unpermute) or "auto" (the layer picks per call and records the choice
-            in ``MoELayer.ffn_path_used``; see :meth:`MoELayer.choose_ffn_path`).
+            in ``MoELayer.ffn_path_used``: on CUDA unfused when a backward follows, fused for
+            inference; unfused on the reference; see :class:`tritonmoe.experts.LocalExperts`).
         group_score: how group-limited routing scores a group: "top2sum" (the sum of its two
             largest selection values; DeepSeek-V3) or "max" (DeepSeek-V2).
         routed_scaling_factor: multiplies the routed experts' weights after renormalization

@@ -140,23 +140,36 @@ class LocalExperts(ExpertPath):
 
     The variant comes from ``config.ffn_path``: "fused" runs :func:`tritonmoe.moe_ffn` (token
     gather and weighted combine inside the expert GEMMs); "unfused" runs permute -> grouped FFN
-    -> unpermute; "auto" is provisional (no GPU measurement behind it yet): "fused" whenever the
-    expert FFN runs on the Triton kernels, since it skips the permuted copy of x and the
-    expert-ordered y (two [T*k, d] round trips through memory and two launches); "unfused" on the
-    reference backend, where both are the same plain-PyTorch composition.
+    -> unpermute; "auto" picks per call (:func:`auto_ffn_path`):
+
+    * "unfused" on the reference backend, where both are the same plain-PyTorch composition;
+    * on CUDA with the Triton kernels, "unfused" when a backward will follow (grad enabled and x,
+      the expert weights or the gate weights require grad) and "fused" otherwise. Measured on
+      one H100 (bf16, ``bench/results/nvidia-h100-80gb-hbm3-2026-11-26.md``): forward + backward
+      the unfused path is faster (Mixtral-like T=16k 65.4 against 83.5 ms, Qwen3-30B-A3B-like
+      T=32k 18.0 against 20.5 ms), forward alone the fused one, which skips the permuted copy
+      of x and the expert-ordered y, is as fast or faster (20.4 against 20.8 ms, 5.38 against
+      6.06 ms; decode T <= 64 faster). The price of training unfused is those buffers, held for
+      backward: peak 7.8 against 5.9 GiB at Qwen3-like T=32k (pass ``ffn_path="fused"`` where
+      memory is the limit);
+    * "fused" elsewhere (the Triton kernels in the interpreter: no timing to go by).
     """
 
-    def choose(self, x_TD: torch.Tensor) -> str:
+    def choose(self, x_TD: torch.Tensor, routing: Optional[Routing] = None,
+               weights: Optional[ExpertWeights] = None) -> str:
         """The variant for ``x_TD`` ("fused" or "unfused"): ``config.ffn_path``, or for "auto" the
         rule above. The same decision eager and compiled (under ``torch.compile`` it is taken once
-        at trace time, see :func:`_local_ffn_path`)."""
+        at trace time, see :func:`_local_ffn_path`: grad mode and ``requires_grad`` are static
+        there, and guarded, so a compiled layer called under ``no_grad`` after training retraces
+        and takes the forward choice)."""
         c = self.config
-        return _local_ffn_path(c.ffn_path, c.backend, x_TD.device.type, x_TD.dtype)
+        return _local_ffn_path(c.ffn_path, c.backend, x_TD.device.type, x_TD.dtype,
+                               _needs_backward(x_TD, routing, weights))
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
         c = self.config
         w, kw = weights, ffn_options(c)
-        path = self.choose(x_TD)
+        path = self.choose(x_TD, routing, w)
         self.path_used = path
         # Traced by torch.compile: the custom ops (tritonmoe.ops; one opaque node each, no graph
         # break), the same variant and implementations as eager.
@@ -192,16 +205,48 @@ def _saves_activations() -> bool:
     return ops.preact_mode() == "save"
 
 
+#: Device types where "auto" trains on the unfused path (measured on CUDA; a test widens it to
+#: run the rule on CPU in Triton's interpreter).
+_TRAIN_UNFUSED_DEVICES = frozenset({"cuda"})
+
+
+def _needs_backward(x_TD: torch.Tensor, routing: Optional[Routing], weights: Optional[ExpertWeights]) -> bool:
+    """Whether autograd will run a backward through this call's expert FFN: grad enabled and x,
+    an expert weight (or bias) or the gate weights require grad. Plain Python on tensor metadata:
+    under ``torch.compile`` these are trace-time constants (dynamo guards on grad mode and on
+    ``requires_grad``), so the choice adds no graph break."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = [x_TD]
+    if routing is not None:
+        tensors.append(routing.topk_weights)
+    if weights is not None:
+        tensors += [weights.w1, weights.w2, weights.b1, weights.b2]
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def auto_ffn_path(backend: Optional[str], device_type: str, dtype: torch.dtype, backward: bool) -> str:
+    """What ``ffn_path="auto"`` runs (see :class:`LocalExperts`): "unfused" on the reference
+    backend and for training on CUDA, "fused" otherwise."""
+    impl = implementation("moe_ffn", backend, torch.device(device_type), dtype)
+    if impl is reference.moe_ffn:
+        return "unfused"
+    if backward and device_type in _TRAIN_UNFUSED_DEVICES:
+        return "unfused"
+    return "fused"
+
+
 @torch._dynamo.assume_constant_result
-def _local_ffn_path(ffn_path: str, backend: Optional[str], device_type: str, dtype: torch.dtype) -> str:
+def _local_ffn_path(ffn_path: str, backend: Optional[str], device_type: str, dtype: torch.dtype,
+                    backward: bool = False) -> str:
     """:meth:`LocalExperts.choose` from plain values. Marked ``assume_constant_result``: under
     ``torch.compile`` it runs once at trace time (the dispatch table is Python state dynamo need
     not trace) and its answer is a constant of the graph, like the backend the custom ops are
-    given; changing the process default backend afterwards does not retrace a compiled layer."""
+    given; changing the process default backend afterwards does not retrace a compiled layer.
+    ``backward`` (:func:`_needs_backward`) is itself a trace-time constant."""
     if ffn_path != "auto":
         return ffn_path
-    impl = implementation("moe_ffn", backend, torch.device(device_type), dtype)
-    return "unfused" if impl is reference.moe_ffn else "fused"
+    return auto_ffn_path(backend, device_type, dtype, backward)
 
 
 def _under_nonreentrant_checkpoint() -> bool:
