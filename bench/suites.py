@@ -464,16 +464,16 @@ def gather_split_impls(ctx: Context, T: int, k: int, d: int, forward: Callable[[
     takes one d-chunk of a token (``nsplit`` = chunks per row) instead of looping over the row's
     chunks. At Qwen3-30B-A3B-like k=8, d=2048 the default loops over two chunks and the first
     H100 run measured unpermute at 0.52 of the copy roof, against 0.92 at Mixtral's k=2, d=4096
-    (one chunk); this entry, "triton-split", measures the alternative in the same run. Nothing
-    when the row is one chunk, or without the Triton backend on CUDA."""
+    (one chunk); this entry, "triton-split", measures the alternative in the same run (where few
+    tokens already split the row, the two launch the same). Nothing when the row is one chunk,
+    or without the Triton backend on CUDA."""
     if "triton" not in ctx.backends or ctx.device.type != "cuda":
         return []
     from tritonmoe.kernels import permute as kp
     from tritonmoe.kernels._host import cdiv
 
-    cfg = kp.rows_config("gather", T, k, d, ctx.itemsize, ctx.device)
-    chunks = cdiv(d, cfg.block_d)
-    if chunks <= max(1, cfg.nsplit):
+    chunks = cdiv(d, kp.gather_block_d(k, d, ctx.itemsize))  # planned without touching the device
+    if chunks <= 1:
         return []
 
     def run(st):

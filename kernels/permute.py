@@ -182,6 +182,13 @@ def metadata_config(num_slots: int, num_experts: int, device: torch.device) -> M
     return dataclasses.replace(cfg, **over) if over else cfg
 
 
+def gather_block_d(top_k: int, d: int, elem_size: int) -> int:
+    """Columns per step of the gather (see :func:`rows_config`): the [next_pow2(k), block_d] fp32
+    tile is at most 8K elements, and block_d at most 8 KiB of the row."""
+    block_k = next_power_of_2(max(top_k, 1))
+    return min(next_power_of_2(max(d, 1)), max(16, 8192 // block_k), max(16, 8192 // elem_size))
+
+
 def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, device: torch.device) -> RowsConfig:
     """Row-mover launch parameters for ``kind`` "scatter" or "gather".
 
@@ -198,7 +205,7 @@ def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, 
         num_warps = max(1, min(8, block_d * elem_size // 1024))
     elif kind == "gather":
         block_k = next_power_of_2(max(top_k, 1))
-        block_d = min(d_pow2, max(16, 8192 // block_k), max(16, 8192 // elem_size))
+        block_d = gather_block_d(top_k, d, elem_size)
         num_warps = max(1, min(8, block_k * block_d // 1024))
     else:
         raise ValueError(f"rows_config kind={kind!r}; use 'scatter' or 'gather'")

@@ -213,7 +213,14 @@ def bias_update_checks(rank: int, P: int) -> list[str]:
     want = [m.clone() for m in mine]
     for w in want:
         dist.all_reduce(w)
-    got = tm.update_expert_bias(layers, rate=0.01, group=world)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # the verdict's all-gather uses the current name
+        warnings.simplefilter("always")
+        got = tm.update_expert_bias(layers, rate=0.01, group=world)
+    deprecated = [str(w.message) for w in caught if "deprecated" in str(w.message)]
+    if deprecated:
+        failures.append(f"good update: deprecation warnings {deprecated}")
     for i, (layer, w, g) in enumerate(zip(layers, want, got)):
         if not torch.equal(g, w):
             failures.append(f"good update: layer {i} loads {g.tolist()} != summed {w.tolist()}")
@@ -259,6 +266,21 @@ def bias_update_checks(rank: int, P: int) -> list[str]:
         _expect_raise(failures, "bad rate on rank 0", lambda: tm.update_expert_bias(layers, rate=rate, group=world),
                       tm.ExpertBiasError, "rank(s) [0]")
     unchanged("bad rate on rank 0", before, loads)
+    # -- a layer listed twice: on every rank (each raises its ValueError), then on rank 0 only (the
+    # others learn it from the verdict): no bias moves twice, nothing is written
+    twice = [layers[0], layers[1], layers[0]]
+    _expect_raise(failures, "a layer twice on every rank", lambda: tm.update_expert_bias(twice, rate=0.01, group=world),
+                  ValueError, "layers[2] is the same layer as layers[0]")
+    unchanged("a layer twice on every rank", before, loads)
+    mine_twice = twice if rank == 0 else layers
+    if rank == 0:
+        _expect_raise(failures, "a layer twice on rank 0",
+                      lambda: tm.update_expert_bias(mine_twice, rate=0.01, group=world), ValueError, "same layer")
+    else:
+        _expect_raise(failures, "a layer twice on rank 0",
+                      lambda: tm.update_expert_bias(mine_twice, rate=0.01, group=world), tm.ExpertBiasError,
+                      "rank(s) [0]")
+    unchanged("a layer twice on rank 0", before, loads)
     # -- different layers
     sub = layers[:1] if rank == 0 else layers
     _expect_raise(failures, "different layer counts", lambda: tm.update_expert_bias(sub, rate=0.01, group=world),

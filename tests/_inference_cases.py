@@ -273,8 +273,89 @@ def single_device_case(rank: int, P: int, device: str = "cpu", group=None) -> di
     return out
 
 
+def released_case(rank: int, P: int, device: str = "cpu", group=None) -> dict:
+    """A layer whose expert tensors a ReplicatedMoELayer released to host memory (on CUDA the
+    wrapper does it; on CPU ``release_to_host``, the same function, with unpinned memory): a
+    direct call raises ExpertsReleasedError naming the wrapper and the fix; state_dict (the
+    layer's and the wrapper's) reports the real weights, which load into a fresh layer;
+    load_state_dict through the wrapper writes the host copy and reaches the slots; a wrong
+    shape is named; restore_experts makes the layer run by itself again."""
+    import copy
+
+    from tritonmoe.inference import ExpertsReleasedError, is_released, restore_experts
+    from tritonmoe.inference.replicated import EXPERT_TENSORS, release_to_host
+
+    cuda = device == "cuda"
+    dt = torch.float32 if cuda else torch.float64
+    cfg = tm.MoEConfig(D, 6, E, 2, expert_ffn_bias=True)
+
+    def same(a, b):
+        return bool(torch.equal(a, b)) if not cuda else bool(torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+
+    torch.manual_seed(3)
+    layer = tm.MoELayer(cfg, device=device, dtype=dt)
+    ref = copy.deepcopy(layer)
+    torch.manual_seed(4)
+    new = tm.MoELayer(cfg, device=device, dtype=dt)
+    x = torch.randn(19, D, device=device, dtype=dt)
+    names = [n for n in EXPERT_TENSORS if getattr(layer, n) is not None]
+    out: dict = {}
+    with torch.no_grad():
+        want, want_new = ref(x), new(x)
+        if not cuda:
+            release_to_host(layer, names, pin=False)
+        rep = ReplicatedMoELayer(layer, group=group)
+        out["released"] = is_released(layer) and all(getattr(layer, n).numel() == 0 for n in names)
+        out["equal"] = same(rep(x), want)
+        try:
+            layer(x)
+            out["direct"] = "no error"
+        except ExpertsReleasedError as e:
+            msg = str(e)
+            out["direct"] = "ok" if isinstance(e, RuntimeError) and "ReplicatedMoELayer" in msg and \
+                "restore_experts(layer)" in msg else msg
+        except Exception:  # noqa: BLE001
+            out["direct"] = traceback.format_exc()
+        sd, rsd = layer.state_dict(), rep.state_dict()
+        out["state_dict"] = all(bool(torch.equal(sd[n].to(device), getattr(ref, n))) for n in names) and all(
+            bool(torch.equal(rsd["layer." + n].to(device), getattr(ref, n))) for n in names)
+        import io
+
+        buf = io.BytesIO()
+        torch.save(layer, buf)  # the whole module (still picklable), loaded back: released, the same weights
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+        out["pickled"] = is_released(clone) and all(bool(torch.equal(clone.state_dict()[n].to(device), getattr(ref, n)))
+                                                    for n in names)
+        fresh = tm.MoELayer(cfg, device=device, dtype=dt)
+        fresh.load_state_dict(sd)
+        out["fresh_equal"] = bool(torch.equal(fresh(x), want))
+        rep.load_state_dict({"layer." + k: v for k, v in new.state_dict().items()})
+        out["load_equal"] = same(rep(x), want_new) and is_released(layer) and all(
+            bool(torch.equal(rep.host[n].to(device), getattr(new, n))) for n in names)
+        bad = {"layer." + k: v for k, v in new.state_dict().items()}  # (the other keys load, as torch does)
+        bad["layer.w1"] = bad["layer.w1"][:-1]
+        try:
+            rep.load_state_dict(bad)
+            out["bad_shape"] = "no error"
+        except RuntimeError as e:
+            out["bad_shape"] = "ok" if "size mismatch for layer.w1" in str(e) and f"{tuple(new.w1.shape)}" in str(e) \
+                else str(e)
+        restore_experts(layer)
+        out["restored"] = (not is_released(layer)) and layer.w1.device == x.device and same(layer(x), want_new) \
+            and same(rep(x), want_new)
+        try:
+            restore_experts(layer)
+            out["restore_twice"] = "no error"
+        except ValueError as e:
+            out["restore_twice"] = "ok" if "not released" in str(e) else str(e)
+    return out
+
+
 def cuda_single_device_case(rank: int, P: int) -> dict:
-    return single_device_case(rank, P, "cuda")
+    out = single_device_case(rank, P, "cuda")
+    out["released_case"] = released_case(rank, P, "cuda")
+    return out
 
 
 def replicated_cases(rank: int, P: int) -> dict:
@@ -342,6 +423,10 @@ def replicated_cases(rank: int, P: int) -> dict:
         out["single_device"] = single_device_case(rank, P, "cpu", singles[rank])
     except Exception:  # noqa: BLE001
         out["single_device"] = dict(error=traceback.format_exc())
+    try:
+        out["released"] = released_case(rank, P, "cpu", singles[rank])
+    except Exception:  # noqa: BLE001
+        out["released"] = dict(error=traceback.format_exc())
     out["scheduler_loads"] = _scheduler_loads(rank, P)
     # bad input, raised on every rank before any exchange
     layer = top2
@@ -382,4 +467,4 @@ def _refresh_and_agreement_cases(rank: int, P: int) -> dict:
     return out
 
 
-__all__ = ["replicated_cases", "zipf_layer", "single_device_case", "cuda_single_device_case"]
+__all__ = ["replicated_cases", "zipf_layer", "single_device_case", "released_case", "cuda_single_device_case"]

@@ -119,7 +119,7 @@ class FakeH100(check.Runner):
         return rows
 
 
-EFFICIENCY = {"triton": 0.9, "triton-fused": 0.9, "torch": 0.1, "grouped_mm": 0.6, "loop": 0.3}
+EFFICIENCY = {"triton": 0.9, "triton-fused": 0.9, "triton-split": 0.9, "torch": 0.1, "grouped_mm": 0.6, "loop": 0.3}
 
 
 def _by_name(results):

@@ -141,3 +141,24 @@ def test_update_expert_bias_refusal_is_typed_and_keeps_loads():
         tm.update_expert_bias(layers, rate=1e38)
     tm.update_expert_bias(layers, rate=0.01)
     assert not any(layer.expert_load().any() for layer in layers)
+
+
+def test_update_expert_bias_refuses_a_layer_listed_twice():
+    """The same layer twice would get two sign steps (its load read twice): ValueError naming both
+    positions, before anything is read or written; a model's layers are collected once each."""
+    torch.manual_seed(0)
+    a, b = (tm.MoELayer(tm.MoEConfig(8, 6, 4, 2, expert_bias=True)) for _ in range(2))
+    for layer in (a, b):
+        layer(torch.randn(7, 8))
+    loads = [layer.expert_load().clone() for layer in (a, b)]
+    with pytest.raises(ValueError, match=r"layers\[2\] is the same layer as layers\[0\]"):
+        tm.update_expert_bias([a, b, a], rate=0.01)
+    with pytest.raises(ValueError, match=r"layers\[1\] is the same layer as layers\[0\]"):
+        tm.update_expert_bias([a, a], rate=0.01)
+    assert torch.equal(a.expert_bias, torch.zeros(4)) and torch.equal(b.expert_bias, torch.zeros(4))
+    assert all(torch.equal(layer.expert_load(), load) for layer, load in zip((a, b), loads))
+    # one step each, the size the sign rule gives: |step| == rate where the load is off the mean
+    tm.update_expert_bias([a, b], rate=0.01)
+    for layer, load in zip((a, b), loads):
+        f = load.double()
+        assert torch.equal(layer.expert_bias, (0.01 * torch.sign(f.mean() - f)).float())

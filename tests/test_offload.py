@@ -200,3 +200,90 @@ def test_cuda_ring_equals_resident(tmp_path, tier):
         assert stack.resident_bytes() == K * stack.slot_bytes
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_offloaded_layers_state_dict_direct_call_and_restore(tmp_path, tier):
+    """The released layers report their real weights in state_dict (the host copies, or the disk
+    tier read back; it showed empty w1/w2), which load into a fresh resident model; a direct
+    call after close() raises ExpertsReleasedError (it failed inside the expert computation
+    with "not enough values to unpack"); restore_experts puts the weights back."""
+    from tritonmoe.inference import ExpertsReleasedError, is_released, restore_experts
+
+    N, K = 3, 1
+    model = _model(N, expert_ffn_bias=True)
+    resident = copy.deepcopy(model)
+    layers = [m for m in model if isinstance(m, tm.MoELayer)]
+    kw = {"disk_path": tmp_path / "e.bin"} if tier == "disk" else {}
+    stack = OffloadedExperts(layers, slots=K, **kw)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    want = resident(x)
+    try:
+        sd = model.state_dict()
+        assert sd.keys() == resident.state_dict().keys()
+        for k, v in resident.state_dict().items():
+            assert torch.equal(sd[k], v), k
+        assert stack.resident_bytes() == K * stack.slot_bytes  # reading the weights loaded nothing onto the device
+        fresh = _model(N, expert_ffn_bias=True)
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.zero_()
+        fresh.load_state_dict(sd)
+        with torch.no_grad():
+            assert torch.equal(fresh(x), want) and torch.equal(model(x), want)  # the ring still serves
+        with pytest.raises(ExpertsReleasedError, match="close\\(\\) it before restore_experts"):
+            restore_experts(layers[0])
+    finally:
+        stack.close()
+    for layer in layers:
+        with pytest.raises(ExpertsReleasedError, match=r"OffloadedExperts stack .* was closed.*restore_experts\(layer\)"):
+            layer(x)
+    with pytest.raises(RuntimeError, match="moved to host memory"):  # a RuntimeError subclass
+        model(x)
+    assert torch.equal(model.state_dict()[f"{2 * N - 1}.w2"], resident.state_dict()[f"{2 * N - 1}.w2"])
+    with pytest.raises(ValueError, match="already moved to host memory"):
+        OffloadedExperts(layers, slots=K)
+    for layer in layers:
+        restore_experts(layer)
+        assert not is_released(layer)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    with pytest.raises(ValueError, match="not released"):
+        restore_experts(layers[0])
+
+
+def test_load_state_dict_into_offloaded_layers(tmp_path):
+    """load_state_dict of a checkpoint into an open stack (host tier) writes the host copies and
+    the ring serves the new weights; the disk tier is read-only: a clear error, nothing written."""
+    N, K = 3, 2
+    model = _model(N)
+    layers = [m for m in model if isinstance(m, tm.MoELayer)]
+    torch.manual_seed(5)
+    new = _model(N)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.normal_()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    stack = OffloadedExperts(layers, slots=K)
+    try:
+        with torch.no_grad():
+            model(x)  # mid-ring: the slots hold layers 0 and 1 again, the next pass starts at 0
+            model.load_state_dict(new.state_dict())
+            for _ in range(2):
+                assert torch.equal(model(x), new(x))
+        bad = dict(new.state_dict())
+        bad["1.w1"] = bad["1.w1"][:, :-1]
+        with pytest.raises(RuntimeError, match=r"size mismatch for 1\.w1: copying \(4, 7, 12\)"):
+            model.load_state_dict(bad)
+    finally:
+        stack.close()
+    disk_model = _model(N)
+    before = copy.deepcopy(disk_model.state_dict())
+    disk = OffloadedExperts([m for m in disk_model if isinstance(m, tm.MoELayer)], slots=K, disk_path=tmp_path / "d.bin")
+    try:
+        with pytest.raises(RuntimeError, match="held read-only by an OffloadedExperts stack"):
+            disk_model.load_state_dict(new.state_dict())
+        got = disk_model.state_dict()
+        assert all(torch.equal(got[k], before[k]) for k in before if k.endswith(("w1", "w2")))
+    finally:
+        disk.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -156,3 +157,95 @@ def test_two_phase_scheduler_logic():
         LinaScheduler(PopularityEstimator(3, 8), 1)
     with pytest.raises(TypeError, match="PopularityEstimator"):
         LinaScheduler(object(), 4)
+
+
+# -- splits: largest remainder (Hamilton), exact for any finite positive weights ---------------
+
+_weights = st.lists(st.one_of(st.floats(1e-6, 1e6), st.sampled_from([1e-300, 1.0, 1e300, 1.7976931348623157e308])),
+                    min_size=1, max_size=6)
+
+
+@given(_weights, st.integers(0, 10_000), st.integers(0, 7))
+def test_split_is_hamilton_apportionment(weights, rows, source):
+    """The counts sum to ``rows`` exactly, each is the floor or the ceiling of its exact quota
+    rows * w / sum(w) (exact rationals, not floats), a larger remainder never loses to a smaller
+    one, and the split is a pure function of its arguments (deterministic)."""
+    r = len(weights)
+    pl = Placement(1, tuple((0,) for _ in range(r)), tuple((w,) for w in weights))
+    got = pl.split(0, rows, source)
+    counts = [n for _, n in got]
+    assert [d for d, _ in got] == list(range(r)) and sum(counts) == rows
+    fw = [Fraction(w) for w in weights]
+    quota = [rows * w / sum(fw) for w in fw]
+    for n, q in zip(counts, quota):
+        assert math.floor(q) <= n <= math.ceil(q) and abs(n - q) < 1
+    rem = [q - math.floor(q) for q in quota]
+    up = [n > math.floor(q) for n, q in zip(counts, quota)]
+    if any(up):
+        assert min(x for x, u in zip(rem, up) if u) >= max((x for x, u in zip(rem, up) if not u), default=0)
+    assert pl.split(0, rows, source) == got
+    S = pl.shares()
+    assert torch.isfinite(S).all() and float(S.sum()) == pytest.approx(1.0)
+
+
+def test_split_named_cases():
+    # 6 rows over 0.1 / 0.2 / 0.3: the quotas are exactly 1, 2, 3 (was [2, 2, 2])
+    pl = Placement(1, ((0,), (0,), (0,)), ((0.1,), (0.2,), (0.3,)))
+    assert pl.split(0, 6) == [(0, 1), (1, 2), (2, 3)]
+    assert [n for _, n in pl.split(0, 60)] == [10, 20, 30]
+    # weights near the float maximum: no overflow of their sum (was NaN -> ValueError)
+    big = Placement(1, ((0,), (0,)), ((1e308,), (1e308,)))
+    assert big.split(0, 6) == [(0, 3), (1, 3)] and big.split(0, 7, source=1) == [(0, 3), (1, 4)]
+    assert torch.equal(big.shares(), torch.tensor([[0.5], [0.5]], dtype=torch.float64))
+    assert torch.equal(big.device_load([6.0]), torch.tensor([3.0, 3.0], dtype=torch.float64))
+    mixed = Placement(1, ((0,), (0,)), ((1.7976931348623157e308,), (1e-300,)))
+    assert mixed.split(0, 5) == [(0, 5), (1, 0)] and torch.isfinite(mixed.shares()).all()
+
+
+# -- Lina is never worse than the contiguous layout --------------------------------------------
+
+def _layouts(devices, per_device, value):
+    return devices.flatmap(lambda N: st.tuples(st.just(N), per_device.flatmap(
+        lambda L: st.lists(value, min_size=N * L, max_size=N * L))))
+
+
+# any layout, and the dense one where first-fit-decreasing overflows most (2-3 devices of 3-4
+# experts whose sizes fill the devices exactly: 17% of random 8-on-2 loads lost to contiguous)
+_peak_loads = st.one_of(
+    _layouts(st.integers(1, 8), st.integers(1, MAX_PACKED_PER_DEVICE), st.one_of(st.just(0.0), st.floats(0, 100))),
+    _layouts(st.integers(2, 3), st.integers(3, MAX_PACKED_PER_DEVICE), st.floats(1, 100)),
+)
+
+
+@given(_peak_loads)
+def test_lina_never_worse_than_contiguous(case):
+    N, load = case
+    v = torch.tensor(load, dtype=torch.float64)
+    lina = float(lina_placement(v, N).device_load(v).max())
+    contiguous = float(Placement.contiguous(len(load), N).device_load(v).max())
+    assert lina <= contiguous * (1 + 1e-9) + 1e-12, (lina, contiguous)
+
+
+def test_lina_named_case_where_packing_overflows():
+    """8 experts on 2 devices whose sizes sum to exactly the 2 devices: first-fit-decreasing
+    cannot fit them and overflowed to a device with a higher peak (181.96) than the contiguous
+    layout's (181.34); the contiguous layout is kept then."""
+    load = [0.0, 44.94877016730815, 97.70967285419852, 38.682232334414316, 24.787441145721868, 76.20185532512836,
+            3.397476391251274, 59.462958277045374]
+    v = torch.tensor(load, dtype=torch.float64)
+    pl = lina_placement(v, 2)
+    assert float(pl.device_load(v).max()) <= float(Placement.contiguous(8, 2).device_load(v).max())
+    assert pl == Placement.contiguous(8, 2)
+
+
+def test_scheduler_k_top_range():
+    from tritonmoe.inference import LinaScheduler, PopularityEstimator
+
+    for k in (0, -1, 9):
+        with pytest.raises(ValueError, match=rf"k_top={k} must be in \[1, 8\].*pass k_top=2"):
+            LinaScheduler(PopularityEstimator(3, 8), 4, k_top=k)
+    with pytest.raises(TypeError, match="k_top must be an int"):
+        LinaScheduler(PopularityEstimator(3, 8), 4, k_top=2.0)
+    with pytest.raises(ValueError, match="max_per_device=0"):
+        LinaScheduler(PopularityEstimator(3, 8), 4, max_per_device=0)
+    assert [LinaScheduler(PopularityEstimator(3, 8), 4, k_top=k).k_top for k in (1, 8)] == [1, 8]

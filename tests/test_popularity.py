@@ -106,3 +106,24 @@ def test_bad_input():
         PopularityEstimator(3, 0)
     with pytest.raises(TypeError, match="k_est"):
         PopularityEstimator(3, 4, k_est=1.5)
+
+
+@pytest.mark.parametrize("k_est", [1, 2, None])
+def test_no_data_estimate_is_uniform(k_est):
+    """Before anything is recorded for a layer, the estimate spreads the T tokens evenly over the
+    E experts (it put them all on experts 0 and 1: the top-2 of a uniform tie), unconditional or
+    with a history; a layer with data still gets its truncated estimate."""
+    E, T = 8, 10
+    est = PopularityEstimator(3, E, k_est=k_est)
+    uniform = torch.full((E,), T / E, dtype=torch.float64)
+    assert torch.equal(est.estimate(0, torch.empty(T, 0, dtype=torch.int64)), uniform)
+    assert torch.equal(est.estimate(2, torch.zeros(T, 2, dtype=torch.int64)), uniform)
+    assert torch.equal(est.estimate(1, torch.randint(0, E, (T, 1))), uniform)
+    # with data the top-k_est truncation applies (a skewed layer: experts 3 and 5 only)
+    c = torch.zeros(4, 3, dtype=torch.int64)
+    c[:, 1] = torch.tensor([3, 3, 3, 5])
+    est.record(c)
+    got = est.estimate(1, torch.empty(T, 0, dtype=torch.int64))
+    assert float(got.sum()) == pytest.approx(T)
+    assert set(got.nonzero().flatten().tolist()) == ({3} if k_est == 1 else {3, 5})
+    assert torch.equal(est.estimate(2, torch.zeros(T, 2, dtype=torch.int64)), torch.eye(E, dtype=torch.float64)[0] * T)

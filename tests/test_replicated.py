@@ -149,7 +149,25 @@ def test_cuda_hosted_slots_copy_stream():
     from _inference_cases import cuda_single_device_case
 
     res, _ = run_group(1, cuda_single_device_case, deadline_s=300.0)
-    _check_single_device(values_or_fail(res)[0], cuda=True)
+    r = values_or_fail(res)[0]
+    _check_single_device(r, cuda=True)
+    _check_released(r["released_case"])
+
+
+def _check_released(s: dict) -> None:
+    assert "error" not in s, s.get("error")
+    assert s["released"] and s["equal"]
+    assert s["direct"] == "ok", s["direct"]  # a typed refusal naming the wrapper and the fix
+    assert s["state_dict"] and s["fresh_equal"] and s["pickled"]  # the real weights, not empty tensors
+    assert s["load_equal"] and s["bad_shape"] == "ok", s["bad_shape"]
+    assert s["restored"] and s["restore_twice"] == "ok", s["restore_twice"]
+
+
+def test_released_layer_refuses_direct_calls_and_saves_real_weights(results):
+    """The release path of a GPU layer (ReplicatedMoELayer's release_to_host), run on CPU with
+    unpinned memory: see _inference_cases.released_case."""
+    for r in results:
+        _check_released(r["released"])
 
 
 _subsets = st.lists(st.integers(0, 7), unique=True, max_size=5).map(lambda h: tuple(sorted(h)))

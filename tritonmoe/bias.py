@@ -132,11 +132,17 @@ def _collect_layers(layers) -> list:
     elif isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
         raise TypeError(f"layers must be a MoELayer, a sequence of them or a model, got {type(layers).__name__}")
     layers = list(layers)
+    first: dict[int, int] = {}
     for i, layer in enumerate(layers):
         if not hasattr(layer, "expert_load"):
             raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not a tritonmoe.MoELayer")
         if getattr(layer, "expert_bias", None) is None:
             raise ValueError(f"layers[{i}] has no selection bias: build it with MoEConfig(..., expert_bias=True)")
+        # one layer listed twice would get two steps (and its load would be read, then zeroed)
+        j = first.setdefault(id(layer), i)
+        if j != i:
+            raise ValueError(f"layers[{i}] is the same layer as layers[{j}]; pass each MoE layer once (a layer listed "
+                             "twice would have its bias moved twice)")
     return layers
 
 
@@ -162,7 +168,8 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
 
     Args:
         layers: a :class:`~tritonmoe.MoELayer` built with ``expert_bias=True``, a sequence of
-            them, or a model (every MoE layer with a bias in it).
+            distinct ones (a layer listed twice raises ``ValueError``), or a model (every MoE
+            layer with a bias in it).
         rate: the update rate (DeepSeek-V3: 1e-3); finite, > 0.
         group: the process group over which every replica of the bias sees different tokens (the
             data-parallel x expert-parallel ranks; usually the world), or None for this process's
@@ -186,6 +193,7 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
 
     import torch.distributed as dist
 
+    from .comm.compat import all_gather_single
     from .comm.errors import backend_errors
 
     err: Optional[BaseException] = None
@@ -216,7 +224,7 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
         W = dist.get_world_size(group)
         table_t = torch.empty(W * 4, dtype=torch.int64, device=dev)
         with backend_errors("update_expert_bias's argument check (all-gather)", group):
-            dist.all_gather_into_tensor(table_t, head, group=group)
+            all_gather_single(table_t, head, group=group)
         table = table_t.view(W, 4).tolist()  # host sync: the verdict (the update path, once per step)
         failed = [r for r in range(W) if table[r][0]]
         if err is not None:

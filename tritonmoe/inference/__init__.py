@@ -3,6 +3,7 @@ replicas and packing (Lina; DeepSeek's EPLB as the baseline) served by an expert
 and ring-memory expert offloading with a host LFU cache over a disk tier (SE-MoE, paper 002
 §2.2 and §2.4)."""
 
+from ._released import ExpertsReleasedError, is_released, restore_experts
 from .offload import HostLFUCache, OffloadedExperts
 from .placement import MAX_PACKED_PER_DEVICE, Placement, eplb_placement, lina_placement
 from .popularity import PopularityEstimator, choices_from_layers, l1_error, top_choices, top_k_match
@@ -22,4 +23,7 @@ __all__ = [
     "MAX_PACKED_PER_DEVICE",
     "ReplicatedMoELayer",
     "LinaScheduler",
+    "ExpertsReleasedError",
+    "restore_experts",
+    "is_released",
 ]

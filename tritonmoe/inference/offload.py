@@ -36,6 +36,8 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
+from ._released import _Released, is_released, mark_released
+
 __all__ = ["OffloadedExperts", "HostLFUCache"]
 
 
@@ -153,6 +155,9 @@ class OffloadedExperts:
                 raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not a tritonmoe.MoELayer")
             if layer.expert_parallel:
                 raise ValueError(f"layers[{i}] is expert-parallel; offloading serves local layers")
+            if is_released(layer):
+                raise ValueError(f"layers[{i}]'s experts were already moved to host memory by another wrapper; call "
+                                 "tritonmoe.inference.restore_experts(layer) (after closing that wrapper) first")
         N = len(layers)
         if not isinstance(slots, int) or isinstance(slots, bool):
             raise TypeError(f"slots must be an int, got {type(slots).__name__}")
@@ -239,8 +244,47 @@ class OffloadedExperts:
             # always_call: the post-step also runs when the layer's forward raises, so a failed
             # forward resets the ring instead of leaving it waiting for a copy it already consumed
             self._handles.append(layer.register_forward_hook(self._post_hook(i), always_call=True))
+        for i, layer in enumerate(layers):
+            # after the ring's hooks: its pre-hook swaps the slot in before the refusal looks
+            mark_released(layer, _Released(
+                owner="an OffloadedExperts stack", names=list(self.names), host=lambda i=i: self._host_weights(i),
+                write=None if self.disk_path is not None else (lambda values, i=i: self._write_host(i, values)),
+                call_hint="the OffloadedExperts stack that served it in its ring was closed",
+                busy=lambda: ("the OffloadedExperts stack still serves this layer: close() it before restore_experts"
+                              if self._handles else None)))
         for i in range(slots):
             self._load(i, i)
+
+    # -- the layers' weights, for state_dict / load_state_dict -------------------------------------
+
+    def _host_weights(self, layer: int) -> dict:
+        """Layer ``layer``'s full expert tensors in host memory (name -> [E, ...]): the host copy,
+        or read back from the disk tier (a fresh tensor per call)."""
+        if self.disk_path is None:
+            return self.host[layer]
+        E, rec = self.num_experts, self.expert_bytes
+        raw = torch.empty(E * rec, dtype=torch.uint8)
+        with open(self.disk_path, "rb") as f:
+            got = os.preadv(f.fileno(), [memoryview(raw.numpy())], layer * E * rec)
+        if got != E * rec:
+            raise OSError(f"{self.disk_path}: read {got} of {E * rec} bytes of layer {layer}; the file was truncated or "
+                          "changed")
+        rows = raw.view(E, rec)
+        return {n: rows[:, o:o + nb].contiguous().view(dt).view(E, *shape) for n, o, nb, dt, shape in self._parts}
+
+    def _write_host(self, layer: int, values: dict) -> None:
+        """``load_state_dict`` into layer ``layer``: the new weights into its host copy; an open
+        ring then reloads its slots (the copies in flight finish first)."""
+        for r in list(self._ready.values()):  # a copy in flight may read the host copy
+            if isinstance(r, Future):
+                r.result(timeout=self.timeout_s)
+            else:
+                r.synchronize()
+        with torch.no_grad():
+            for n, v in values.items():
+                self.host[layer][n].copy_(v.detach())
+        if self._handles:
+            self.reset()
 
     # -- the copy lane --------------------------------------------------------------------------
 

@@ -18,7 +18,10 @@ replicas in proportion, :meth:`Placement.split`). Three planners:
   least-loaded one) and the configuration with the lowest maximum device load is kept; the
   paper's floor(N*p_e) is on that path. Devices left idle go to the expert with the largest
   load per device; experts with no estimated load go to the devices hosting the fewest
-  experts (the paper: "evenly ... otherwise randomly").
+  experts (the paper: "evenly ... otherwise randomly"). The result is never worse than
+  :meth:`Placement.contiguous` on the maximum device load (when E is a multiple of P and the
+  contiguous layout fits ``max_per_device``): where the packing had to overflow a device and
+  the contiguous layout has the lower peak, the contiguous layout is returned.
 * :func:`eplb_placement`: the hierarchical rebalancing of DeepSeek's EPLB, as the baseline:
   groups of experts packed onto nodes (balanced packing), replicas added one at a time to the
   expert with the largest load per replica until every slot is used, then the replicas packed
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional, Sequence
 
 import torch
@@ -133,6 +137,10 @@ class Placement:
             for e, x in zip(h, w):
                 reps[e].append((d, x))
         object.__setattr__(self, "_replicas", tuple(tuple(r) for r in reps))
+        # per expert, the replicas' weights as integers on one scale (exact: a float is a dyadic
+        # rational) and their sum: the shares and the splits are computed exactly from them, so
+        # no weight (1e308, 1e-300) can overflow a sum or round a share
+        object.__setattr__(self, "_int_weights", tuple(_integer_weights([x for _, x in r]) for r in reps))
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -156,9 +164,9 @@ class Placement:
         """fp64 [P, E]: the share of expert e's tokens device d serves (columns sum to 1)."""
         S = torch.zeros(self.num_devices, self.num_experts, dtype=torch.float64)
         for e, reps in enumerate(self._replicas):
-            tot = sum(w for _, w in reps)
-            for d, w in reps:
-                S[d, e] = w / tot
+            n, tot = self._int_weights[e]
+            for (d, _), k in zip(reps, n):
+                S[d, e] = float(Fraction(k, tot))  # exact share, rounded once
         return S
 
     def device_load(self, expert_load) -> torch.Tensor:
@@ -174,19 +182,26 @@ class Placement:
         return float(d.max()) / mean if mean > 0 else 1.0
 
     def split(self, expert: int, rows: int, source: int = 0) -> list[tuple[int, int]]:
-        """[(device, rows)] of ``rows`` rows of ``expert`` sent by rank ``source``: in proportion
-        to the replicas' weights, floor, the remainder one row at a time to the replicas in
-        order starting at replica ``source mod r`` (so that sources spread their remainders)."""
+        """[(device, rows)] of ``rows`` rows of ``expert`` sent by rank ``source``: largest-remainder
+        (Hamilton) apportionment in proportion to the replicas' weights. Each replica gets the
+        floor of its exact quota ``rows * w / sum(w)`` (exact integer arithmetic, whatever the
+        weights' magnitude), then the rows left (fewer than the replicas) go one each to the
+        replicas with the largest fractional remainders; ties go to the replicas in order starting
+        at replica ``source mod r`` (so that sources spread their remainders). The counts sum to
+        ``rows`` and each is the floor or the ceiling of its quota. Deterministic."""
         reps = self._replicas[expert]
         r = len(reps)
         if r == 1:
             return [(reps[0][0], rows)]
-        tot = sum(w for _, w in reps)
-        base = [int(rows * w // tot) for _, w in reps]
+        n, tot = self._int_weights[expert]
+        base = [rows * k // tot for k in n]
         rest = rows - sum(base)
-        for j in range(rest):
-            base[(source + j) % r] += 1
-        return [(d, n) for (d, _), n in zip(reps, base)]
+        if rest:
+            rem = [rows * k % tot for k in n]
+            order = sorted(range(r), key=lambda j: (-rem[j], (j - source) % r))
+            for j in order[:rest]:
+                base[j] += 1
+        return [(d, c) for (d, _), c in zip(reps, base)]
 
     def send_counts(self, counts_E: Sequence[int], source: int = 0) -> list[list[int]]:
         """Per device d, per hosted expert j of d, the rows rank ``source`` sends (its per-expert
@@ -214,6 +229,17 @@ class Placement:
         for d, h in enumerate(self.hosted):
             if len(h) > max_per_device:
                 raise ValueError(f"device {d} hosts {len(h)} experts, more than max_per_device={max_per_device}")
+
+
+def _integer_weights(weights: Sequence[float]) -> tuple[tuple[int, ...], int]:
+    """Positive finite float weights as positive integers with the same ratios (exact), and their
+    sum."""
+    fr = [Fraction(w) for w in weights]
+    den = 1
+    for f in fr:
+        den = den * f.denominator // math.gcd(den, f.denominator)
+    n = tuple(f.numerator * (den // f.denominator) for f in fr)
+    return n, sum(n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +352,16 @@ def lina_placement(load, num_devices: int, *, max_per_device: int = MAX_PACKED_P
         hosted += [(e,)] * dedicated[e]
     hosted += [tuple(b) for b in bins if b]
     hosted += [()] * (N - len(hosted))
-    return Placement(E, tuple(hosted))
+    pl = Placement(E, tuple(hosted))
+    # Never worse than the default layout on the planner's own objective (the maximum device
+    # load): when first-fit-decreasing has to overflow a full bin (the packing needs more devices
+    # than are left) it can lose to the contiguous layout; keep the contiguous one then.
+    if E % N == 0 and E // N <= cap:
+        base = Placement.contiguous(E, N)
+        # (a relative margin: a round-off difference of the two sums keeps Lina's layout)
+        if float(base.device_load(v).max()) < float(pl.device_load(v).max()) * (1 - 1e-12):
+            return base
+    return pl
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ keeps the whole distribution), renormalized to one token; summed over the batch 
 expected load per expert (:meth:`PopularityEstimator.estimate`, summing to the batch's tokens).
 
 Unseen paths (PAPERS.md §1.4 Ambiguity 3): the estimator backs off to the longest suffix of the
-path that was seen (a shorter path), and finally to the layer's marginal frequency. Tables are
-updated online with :meth:`PopularityEstimator.record` (counts only add, so the tables do not
+path that was seen (a shorter path), and finally to the layer's marginal frequency; a layer
+with no recorded data at all is estimated uniform (T / E tokens per expert). Tables are updated
+online with :meth:`PopularityEstimator.record` (counts only add, so the tables do not
 depend on the order tokens or batches were recorded in).
 
     est = PopularityEstimator(num_layers=12, num_experts=16)
@@ -177,6 +178,9 @@ class PopularityEstimator:
         (column h-1 = layer-1; h may exceed ``path_length``: the last columns are used). None or
         h = 0 gives the unconditional estimate, which then needs ``T`` tokens: pass
         ``torch.empty(T, 0)``.
+
+        Before anything was recorded for ``layer`` (no data) the estimate is uniform, T / E per
+        expert (not truncated to ``k_est`` experts: with no data there is no top-k).
         """
         self._check_layer(layer)
         if history is None:
@@ -189,6 +193,11 @@ class PopularityEstimator:
         m = min(self.path_length, h)
         if T == 0:
             return torch.zeros(self.num_experts, dtype=torch.float64)
+        if int(self.marginal[layer].sum()) == 0:
+            # nothing recorded for this layer: no expert is known to be more popular than another,
+            # so the load is spread evenly (truncating the uniform distribution to k_est experts
+            # would put every token on experts 0..k_est-1, the lowest ids winning the ties)
+            return torch.full((self.num_experts,), T / self.num_experts, dtype=torch.float64)
         if m == 0:
             return self._truncate(self.unconditional(layer)) * T
         uniq, inverse, counts = torch.unique(c[:, h - m:], dim=0, return_inverse=True, return_counts=True)

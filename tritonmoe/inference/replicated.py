@@ -41,6 +41,7 @@ its actual counts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from typing import Mapping, Optional, Sequence
@@ -49,10 +50,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._released import _Released, is_released, mark_released
 from .placement import MAX_PACKED_PER_DEVICE, Placement, lina_placement
 from .popularity import PopularityEstimator, top_choices, top_k_match
 
-__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments"]
+__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments", "release_to_host"]
 
 
 class LinaScheduler:
@@ -63,7 +65,9 @@ class LinaScheduler:
         estimator: a profiled :class:`~tritonmoe.inference.PopularityEstimator` of the stack.
         num_devices: P, the expert-parallel group size.
         max_per_device: Lina's cap on packed experts per device (4).
-        k_top: how many of the most popular experts phase two compares (the paper's top-2).
+        k_top: how many of the most popular experts phase two compares (the paper's top-2); an
+            int in [1, E] (ValueError otherwise: 0 would compare empty sets, so phase two would
+            always resume).
 
     Attributes: ``resumes`` and ``replans`` (phase-two outcomes), ``unplanned`` (layers planned
     from their actual counts because no estimate existed), ``decisions``: per layer call
@@ -76,6 +80,18 @@ class LinaScheduler:
             raise TypeError(f"estimator must be a PopularityEstimator, got {type(estimator).__name__}")
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise ValueError(f"num_devices={num_devices!r} must be an int >= 1")
+        if isinstance(max_per_device, bool) or not isinstance(max_per_device, int) or max_per_device < 1:
+            raise ValueError(f"max_per_device={max_per_device!r} must be an int >= 1 (Lina's cap is "
+                             f"{MAX_PACKED_PER_DEVICE})")
+        E = estimator.num_experts
+        # phase two compares the k_top most popular experts of the estimate and of the actual
+        # counts (PAPERS.md §1.5, the paper's top-k): k_top = 0 would compare empty sets, so every
+        # layer would "resume" and the gate's counts would never re-plan
+        if isinstance(k_top, bool) or not isinstance(k_top, int):
+            raise TypeError(f"k_top must be an int, got {type(k_top).__name__}")
+        if not 1 <= k_top <= E:
+            raise ValueError(f"k_top={k_top} must be in [1, {E}] (the {E} experts of the estimator): phase two compares "
+                             f"the k_top most popular experts; Lina uses 2, pass k_top={min(2, E)}")
         if estimator.num_experts > max_per_device * num_devices:
             raise ValueError(f"{estimator.num_experts} experts do not fit on {num_devices} devices with "
                              f"max_per_device={max_per_device}")
@@ -123,6 +139,43 @@ EXPERT_TENSORS = ("w1", "w2", "b1", "b2")
 # Layers whose expert tensors were on the device and were moved to host memory by a
 # ReplicatedMoELayer: their host copies, so that a second wrapper of the same layer shares them.
 _RELEASED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def release_to_host(layer: nn.Module, names: Sequence[str], *, pin: bool) -> dict:
+    """Copy ``layer``'s expert tensors ``names`` into host memory (pinned when ``pin``), release
+    the layer's own copies (empty placeholders on their device) and mark the layer released
+    (:mod:`tritonmoe.inference._released`: a direct call raises
+    :class:`~tritonmoe.inference.ExpertsReleasedError`, ``state_dict`` reports the host copies,
+    ``load_state_dict`` writes into them). Returns the host copy, shared by every later wrapper
+    of the layer. What :class:`ReplicatedMoELayer` does with a layer on a GPU; device-agnostic
+    (a CPU layer with ``pin=False`` goes through the same steps)."""
+    with torch.no_grad():
+        out = {n: torch.empty(getattr(layer, n).shape, dtype=getattr(layer, n).dtype, pin_memory=pin)
+               .copy_(getattr(layer, n).detach()) for n in names}
+        for n in names:  # release the layer's device copies: the host holds them now
+            p = getattr(layer, n)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    _RELEASED[layer] = out
+    mark_released(layer, _Released(
+        owner="a ReplicatedMoELayer", names=list(names), host=functools.partial(_identity, out),
+        write=functools.partial(_write_into, out),
+        call_hint="serve it through the ReplicatedMoELayer that wraps it, on every rank of its group",
+        on_restore=functools.partial(_forget_released, layer)))
+    return out
+
+
+def _identity(x):
+    return x
+
+
+def _write_into(host: dict, values: dict) -> None:
+    with torch.no_grad():
+        for n, v in values.items():
+            host[n].copy_(v.detach())
+
+
+def _forget_released(layer) -> None:
+    _RELEASED.pop(layer, None)
 
 
 def _copy_expert(dst: list, src: list, non_blocking: bool) -> None:
@@ -207,8 +260,11 @@ class ReplicatedMoELayer(nn.Module):
             "b2"}`` (the layer's expert tensors' names, shapes and dtypes; CPU tensors, e.g. a
             checkpoint's state dict). Default: the layer's own expert tensors when they are on
             the CPU (shared, not copied); when they are on a GPU they are copied once into pinned
-            host memory and the layer's device copies are released (the layer then no longer
-            runs locally; another wrapper of the same layer shares the host copy).
+            host memory and the layer's device copies are released (:func:`release_to_host`:
+            calling the layer itself then raises
+            :class:`~tritonmoe.inference.ExpertsReleasedError`, its ``state_dict`` reports the
+            host copy and ``load_state_dict`` writes into it; another wrapper of the same layer
+            shares the host copy; :func:`~tritonmoe.inference.restore_experts` undoes it).
         slots: device slots for hosted experts. None: exactly as many as the placement hosts on
             this rank (the buffers are reallocated when that number changes, kept experts copied
             over on the device); an int: a fixed buffer of that many slots, and a placement
@@ -360,17 +416,14 @@ class ReplicatedMoELayer(nn.Module):
             return out
         if layer in _RELEASED:
             return _RELEASED[layer]
+        if is_released(layer):
+            raise ValueError("layer's experts were moved to host memory by another wrapper (an OffloadedExperts stack); "
+                             "close it and call tritonmoe.inference.restore_experts(layer) first")
         ts = {n: getattr(layer, n).detach() for n in self.names}
         if all(t.device.type == "cpu" for t in ts.values()):
             # the layer's CPU copy is the shared source (pinned copies when serving on CUDA)
             return {n: (t.pin_memory() if pin and not t.is_pinned() else t) for n, t in ts.items()}
-        with torch.no_grad():
-            out = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for n, t in ts.items()}
-            for n in self.names:  # release the layer's device copies: the host holds them now
-                p = getattr(layer, n)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        _RELEASED[layer] = out
-        return out
+        return release_to_host(layer, self.names, pin=True)
 
     # -- placement -----------------------------------------------------------------------------
 
