@@ -2,8 +2,10 @@
 ``parm_schedule="auto"`` picks.
 
 ``run_parm(...)`` spawns P local ranks on gloo (CPU), and for every layout (N_MP, N_ESP) of the
-grid fits the cost model ``auto`` uses on the real groups (:func:`tritonmoe.plan.parm.
-measure_cost_model`, collective), then for every layer shape times the forward + backward of
+grid fits the collectives once over the message sizes of every shape (:func:`tritonmoe.plan.parm.
+measure_collectives`, collective), then for every layer shape runs the first forward + backward of
+an ``auto`` layer (which fits the rest of its model as any auto layer does:
+:meth:`tritonmoe.parm_experts.ParmExperts.fit_cost_model`), then times the forward + backward of
 the baseline, S1 and S2 (round-robin inside each rep; a rep's time is the maximum over ranks;
 the median over reps is reported) and records the schedule ``auto`` picks and the one Parm's
 Algorithm 1 (communication only, forward only) picks. One dict per (layout, shape).
@@ -19,6 +21,7 @@ whether the fitted model ranks the schedules as this machine does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -72,22 +75,29 @@ def _rank_body(rank: int, P: int, port: int, layouts, shapes, reps: int, warmup:
 def _measure(rank: int, P: int, layouts, shapes, reps: int, warmup: int, dtype) -> list[dict]:
     import tritonmoe as tm
     from tritonmoe.parm_layout import ParmLayout
-    from tritonmoe.plan.parm import algorithm1, choose_schedule, measure_cost_model, step_times
+    from tritonmoe.plan.parm import (
+        COLLECTIVE_WIDTH, algorithm1, choose_schedule, collective_rows, measure_collectives, step_times,
+    )
+
+    def configs(shape):
+        return {s: tm.MoEConfig(shape["d_model"], shape["d_ffn"], shape["num_experts"], shape["top_k"],
+                                capacity_factor=shape["capacity_factor"], parm_schedule=s)
+                for s in ("baseline", "s1", "s2")}
 
     out = []
     cache: dict = {}
     for n_mp, n_esp in layouts:
         lay = ParmLayout.make(n_mp, P // n_esp, n_esp)
         groups = lay.process_groups(cache=cache)
-        models: dict = {}
+        # one collective fit per layout (Parm fits once per group), over the message sizes of
+        # every shape; the layers' fits below find it in measure_collectives' cache
+        rows = sorted({r for shape in shapes
+                       for r in collective_rows(configs(shape)["s1"], lay, shape["tokens"], COLLECTIVE_WIDTH)})
+        t0 = time.perf_counter()
+        measure_collectives(groups, dtype=dtype, rows=rows)
+        collective_fit_s = time.perf_counter() - t0
         for shape in shapes:
-            cfg = {s: tm.MoEConfig(shape["d_model"], shape["d_ffn"], shape["num_experts"], shape["top_k"],
-                                   capacity_factor=shape["capacity_factor"], parm_schedule=s)
-                   for s in ("baseline", "s1", "s2")}
-            key = (shape["d_model"], shape["d_ffn"], shape["top_k"])
-            model = models.get(key)
-            if model is None:  # the layer fits its own at its first auto forward; the same here
-                model = models[key] = measure_cost_model(groups, dtype=dtype, d_model=shape["d_model"], config=cfg["s1"])
+            cfg = configs(shape)
             torch.manual_seed(0)
             layers = {s: tm.MoELayer(c, parm_groups=groups, dtype=dtype) for s, c in cfg.items()}
             for s in ("s1", "s2"):
@@ -95,6 +105,15 @@ def _measure(rank: int, P: int, layouts, shapes, reps: int, warmup: int, dtype) 
             g = lay.mp_group[groups.rank]
             gen = torch.Generator().manual_seed(1000 + g)
             x = torch.randn(shape["tokens"], shape["d_model"], generator=gen, dtype=dtype)
+            # auto's model: the one an auto layer fits at its first forward (ParmExperts.choose)
+            auto_layer = tm.MoELayer(dataclasses.replace(cfg["s1"], parm_schedule="auto"), parm_groups=groups,
+                                     dtype=dtype)
+            auto_layer.load_state_dict(layers["baseline"].state_dict())
+            dist.barrier()
+            t0 = time.perf_counter()
+            auto_layer(x.clone().requires_grad_()).sum().backward()
+            fit_s = time.perf_counter() - t0
+            model = auto_layer.expert_path.cost_model
             times = {s: [] for s in layers}
             for rep in range(warmup + reps):
                 for s, layer in layers.items():
@@ -120,9 +139,11 @@ def _measure(rank: int, P: int, layouts, shapes, reps: int, warmup: int, dtype) 
                 algorithm1=paper, predicted_s=pred,
                 pick_vs_fastest=med[auto] / med[fastest], algorithm1_vs_fastest=med[paper] / med[fastest],
                 s1_speedup=med["baseline"] / med["s1"], s2_speedup=med["baseline"] / med["s2"],
+                collective_fit_s=collective_fit_s, layer_fit_s=fit_s, auto_layer_pick=auto_layer.expert_path.schedule_used,
                 cost_model=dict(collectives={k: vars(v) for k, v in model.collectives.items()},
                                 flops_per_s=model.flops_per_s, copy_bytes_per_s=model.copy_bytes_per_s,
-                                local=vars(model.local) if model.local is not None else None, source=model.source),
+                                local=vars(model.local) if model.local is not None else None,
+                                startup=dict(model.startup), source=model.source),
             ))
     return out
 

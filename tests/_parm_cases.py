@@ -671,6 +671,8 @@ def error_checks(rank: int, P: int, cache: dict) -> list[tuple[str, str, str]]:
 
 
 def auto_and_trace(rank: int, P: int, cache: dict) -> dict:
+    from tritonmoe.plan.parm import step_times
+
     lay = ParmLayout.make(2, P // 2, 2)
     groups = lay.process_groups(cache=cache)
     i = groups.rank
@@ -684,9 +686,20 @@ def auto_and_trace(rank: int, P: int, cache: dict) -> dict:
         layer.expert_path.trace = []
         torch.manual_seed(1000 + g)
         x = torch.randn(toks[g], D_MODEL, dtype=torch.float64, requires_grad=True)
-        (layer(x).sum() + layer.aux_loss).backward()
+        y = layer(x)
+        if sched == "auto":
+            # the fit's probe steps return their gradients: nothing accumulated in the parameters
+            out["auto_grads_before_backward"] = [p.grad is None for p in layer.parameters()]
+        (y.sum() + layer.aux_loss).backward()
         if sched == "auto":
             out["auto"] = layer.expert_path.schedule_used
+            m = layer.expert_path.cost_model
+            out["auto_model"] = dict(
+                collectives={k: (v.alpha, v.beta) for k, v in m.collectives.items()},
+                local=(m.local.alpha, m.local.beta), startup=dict(m.startup),
+                rates=(m.flops_per_s, m.copy_bytes_per_s),
+                steps={T: step_times(m, cfg, lay, T) for T in (8, 64, 512)},
+            )
             continue
         real = [(e.lane, e.op, e.kind, e.phase) for e in layer.expert_path.trace if e.op != "compute"]
         counts = layer.last_routing.counts.tolist()

@@ -132,6 +132,13 @@ def test_auto_decides_the_same_everywhere(table):
         pytest.skip("auto runs in the 4-rank group (its fit times every collective: the test-time budget)")
     decisions = {v["auto_trace"]["auto"] for v in values}
     assert len(decisions) == 1 and decisions <= {"baseline", "s1", "s2"}, decisions
+    # every rank fitted the same model (fits, local work, measured startups): the same
+    # predictions, so the same pick at every batch size
+    models = [v["auto_trace"]["auto_model"] for v in values]
+    differ = [k for k in models[0] if any(m[k] != models[0][k] for m in models[1:])]
+    assert not differ, (differ, [m[differ[0]] for m in models])
+    assert set(models[0]["startup"]) == {"baseline", "s1", "s2"}
+    assert all(all(v["auto_trace"]["auto_grads_before_backward"]) for v in values)
 
 
 def test_simulator_records_the_schedule_the_layer_runs(table):

@@ -327,6 +327,82 @@ def test_fit_recovers_alpha_beta_and_clamps_noise():
         fit_alpha_beta([1, 2], [1.0])
 
 
+@given(st.floats(1e-6, 1e-2), st.floats(1e-12, 1e-7), st.integers(2, 8))
+def test_relative_fit_recovers_alpha_beta_exactly(alpha, beta, n):
+    """Least squares on the relative error (weights 1/t^2) is exact on exact data, at any
+    spread of the sizes."""
+    from tritonmoe.plan.parm import geometric_sizes
+
+    sizes = [float(x) for x in geometric_sizes(64, 64 * 4 ** n)]
+    ab = fit_alpha_beta(sizes, [alpha + beta * x for x in sizes], relative=True)
+    assert ab.alpha == pytest.approx(alpha, rel=1e-6) and ab.beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_relative_fit_keeps_the_startup_when_the_largest_message_is_noisy():
+    """5% noise on the largest of sizes spanning four decades: unweighted least squares lets it
+    move alpha (what decides between schedules with different numbers of collectives) by more
+    than alpha itself; on the relative error alpha moves by a few percent."""
+    alpha, beta = 5e-4, 2e-9
+    sizes = [1e2, 1e3, 1e4, 1e5, 1e6]
+    t = [alpha + beta * x for x in sizes]
+    t[-1] *= 1.05
+    plain = fit_alpha_beta(sizes, t)
+    rel = fit_alpha_beta(sizes, t, relative=True)
+    assert abs(rel.alpha - alpha) < 0.05 * alpha
+    assert abs(plain.alpha - alpha) > abs(rel.alpha - alpha)
+    assert fit_alpha_beta([1, 2, 3], [3.0, 2.0, 1.0], relative=True).beta == 0.0
+    assert fit_alpha_beta([10, 20], [0.0, 1.0], relative=True).alpha == 0.0  # a zero time weighs as the least
+
+
+def test_fit_sizes_span_the_layers_messages():
+    """The collectives are timed from one row per peer up to the layer's largest message (so
+    the fits are evaluated inside their span), the local work up to the baseline's rows."""
+    from tritonmoe.plan.parm import collective_rows, geometric_sizes, local_tokens, message_elements
+
+    assert geometric_sizes(1, 64) == [1, 4, 16, 64] and geometric_sizes(16, 100) == [16, 64, 100]
+    assert geometric_sizes(5, 5) == [5, 6]
+    for n_mp, n_ep, n_esp in ((2, 4, 1), (2, 2, 2), (4, 2, 2)):
+        lay = ParmLayout.make(n_mp, n_ep, n_esp)
+        for T, d, k in ((64, 64, 1), (512, 64, 2), (256, 256, 2)):
+            cfg = tm.MoEConfig(d, 2 * d, 8, k)
+            rows = collective_rows(cfg, lay, T, 64)
+            assert rows[0] == 1 and rows == sorted(set(rows))
+            assert rows[-1] * 2 * 64 >= message_elements(cfg, lay, T) >= k * T * d
+            toks = local_tokens(lay, T)
+            assert toks[0] == 16 and toks[-1] >= T * n_esp
+
+
+def test_interleaved_timing_calls_each_size_in_every_round_in_a_rotating_order():
+    from tritonmoe.plan.parm import _time_interleaved
+
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    out = _time_interleaved(fns, 4)
+    assert len(out) == 3 and all(t >= 0 for t in out)
+    assert calls == [0, 1, 2, 0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]  # warm-up, then rotated rounds
+
+
+def test_measured_startup_adds_to_each_schedules_step():
+    """``ParmCostModel.startup`` (measured on the layer) shifts each schedule's prediction by
+    its own constant, so it can reverse a pick the fitted terms alone make."""
+    import dataclasses
+
+    from tritonmoe.plan.parm import COLLECTIVES, choose_schedule
+
+    lay = ParmLayout.make(2, 2, 2)
+    cfg = tm.MoEConfig(64, 128, 8, 2)
+    fits = {k: AlphaBeta(1e-4, 1e-9) for k in COLLECTIVES}
+    m = ParmCostModel(ag_mp=fits["ag_mp"], a2a=fits["a2a_all"], overlap=fits["saa"], collectives=fits,
+                      flops_per_s=1e10, copy_bytes_per_s=1e10, local=AlphaBeta(1e-3, 1e-5))
+    base = step_times(m, cfg, lay, 256)
+    first = choose_schedule(m, cfg, lay, 256)
+    shift = {s: (0.0 if s == first else -1.0) for s in ("baseline", "s1", "s2")}
+    m2 = dataclasses.replace(m, startup=shift)
+    t = step_times(m2, cfg, lay, 256)
+    assert all(t[s] == pytest.approx(base[s] + shift[s]) for s in t)
+    assert choose_schedule(m2, cfg, lay, 256) != first
+
+
 def _model():
     # Testbed A's AG fit (003 section VI-B); an inter-node-like all-to-all and an SAA that costs
     # the all-to-all plus a quarter of the all-gather per element (partially hidden).

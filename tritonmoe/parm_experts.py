@@ -48,6 +48,7 @@ unsharded experts on the de-duplicated batches):
 from __future__ import annotations
 
 import struct
+import time
 from typing import Optional
 
 import torch
@@ -433,18 +434,16 @@ class ParmExperts(ExpertPath):
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def choose(self, x_TD: torch.Tensor) -> str:
-        """The schedule of this forward ("baseline", "s1" or "s2"); "auto" asks Parm's
-        Algorithm 1 (every rank decides from the same agreed inputs)."""
+    def choose(self, x_TD: torch.Tensor, layer=None) -> str:
+        """The schedule of this forward ("baseline", "s1" or "s2"); "auto" asks the step model
+        (every rank decides from the same agreed inputs). At the first "auto" forward the model
+        is fitted (:meth:`fit_cost_model`; with ``layer``, its per-schedule startup measured on
+        the layer too)."""
         c = self.config
         if c.parm_schedule != "auto":
             return c.parm_schedule
-        from .plan.parm import choose_schedule, measure_cost_model
+        from .plan.parm import choose_schedule
 
-        if self.cost_model is None:
-            self.cost_model = measure_cost_model(
-                self.groups, dtype=x_TD.dtype, device=x_TD.device, d_model=c.d_model, config=c
-            )
         T = x_TD.shape[0]
         g = self.groups.ep_esp
         if g is not None:
@@ -453,10 +452,83 @@ class ParmExperts(ExpertPath):
             with backend_errors("the Parm schedule agreement (allreduce MAX of the token count)", g):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
             T = int(t)
+        if self.cost_model is None:
+            self.cost_model = self.fit_cost_model(x_TD, T, layer)
         return choose_schedule(self.cost_model, self.config, self.layout, T, dtype=x_TD.dtype)
 
+    def fit_cost_model(self, x_TD: torch.Tensor, tokens: int, layer=None, *, reps: int = 9):
+        """The step model ``auto`` decides with (collective over the P ranks; every rank gets the
+        same model): :func:`tritonmoe.plan.parm.measure_cost_model` on the groups, spanning the
+        message sizes of a batch of ``tokens`` (the agreed batch size; the collectives' fits are
+        shared by every layer of these groups), then, with ``layer`` and autograd enabled, each
+        schedule's startup: the forward + backward of this layer's three schedules timed on a
+        small batch (the first :data:`~tritonmoe.plan.parm.PROBE_TOKENS` rows of ``x_TD``),
+        minus what the fitted terms predict for it (:attr:`ParmCostModel.startup`: the host
+        work of the schedule's Python steps -- plans, autograd nodes, copies -- that timing
+        the collectives and the local ops alone does not see)."""
+        import dataclasses
+
+        from .plan.parm import PROBE_TOKENS, measure_cost_model, step_times
+
+        c = self.config
+        model = measure_cost_model(self.groups, dtype=x_TD.dtype, device=x_TD.device, d_model=c.d_model, config=c,
+                                   tokens=tokens)
+        if layer is None or not torch.is_grad_enabled():
+            return model
+        T0 = min(int(tokens), PROBE_TOKENS)
+        measured = self._time_schedules(layer, x_TD[: min(T0, x_TD.shape[0])], reps)
+        item = x_TD.element_size()
+        pred = step_times(model, c, self.layout, T0, itemsize=item)
+        startup = {s: measured[s] - pred[s] for s in measured}
+        return dataclasses.replace(model, startup=startup, source=model.source + (
+            f"; startup measured on the layer at {T0} tokens: "
+            + ", ".join(f"{s} {measured[s] * 1e3:.2f} ms (model {pred[s] * 1e3:.2f})" for s in measured)))
+
+    def _time_schedules(self, layer, x_TD: torch.Tensor, reps: int) -> dict[str, float]:
+        """Seconds of this layer's forward + backward (gradients returned, not accumulated into
+        the parameters) under each schedule on ``x_TD``: per round, each schedule once (the order
+        rotating); a round's time is the maximum over the P ranks (a step ends when its last rank
+        does); the median over ``reps`` rounds after one warm-up round. Collective; the same
+        result on every rank. The layer's step state (logits, trace, timeline) is restored."""
+        from .plan.parm import device_sync
+
+        scheds = ("baseline", "s1", "s2")
+        params = [p for p in layer.parameters() if p.requires_grad]
+        saved = (layer._step.logits, self.trace, self.timeline, self.schedule_used, self.path_used)
+        self.trace = self.timeline = None
+        rows = []
+        try:
+            for rep in range(1 + reps):
+                ts = [0.0] * len(scheds)
+                for j in range(len(scheds)):
+                    k = (j + rep) % len(scheds)
+                    xi = x_TD.detach().clone().requires_grad_()
+                    device_sync(xi.device)  # host sync (fit time only): time the work, not its launch
+                    t0 = time.perf_counter()
+                    out, _, _ = self._run_schedule(layer, xi, scheds[k])
+                    torch.autograd.grad(out.sum(), [xi] + params, allow_unused=True)
+                    device_sync(xi.device)
+                    ts[k] = time.perf_counter() - t0
+                if rep:
+                    rows.append(ts)
+        finally:
+            layer._step.logits, self.trace, self.timeline, self.schedule_used, self.path_used = saved
+        t = torch.tensor(rows, dtype=torch.float64)
+        g = self.groups.ep_esp
+        if g is not None:
+            dev = comm_device(g)
+            t = t.to(dev)
+            table = torch.empty(self.layout.P * t.numel(), dtype=t.dtype, device=dev)
+            with backend_errors("the exchange of the Parm schedules' probe times", g):
+                dist.all_gather_into_tensor(table, t.reshape(-1), group=g)
+            t = table.view((self.layout.P,) + tuple(t.shape)).amax(0)
+        med = t.median(dim=0).values.tolist()  # host sync: the fit is a host computation
+        return dict(zip(scheds, med))
+
     def layer_forward(self, layer, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing, torch.Tensor]:
-        sched = self.choose(x_TD)
+        return self._run_schedule(layer, x_TD, self.choose(x_TD, layer))
+
+    def _run_schedule(self, layer, x_TD: torch.Tensor, sched: str) -> tuple[torch.Tensor, Routing, torch.Tensor]:
         self.schedule_used = sched
         self.path_used = f"parm_{sched}"
         if sched == "s1":

@@ -27,6 +27,19 @@ each schedule and its backward mirror (PAPERS.md 3.2 ambiguity 5) with alpha-bet
 (collective, group), plus the gate, the expert shards (forward, input and weight gradients) and
 the local copies at measured rates (PAPERS.md 3.4 ambiguity 6), and picks the least. With a
 model that has only Algorithm 1's three fits, ``auto`` is Algorithm 1.
+
+Fitting (:func:`measure_cost_model`, :func:`measure_collectives`): every collective is timed from
+one row per peer up to the layer's largest message (:func:`collective_rows`), all sizes
+interleaved round by round (a burst of load shifts a fit's points alike instead of tilting its
+line), the median of the rounds, then the median over the ranks; the line is fitted on the
+relative error (small messages set alpha, which decides between schedules with different numbers
+of collectives) in a closed form that gives the same bits on every rank. The collectives' fits
+are shared by every layer of a layout (Parm fits once per group). The local work is timed on the
+rank's own expert shards (``E / n_ep`` experts, ``d_ffn / n_esp`` wide) with the layer's ops, up
+to the baseline's rows. What these terms miss on a host-bound transport -- each schedule's fixed
+Python work (plans, autograd nodes, small copies) -- the layer measures on itself: its three
+schedules on a small batch (:data:`PROBE_TOKENS`) minus the prediction for that batch is each
+schedule's :attr:`ParmCostModel.startup`.
 """
 
 from __future__ import annotations
@@ -47,6 +60,11 @@ __all__ = [
     "step_times",
     "choose_schedule",
     "measure_cost_model",
+    "measure_collectives",
+    "collective_rows",
+    "local_tokens",
+    "message_elements",
+    "geometric_sizes",
     "sim_groups",
     "parm_step_programs",
     "batch_counts",
@@ -69,22 +87,40 @@ class AlphaBeta:
         return self.alpha + self.beta * x
 
 
-def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> AlphaBeta:
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *, relative: bool = False) -> AlphaBeta:
     """Least-squares fit of ``t = alpha + beta * x`` (both clamped at >= 0: a negative startup or
-    per-element time is noise). One size gives alpha = 0."""
+    per-element time is noise). One size gives alpha = 0.
+
+    ``relative``: minimise the relative residuals ``(alpha + beta*x - t) / t`` (least squares
+    weighted by ``1/t^2``) instead of the absolute ones. Collective times span orders of magnitude
+    over the sizes a layer sends; unweighted, the largest message's noise sets alpha, which is what
+    decides between schedules that differ in their number of collectives. Times of 0 (a group of
+    one rank) weigh as the smallest positive time.
+
+    Closed form in Python floats, summed in the given order: the same inputs give the same bits
+    in every process (a LAPACK solve may not: its kernels can depend on memory alignment), so
+    ranks that fit the same measurements take the same decisions even at a tie."""
     if len(sizes) != len(times) or not sizes:
         raise ValueError(f"need matching, non-empty sizes and times, got {len(sizes)} and {len(times)}")
-    x = torch.tensor([float(s) for s in sizes], dtype=torch.float64)
-    t = torch.tensor([float(v) for v in times], dtype=torch.float64)
-    if len(sizes) == 1 or float(x.max() - x.min()) == 0.0:
-        return AlphaBeta(0.0, max(0.0, float(t.mean() / max(float(x.mean()), 1.0))))
-    A = torch.stack([torch.ones_like(x), x], dim=1)
-    sol = torch.linalg.lstsq(A, t.unsqueeze(1)).solution.squeeze(1)
-    alpha, beta = float(sol[0]), float(sol[1])
-    if beta < 0:
-        return AlphaBeta(max(0.0, float(t.mean())), 0.0)
+    x = [float(v) for v in sizes]
+    t = [float(v) for v in times]
+    n = len(x)
+    if n == 1 or max(x) == min(x):
+        return AlphaBeta(0.0, max(0.0, (sum(t) / n) / max(sum(x) / n, 1.0)))
+    pos = [v for v in t if v > 0]
+    w = [1.0 / max(v, min(pos)) ** 2 for v in t] if (relative and pos) else [1.0] * n  # squared weights
+    sw = sum(w)
+    xm = sum(wi * xi for wi, xi in zip(w, x)) / sw
+    tm = sum(wi * ti for wi, ti in zip(w, t)) / sw
+    sxx = sum(wi * (xi - xm) ** 2 for wi, xi in zip(w, x))
+    sxt = sum(wi * (xi - xm) * (ti - tm) for wi, xi, ti in zip(w, x, t))
+    beta = sxt / sxx
+    alpha = tm - beta * xm
+    if beta < 0:  # the (weighted) mean time
+        return AlphaBeta(max(0.0, tm), 0.0)
     if alpha < 0:  # refit through the origin
-        return AlphaBeta(0.0, max(0.0, float((x * t).sum() / (x * x).sum())))
+        sxx0 = sum(wi * xi * xi for wi, xi in zip(w, x))
+        return AlphaBeta(0.0, max(0.0, sum(wi * xi * ti for wi, xi, ti in zip(w, x, t)) / sxx0))
     return AlphaBeta(alpha, beta)
 
 
@@ -104,6 +140,10 @@ class ParmCostModel:
             Algorithm 1 only).
         flops_per_s: the expert GEMMs' rate; ``copy_bytes_per_s``: the local copies' rate (None:
             no compute terms).
+        startup: schedule -> seconds added to its predicted step: the fixed host work of the
+            layer's schedule that the fitted terms do not see, measured on the layer itself
+            (:meth:`~tritonmoe.parm_experts.ParmExperts.fit_cost_model`: a small batch's real
+            step minus the prediction for it; may be negative). Empty: none.
         local: when measured for a layer (``measure_cost_model(..., config=...)``): seconds of
             this rank's local work of a step (route, permute, expert shard FFN, unpermute,
             forward and backward) by routed row; replaces the rate-based compute terms.
@@ -117,6 +157,7 @@ class ParmCostModel:
     flops_per_s: Optional[float] = None
     copy_bytes_per_s: Optional[float] = None
     local: Optional[AlphaBeta] = None
+    startup: dict = field(default_factory=dict)
     source: str = ""
 
     def c(self, name: str, x: float) -> float:
@@ -215,7 +256,8 @@ def step_times(model: ParmCostModel, config, layout, tokens: int, *, itemsize: i
         s2 += m.c("a2a_all", y / n_mp)
     # S2 gates, permutes, combines and unpermutes the whole batch on every MP rank
     s2 += compute(routed * n_esp / n_mp, T, routed * (1 + n_esp) * (1 - 1 / n_mp))
-    return {"baseline": base, "s1": s1, "s2": s2}
+    out = {"baseline": base, "s1": s1, "s2": s2}
+    return {s: v + float(m.startup.get(s, 0.0)) for s, v in out.items()}
 
 
 def choose_schedule(model: ParmCostModel, config, layout, tokens: int, *, dtype=None) -> str:
@@ -236,48 +278,130 @@ def choose_schedule(model: ParmCostModel, config, layout, tokens: int, *, dtype=
 # ---------------------------------------------------------------------------------------------
 
 
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def device_sync(device) -> None:
+    """Wait for ``device``'s queued work (CUDA; a no-op on CPU): host timers measure the work,
+    not its launch. A host sync, at fit time only."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_interleaved(fns: Sequence, reps: int, device=None) -> list[float]:
+    """Median seconds of each of ``fns`` over ``reps`` rounds, one call of each per round (after
+    one warm-up round). Interleaving puts every size of every fit under the same load, so a
+    burst of load on a shared machine shifts all of a fit's points alike (its alpha and beta
+    stay), where timing one size after another lets it tilt the line. The order rotates by
+    round and is the same on every rank (collectives are called in the same order). On a CUDA
+    ``device`` each call is bracketed by :func:`device_sync`."""
+    n = len(fns)
+    for fn in fns:
         fn()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2]
+    ts = [[] for _ in range(n)]
+    for rep in range(reps):
+        for j in range(n):
+            i = (j + rep) % n
+            device_sync(device)
+            t0 = time.perf_counter()
+            fns[i]()
+            device_sync(device)
+            ts[i].append(time.perf_counter() - t0)
+    return [sorted(t)[len(t) // 2] for t in ts]
 
 
-def measure_cost_model(
+def geometric_sizes(lo: int, hi: int, factor: int = 4) -> list[int]:
+    """``lo, lo*factor, lo*factor^2, ...`` below ``hi``, then ``hi`` (at least two sizes)."""
+    lo, hi = max(1, int(lo)), max(int(hi), int(lo) + 1)
+    out = []
+    v = lo
+    while v < hi:
+        out.append(v)
+        v *= factor
+    return out + [hi]
+
+
+def message_elements(config, layout, tokens: int) -> float:
+    """The largest message, in elements, that one step of any schedule sends for a batch of
+    ``tokens`` tokens per MP group (the sizes :func:`step_times` evaluates the fits at)."""
+    M, K = config.d_model, config.top_k
+    f = 1.0 if config.capacity_factor is None else float(config.capacity_factor)
+    x, y = _sizes(tokens, M, K, config.capacity_factor, layout.n_esp)
+    routed = K * f * tokens
+    return max(x * layout.n_esp, y, routed * layout.n_esp * M, float(M))
+
+
+def collective_rows(config, layout, tokens: int, width: int) -> list[int]:
+    """Rows of ``width`` elements per rank and peer at which :func:`measure_cost_model` times the
+    collectives for a layer: from one row up to the layer's largest message of a batch of
+    ``tokens`` tokens (:func:`message_elements`; split over the smallest group, 2 ranks), by
+    factors of 4 -- the span the step model is evaluated on, small messages included (they
+    set the startup alpha)."""
+    need = message_elements(config, layout, tokens)
+    return geometric_sizes(1, max(16, -(-int(need) // (2 * width))))
+
+
+def local_tokens(layout, tokens: int) -> list[int]:
+    """Token counts at which the layer's local work is timed: from 16 up to the most any
+    schedule computes per rank (the baseline's ``n_esp`` batches), by factors of 4."""
+    return geometric_sizes(16, max(64, int(tokens) * layout.n_esp))
+
+
+#: tokens of the batch on which a layer's schedules are timed to measure their startup (a small
+#: batch: fixed costs dominate it; :meth:`tritonmoe.parm_experts.ParmExperts.fit_cost_model`)
+PROBE_TOKENS = 32
+
+#: elements per row of the collectives' timing tensors (fits are per element, whatever the layer's
+#: width, so every layer of a layout can share them)
+COLLECTIVE_WIDTH = 64
+
+#: collective fits cached per process-group set (``id(ParmGroups)`` -> (groups, {key: (rows,
+#: fits)})): every layer of a layout shares one fit (Parm fits once per machine and group), a
+#: later layer re-measures only if it needs larger messages. The same on every rank: every
+#: rank builds the same layers in the same order and agrees the batch size first.
+_COLLECTIVE_FITS: dict = {}
+
+
+def measure_collectives(
     groups,
     *,
     dtype: torch.dtype = torch.float32,
     device: Optional[torch.device] = None,
-    d_model: int = 64,
-    rows: Sequence[int] = (16, 128, 512),
-    reps: int = 5,
-    config=None,
-) -> ParmCostModel:
-    """Fit a complete :class:`ParmCostModel` on this rank's groups
-    (:class:`~tritonmoe.parm_layout.ParmGroups`): every collective of :data:`COLLECTIVES` timed
-    at a few sizes (``rows`` rows of ``d_model`` per rank and peer) on its group, a GEMM and a
-    row copy for the compute rates. Collective over the P ranks: every rank measures, each
-    measurement's median over the P ranks is what every rank fits, so every rank fits the same
-    model (and takes the same decisions). With ``config`` (the layer's :class:`~tritonmoe.MoEConfig`) the local work
-    of a step is timed too, on this layout's expert shard (:attr:`ParmCostModel.local`)."""
+    width: int = COLLECTIVE_WIDTH,
+    rows: Sequence[int] = (1, 4, 16, 64, 256, 1024),
+    reps: int = 7,
+    cache: bool = True,
+) -> dict:
+    """Alpha-beta fits of every collective of :data:`COLLECTIVES` on this rank's groups (a
+    :class:`~tritonmoe.parm_layout.ParmGroups`), collective over the P ranks.
+
+    Each collective is timed at ``rows`` rows of ``width`` elements per rank and peer, all
+    sizes of all collectives interleaved (:func:`_time_interleaved`), median over ``reps``
+    rounds; every measurement's median over the P ranks is what every rank fits (so every rank
+    fits the same model), by least squares on the relative error (:func:`fit_alpha_beta` with
+    ``relative=True``). With ``cache``, reuses the fits of an earlier call on the same groups,
+    dtype and device whose sizes reach as far."""
     import torch.distributed as dist
 
     from tritonmoe.comm.splits import comm_device
 
+    from ..comm.compat import all_gather_single
     from ..comm.errors import backend_errors
     from ..comm.executor import RealExecutor
     from ..comm.saa import saa_schedule
 
+    rows = sorted({int(r) for r in rows})
+    if not rows or rows[0] < 1:
+        raise ValueError(f"rows must be positive row counts, got {list(rows)}")
     lay = groups.layout
     P = lay.P
     dev = device if device is not None else comm_device(groups.ep_esp)
+    key = (str(dtype), str(dev), int(width), int(reps))
+    entry = _COLLECTIVE_FITS.get(id(groups))
+    if cache and entry is not None and entry[0] is groups and key in entry[1]:
+        have_rows, fits = entry[1][key]
+        if have_rows[-1] >= rows[-1]:
+            return dict(fits)
     peers = list(lay.mp_group_of(groups.rank))
     mp = groups.mp_lane if groups.mp_lane is not None else groups.mp
-    spec = {  # name -> (group, group size, run(rows) -> None, elements(rows))
+    spec = {  # name -> (group, group size)
         "a2a_all": (groups.ep_esp, P),
         "a2a_ep": (groups.ep, lay.n_ep),
         "ag_mp": (mp, lay.n_mp),
@@ -289,30 +413,24 @@ def measure_cost_model(
         "saa": (groups.ep_esp, P),
     }
     names = list(spec)
-    times = {n: [] for n in names}
-    sizes = {n: [] for n in names}
-    for r in rows:
-        for name in names:
-            g, n = spec[name]
-            if g is None or n < 2 or (name == "saa" and (mp is None or lay.n_mp < 2)):
-                times[name].append(0.0)
-                sizes[name].append(float(r * d_model))
+    fns, slots, sizes = [], [], {n: [] for n in names}
+    for name in names:
+        g, n = spec[name]
+        live = not (g is None or n < 2 or (name == "saa" and (mp is None or lay.n_mp < 2)))
+        for r in rows:
+            sizes[name].append(float(r * max(n, 1) * width))
+            if not live:
                 continue
-            x = torch.randn(r * n, d_model, dtype=dtype, device=dev)
+            x = torch.randn(r * n, width, dtype=dtype, device=dev)
             op = name.split("_")[0]
             if op == "a2a":
                 fn = lambda x=x, g=g: dist.all_to_all_single(torch.empty_like(x), x, group=g)  # noqa: E731
-                elems = x.numel()
             elif op == "ag":
-                part = x[:r]
-                fn = lambda x=x, part=part, g=g: dist.all_gather_into_tensor(torch.empty_like(x), part, group=g)  # noqa: E731
-                elems = x.numel()
+                fn = lambda x=x, part=x[:r], g=g: all_gather_single(torch.empty_like(x), part, group=g)  # noqa: E731
             elif op == "ar":
                 fn = lambda x=x, g=g: dist.all_reduce(x.clone(), group=g)  # noqa: E731
-                elems = x.numel()
             elif op == "rs":
                 fn = lambda x=x, g=g, r=r: dist.reduce_scatter_tensor(x.new_empty((r,) + x.shape[1:]), x, group=g)  # noqa: E731
-                elems = x.numel()
             else:  # saa: the all-to-all of r rows per peer with the MP all-gather of the result
                 def fn(x=x, r=r):
                     ex = RealExecutor(dev)
@@ -320,73 +438,142 @@ def measure_cost_model(
                         ex, x, [r] * P, [r] * P, group=groups.ep_esp, rank=groups.rank, mp_group=mp,
                         mp_peers=peers, peer_recv_splits=[[r] * P for _ in peers],
                     ))
+            fns.append(fn)
+            slots.append((name, len(sizes[name]) - 1))
+    times = {n: [0.0] * len(rows) for n in names}
+    if fns:
+        with backend_errors(f"timing the Parm collectives ({len(fns)} of them)", groups.ep_esp):
+            measured = _time_interleaved(fns, reps, dev)
+        vals = _median_over_ranks(groups, measured)
+        for (name, j), v in zip(slots, vals):
+            times[name][j] = v
+    fits = {n: fit_alpha_beta(sizes[n], times[n], relative=True) for n in names}
+    if cache:
+        _COLLECTIVE_FITS.setdefault(id(groups), (groups, {}))[1][key] = (rows, fits)
+    return dict(fits)
 
-                elems = x.numel()
-            with backend_errors(f"timing the Parm collective {name!r} ({r} rows)", g):
-                times[name].append(_time(fn, reps))
-            sizes[name].append(float(elems))
+
+def _median_over_ranks(groups, values: Sequence[float]) -> list[float]:
+    """Each entry's median over the P ranks (every rank gets the same list; deterministic, and
+    robust to one rank descheduled during a measurement). Collective over ``groups.ep_esp``."""
+    from tritonmoe.comm.splits import comm_device
+
+    from ..comm.compat import all_gather_single
+    from ..comm.errors import backend_errors
+
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device(groups.ep_esp))
+    if groups.ep_esp is not None and t.numel():
+        P = groups.layout.P
+        table = torch.empty(P * t.numel(), dtype=t.dtype, device=t.device)
+        with backend_errors("the exchange of the Parm cost model's measurements", groups.ep_esp):
+            all_gather_single(table, t, group=groups.ep_esp)
+        t = table.view(P, -1).median(dim=0).values
+    return t.tolist()  # host sync: the fit is a host computation
+
+
+def measure_cost_model(
+    groups,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Optional[torch.device] = None,
+    d_model: int = 64,
+    rows: Optional[Sequence[int]] = None,
+    reps: int = 7,
+    config=None,
+    tokens: Optional[int] = None,
+    collectives: Optional[dict] = None,
+) -> ParmCostModel:
+    """Fit a complete :class:`ParmCostModel` on this rank's groups
+    (:class:`~tritonmoe.parm_layout.ParmGroups`); collective over the P ranks, and every rank
+    fits the same model (each measurement's median over the ranks), so every rank takes the
+    same decisions.
+
+    * the collectives: :func:`measure_collectives` at ``rows`` rows of :data:`COLLECTIVE_WIDTH`
+      elements per rank and peer (default: :func:`collective_rows` for ``config`` and ``tokens``, the
+      layer's own message sizes; without them 1 to 1024 rows), shared by every layer of the
+      groups; ``collectives``: fits to use instead (measured once per layout by the caller);
+    * a GEMM and a row copy of width ``d_model`` for the compute rates;
+    * with ``config`` (the layer's :class:`~tritonmoe.MoEConfig`): the local work of a step
+      (route, permute, expert shard FFN, unpermute, forward and backward) on this layout's
+      expert shard at :func:`local_tokens` token counts (up to ``tokens`` times ``n_esp``;
+      ``tokens`` default 512), fitted by routed row (:attr:`ParmCostModel.local`).
+
+    Every fit is least squares on the relative error over sizes timed interleaved, median of
+    ``reps`` rounds."""
+    lay = groups.layout
+    from tritonmoe.comm.splits import comm_device
+
+    dev = device if device is not None else comm_device(groups.ep_esp)
+    T = 512 if tokens is None else max(1, int(tokens))
+    W = COLLECTIVE_WIDTH
+    if rows is None:
+        rows = collective_rows(config, lay, T, W) if config is not None else geometric_sizes(1, 1024)
+    rows = sorted({int(r) for r in rows})
+    t0 = time.perf_counter()
+    fits = dict(collectives) if collectives is not None else measure_collectives(
+        groups, dtype=dtype, device=dev, width=W, rows=rows, reps=reps,
+    )
     # compute rates: a GEMM of this layer's width and a row gather
     a = torch.randn(512, d_model, dtype=dtype, device=dev)
     b = torch.randn(d_model, 2 * d_model, dtype=dtype, device=dev)
-    t_gemm = _time(lambda: a @ b, reps)
     idx = torch.randperm(4096, device=dev)
     big = torch.randn(4096, d_model, dtype=dtype, device=dev)
-    t_copy = _time(lambda: big.index_select(0, idx), reps)
-    local_rows, local_t = [], []
+    local_rows, fns = [], [lambda: a @ b, lambda: big.index_select(0, idx)]
     if config is not None:
-        local_rows, local_t = _time_local_step(config, lay, dtype, dev, reps)
-    vec = [times[n][k] for n in names for k in range(len(rows))] + local_t + [t_gemm, t_copy]
-    t = torch.tensor(vec, dtype=torch.float64, device=comm_device(groups.ep_esp))
-    if groups.ep_esp is not None:
-        # Every rank fits the same model: the median over ranks of each measurement (robust to
-        # one rank descheduled during a measurement; deterministic, so the same everywhere).
-        table = torch.empty(P * t.numel(), dtype=t.dtype, device=t.device)
-        with backend_errors("the exchange of the Parm cost model's measurements", groups.ep_esp):
-            dist.all_gather_into_tensor(table, t, group=groups.ep_esp)
-        t = table.view(P, -1).median(dim=0).values
-    vals = t.tolist()  # host sync: the fit is a host computation
-    fits = {}
-    for j, n in enumerate(names):
-        fits[n] = fit_alpha_beta(sizes[n], vals[j * len(rows) : (j + 1) * len(rows)])
+        local_rows, steps = _local_steps(config, lay, dtype, dev, local_tokens(lay, T))
+        fns += steps
+    vals = _median_over_ranks(groups, _time_interleaved(fns, reps, dev))
     item = torch.empty((), dtype=dtype).element_size()
-    nl = len(local_rows)
-    local = fit_alpha_beta(local_rows, vals[len(names) * len(rows) : len(names) * len(rows) + nl]) if nl else None
+    local = fit_alpha_beta(local_rows, vals[2:], relative=True) if local_rows else None
     return ParmCostModel(
         ag_mp=fits["ag_mp"], a2a=fits["a2a_all"], overlap=fits["saa"], collectives=fits,
-        flops_per_s=2.0 * 512 * d_model * 2 * d_model / max(vals[-2], 1e-9),
-        copy_bytes_per_s=2.0 * 4096 * d_model * item / max(vals[-1], 1e-9), local=local,
-        source=f"measured on {lay.describe()} ({dtype}, rows {list(rows)}, d_model {d_model})",
+        flops_per_s=2.0 * 512 * d_model * 2 * d_model / max(vals[0], 1e-9),
+        copy_bytes_per_s=2.0 * 4096 * d_model * item / max(vals[1], 1e-9), local=local,
+        source=(f"measured on {lay.describe()} ({dtype}, collectives at rows {list(rows)} x {W}, "
+                f"local work at tokens {local_tokens(lay, T) if config is not None else []}, "
+                f"{reps} rounds interleaved, relative least squares; "
+                f"{time.perf_counter() - t0:.2f} s{' after the shared collective fits' if collectives else ''})"),
     )
 
 
-def _time_local_step(config, layout, dtype, device, reps: int) -> tuple[list[float], list[float]]:
-    """(routed rows, seconds) of this rank's local work of a step -- route, permute, the expert
-    shard's grouped FFN, unpermute, forward and backward -- at two batch sizes, on the layer's
-    shapes (d_model, d_ffn / n_esp, E, top_k). No communication."""
-    from .. import reference
+def _local_steps(config, layout, dtype, device, token_counts: Sequence[int]) -> tuple[list[float], list]:
+    """(routed rows, step callables) of this rank's local work of a step at each token count --
+    route and permute over the E experts, the grouped FFN of this rank's expert shards (its
+    ``E / n_ep`` experts, ``d_ffn / n_esp`` wide, the routed rows spread evenly over them),
+    unpermute, forward and backward -- with the implementations the layer runs (its backend,
+    device and dtype). No communication."""
+    from ..dispatch import implementation
+    from ..experts import ffn_options
 
     c = config
     Fs = c.d_ffn // layout.n_esp
     n1 = 2 * Fs if c.activation in GLU_ACTIVATIONS else Fs
     E = c.num_experts
-    out_rows, out_t = [], []
-    for T in (64, 512):
-        g = torch.Generator(device="cpu").manual_seed(T)
+    L = max(1, E // layout.n_ep)
+    route, permute, ffn, unpermute = (implementation(op, c.backend, torch.device(device), dtype)
+                                      for op in ("route", "permute", "grouped_ffn", "unpermute"))
+    opts = ffn_options(c)
+    out_rows, steps = [], []
+    for T in token_counts:
+        g = torch.Generator(device="cpu").manual_seed(int(T))
         x = torch.randn(T, c.d_model, generator=g, dtype=dtype).to(device)
         wr = torch.randn(E, c.d_model, generator=g, dtype=dtype).to(device)
-        w1 = (torch.randn(E, c.d_model, n1, generator=g, dtype=dtype) * 0.1).to(device).requires_grad_()
-        w2 = (torch.randn(E, Fs, c.d_model, generator=g, dtype=dtype) * 0.1).to(device).requires_grad_()
+        w1 = (torch.randn(L, c.d_model, n1, generator=g, dtype=dtype) * 0.1).to(device).requires_grad_()
+        w2 = (torch.randn(L, Fs, c.d_model, generator=g, dtype=dtype) * 0.1).to(device).requires_grad_()
+        R = T * c.top_k
+        offs = torch.tensor([R * e // L for e in range(L + 1)], dtype=torch.int64, device=device)
 
-        def step():
+        def step(x=x, wr=wr, w1=w1, w2=w2, offs=offs):
             xi = x.clone().requires_grad_()
-            r = reference.route(xi @ wr.t(), c.top_k)
-            xp, info = reference.permute(xi, r.topk_ids, E)
-            y = reference.grouped_ffn(xp, info.expert_offsets, w1, w2, c.activation)
-            reference.unpermute(y, info, r.topk_weights).sum().backward()
+            r = route(xi @ wr.t(), c.top_k)
+            xp, info = permute(xi, r.topk_ids, E)
+            y = ffn(xp, offs, w1, w2, c.activation, **opts)
+            unpermute(y, info, r.topk_weights).sum().backward()
+            w1.grad = w2.grad = None
 
-        out_t.append(_time(step, reps))
+        steps.append(step)
         out_rows.append(float(T * c.top_k))
-    return out_rows, out_t
+    return out_rows, steps
 
 
 # ---------------------------------------------------------------------------------------------
