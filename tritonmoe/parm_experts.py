@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from .comm.compat import all_gather_single
 from .comm.errors import backend_errors
 from .comm.executor import RealExecutor, Work
 from .comm.parm import (
@@ -520,7 +521,7 @@ class ParmExperts(ExpertPath):
             t = t.to(dev)
             table = torch.empty(self.layout.P * t.numel(), dtype=t.dtype, device=dev)
             with backend_errors("the exchange of the Parm schedules' probe times", g):
-                dist.all_gather_into_tensor(table, t.reshape(-1), group=g)
+                all_gather_single(table, t.reshape(-1), group=g)
             t = table.view((self.layout.P,) + tuple(t.shape)).amax(0)
         med = t.median(dim=0).values.tolist()  # host sync: the fit is a host computation
         return dict(zip(scheds, med))
