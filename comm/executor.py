@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .compat import all_gather_single
+from .compat import all_gather_single, reduce_scatter_single
 from .errors import LaneStartError, ScheduleError, backend_errors, lane_start
 from .timeline import Timeline
 
@@ -551,7 +551,7 @@ class RealExecutor(Executor):
             if t.shape[0] % P:
                 raise ValueError(f"reduce_scatter of {t.shape[0]} rows over {P} ranks: rows must divide evenly")
             out = t.new_empty((t.shape[0] // P,) + tuple(t.shape[1:]))
-            work = dist.reduce_scatter_tensor(out, t, group=group, async_op=True)
+            work = reduce_scatter_single(out, t, group=group, async_op=True)
             return out, work
 
         return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)

@@ -119,7 +119,7 @@ class Counter:
     NAMES = {
         "all_to_all_single": "all_to_all", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
         "all_reduce": "all_reduce",
-        "reduce_scatter_tensor": "reduce_scatter", "batch_isend_irecv": "p2p",
+        "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter", "batch_isend_irecv": "p2p",
     }
 
     def __init__(self) -> None:

@@ -63,8 +63,9 @@ def _bare_collectives(path: pathlib.Path) -> list[str]:
         direct = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                   and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
                   and node.func.attr in COLLECTIVES)
-        # tritonmoe.comm.compat's all_gather_single, called by its bare name, is a collective too
-        compat = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "all_gather_single"
+        # tritonmoe.comm.compat's collectives, called by their bare names, are collectives too
+        compat = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("all_gather_single", "reduce_scatter_single"))
         if not (direct or compat) or rel == "comm/compat.py":
             continue
         p, wrapped, fn = parent.get(node), False, None

@@ -382,7 +382,7 @@ def measure_collectives(
 
     from tritonmoe.comm.splits import comm_device
 
-    from ..comm.compat import all_gather_single
+    from ..comm.compat import all_gather_single, reduce_scatter_single
     from ..comm.errors import backend_errors
     from ..comm.executor import RealExecutor
     from ..comm.saa import saa_schedule
@@ -430,7 +430,7 @@ def measure_collectives(
             elif op == "ar":
                 fn = lambda x=x, g=g: dist.all_reduce(x.clone(), group=g)  # noqa: E731
             elif op == "rs":
-                fn = lambda x=x, g=g, r=r: dist.reduce_scatter_tensor(x.new_empty((r,) + x.shape[1:]), x, group=g)  # noqa: E731
+                fn = lambda x=x, g=g, r=r: reduce_scatter_single(x.new_empty((r,) + x.shape[1:]), x, group=g)  # noqa: E731
             else:  # saa: the all-to-all of r rows per peer with the MP all-gather of the result
                 def fn(x=x, r=r):
                     ex = RealExecutor(dev)

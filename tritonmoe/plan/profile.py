@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -42,7 +41,7 @@ from .._validation import GLU_ACTIVATIONS
 import torch.distributed as dist
 
 from tritonmoe.comm.splits import comm_device, new_group
-from tritonmoe.comm.compat import all_gather_single
+from tritonmoe.comm.compat import all_gather_single, reduce_scatter_single
 
 from .cost_model import COLLECTIVES, CommSample, ComputeSample, CostModel, HostSample, InterferenceSample
 from .work import HOST, WorkModel
@@ -111,12 +110,7 @@ def _collective(kind: str, nbytes: int, group, g: int, device: torch.device, dty
     if kind == "reduce_scatter":
         y = torch.empty(n // g, device=device, dtype=dtype)
 
-        def run():
-            with warnings.catch_warnings():  # deprecated in newer torch, the one the executor uses
-                warnings.simplefilter("ignore", FutureWarning)
-                dist.reduce_scatter_tensor(y, x, group=group)
-
-        return run
+        return lambda: reduce_scatter_single(y, x, group=group)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(x, group=group)
     if kind == "send_recv":  # a ring step: send to the next member, receive from the previous
