@@ -263,3 +263,13 @@ def test_numpy_integer_scalars_are_accepted():
     assert type(cfg.top_k) is int and type(cfg.capacity_factor) is float
     with pytest.raises(TypeError):
         tm.route(LOGITS, np.float64(2.0))
+
+
+@pytest.mark.parametrize("v", [0.0, 1.5, -2.5, 7, 1e308, -1e-308, float("inf"), float("-inf"), float("nan")])
+def test_finite_is_math_isfinite(v):
+    """The validators' comparison-only finiteness check (traceable on symbolic floats)."""
+    import math
+
+    from tritonmoe._validation import finite
+
+    assert finite(v) == math.isfinite(v)

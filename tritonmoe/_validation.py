@@ -47,6 +47,13 @@ def is_real(v) -> bool:
     return t is not bool and isinstance(v, numbers.Real)
 
 
+def finite(v) -> bool:
+    """``math.isfinite`` by comparisons only, so that torch.compile can trace it when ``v`` is a
+    symbolic float (``dynamic=True`` makes Python floats SymFloats; ``math.isfinite`` of one is a
+    graph break)."""
+    return v == v and v != math.inf and v != -math.inf
+
+
 def tensor(name: str, t, ndim: int | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -137,7 +144,7 @@ def routing_options(
             f"routed_scaling_factor must be a real number, got {type(routed_scaling_factor).__name__} "
             f"{routed_scaling_factor!r}"
         )
-    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+    if not (finite(routed_scaling_factor) and routed_scaling_factor > 0):
         raise ValueError(
             f"routed_scaling_factor={routed_scaling_factor!r} must be finite and > 0 (1.0 leaves the weights as "
             "they are; DeepSeek-V3 uses 2.5)"
@@ -353,7 +360,7 @@ def swiglu_options(activation: str, swiglu_limit, swiglu_alpha) -> None:
     for name, v in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
         if not is_real(v):
             raise TypeError(f"{name} must be a real number, got {type(v).__name__} {v!r}")
-        if not math.isfinite(v):
+        if not finite(v):
             raise ValueError(f"{name}={v!r} must be finite")
     if not swiglu_limit > 0:
         raise ValueError(f"swiglu_limit={swiglu_limit!r} must be > 0 (the clamp bound of gate and up)")

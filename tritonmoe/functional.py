@@ -30,8 +30,22 @@ __all__ = [
 
 def _check_values(t: torch.Tensor) -> bool:
     """Whether to run the value checks (a host sync) on a call with input ``t``: validation on,
-    and real data (meta tensors have none: they get shape checks only)."""
-    return validation_enabled() and not t.is_meta
+    and real data (meta tensors have none: they get shape checks only), and not while
+    ``torch.compile`` traces the call (a graph cannot branch on tensor values: compiled, the
+    ops run as with ``set_validation(False)``; the shape and type checks still run, at trace
+    time)."""
+    return validation_enabled() and not t.is_meta and not torch.compiler.is_compiling()
+
+
+def _traced():
+    """:mod:`tritonmoe.ops` while ``torch.compile`` traces the call, else None: compiled, each op
+    is its ``torch.ops.tritonmoe`` custom op (one opaque node, no graph break), in the backend
+    the eager call would use."""
+    if not torch.compiler.is_compiling():
+        return None
+    from . import ops
+
+    return ops
 
 
 def route(
@@ -92,7 +106,8 @@ def route(
     validate = _check_values(logits)
     if validate:
         V.route_values(logits, score_func, expert_bias)
-    impl = implementation("route", backend, logits.device, logits.dtype)
+    ops = _traced()
+    impl = implementation("route", backend, logits.device, logits.dtype) if ops is None else ops.route
     routing = impl(
         logits,
         top_k,
@@ -105,6 +120,7 @@ def route(
         with_aux=with_aux,
         group_score=group_score,
         routed_scaling_factor=routed_scaling_factor,
+        **({} if ops is None else {"backend": backend}),
     )
     if not validate and expert_bias is not None:
         # Unchecked, a non-finite bias makes every weight NaN, on the device (no sync): the loss
@@ -173,6 +189,9 @@ def permute(
     num_experts, pad_to = int(num_experts), int(pad_to)
     if _check_values(x):
         V.ids_values(topk_ids, num_experts)
+    ops = _traced()
+    if ops is not None and num_rows is not None:  # without num_rows the row count is data-dependent
+        return ops.permute(x, topk_ids, num_experts, num_rows=int(num_rows), pad_to=pad_to, backend=backend)
     impl = implementation("permute", backend, x.device, x.dtype)
     if num_rows is None:
         return impl(x, topk_ids, num_experts, pad_to=pad_to)
@@ -218,6 +237,9 @@ def unpermute(
     V.same_device(y_perm=y_perm, topk_weights=topk_weights, slot_rows=info.slot_rows)
     if _check_values(y_perm):
         V.permute_info_values(info, y_perm.shape[0], allow_tail=True)
+    ops = _traced()
+    if ops is not None:
+        return ops.unpermute(y_perm, info, topk_weights, backend=backend)
     impl = implementation("unpermute", backend, y_perm.device, y_perm.dtype)
     return impl(y_perm, info, topk_weights)
 
@@ -240,6 +262,10 @@ def grouped_gemm(
     V.bias("bias", bias, w.shape[0], w.shape[2], x, "output columns")
     if _check_values(x):
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0], allow_tail=True)
+    if _traced() is not None:
+        from ._settings import resolve_backend
+
+        return torch.ops.tritonmoe.grouped_gemm(x, expert_offsets, w, bias, resolve_backend(backend))
     impl = implementation("grouped_gemm", backend, x.device, x.dtype)
     return impl(x, expert_offsets, w, bias)
 
@@ -276,6 +302,9 @@ def grouped_ffn(
     kw = _swiglu_kw(activation, swiglu_limit, swiglu_alpha)
     if _check_values(x):
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0], allow_tail=True)
+    ops = _traced()
+    if ops is not None:
+        return ops.grouped_ffn(x, expert_offsets, w1, w2, activation, b1, b2, backend=backend, **kw)
     impl = implementation("grouped_ffn", backend, x.device, x.dtype)
     return impl(x, expert_offsets, w1, w2, activation, b1, b2, **kw)
 
@@ -339,5 +368,8 @@ def moe_ffn(
     if _check_values(x):
         V.ids_values(routing.topk_ids, E)
         V.counts_values(routing)
+    ops = _traced()
+    if ops is not None:
+        return ops.moe_ffn(x, routing, w1, w2, activation, b1, b2, backend=backend, **kw)
     impl = implementation("moe_ffn", backend, x.device, x.dtype)
     return impl(x, routing, w1, w2, activation, b1, b2, **kw)
