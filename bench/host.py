@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.calls < 1:
+        p.error(f"--calls {a.calls}: need at least 1 call per round")
     if not a.in_process:  # the stubs and the interpreter need a fresh process
         env = dict(os.environ, TRITON_INTERPRET="1")
         cmd = [sys.executable, "-m", "bench.host", "--in-process", "--calls", str(a.calls)]

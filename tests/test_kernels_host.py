@@ -75,3 +75,10 @@ def test_bench_host_measures_the_router_launchers(tmp_path):
     assert [r["case"] for r in rows] == [c for c, _ in host.CASES]
     assert all(r["host_us"] > 0 for r in rows)
     assert [r["launches_per_call"] for r in rows] == [1, 1, 3]  # fwd kernel; + capacity scan and keep
+
+
+def test_bench_host_refuses_zero_calls():
+    from bench import host
+
+    with pytest.raises(SystemExit):
+        host.main(["--calls", "0"])
