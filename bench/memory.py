@@ -48,6 +48,34 @@ DEFAULTS = dict(tokens=2048, d_model=256, d_ffn=512, num_experts=8, top_k=2, act
                 reps=6, warmup=1, dtype="float32")
 
 
+def _counting(fn, params: set, sink: dict):
+    """``fn`` wrapped so that every storage its autograd graph saves for backward (parameters
+    excluded) lands in ``sink`` (data pointer -> bytes), counted by ``saved_tensors_hooks``."""
+
+    def run(*args, **kwargs):
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params and st.nbytes() > 0:
+                sink[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _copy_overlap(timeline) -> tuple[float, "float | None"]:
+    """(seconds on the copy lane, fraction of them during which the compute lane was busy too)."""
+    from tritonmoe.comm.timeline import _intersection_length, _union
+
+    spans = timeline.spans()
+    cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
+    comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
+    total = sum(b - a for a, b in cp)
+    return total, (_intersection_length(cp, comp) / total if total > 0 else None)
+
+
 def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]:
     import tritonmoe as tm
     from tritonmoe.comm import memory as memory_mod
@@ -74,22 +102,16 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
     orig = memory_mod.run_memory_pipelined
 
     def counted(key):
+        seen: dict = {}
+        inner = _counting(orig, params, seen)
+
         def run(*args, **kwargs):
-            seen = {}
-
-            def pack(t):
-                st = t.untyped_storage()
-                if st.data_ptr() not in params and st.nbytes() > 0:
-                    seen[st.data_ptr()] = st.nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = orig(*args, **kwargs)
+            out = inner(*args, **kwargs)
             saved[key] = sum(seen.values())
             return out
         return run
 
-    from tritonmoe.comm.timeline import Timeline, _intersection_length, _union
+    from tritonmoe.comm.timeline import Timeline
 
     times = {k: [] for k in layers}
     copies = {}
@@ -111,11 +133,7 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
             if rep >= spec["warmup"]:
                 times[key].append(t)
             if rep == last:  # host copies on the copy lane, and how much of them ran beside compute
-                spans = layer.timeline.spans()
-                cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
-                comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
-                total = sum(b - a for a, b in cp)
-                copies[key] = (total, _intersection_length(cp, comp) / total if total > 0 else None)
+                copies[key] = _copy_overlap(layer.timeline)
                 layer.timeline = None
             for p in layer.parameters():
                 p.grad = None
@@ -181,7 +199,7 @@ def run_single(device: str = "auto", **overrides) -> list[dict]:
     Initializes (and destroys) a process group of one rank in this process."""
     import tritonmoe as tm
     from tritonmoe.comm import memory as memory_mod
-    from tritonmoe.comm.timeline import Timeline, _intersection_length, _union
+    from tritonmoe.comm.timeline import Timeline
     from tritonmoe.plan.memory import expert_block_bytes
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
@@ -218,16 +236,7 @@ def run_single(device: str = "auto", **overrides) -> list[dict]:
                 params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
                 orig = memory_mod.run_memory_pipelined
                 seen: dict = {}
-
-                def counted(*args, **kwargs):
-                    def pack(t):
-                        st = t.untyped_storage()
-                        if st.data_ptr() not in params and st.nbytes() > 0:
-                            seen[st.data_ptr()] = st.nbytes()
-                        return t
-
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                        return orig(*args, **kwargs)
+                counted = _counting(orig, params, seen)
 
                 times, held, peak, copies = [], None, None, (0.0, None)
                 for rep in range(spec["warmup"] + spec["reps"]):
@@ -258,11 +267,7 @@ def run_single(device: str = "auto", **overrides) -> list[dict]:
                     if rep >= spec["warmup"] and rep != spec["warmup"]:  # the rep that paused is not timed
                         times.append(t)
                     if last:
-                        spans = layer.timeline.spans()
-                        cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
-                        comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
-                        total = sum(b - a for a, b in cp)
-                        copies = (total, _intersection_length(cp, comp) / total if total > 0 else None)
+                        copies = _copy_overlap(layer.timeline)
                         layer.timeline = None
                 st = layer.expert_path.memory_stats
                 model = expert_block_bytes(st["rows"], spec["d_model"], layer.config.n1, strategy,
