@@ -287,7 +287,7 @@ class _ExpertFFN(torch.autograd.Function):
                 dy.contiguous(), x, mgr.offsets_t[i], w1, w2, b1, b2, a, h, ffn.activation, needs=needs,
                 swiglu_limit=ffn.swiglu_limit, swiglu_alpha=ffn.swiglu_alpha)
             return None, None, dx, dw1, dw2, db1, db2
-        offs = mgr.offs[i]
+        offs = mgr.host_offsets(i)
         L = w1.shape[0]
         acc = _acc(dy.dtype)
         dy = dy.contiguous()
@@ -338,7 +338,6 @@ class _Memory:
     dtype: torch.dtype
     device: torch.device
     offsets_t: list = field(default_factory=list)
-    offs: list = field(default_factory=list)
     rows: list = field(default_factory=list)
     wgrads: Optional[WeightGradStore] = None
     ex: Optional[RealExecutor] = None
@@ -349,8 +348,7 @@ class _Memory:
         n = self.layout.n
         self.rows = [self.plan.recv_rows(i) for i in range(n)]
         self.offsets_t = [self.ffn.offsets(i) for i in range(n)]
-        # host sync (one per pass): the backward's per-expert row ranges
-        self.offs = [[int(v) for v in o.tolist()] for o in self.offsets_t]
+        self._offs: Optional[list] = None
         top = max(self.rows) if self.rows else 0
         lay = self.layout
         if lay.reuse:
@@ -458,6 +456,14 @@ class _Memory:
     def pre_compute(self, i: int) -> list:
         """Just before micro-op i's backward compute: the MI restore it waits for."""
         return self.mi_pending.pop(i, [])
+
+    def host_offsets(self, i: int) -> list[int]:
+        """Micro-op i's per-expert row offsets as Python ints, for the reference backward's
+        per-expert slices (the kernels' backward takes the device offsets and never asks)."""
+        if self._offs is None:
+            # host sync (once per pass, reference backward only): the per-expert row ranges
+            self._offs = [[int(v) for v in o.tolist()] for o in self.offsets_t]
+        return self._offs[i]
 
     def ensure(self, i: int) -> None:
         """Inside micro-op i's backward compute: finish the restores that run on the compute lane
