@@ -547,11 +547,16 @@ def _grouped_gemm_acc(
     # Every expert contributes a (possibly empty) piece, so the output stays in the autograd
     # graph of x, w and the bias even when no row is routed (zero gradients rather than no grad_fn).
     # Rows before offsets[0] (> 0 only with validation off) are zero, like the rows past offsets[E].
+    # One unbind, not E selects: autograd's backward of ``w[e]`` materializes a zero [E, K, N]
+    # gradient per expert and sums E of them (E^2 times the weights' bytes); unbind's stacks the
+    # E slices once. Same values (each expert's gradient lands in its own slice).
+    ws = w_EKN.unbind(0)
+    bs = bias_EN.unbind(0) if bias_EN is not None else None
     pieces = [x_RK.new_zeros(offs[0], N, dtype=acc)]
     for e in range(E):
-        piece = x_RK[offs[e] : offs[e + 1]].to(acc) @ w_EKN[e].to(acc)
-        if bias_EN is not None:
-            piece = piece + bias_EN[e].to(acc)
+        piece = x_RK[offs[e] : offs[e + 1]].to(acc) @ ws[e].to(acc)
+        if bs is not None:
+            piece = piece + bs[e].to(acc)
         pieces.append(piece)
     pieces.append(x_RK.new_zeros(R - offs[E], N, dtype=acc))
     return torch.cat(pieces, dim=0)
