@@ -547,14 +547,16 @@ def _grouped_gemm_acc(
     # Every expert contributes a (possibly empty) piece, so the output stays in the autograd
     # graph of x, w and the bias even when no row is routed (zero gradients rather than no grad_fn).
     # Rows before offsets[0] (> 0 only with validation off) are zero, like the rows past offsets[E].
-    # One unbind, not E selects: autograd's backward of ``w[e]`` materializes a zero [E, K, N]
-    # gradient per expert and sums E of them (E^2 times the weights' bytes); unbind's stacks the
-    # E slices once. Same values (each expert's gradient lands in its own slice).
+    # One split and one unbind, not E slices and E selects: autograd's backward of ``x[a:b]``
+    # (``w[e]``) materializes a zero gradient of x's (w's) full size per expert and sums E of
+    # them, E^2 times the bytes; split's and unbind's backward concatenate (stack) the E pieces
+    # once. Same values: each expert's gradient lands in its own rows (slice).
+    xs = x_RK.split([offs[0]] + [offs[e + 1] - offs[e] for e in range(E)] + [R - offs[E]])
     ws = w_EKN.unbind(0)
     bs = bias_EN.unbind(0) if bias_EN is not None else None
     pieces = [x_RK.new_zeros(offs[0], N, dtype=acc)]
     for e in range(E):
-        piece = x_RK[offs[e] : offs[e + 1]].to(acc) @ ws[e].to(acc)
+        piece = xs[e + 1].to(acc) @ ws[e].to(acc)
         if bs is not None:
             piece = piece + bs[e].to(acc)
         pieces.append(piece)

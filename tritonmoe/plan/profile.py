@@ -5,8 +5,15 @@ or the self-spawning :func:`profile_spawned` on CPU). It measures
 
 * every collective the schedules issue (all-to-all, all-gather, reduce-scatter, all-reduce,
   point-to-point) over message sizes from 1 KiB to 64 MiB per rank, on the world and on every
-  power-of-two sub-group (ranks 0..g-1), timed per repetition after a barrier, the slowest
-  member's time kept, the median over repetitions fitted;
+  power-of-two sub-group (ranks 0..g-1), timed **in place**: as in a step, each repetition runs
+  a compute phase on every rank (the layer's expert forward) and then the collective, and keeps
+  the mean over members of each one's issue-to-completion time; the median over repetitions is
+  fitted. A collective that follows compute pays what one after a barrier does not: the
+  communication threads wake from idle, and the members arrive apart by their compute's jitter
+  (on a CPU with fewer cores than ranks, by the scheduler's time slices), so the last member's
+  arrival, which the simulator takes as the collective's start, is later than the average
+  member's. ``ProfileSpec(collectives_in_place=False)`` times them in isolation instead (after a
+  barrier, the slowest member's time);
 * the host time to issue one asynchronous collective;
 * the compute of the layer's ops at several shapes (grouped FFN forward and backward, router
   GEMM, re-layout copies, permute, unpermute, routing, gradient accumulation), with the same
@@ -64,6 +71,8 @@ class ProfileSpec:
         tokens: token counts per rank at which the layer's ops are timed.
         dtype: activation dtype; ``activation``: the expert activation.
         group_sizes: group sizes to time (default: powers of two up to the world size, and it).
+        collectives_in_place: time each collective right after a compute phase on every rank
+            (module docstring); False: after a barrier alone.
     """
 
     sizes: Sequence[int] = DEFAULT_SIZES
@@ -75,6 +84,7 @@ class ProfileSpec:
     dtype: torch.dtype = torch.float32
     activation: str = "swiglu"
     group_sizes: Optional[Sequence[int]] = None
+    collectives_in_place: bool = True
     log: bool = True
     meta: dict = field(default_factory=dict)
 
@@ -127,24 +137,44 @@ def _collective(kind: str, nbytes: int, group, g: int, device: torch.device, dty
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def _time_group(fn, group, device, reps: int, warmup: int) -> float:
-    """Median over reps of the slowest member's time of ``fn`` (each rep after a barrier)."""
+def _time_group(fn, group, device, reps: int, warmup: int, phase=None) -> float:
+    """Median over reps of ``fn``'s time on the group's members, each rep after a barrier.
+
+    Without ``phase``: the slowest member's time (they start together). With ``phase`` (a
+    compute each member runs between the barrier and ``fn``): the mean over members of each
+    one's time from issuing ``fn`` to its completion -- the wait a collective adds after compute
+    on an average member, its arrival skew included (module docstring)."""
     times = []
+    g = dist.get_world_size(group)
     for i in range(warmup + reps):
         dist.barrier(group=group)
         _sync(device)
+        if phase is not None:
+            phase()
+            _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=comm_device(group))
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX if phase is None else dist.ReduceOp.SUM, group=group)
         if i >= warmup:
-            times.append(float(dt.item()))
+            times.append(float(dt.item()) / (1 if phase is None else g))
     return statistics.median(times)
+
+
+def _step_phase(spec: ProfileSpec, device):
+    """The compute phase a collective is timed after (in place): the layer's expert forward at
+    the spec's first shape and middle token count, the same work on every rank."""
+    d, f, E, k = spec.shapes[0]
+    tokens = sorted(spec.tokens)
+    T = tokens[len(tokens) // 2]
+    ops = {name: fn for name, _w, fn in _layer_ops(spec, d, f, E, k, T, device, dist.get_world_size())}
+    return ops["expert_fwd"]
 
 
 def _collective_samples(spec: ProfileSpec, device, node_of: list[int]) -> list:
     rank, P = dist.get_rank(), dist.get_world_size()
+    phase = _step_phase(spec, device) if spec.collectives_in_place else None
     sizes = sorted({g for g in (spec.group_sizes or []) if 2 <= g <= P}
                    or ({2**i for i in range(1, P.bit_length()) if 2**i <= P} | {P}))
     out = []
@@ -157,7 +187,7 @@ def _collective_samples(spec: ProfileSpec, device, node_of: list[int]) -> list:
                 for nbytes in spec.sizes:
                     reps = spec.reps if nbytes <= 4 * 2**20 else max(3, spec.reps // 2)
                     fn = _collective(kind, nbytes, group, g, device)
-                    t = _time_group(fn, group, device, reps, spec.warmup)
+                    t = _time_group(fn, group, device, reps, spec.warmup, phase)
                     out.append(CommSample(kind, g, link, float(nbytes), t))
                 _say(spec, f"{kind} over {g} ranks ({link}): {len(spec.sizes)} sizes")
         dist.barrier()
@@ -585,6 +615,10 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
             "profile_seconds": round(time.perf_counter() - t_start, 1),
             "compute_slowdown_all_ranks_at_once": slowdown,
             "load_average_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "collectives_timed": ("in place: after the expert forward at shape "
+                                  f"{list(spec.shapes[0])}, {sorted(spec.tokens)[len(spec.tokens) // 2]} tokens, "
+                                  "mean over members" if spec.collectives_in_place
+                                  else "isolated: after a barrier, slowest member"),
             "shapes": [list(s) for s in spec.shapes],
             "tokens": list(spec.tokens),
             **spec.meta,
