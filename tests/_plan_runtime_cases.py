@@ -30,7 +30,8 @@ def agreement(rank: int, P: int, cost_path: str) -> dict:
     """A cost-model file missing on one rank fails on every rank (none hangs); then 'auto' and
     'search' with different token counts per rank: every rank runs the same degree each step,
     and the result equals the unpipelined layer bitwise (fp64)."""
-    out = {"missing": missing_on_one_rank(rank, P, cost_path), "profile": tiny_profile(rank, P)}
+    out = {"missing": missing_on_one_rank(rank, P, cost_path), "profile": tiny_profile(rank, P),
+           "in_place": in_place_timing(rank, P)}
     gen = torch.Generator().manual_seed(100 + rank)
     # per step, this rank's token count (ranks differ; one rank sometimes has none)
     schedule = [(40, 3, 64), (40, 3, 64), (200, 17, 0), (40, 3, 64), (200, 17, 0), (5, 90, 33)] * 2
@@ -65,6 +66,34 @@ def tiny_profile(rank: int, P: int) -> dict | None:
                        shapes=((16, 16, 6, 2),), tokens=(8, 64), dtype=torch.float32, log=False)
     model = profile(spec)
     return model.to_json() if model is not None else None
+
+
+def in_place_timing(rank: int, P: int, skew_s: float = 0.06) -> dict:
+    """The profile's collective timing (``_time_group``) on a 1 KiB all-to-all: isolated (after
+    a barrier), in place after a phase in which only the last rank computes for ``skew_s`` (the
+    others wait for it inside the collective), and in place after a phase every rank runs
+    alike (nothing to wait for)."""
+    import time
+
+    from tritonmoe.plan.profile import _collective
+
+    fn = _collective("all_to_all", 1024, dist.group.WORLD, P, torch.device("cpu"))
+
+    def last_rank_late():
+        if rank == P - 1:
+            time.sleep(skew_s)
+
+    def all_alike():
+        time.sleep(skew_s)
+
+    from tritonmoe.plan.profile import _time_group
+
+    grp = dist.group.WORLD
+    return dict(
+        isolated=_time_group(fn, grp, torch.device("cpu"), 3, 1),
+        skewed=_time_group(fn, grp, torch.device("cpu"), 3, 1, phase=last_rank_late),
+        alike=_time_group(fn, grp, torch.device("cpu"), 3, 1, phase=all_alike),
+    )
 
 
 def missing_on_one_rank(rank: int, P: int, cost_path: str) -> str:

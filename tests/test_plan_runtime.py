@@ -80,6 +80,14 @@ def test_auto_and_search_agree_across_ranks(tmp_path):
     assert {"gemm", "copy", "elementwise"} <= set(prof.compute)
     assert ("comp", "comm") in prof.interference and ("comm", "comm") in prof.interference
     assert prof.host_compute and prof.lane_slots.get("comm", 0) >= 1 and prof.meta["world_size"] == 3
+    assert prof.meta["collectives_timed"].startswith("in place")
+    # in-place collective timing keeps the mean over members of each one's issue-to-completion
+    # time: with the last of 3 ranks 60 ms late, two members wait ~60 ms and one ~0 (mean ~40 ms;
+    # the slowest member's time would be ~60, the phase's own time is never counted)
+    ip = per_rank[0]["in_place"]
+    assert all(r["in_place"] == ip for r in per_rank)  # one value, agreed by every rank
+    assert ip["isolated"] < 0.02 and ip["alike"] < 0.02, ip
+    assert 0.03 <= ip["skewed"] <= 0.055, ip
     for mode in ("auto", "search"):
         runs = [r[mode] for r in per_rank]
         assert all(r["degrees"] == runs[0]["degrees"] for r in runs), [r["degrees"] for r in runs]
