@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     pr = sub.add_parser("profile", help="measure this machine and write a cost model",
-                        description="Measure every collective the schedules use (1 KiB..64 MiB per rank), the layer's "
+                        description="Measure every collective the schedules use (1 KiB..64 MiB per rank, each right after a compute phase as in a "
+                        "step), the layer's "
                         "compute with all ranks computing at once, interference and copies; fit alpha/beta per (kind, "
                         "group size) by least squares; print R^2 and held-out errors; write the JSON cost model. "
                         "Launch under torchrun (gloo or NCCL), or use --nproc N to spawn N local gloo ranks.")
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tokens", type=_ints, default=None, help="token counts per rank for the compute timings")
     pr.add_argument("--dtype", default="float32", help="activation dtype of the compute timings (default float32)")
     pr.add_argument("--quick", action="store_true", help="fewer sizes and shapes (a smoke test, ~1 minute)")
+    pr.add_argument("--isolated-collectives", action="store_true",
+                    help="time each collective after a barrier alone (default: in place, right after a compute "
+                    "phase on every rank, as a step issues it)")
 
     for name, helptext in (("simulate", "simulate one layer step"), ("plan", "choose the schedule")):
         sp = sub.add_parser(name, help=helptext, description={
@@ -154,7 +158,8 @@ def _profile(args) -> int:
     from .profile import ProfileSpec, profile, profile_spawned
     from .simulate import parse_dtype
 
-    spec = ProfileSpec(dtype=parse_dtype(args.dtype), reps=args.reps)
+    spec = ProfileSpec(dtype=parse_dtype(args.dtype), reps=args.reps,
+                       collectives_in_place=not args.isolated_collectives)
     if args.sizes:
         spec.sizes = tuple(args.sizes)
     if args.shape:

@@ -359,34 +359,60 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
     ]
 
 
+def _once(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _compute_samples(spec: ProfileSpec, device) -> tuple[list, list[float]]:
-    """The layer's ops timed twice: by rank 0 alone (the others wait at a barrier), which gives
-    the compute rates, and by every rank at once, as in a real step; the slowdown between the
-    two (ops of >= 5 ms alone) tells how many cores the ranks share (CPU) or that they share
-    nothing (one GPU each). Returns (rank 0's samples, slowdowns)."""
+    """The layer's ops at every shape and token count, timed twice: by rank 0 alone (the others
+    wait at a barrier), which gives the compute rates, and by every rank at once, as in a real
+    step; the slowdown between the two (ops of >= 5 ms alone) tells how many cores the ranks
+    share (CPU) or that they share nothing (one GPU each). Returns (rank 0's samples,
+    slowdowns).
+
+    The ops are timed in rounds, each round running every op once (medians over rounds): an op
+    then runs after other ops, as in a step, not after itself with its data still in cache, and
+    a passing disturbance of the machine falls on one round of many ops instead of on every
+    repetition of one op."""
     P = dist.get_world_size()
     rank = dist.get_rank()
-    samples, slowdowns = [], []
+    ops = []
     for d, f, E, k in spec.shapes:
         for T in spec.tokens:
-            ops = _layer_ops(spec, d, f, E, k, T, device, P)
-            for name, work, fn in ops:
-                reps = max(3, spec.reps)
-                dist.barrier()
-                t_all = _timed(fn, device, reps, spec.warmup)
-                dist.barrier()
-                if rank == 0:
-                    t_alone = _timed(fn, device, reps, spec.warmup)
-                    leaves = work.leaves()
-                    if any(lf.kind != leaves[0].kind or lf.kind == HOST for lf in leaves):  # composite
-                        parts = tuple((lf.kind, lf.flops, lf.bytes, lf.launches) for lf in leaves)
-                        samples.append(ComputeSample("composite", work.flops, work.bytes, work.launches, t_alone, parts))
-                    else:
-                        samples.append(ComputeSample(leaves[0].kind, work.flops, work.bytes, work.launches, t_alone))
-                    if t_alone >= 5e-3:
-                        slowdowns.append(t_all / t_alone)
-                dist.barrier()
-        _say(spec, f"compute at d={d} f={f} E={E} k={k}, T in {list(spec.tokens)}")
+            ops += _layer_ops(spec, d, f, E, k, T, device, P)
+    reps = max(3, spec.reps)
+    t_all: list[list[float]] = [[] for _ in ops]
+    t_alone: list[list[float]] = [[] for _ in ops]
+    for rnd in range(spec.warmup + reps):
+        for i, (_name, _work, fn) in enumerate(ops):
+            dist.barrier()
+            t = _once(fn, device)
+            dist.barrier()
+            if rank == 0:
+                ta = _once(fn, device)
+                if rnd >= spec.warmup:
+                    t_all[i].append(t)
+                    t_alone[i].append(ta)
+        _say(spec, f"compute: round {rnd + 1} of {spec.warmup + reps} over {len(ops)} ops "
+                   f"({len(spec.shapes)} shapes x {len(spec.tokens)} token counts)")
+    dist.barrier()
+    samples, slowdowns = [], []
+    if rank != 0:
+        return samples, slowdowns
+    for (_name, work, _fn), alls, alones in zip(ops, t_all, t_alone):
+        alone, together = statistics.median(alones), statistics.median(alls)
+        leaves = work.leaves()
+        if any(lf.kind != leaves[0].kind or lf.kind == HOST for lf in leaves):  # composite
+            parts = tuple((lf.kind, lf.flops, lf.bytes, lf.launches) for lf in leaves)
+            samples.append(ComputeSample("composite", work.flops, work.bytes, work.launches, alone, parts))
+        else:
+            samples.append(ComputeSample(leaves[0].kind, work.flops, work.bytes, work.launches, alone))
+        if alone >= 5e-3:
+            slowdowns.append(together / alone)
     return samples, slowdowns
 
 
