@@ -549,8 +549,9 @@ def _grouped_gemm_acc(
     # Rows before offsets[0] (> 0 only with validation off) are zero, like the rows past offsets[E].
     # One split and one unbind, not E slices and E selects: autograd's backward of ``x[a:b]``
     # (``w[e]``) materializes a zero gradient of x's (w's) full size per expert and sums E of
-    # them, E^2 times the bytes; split's and unbind's backward concatenate (stack) the E pieces
-    # once. Same values: each expert's gradient lands in its own rows (slice).
+    # them (E times x's bytes, E^2 times one expert's weights); split's and unbind's backward
+    # concatenate (stack) the E pieces once. Same values: each expert's gradient lands in its
+    # own rows (slice).
     xs = x_RK.split([offs[0]] + [offs[e + 1] - offs[e] for e in range(E)] + [R - offs[E]])
     ws = w_EKN.unbind(0)
     bs = bias_EN.unbind(0) if bias_EN is not None else None

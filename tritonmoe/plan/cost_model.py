@@ -475,7 +475,9 @@ def _fit_compute(kind: str, samples: list["ComputeSample"]) -> ComputeRate:
 class CommSample:
     """One timed collective or copy: ``kind`` (:data:`COLLECTIVES` or :data:`COPIES`) over
     ``group_size`` ranks of link class ``link``, ``nbytes`` per rank (see the module docstring),
-    ``seconds`` (the slowest rank's time)."""
+    ``seconds`` (the profile's in-place timing: the mean over members of each one's time from
+    issuing it to its completion, after a compute phase; its isolated timing: the slowest
+    member's time after a barrier)."""
 
     kind: str
     group_size: int

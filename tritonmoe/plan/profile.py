@@ -6,7 +6,7 @@ or the self-spawning :func:`profile_spawned` on CPU). It measures
 * every collective the schedules issue (all-to-all, all-gather, reduce-scatter, all-reduce,
   point-to-point) over message sizes from 1 KiB to 64 MiB per rank, on the world and on every
   power-of-two sub-group (ranks 0..g-1), timed **in place**: as in a step, each repetition runs
-  a compute phase on every rank (the layer's expert forward) and then the collective, and keeps
+  a compute phase on every member (the layer's expert forward) and then the collective, and keeps
   the mean over members of each one's issue-to-completion time; the median over repetitions is
   fitted. A collective that follows compute pays what one after a barrier does not: the
   communication threads wake from idle, and the members arrive apart by their compute's jitter
@@ -71,7 +71,7 @@ class ProfileSpec:
         tokens: token counts per rank at which the layer's ops are timed.
         dtype: activation dtype; ``activation``: the expert activation.
         group_sizes: group sizes to time (default: powers of two up to the world size, and it).
-        collectives_in_place: time each collective right after a compute phase on every rank
+        collectives_in_place: time each collective right after a compute phase on every member
             (module docstring); False: after a barrier alone.
     """
 
@@ -371,48 +371,56 @@ def _compute_samples(spec: ProfileSpec, device) -> tuple[list, list[float]]:
     """The layer's ops at every shape and token count, timed twice: by rank 0 alone (the others
     wait at a barrier), which gives the compute rates, and by every rank at once, as in a real
     step; the slowdown between the two (ops of >= 5 ms alone) tells how many cores the ranks
-    share (CPU) or that they share nothing (one GPU each). Returns (rank 0's samples,
-    slowdowns).
+    share (CPU) or that they share nothing (one GPU each): its "together" time is the mean over
+    ranks. Returns (rank 0's samples, slowdowns).
 
-    The ops are timed in rounds, each round running every op once (medians over rounds): an op
-    then runs after other ops, as in a step, not after itself with its data still in cache, and
-    a passing disturbance of the machine falls on one round of many ops instead of on every
-    repetition of one op."""
+    The ops of one shape and token count are timed in rounds (medians over rounds): each round
+    runs every op once on every rank at once, then every op once on rank 0 alone, so each timed
+    run follows another op, as in a step, not itself with its data still in cache, and a passing
+    disturbance of the machine falls on one round of many ops instead of on every repetition of
+    one op. One shape and token count's tensors are alive at a time."""
     P = dist.get_world_size()
     rank = dist.get_rank()
-    ops = []
+    reps = max(3, spec.reps)
+    samples, slowdowns = [], []
     for d, f, E, k in spec.shapes:
         for T in spec.tokens:
-            ops += _layer_ops(spec, d, f, E, k, T, device, P)
-    reps = max(3, spec.reps)
-    t_all: list[list[float]] = [[] for _ in ops]
-    t_alone: list[list[float]] = [[] for _ in ops]
-    for rnd in range(spec.warmup + reps):
-        for i, (_name, _work, fn) in enumerate(ops):
-            dist.barrier()
-            t = _once(fn, device)
-            dist.barrier()
+            # one (shape, token count) alive at a time: its ops in rounds, then dropped
+            ops = _layer_ops(spec, d, f, E, k, T, device, P)
+            t_all: list[list[float]] = [[] for _ in ops]
+            t_alone: list[list[float]] = [[] for _ in ops]
+            for rnd in range(spec.warmup + reps):
+                for i, (_name, _work, fn) in enumerate(ops):  # every rank at once, op by op
+                    dist.barrier()
+                    t = _once(fn, device)
+                    if rnd >= spec.warmup:
+                        t_all[i].append(t)
+                dist.barrier()
+                if rank == 0:  # rank 0 alone, the others at the barrier: each op after another
+                    for i, (_name, _work, fn) in enumerate(ops):
+                        t = _once(fn, device)
+                        if rnd >= spec.warmup:
+                            t_alone[i].append(t)
+                dist.barrier()
+            # the together time of an op: the mean over ranks of each one's median (4 ranks on 2
+            # cores: whichever the OS runs first is barely slowed, the last one twice)
+            together_s = torch.tensor([statistics.median(ts) for ts in t_all], dtype=torch.float64,
+                                      device=comm_device(None))
+            dist.all_reduce(together_s)
+            together_s = (together_s / P).tolist()
             if rank == 0:
-                ta = _once(fn, device)
-                if rnd >= spec.warmup:
-                    t_all[i].append(t)
-                    t_alone[i].append(ta)
-        _say(spec, f"compute: round {rnd + 1} of {spec.warmup + reps} over {len(ops)} ops "
-                   f"({len(spec.shapes)} shapes x {len(spec.tokens)} token counts)")
-    dist.barrier()
-    samples, slowdowns = [], []
-    if rank != 0:
-        return samples, slowdowns
-    for (_name, work, _fn), alls, alones in zip(ops, t_all, t_alone):
-        alone, together = statistics.median(alones), statistics.median(alls)
-        leaves = work.leaves()
-        if any(lf.kind != leaves[0].kind or lf.kind == HOST for lf in leaves):  # composite
-            parts = tuple((lf.kind, lf.flops, lf.bytes, lf.launches) for lf in leaves)
-            samples.append(ComputeSample("composite", work.flops, work.bytes, work.launches, alone, parts))
-        else:
-            samples.append(ComputeSample(leaves[0].kind, work.flops, work.bytes, work.launches, alone))
-        if alone >= 5e-3:
-            slowdowns.append(together / alone)
+                for (_name, work, _fn), together, alones in zip(ops, together_s, t_alone):
+                    alone = statistics.median(alones)
+                    leaves = work.leaves()
+                    if any(lf.kind != leaves[0].kind or lf.kind == HOST for lf in leaves):  # composite
+                        parts = tuple((lf.kind, lf.flops, lf.bytes, lf.launches) for lf in leaves)
+                        samples.append(ComputeSample("composite", work.flops, work.bytes, work.launches, alone, parts))
+                    else:
+                        samples.append(ComputeSample(leaves[0].kind, work.flops, work.bytes, work.launches, alone))
+                    if alone >= 5e-3:
+                        slowdowns.append(together / alone)
+            del ops
+        _say(spec, f"compute at d={d} f={f} E={E} k={k}, T in {list(spec.tokens)}")
     return samples, slowdowns
 
 
@@ -615,7 +623,10 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
     if device.type == "cpu" and slowdown is not None:
         # P ranks of `threads` threads computing at once run `slowdown` times slower than one:
         # they share P * threads / slowdown cores (at least one rank's threads, at most all)
-        host_cores = min(float(P * threads), max(float(threads), P * threads / max(slowdown, 1e-9)))
+        # (capped by the cores this process may run on: timing jitter can put the slowdown of
+        # more ranks than cores below P / cores)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or P * threads)
+        host_cores = min(float(P * threads), float(cores), max(float(threads), P * threads / max(slowdown, 1e-9)))
     slots = {}
     if "gloo" in backend:
         slots["comm"] = int(dist.ProcessGroupGloo._Options()._threads)
