@@ -7,9 +7,9 @@ or the self-spawning :func:`profile_spawned` on CPU). It measures
   point-to-point) over message sizes from 1 KiB to 64 MiB per rank, on the world and on every
   power-of-two sub-group (ranks 0..g-1), timed **in place**: as in a step, each repetition runs
   a compute phase on every member (the layer's expert forward) and then the collective, and keeps
-  the mean over members of each one's issue-to-completion time; over twice the repetitions, the
-  mean without the lowest and highest fifth is fitted (what a step pays on average; the median
-  over repetitions when isolated). A collective that follows compute pays what one after a barrier does not: the
+  the mean over members of each one's issue-to-completion time; the median over twice the
+  repetitions is fitted (the in-place time is bimodal: the communication threads now and then
+  wake late). A collective that follows compute pays what one after a barrier does not: the
   communication threads wake from idle, and the members arrive apart by their compute's jitter
   (on a CPU with fewer cores than ranks, by the scheduler's time slices), so the last member's
   arrival, which the simulator takes as the collective's start, is later than the average
@@ -145,9 +145,8 @@ def _time_group(fn, group, device, reps: int, warmup: int, phase=None) -> float:
     With ``phase`` (a compute each member runs between the barrier and ``fn``): per rep, the
     mean over members of each one's time from issuing ``fn`` to its completion -- the wait a
     collective adds after compute on an average member, its arrival skew included (module
-    docstring); over reps, the mean without the lowest and highest fifth. A step pays a
-    collective's average cost over its many collectives, and the in-place time is skewed (the
-    communication threads sometimes wake late), so the median would miss what the step pays."""
+    docstring); the median over reps (the caller gives in-place timings more reps: the time is
+    bimodal, the communication threads now and then waking late)."""
     times = []
     g = dist.get_world_size(group)
     for i in range(warmup + reps):
@@ -163,11 +162,7 @@ def _time_group(fn, group, device, reps: int, warmup: int, phase=None) -> float:
         dist.all_reduce(dt, op=dist.ReduceOp.MAX if phase is None else dist.ReduceOp.SUM, group=group)
         if i >= warmup:
             times.append(float(dt.item()) / (1 if phase is None else g))
-    if phase is None:
-        return statistics.median(times)
-    times.sort()
-    cut = len(times) // 5
-    return statistics.fmean(times[cut: len(times) - cut])
+    return statistics.median(times)
 
 
 def _step_phase(spec: ProfileSpec, device):
@@ -194,7 +189,7 @@ def _collective_samples(spec: ProfileSpec, device, node_of: list[int]) -> list:
             for kind in spec.kinds:
                 for nbytes in spec.sizes:
                     reps = spec.reps if nbytes <= 4 * 2**20 else max(3, spec.reps // 2)
-                    if phase is not None:  # in place, the times scatter more: twice the reps
+                    if phase is not None:  # in place the times scatter more (a late wakeup): twice the reps
                         reps = 2 * reps + 1
                     fn = _collective(kind, nbytes, group, g, device)
                     t = _time_group(fn, group, device, reps, spec.warmup, phase)
