@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--quick", action="store_true", help="fewer sizes and shapes (a smoke test, ~1 minute)")
     pr.add_argument("--isolated-collectives", action="store_true",
                     help="time each collective after a barrier alone (default: in place, right after a compute "
-                    "phase on every rank, as a step issues it)")
+                    "phase on every member, as a step issues it)")
 
     for name, helptext in (("simulate", "simulate one layer step"), ("plan", "choose the schedule")):
         sp = sub.add_parser(name, help=helptext, description={
