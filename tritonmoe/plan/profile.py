@@ -160,17 +160,21 @@ def _time_group(fn, group, device, reps: int, warmup: int, phase=None) -> float:
         _sync(device)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=comm_device(group))
         dist.all_reduce(dt, op=dist.ReduceOp.MAX if phase is None else dist.ReduceOp.SUM, group=group)
-        if i >= warmup:
+        if i >= warmup:  # a host sync per rep: the profile measures, it is not a hot path
             times.append(float(dt.item()) / (1 if phase is None else g))
     return statistics.median(times)
+
+
+def _phase_tokens(spec: ProfileSpec) -> int:
+    """The middle of the spec's token counts: the in-place compute phase's token count."""
+    return sorted(spec.tokens)[len(spec.tokens) // 2]
 
 
 def _step_phase(spec: ProfileSpec, device):
     """The compute phase a collective is timed after (in place): the layer's expert forward at
     the spec's first shape and middle token count, the same work on every rank."""
     d, f, E, k = spec.shapes[0]
-    tokens = sorted(spec.tokens)
-    T = tokens[len(tokens) // 2]
+    T = _phase_tokens(spec)
     ops = {name: fn for name, _w, fn in _layer_ops(spec, d, f, E, k, T, device, dist.get_world_size())}
     return ops["expert_fwd"]
 
@@ -228,17 +232,18 @@ def _host_issue(device) -> list:
 # ---------------------------------------------------------------------------------------------
 
 
+def _once(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _timed(fn, device, reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
-    _sync(device)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return statistics.median(_once(fn, device) for _ in range(reps))
 
 
 def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device, P: int):
@@ -364,14 +369,6 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
     ]
 
 
-def _once(fn, device) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
 def _compute_samples(spec: ProfileSpec, device) -> tuple[list, list[float]]:
     """The layer's ops at every shape and token count, timed twice: by rank 0 alone (the others
     wait at a barrier), which gives the compute rates, and by every rank at once, as in a real
@@ -412,7 +409,7 @@ def _compute_samples(spec: ProfileSpec, device) -> tuple[list, list[float]]:
             together_s = torch.tensor([statistics.median(ts) for ts in t_all], dtype=torch.float64,
                                       device=comm_device(None))
             dist.all_reduce(together_s)
-            together_s = (together_s / P).tolist()
+            together_s = (together_s / P).tolist()  # host sync: profiling, once per op set
             if rank == 0:
                 for (_name, work, _fn), together, alones in zip(ops, together_s, t_alone):
                     alone = statistics.median(alones)
@@ -658,7 +655,7 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
             "compute_slowdown_all_ranks_at_once": slowdown,
             "load_average_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "collectives_timed": ("in place: after the expert forward at shape "
-                                  f"{list(spec.shapes[0])}, {sorted(spec.tokens)[len(spec.tokens) // 2]} tokens, "
+                                  f"{list(spec.shapes[0])}, {_phase_tokens(spec)} tokens, "
                                   "mean over members" if spec.collectives_in_place
                                   else "isolated: after a barrier, slowest member"),
             "shapes": [list(s) for s in spec.shapes],
