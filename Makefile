@@ -29,7 +29,8 @@ test: setup
 # GPU verification on one H100/H200 (no network needed; under 9 minutes): the gpu-marked tests
 # (as in gpu-tests, capped at 330 s), the harness's core set against roofs and baselines measured
 # in the same run, and the target table with the tests' outcome; writes
-# bench/results/<gpu>-<date>.{json,md} and <gpu>-<date>-gpu-tests.{json,md}. Without a GPU it runs
+# bench/results/<gpu>-<date>.{json,md} and <gpu>-<date>-gpu-tests.{json,md} (<date>-2, -3, ... when that
+# day already has results). Without a GPU it runs
 # end to end at CPU stand-in shapes and says that the GPU targets are skipped. On a copy of the
 # tree without .git, name the commit: make gpu-check TRITONMOE_BENCH_COMMIT=<sha>. To spend one
 # device call on the tests and one on the benchmarks: make gpu-tests, then

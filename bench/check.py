@@ -11,8 +11,9 @@
    roofs and baselines measured in the same run;
 3. the targets (:mod:`bench.targets`, one table) judged on those rows;
 
-writes ``<results-dir>/<gpu>-<date>.{json,md}`` (the harness's result schema plus a ``check``
-object: tests, sections, targets, the commit measured) and prints the target table last.
+writes ``<results-dir>/<gpu>-<date>.{json,md}`` (``<gpu>-<date>-2``, ``-3``, ... when that day already
+has one; the harness's result schema plus a ``check`` object: tests, sections, targets, the commit
+measured) and prints the target table last.
 
 Time budget on one H100 or H200 (the whole command must stay under 9 minutes; a device call may
 run 10). Estimates per section, for a cold Triton cache (the tests compile most kernels first;
@@ -275,7 +276,8 @@ def build_parser(prog: str = "python -m bench check") -> argparse.ArgumentParser
                    help=f"sections to run (default all: {','.join(SECTION_NAMES)})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--results-dir", default="bench/results", metavar="DIR",
-                   help="GPU mode: write <gpu>-<date>.json and .md here (default bench/results)")
+                   help="GPU mode: write <gpu>-<date>.json and .md here (-2, -3, ... after the date when that day "
+                        "already has one; default bench/results)")
     p.add_argument("--json", metavar="PATH", help="write the results here (also in CPU mode)")
     p.add_argument("--markdown", metavar="PATH", help="write the markdown report here (also in CPU mode)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the gpu-marked tests")
@@ -476,7 +478,9 @@ def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> i
 
 def _output_paths(args, env: dict, gpu: bool, log: Callable[[str], None]) -> dict:
     if gpu:
-        stem = Path(args.results_dir) / f"{_slug(env.get('gpu_name') or 'gpu')}-{env['date_utc'][:10]}"
+        from bench.gpu_tests import free_stem
+
+        stem = free_stem(Path(args.results_dir) / f"{_slug(env.get('gpu_name') or 'gpu')}-{env['date_utc'][:10]}")
         return {"json": args.json or f"{stem}.json", "markdown": args.markdown or f"{stem}.md"}
     if not (args.json or args.markdown):
         log(f"CPU mode: nothing written to {args.results_dir} (it holds GPU results); --json / --markdown keep a copy")

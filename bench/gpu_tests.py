@@ -698,7 +698,19 @@ def _default_prefix(results_dir: str) -> str:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    return str(Path(results_dir) / f"{slug}-{date}-gpu-tests")
+    return free_stem(Path(results_dir) / f"{slug}-{date}", "-gpu-tests")
+
+
+def free_stem(base: Path, tail: str = "") -> str:
+    """``<base><tail>``, or ``<base>-2<tail>``, ``-3``, ... when a result of that name (``.json``)
+    is already there: a second run on the same day (another commit, a later session) must not
+    overwrite the first one's files."""
+    n = 1
+    while True:
+        stem = f"{base}{'' if n == 1 else f'-{n}'}{tail}"
+        if not Path(stem + ".json").exists():
+            return stem
+        n += 1
 
 
 def main(argv: list[str]) -> int:

@@ -1,19 +1,37 @@
 """The static expert-parallel mode's CUDA-graph capture, run in its own process by
 tests/test_ep.py: a failed capture leaves the CUDA RNG in capture mode, which would fail every
-later test of a shared process ("Offset increment outside graph capture")."""
+later test of a shared process ("Offset increment outside graph capture"). Each stage is printed
+to stderr as it is reached, and a hang dumps the stacks and ends the process after
+TRITONMOE_CASE_TIMEOUT_S (default 120 s), so the caller's output says where it stopped."""
+
+import faulthandler
+import os
+import sys
+import time
 
 import torch
 
 import tritonmoe as tm
 
+_T0 = time.monotonic()
+
+
+def _stage(msg: str) -> None:  # where a hang stopped, in the caller's captured output
+    print(f"[{time.monotonic() - _T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
 
 def main() -> None:
     import torch.distributed as dist
 
+    # a hang dumps every thread's stack, then ends the process (the caller's timeout is longer)
+    limit = float(os.environ.get("TRITONMOE_CASE_TIMEOUT_S", "120"))
+    faulthandler.dump_traceback_later(limit, exit=True)
     created = not dist.is_initialized()
     if created:  # one rank: an in-process store, no port
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    graph = None
     try:
+        _stage("process group up")
         cfg = tm.MoEConfig(256, 512, 8, 2, ep_capacity=64)
         torch.manual_seed(0)
         layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, device="cuda", dtype=torch.bfloat16)
@@ -24,9 +42,12 @@ def main() -> None:
         static_x = x.clone().requires_grad_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        _stage("routed")
         with torch.cuda.stream(stream):  # warm-up outside the capture
             layer.expert_path(static_x, routing, weights).float().sum().backward()
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        _stage("warm-up forward+backward done")
         # as PyTorch's whole-network capture recipe: no .grad from the warm-up (made outside the
         # capture) for the captured backward to accumulate into; the graph allocates its own
         layer.zero_grad(set_to_none=True)
@@ -35,15 +56,25 @@ def main() -> None:
         with torch.cuda.graph(graph):
             out = layer.expert_path(static_x, routing, weights)
             out.float().sum().backward()
+        _stage("captured")
         new = torch.randn_like(x)
         static_x.data.copy_(new)
         graph.replay()
         torch.cuda.synchronize()
+        _stage("replayed")
         want = layer.expert_path(new, routing, weights)
         torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     finally:
+        # A live graph that captured NCCL kernels makes destroy_process_group wait forever (H100,
+        # torch 2.11, NCCL 2.28: capture, replay and the check passed, then the teardown hung until
+        # killed); release the graph first.
+        if graph is not None:
+            graph.reset()
+            torch.cuda.synchronize()
         if created:
+            _stage("destroying the process group")
             dist.destroy_process_group()
+            _stage("destroyed")
 
 
 if __name__ == "__main__":

@@ -352,3 +352,17 @@ def test_sleep():
                 os.kill(shard_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_free_stem_never_overwrites_an_earlier_run(tmp_path):
+    """A second GPU session on the same day overwrote the first one's gpu-check files: the stem
+    takes the first free -N suffix instead."""
+    base = tmp_path / "nvidia-h100-2026-11-26"
+    assert GT.free_stem(base) == str(base)
+    assert GT.free_stem(base, "-gpu-tests") == f"{base}-gpu-tests"
+    (tmp_path / "nvidia-h100-2026-11-26.json").write_text("{}")
+    (tmp_path / "nvidia-h100-2026-11-26-gpu-tests.json").write_text("{}")
+    assert GT.free_stem(base) == f"{base}-2"
+    assert GT.free_stem(base, "-gpu-tests") == f"{base}-2-gpu-tests"
+    (tmp_path / "nvidia-h100-2026-11-26-2.json").write_text("{}")
+    assert GT.free_stem(base) == f"{base}-3"

@@ -122,5 +122,5 @@ def test_static_mode_captures_in_a_cuda_graph():
 
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run([sys.executable, os.path.join(here, "_cuda_graph_case.py")], capture_output=True,
-                          text=True, timeout=300, cwd=here)
+                          text=True, timeout=180, cwd=here)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

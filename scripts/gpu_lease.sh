@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call for a short GPU lease (e.g. TRITONMOE_BENCH_COMMIT=<sha> bash scripts/gpu_lease.sh
+# from the tree's root; it ran in 428 s on an H100): the gpu-marked tests, the gpu-check core set, gpu-memory
+# and the grouped-GEMM variants, each capped so that the whole ends inside BUDGET_S; every result
+# file is packed into $OUT/results.tgz and the console into $OUT/session.log.
+set -u
+export PYTHONUNBUFFERED=1
+BUDGET_S=${BUDGET_S:-560}
+OUT=${OUT:-/tmp/gpu-lease-out}
+mkdir -p "$OUT"
+start=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - start) )); }
+day=$(date -u +%F)
+run() {  # run CAP CMD...: at most CAP seconds, never past the budget less 25 s for packing
+  local cap=$1; shift
+  local l; l=$(( $(left) - 25 ))
+  [ "$cap" -gt "$l" ] && cap=$l
+  if [ "$cap" -lt 20 ]; then echo "== skipped (no time left): $*"; return; fi
+  echo "== $(date -u +%T) [$cap s] $*"
+  timeout -k 10 "$cap" "$@"; echo "== rc=$? after $(( $(date +%s) - start )) s"
+}
+{
+  nvidia-smi -L; nproc
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  make setup
+  run ${TESTS_S:-235} .venv/bin/python -m bench gpu-tests --shards ${SHARDS:-8} \
+      --deadline-s $(( ${TESTS_S:-235} - 15 )) --results-dir bench/results
+  run ${CHECK_S:-170} .venv/bin/python -m bench check --skip-tests --budget-s $(( ${CHECK_S:-170} - 10 ))
+  run ${MEMORY_S:-80} .venv/bin/python -m bench.memory --single --json bench/results/gpu-memory-$day.json
+  run 200 .venv/bin/python -m bench gemm --json bench/results/gemm-variants-$day.json \
+      --markdown bench/results/gemm-variants-$day.md
+} 2>&1 | tee "$OUT/session.log"
+tar czf "$OUT/results.tgz" bench/results
+ls -la "$OUT"
