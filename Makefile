@@ -13,7 +13,7 @@ CHECK_ARGS ?=
 MEMORY_ARGS ?=
 GPU_TESTS_ARGS ?=
 
-.PHONY: setup bench test fuzz clean gpu-check gpu-profile gpu-memory gpu-tests gpu-extras
+.PHONY: setup bench test fuzz clean gpu-check gpu-profile gpu-memory gpu-tests gpu-extras gpu-lease
 
 $(VENV)/.tritonmoe-setup: pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -64,6 +64,11 @@ gpu-extras: setup
 	$(PY) -m bench gemm --json bench/results/gemm-variants-$$(date -u +%F).json \
 		--markdown bench/results/gemm-variants-$$(date -u +%F).md
 	$(PY) -m bench.memory --single --json bench/results/gpu-memory-$$(date -u +%F).json $(MEMORY_ARGS)
+
+# Everything above in one device call of a 15-minute lease (scripts/gpu_lease.sh: each step capped,
+# the whole under BUDGET_S = 560 s; results packed into $$OUT/results.tgz when OUT is set).
+gpu-lease:
+	bash scripts/gpu_lease.sh
 
 fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz TRITONMOE_FUZZ_FACTOR=$(FUZZ_FACTOR) TRITONMOE_FUZZ_BUDGET_S=$(FUZZ_BUDGET_S) \

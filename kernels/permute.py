@@ -195,7 +195,12 @@ def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, 
     Scatter programs read a chunk of one token's row once and store it to k rows: block_d is 4 KiB
     of the row (2048 bf16, 1024 fp32 columns), i.e. two 16-byte vectors per thread at 4 warps.
     Gather programs hold a [next_pow2(k), block_d] fp32 tile: block_d is capped so the tile is
-    at most 8K elements (32 per thread at 8 warps), e.g. 1024 columns for k = 8. Both split a row
+    at most 8K elements, e.g. 1024 columns for k = 8. Their warps lie along the columns only: one
+    warp covers 32 threads x 16 bytes = 512 bytes of a row, so at most block_d * elem_size / 512
+    warps; more would put slots of the same column in different warps, and the sum over slots
+    would go through shared memory with a barrier per chunk (the 8 warps this had for k = 8 bf16
+    did that: 10 barriers per program, and 0.42-0.52 of the copy roof for the Qwen3-like
+    unpermute on an H100 against 0.92-0.96 at Mixtral's k = 2). Both split a row
     over grid axis 1 only when there are too few tokens to fill the GPU (fewer than 4 programs per
     SM), and loop over the remaining chunks of the row otherwise.
     """
@@ -206,7 +211,7 @@ def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, 
     elif kind == "gather":
         block_k = next_power_of_2(max(top_k, 1))
         block_d = gather_block_d(top_k, d, elem_size)
-        num_warps = max(1, min(8, block_k * block_d // 1024))
+        num_warps = max(1, min(8, block_k * block_d // 1024, block_d * elem_size // 512))
     else:
         raise ValueError(f"rows_config kind={kind!r}; use 'scatter' or 'gather'")
     chunks = cdiv(max(d, 1), block_d)

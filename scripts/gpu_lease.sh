@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for a short GPU lease (e.g. TRITONMOE_BENCH_COMMIT=<sha> bash scripts/gpu_lease.sh
-# from the tree's root; it ran in 428 s on an H100): the gpu-marked tests, the gpu-check core set, gpu-memory
-# and the grouped-GEMM variants, each capped so that the whole ends inside BUDGET_S; every result
+# One device call for a short GPU lease (make gpu-lease, or TRITONMOE_BENCH_COMMIT=<sha> bash scripts/gpu_lease.sh
+# from the tree's root; it ran in 428 s on an H100): the gpu-marked tests, the gpu-check core set, gpu-memory,
+# the profiler's kernel times of the host-bound entries and the grouped-GEMM variants, each capped so that the whole ends inside BUDGET_S; every result
 # file is packed into $OUT/results.tgz and the console into $OUT/session.log.
 set -u
 export PYTHONUNBUFFERED=1
@@ -27,6 +27,8 @@ run() {  # run CAP CMD...: at most CAP seconds, never past the budget less 25 s 
       --deadline-s $(( ${TESTS_S:-235} - 15 )) --results-dir bench/results
   run ${CHECK_S:-170} .venv/bin/python -m bench check --skip-tests --budget-s $(( ${CHECK_S:-170} - 10 ))
   run ${MEMORY_S:-80} .venv/bin/python -m bench.memory --single --json bench/results/gpu-memory-$day.json
+  # device time per kernel of the host-bound entries (their wall time is mostly launches)
+  run 60 .venv/bin/python -m bench profile --sections route,permute,decode --impls triton --reps 5
   run 200 .venv/bin/python -m bench gemm --json bench/results/gemm-variants-$day.json \
       --markdown bench/results/gemm-variants-$day.md
 } 2>&1 | tee "$OUT/session.log"

@@ -184,6 +184,9 @@ class KernelFacts:
 
     TMA: tma_loads / tma_stores: TMA
     (``cp.async.bulk.tensor``) global -> shared / shared -> global instructions in the PTX.
+    barriers: CTA-wide barriers (``bar.sync`` / ``barrier.sync``) in the PTX; a reduction over an
+    axis that the layout spreads over several warps goes through shared memory between two of
+    them.
     mma_loop_stores (only with ``compile_kernel(..., loop_facts=True)``, else None): global
     stores (STG, UTMASTG) inside the innermost loop that issues the tensor-core MMAs; > 0 means
     the epilogue runs inside the pipelined loop (a persistent kernel whose tile and K loops
@@ -209,6 +212,7 @@ class KernelFacts:
     tma_loads: int = 0
     tma_stores: int = 0
     mma_loop_stores: Optional[int] = None
+    barriers: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -219,6 +223,7 @@ _SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRA = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _TMA_LOAD = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.shared::(?:cta|cluster)\.global\b")
 _TMA_STORE = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b")
+_BARRIER = re.compile(r"\b(?:bar|barrier)\.sync\b")
 _LOCAL_MEM = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 
 
@@ -412,5 +417,6 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
         compile_s=round(time.perf_counter() - t0, 2),
         tma_loads=len(_TMA_LOAD.findall(ptx)),
         tma_stores=len(_TMA_STORE.findall(ptx)),
+        barriers=len(_BARRIER.findall(ptx)),
         mma_loop_stores=_mma_loop_stores(_cuobjdump(kernel.asm["cubin"], "-sass")) if loop_facts else None,
     )

@@ -86,7 +86,8 @@ class Variant:
     through cp.async. main_loop_int_divs: exact number of integer division / remainder
     instructions allowed in the MMA loop (None: not checked). min_wgmma_wait_depth: the MMA loop's
     ``wgmma.wait_group`` depth must be at least this (None: not checked). min_pipeline_buffers:
-    the pipelined operand tiles need at least this many shared-memory buffers each.
+    the pipelined operand tiles need at least this many shared-memory buffers each. max_barriers:
+    at most this many CTA-wide barriers in the PTX (None: not checked).
     """
 
     name: str
@@ -100,6 +101,7 @@ class Variant:
     mma_sync: Optional[bool] = None
     async_loads: int = 0
     main_loop_int_divs: Optional[int] = None
+    max_barriers: Optional[int] = None
     min_wgmma_wait_depth: Optional[int] = None
     min_pipeline_buffers: int = 0
 
@@ -249,7 +251,11 @@ def permute_variants(dev: torch.device) -> list[Variant]:
                 out.append(Variant(f"gather_rows[{site},{dt},T{T}]", PK._gather_rows_kernel, dict(
                     src_ptr=P(dt), stride_sr=D, stride_sd=1, rows_ptr=P("i64"), w_ptr=P("fp32" if has_w else "i64"),
                     out_ptr=P(dt), T=T, K=k, D=D, num_src_rows=R, NSPLIT=cfg.nsplit, HAS_W=has_w, ACC=acc,
-                    BLOCK_K=triton.next_power_of_2(k), BLOCK_D=cfg.block_d), cfg.num_warps))
+                    BLOCK_K=triton.next_power_of_2(k), BLOCK_D=cfg.block_d), cfg.num_warps,
+                    # the k rows of a column chunk must sit in one thread: with k spread over warps
+                    # the sum over slots goes through shared memory and barriers (the Qwen3 k=8
+                    # unpermute ran at 0.42-0.52 of the copy roof on an H100 that way)
+                    max_barriers=0))
     return out
 
 
@@ -730,7 +736,7 @@ def test_compiles_for_sm90(compiled, name):
     assert rec["ok"], rec["error"]
     facts = {k: rec[k] for k in ("registers", "stack_bytes", "spills", "loop_spills", "shared", "wgmma", "mma_sync",
                                  "async_loads", "main_loop_int_divs", "wgmma_wait_depth", "pipeline_buffers",
-                                 "num_warps", "num_stages")}
+                                 "num_warps", "num_stages", "barriers")}
     assert rec["shared"] <= aot.SM90_MAX_SHARED, f"needs {rec['shared']} B of shared memory: {facts}"
     if v.spill_free_loops:
         assert rec["loop_spills"] == 0, f"spills registers inside its main loop: {facts}"
@@ -751,6 +757,10 @@ def test_compiles_for_sm90(compiled, name):
             f"the MMA loop waits with wgmma.wait_group {rec['wgmma_wait_depth']}, expected >= "
             f"{v.min_wgmma_wait_depth}: each step's tensor-core op must finish before the next is issued (an "
             f"operand modified in registers, e.g. a rescaled B tile, is copied to shared memory every step): {facts}")
+    if v.max_barriers is not None:
+        assert rec["barriers"] <= v.max_barriers, (
+            f"{rec['barriers']} CTA-wide barriers (expected <= {v.max_barriers}): a reduction over an axis the "
+            f"layout spreads over warps (fewer warps, or the axis kept in each thread, avoids it): {facts}")
     assert rec["pipeline_buffers"] >= v.min_pipeline_buffers, (
         f"the operand tiles have {rec['pipeline_buffers']} shared-memory buffers, expected >= "
         f"{v.min_pipeline_buffers} for num_stages={v.num_stages}: the loads are not pipelined that deep: {facts}")

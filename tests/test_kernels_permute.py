@@ -530,6 +530,12 @@ def test_config_policy():
                 assert c.block_d & (c.block_d - 1) == 0 and 1 <= c.num_warps <= 8 and c.nsplit >= 1
             assert s.block_d * es <= 4096 or s.block_d == 16
             assert 8 * g.block_d <= 8192
+            for k in (1, 2, 6, 8, 16):
+                gk = kp.rows_config("gather", 4096, k, d, es, torch.device("cpu"))
+                # warps only along the row: one warp spans 512 bytes of it (32 threads x 16 B), so
+                # more warps than block_d * es / 512 would split the slots of a column across warps
+                # (a shared-memory reduction per chunk; the AOT check counts its barriers)
+                assert gk.num_warps == 1 or gk.num_warps * 512 <= gk.block_d * es, (d, es, k, gk)
     assert kp.metadata_config(64, 8, torch.device("cpu")).fused
     with kp.config_override(metadata={"fused": False, "block_s": 8}):
         c = kp.metadata_config(64, 8, torch.device("cpu"))
