@@ -66,7 +66,8 @@ gpu-extras: setup
 	$(PY) -m bench.memory --single --json bench/results/gpu-memory-$$(date -u +%F).json $(MEMORY_ARGS)
 
 # Everything above in one device call of a 15-minute lease (scripts/gpu_lease.sh: each step capped,
-# the whole under BUDGET_S = 560 s; results packed into $$OUT/results.tgz when OUT is set).
+# the whole under BUDGET_S = 560 s; bench/results packed into $$OUT/results.tgz, OUT defaulting to
+# /tmp/gpu-lease-out).
 gpu-lease:
 	bash scripts/gpu_lease.sh
 

@@ -698,17 +698,21 @@ def _default_prefix(results_dir: str) -> str:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    return free_stem(Path(results_dir) / f"{slug}-{date}", "-gpu-tests")
+    # a stem whose gpu-check result (<stem>.json) exists belongs to an earlier run: never file
+    # these tests under it, so that the check run beside them gets the same stem
+    return free_stem(Path(results_dir) / f"{slug}-{date}", tails=("", "-gpu-tests")) + "-gpu-tests"
 
 
-def free_stem(base: Path, tail: str = "") -> str:
-    """``<base><tail>``, or ``<base>-2<tail>``, ``-3``, ... when a result of that name (``.json``)
-    is already there: a second run on the same day (another commit, a later session) must not
-    overwrite the first one's files."""
+def free_stem(base: Path, tails: tuple[str, ...] = ("",)) -> str:
+    """``<base>``, or ``<base>-2``, ``-3``, ... : the first where no ``<stem><tail>.json`` exists
+    for any of ``tails``, so that a second run on the same day (another commit, a later session)
+    does not overwrite the first one's files. ``bench check`` asks with ``("",)`` (a stem that
+    has only the tests' file is the one a ``make gpu-tests`` just before it wrote: its own
+    run); ``bench gpu-tests`` with ``("", "-gpu-tests")``."""
     n = 1
     while True:
-        stem = f"{base}{'' if n == 1 else f'-{n}'}{tail}"
-        if not Path(stem + ".json").exists():
+        stem = f"{base}{'' if n == 1 else f'-{n}'}"
+        if not any(Path(f"{stem}{t}.json").exists() for t in tails):
             return stem
         n += 1
 

@@ -11,6 +11,12 @@ mkdir -p "$OUT"
 start=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - start) )); }
 day=$(date -u +%F)
+free_name() {  # free bench/results/NAME-<day>[-N]: a second lease on the same day must not overwrite
+  local stem=bench/results/$1-$day n=2
+  while [ -e "$stem.json" ]; do stem=bench/results/$1-$day-$n; n=$((n + 1)); done
+  echo "$stem"
+}
+mem=$(free_name gpu-memory); gemm=$(free_name gemm-variants)
 run() {  # run CAP CMD...: at most CAP seconds, never past the budget less 25 s for packing
   local cap=$1; shift
   local l; l=$(( $(left) - 25 ))
@@ -26,11 +32,10 @@ run() {  # run CAP CMD...: at most CAP seconds, never past the budget less 25 s 
   run ${TESTS_S:-235} .venv/bin/python -m bench gpu-tests --shards ${SHARDS:-8} \
       --deadline-s $(( ${TESTS_S:-235} - 15 )) --results-dir bench/results
   run ${CHECK_S:-170} .venv/bin/python -m bench check --skip-tests --budget-s $(( ${CHECK_S:-170} - 10 ))
-  run ${MEMORY_S:-80} .venv/bin/python -m bench.memory --single --json bench/results/gpu-memory-$day.json
+  run ${MEMORY_S:-80} .venv/bin/python -m bench.memory --single --json $mem.json
   # device time per kernel of the host-bound entries (their wall time is mostly launches)
-  run 60 .venv/bin/python -m bench profile --sections route,permute,decode --impls triton --reps 5
-  run 200 .venv/bin/python -m bench gemm --json bench/results/gemm-variants-$day.json \
-      --markdown bench/results/gemm-variants-$day.md
+  run 60 .venv/bin/python -m bench profile --sections route,permute,decode --impls triton,triton-fused --reps 5
+  run 200 .venv/bin/python -m bench gemm --json $gemm.json --markdown $gemm.md
 } 2>&1 | tee "$OUT/session.log"
 tar czf "$OUT/results.tgz" bench/results
 ls -la "$OUT"

@@ -68,13 +68,15 @@ def main() -> None:
         # A live graph that captured NCCL kernels makes destroy_process_group wait forever (H100,
         # torch 2.11, NCCL 2.28: capture, replay and the check passed, then the teardown hung until
         # killed); release the graph first.
-        if graph is not None:
-            graph.reset()
-            torch.cuda.synchronize()
-        if created:
-            _stage("destroying the process group")
-            dist.destroy_process_group()
-            _stage("destroyed")
+        try:
+            if graph is not None:
+                graph.reset()
+                torch.cuda.synchronize()
+        finally:
+            if created:
+                _stage("destroying the process group")
+                dist.destroy_process_group()
+                _stage("destroyed")
 
 
 if __name__ == "__main__":

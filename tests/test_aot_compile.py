@@ -256,6 +256,13 @@ def permute_variants(dev: torch.device) -> list[Variant]:
                     # the sum over slots goes through shared memory and barriers (the Qwen3 k=8
                     # unpermute ran at 0.42-0.52 of the copy roof on an H100 that way)
                     max_barriers=0))
+    # k = 16 (bf16): the widest slot tile the gather holds in one thread's registers
+    k16, T = 16, 4096
+    cfg = kp.rows_config("gather", T, k16, D, 2, dev)
+    out.append(Variant("gather_rows[unpermute,bf16,T4096,k16]", PK._gather_rows_kernel, dict(
+        src_ptr=P("bf16"), stride_sr=D, stride_sd=1, rows_ptr=P("i64"), w_ptr=P("fp32"), out_ptr=P("bf16"), T=T,
+        K=k16, D=D, num_src_rows=T * k16, NSPLIT=cfg.nsplit, HAS_W=True, ACC=tl.float32, BLOCK_K=k16,
+        BLOCK_D=cfg.block_d), cfg.num_warps, max_barriers=0))
     return out
 
 

@@ -356,13 +356,19 @@ def test_sleep():
 
 def test_free_stem_never_overwrites_an_earlier_run(tmp_path):
     """A second GPU session on the same day overwrote the first one's gpu-check files: the stem
-    takes the first free -N suffix instead."""
+    takes the first free -N suffix instead, one stem per run for the check and its tests."""
     base = tmp_path / "nvidia-h100-2026-11-26"
-    assert GT.free_stem(base) == str(base)
-    assert GT.free_stem(base, "-gpu-tests") == f"{base}-gpu-tests"
+    both = ("", "-gpu-tests")
+    assert GT.free_stem(base) == GT.free_stem(base, both) == str(base)
+    # the first run had a check result but no tests file (its tests wrote a .log)
     (tmp_path / "nvidia-h100-2026-11-26.json").write_text("{}")
-    (tmp_path / "nvidia-h100-2026-11-26-gpu-tests.json").write_text("{}")
-    assert GT.free_stem(base) == f"{base}-2"
-    assert GT.free_stem(base, "-gpu-tests") == f"{base}-2-gpu-tests"
+    assert GT.free_stem(base) == GT.free_stem(base, both) == f"{base}-2"
+    # run 2: `make gpu-tests` then `make gpu-check --skip-tests`: the same stem for both
+    (tmp_path / "nvidia-h100-2026-11-26-2-gpu-tests.json").write_text("{}")
+    assert GT.free_stem(base) == f"{base}-2"  # the check joins its tests
+    assert GT.free_stem(base, both) == f"{base}-3"  # new tests never land under run 2's name
     (tmp_path / "nvidia-h100-2026-11-26-2.json").write_text("{}")
-    assert GT.free_stem(base) == f"{base}-3"
+    # run 3, tests first: gpu-tests and check agree again
+    assert GT.free_stem(base, both) == GT.free_stem(base) == f"{base}-3"
+    with_prefix = GT._default_prefix(str(tmp_path))
+    assert with_prefix.endswith("-gpu-tests") and not with_prefix.endswith("-2-gpu-tests")
