@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,6 +24,7 @@ from tritonmoe.plan import (
     fit_linear,
     simulate,
 )
+from tritonmoe.plan import cost_model as CM
 from tritonmoe.plan.cost_model import VERSION
 
 SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as the profiler measures
@@ -82,8 +85,27 @@ def _assert_monotone_and_continuous(fit):
     for (upper, a1, b1), (_u, a2, b2) in zip(fit.pieces, fit.pieces[1:]):
         left, right = a1 + b1 * upper, a2 + b2 * upper  # both pieces' lines at their knot
         assert right == pytest.approx(left, rel=1e-9, abs=1e-15), f"a jump at the knot {upper}"
-    startup, rest = fit.split(3e6)
-    assert startup == pytest.approx(fit(0.0)) and rest >= 0 and startup + rest == pytest.approx(fit(3e6))
+    lo = fit.x_range[0]
+    for x in (lo / 2, lo, 3e6):
+        startup, rest = fit.split(x)
+        # the startup is the time of the smallest measured size (all of t below it), never a
+        # steep first piece extrapolated to 0: that latency is not data to share
+        assert startup == pytest.approx(min(fit(x), fit(lo))) and rest >= 0
+        assert startup + rest == pytest.approx(fit(x))
+
+
+def test_nnls_solver_is_exact_and_rejects_singular_systems():
+    """The knots' least squares: support enumeration over the exact solves (a singular system,
+    e.g. more columns than samples, must not hand back a made-up solution)."""
+    assert CM._solve([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [1, 2, 3.1]) is None
+    assert CM._solve([[2, 1], [1, 3]], [3, 5]) == pytest.approx([0.8, 1.4])
+    xs, ts = [4096.0, 1048576.0], [1e-3, 2e-3]
+    bounds = [0.0, 10240.0, 16384.0, math.inf]
+    cols = [[1.0] * 2] + [[min(max(x - lo, 0.0), hi - lo) for x in xs] for lo, hi in zip(bounds, bounds[1:])]
+    c = CM._nnls(cols, ts)
+    assert all(v >= 0 for v in c)
+    for k, t in enumerate(ts):  # an exact fit exists, so the solver finds one
+        assert sum(v * col[k] for v, col in zip(c, cols)) == pytest.approx(t, rel=1e-9)
 
 
 def test_piecewise_fit_never_falls_with_size():
