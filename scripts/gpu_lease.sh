@@ -11,12 +11,10 @@ mkdir -p "$OUT"
 start=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - start) )); }
 day=$(date -u +%F)
-free_name() {  # free bench/results/NAME-<day>[-N]: a second lease on the same day must not overwrite
-  local stem=bench/results/$1-$day n=2
-  while [ -e "$stem.json" ]; do stem=bench/results/$1-$day-$n; n=$((n + 1)); done
-  echo "$stem"
+free_name() {  # bench/results/NAME-<day>[-N]: the harness's free_stem, so a later lease never overwrites
+  .venv/bin/python -c "import sys; from bench.gpu_tests import free_stem; print(free_stem(sys.argv[1]))" \
+      "bench/results/$1-$day"
 }
-mem=$(free_name gpu-memory); gemm=$(free_name gemm-variants)
 run() {  # run CAP CMD...: at most CAP seconds, never past the budget less 25 s for packing
   local cap=$1; shift
   local l; l=$(( $(left) - 25 ))
@@ -29,6 +27,7 @@ run() {  # run CAP CMD...: at most CAP seconds, never past the budget less 25 s 
   nvidia-smi -L; nproc
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   make setup
+  mem=$(free_name gpu-memory); gemm=$(free_name gemm-variants)
   run ${TESTS_S:-235} .venv/bin/python -m bench gpu-tests --shards ${SHARDS:-8} \
       --deadline-s $(( ${TESTS_S:-235} - 15 )) --results-dir bench/results
   run ${CHECK_S:-170} .venv/bin/python -m bench check --skip-tests --budget-s $(( ${CHECK_S:-170} - 10 ))

@@ -1076,18 +1076,16 @@ def _quality(r2, held) -> str:
 
 
 def _fit_line(f: LinearFit) -> str:
+    def piece(u: float, b: float, alpha: str = "") -> str:
+        upto = "" if math.isinf(u) else "<=" + _human(u) + ": "
+        return f"{upto}{alpha}1/beta {(1 / b / 1e9) if b > 0 else math.inf:.3f} GB/s"
+
     if f.continuous and len(f.pieces) > 1:
         # pieces that join: the startup once, then each piece's bandwidth up to its knot
         lo = f.x_range[0] if f.x_range else 0.0
-        ps = f"startup {f(lo) * 1e6:.1f} us (at {_human(lo)}), then " + "; ".join(
-            f"{'' if math.isinf(u) else '<=' + _human(u) + ': '}1/beta {(1 / b / 1e9) if b > 0 else math.inf:.3f} GB/s"
-            for u, _a, b in f.pieces
-        )
-        return ps + _quality(f.r2, f.heldout_rel_err)
-    ps = "; ".join(
-        f"{'' if math.isinf(u) else '<=' + _human(u) + ': '}alpha {a * 1e6:.1f} us, 1/beta {(1 / b / 1e9) if b > 0 else math.inf:.3f} GB/s"
-        for u, a, b in f.pieces
-    )
+        ps = f"startup {f(lo) * 1e6:.1f} us (at {_human(lo)}), then " + "; ".join(piece(u, b) for u, _a, b in f.pieces)
+    else:
+        ps = "; ".join(piece(u, b, f"alpha {a * 1e6:.1f} us, ") for u, a, b in f.pieces)
     return ps + _quality(f.r2, f.heldout_rel_err)
 
 
