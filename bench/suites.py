@@ -904,6 +904,7 @@ def describe_memory(ctx: Context) -> list[str]:
     d = memory.DEFAULTS
     return [f"P=2 T/rank={d['tokens']} d={d['d_model']} f={d['d_ffn']} E={d['num_experts']} k={d['top_k']} "
             f"{d['activation']}, n in {d['degrees']}, strategies {', '.join(d['strategies'])} "
+            f"(the reuse ones also with {', '.join(str(m) for m in d['mi_buffers'][1:])} MI buffers from n = 3: +mi2) "
             "[bench.memory.run_memory, float32, gloo on CPU processes]"]
 
 
@@ -927,7 +928,9 @@ def run_memory_suite(ctx: Context, progress=None) -> list[dict]:
         params = {k: d[k] for k in ("world_size", "tokens", "d_model", "d_ffn", "num_experts", "top_k", "activation",
                                     "dtype")}
         params["pipeline_degree"] = d["n"]
-        row = new_row(suite="memory", case=f"P={d['world_size']} n={d['n']}", mode="fwd+bwd", impl=d["strategy"],
+        params["memory_mi_buffers"] = d["mi_buffers"]
+        impl = d["strategy"] if d["mi_buffers"] == 1 else f"{d['strategy']}+mi{d['mi_buffers']}"
+        row = new_row(suite="memory", case=f"P={d['world_size']} n={d['n']}", mode="fwd+bwd", impl=impl,
                       params=params)
         fill_timing(row, d["step_s"], Work(), None)
         row["extra"] = {k: d.get(k) for k in ("saved_bytes", "model_bytes", "host_bytes", "model_host_bytes",

@@ -12,9 +12,11 @@ the expert block of every micro-op i keeps two activations for backward:
 With strategy ``"keep"`` every micro-op keeps its own DI and MI (n separate allocations: the
 paper's PMoE baseline). Every other strategy **reuses memory** as paper 004 §III-C does: the DI
 of micro-op i lives in one of two shared device buffers (T_DI double-buffered: i overwrites
-i-2's), the MI in one shared buffer (T_M single-buffered: i overwrites i-1's), each sized to the
-largest micro-op of the pass. What an overwritten micro-op lacks in backward is **restored**
-(004 Table II):
+i-2's), the MI in one shared buffer (T_M single-buffered: i overwrites i-1's; the paper's layout,
+the default) or in two (``mi_buffers=2``: i overwrites i-2's, so a micro-op's MI host copy can
+run beside the next micro-op's compute, in forward and in backward, for one more MI buffer of
+device memory), each sized to the largest micro-op of the pass. What an overwritten micro-op
+lacks in backward is **restored** (004 Table II):
 
 ================== =================== =====================
 strategy           DI restored by      MI restored by
@@ -28,10 +30,11 @@ strategy           DI restored by      MI restored by
 Host copies run on the executor's copy lane (a CUDA stream into pinned memory; a worker thread
 on CPU) while the pipeline computes: forward copies start as soon as a micro-op's expert compute
 has produced them and are waited for only before their buffer is overwritten (DI by micro-op
-i+2, MI by i+1). In backward, DI restores are issued together with micro-op i's first exchange,
-one micro-op ahead (before micro-op i-1's compute, into the buffer micro-op i-2 has finished
-with); the MI restore of micro-op i is issued as early as the single buffer allows: right after
-micro-op i-1's backward compute, the buffer's previous reader, is issued (micro-op 0's with its
+i+2, MI by i+1, or by i+2 with two MI buffers). In backward, DI restores are issued together
+with micro-op i's first exchange, one micro-op ahead (before micro-op i-1's compute, into the
+buffer micro-op i-2 has finished with); the MI restore of micro-op i is issued as early as its
+buffer allows: right after the backward compute of the buffer's previous reader (micro-op i-1
+with one MI buffer, i-2 with two) is issued (the first ``mi_buffers`` micro-ops' with their
 first exchange), and micro-op i's compute waits for it. A re-dispatch re-permutes the
 layer's input (which the router keeps for its own backward anyway) and re-runs micro-op i's
 dispatch all-to-all with the forward's splits, so the rows come back in the same order; a
@@ -56,6 +59,7 @@ saved A is not kept); they agree with the unmanaged layer to rounding.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -75,7 +79,9 @@ __all__ = [
     "RESTORE",
     "DI_SLOTS",
     "MI_SLOTS",
+    "MI_BUFFER_CHOICES",
     "restore_schedule",
+    "check_mi_buffers",
     "MemoryLayout",
     "memory_layout",
     "ExpertFFN",
@@ -94,9 +100,12 @@ RESTORE = {
 }
 #: Shared device buffers under memory reuse (paper 004 §III-C): DI is double-buffered (the next
 #: micro-op's rows arrive, or are restored, while one computes: micro-op i reuses i-2's), MI
-#: single (the micro-ops' expert computes run one after another: i reuses i-1's).
+#: single by default (the micro-ops' expert computes run one after another: i reuses i-1's).
 DI_SLOTS = 2
 MI_SLOTS = 1
+#: Allowed MI buffer counts (``MoEConfig.memory_mi_buffers``): 1, the paper's T_M, or 2, double
+#: buffered like DI (a micro-op's MI copy overlaps the next micro-op's compute).
+MI_BUFFER_CHOICES = (1, 2)
 
 
 def restore_schedule(n: int, slots: int) -> tuple[int, ...]:
@@ -161,16 +170,28 @@ class MemoryLayout:
         return self.mi_restore if self.mi_method == "recompute" else ()
 
 
-def memory_layout(strategy: str, n: int) -> MemoryLayout:
-    """The :class:`MemoryLayout` of ``strategy`` for n micro-ops."""
+def check_mi_buffers(mi_buffers: Any) -> int:
+    """``mi_buffers`` as an int in :data:`MI_BUFFER_CHOICES`, or a TypeError / ValueError naming it."""
+    if isinstance(mi_buffers, bool) or not isinstance(mi_buffers, numbers.Integral):
+        raise TypeError(f"memory_mi_buffers must be an int (1 or 2), got {type(mi_buffers).__name__} {mi_buffers!r}")
+    if mi_buffers not in MI_BUFFER_CHOICES:
+        raise ValueError(f"memory_mi_buffers={mi_buffers}: use 1 (the paper's single T_M buffer: least memory) or 2 "
+                         "(double-buffered: MI host copies overlap the next micro-op's compute)")
+    return int(mi_buffers)
+
+
+def memory_layout(strategy: str, n: int, mi_buffers: int = MI_SLOTS) -> MemoryLayout:
+    """The :class:`MemoryLayout` of ``strategy`` for n micro-ops with ``mi_buffers`` shared MI
+    buffers (ignored by "keep")."""
     if strategy not in RESTORE:
         raise ValueError(f"memory_strategy={strategy!r}: use one of {', '.join(STRATEGIES)} (or 'auto')")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
+    mi_buffers = check_mi_buffers(mi_buffers)
     di_m, mi_m = RESTORE[strategy]
     if strategy == "keep":
         return MemoryLayout(strategy, n, n, n, (), (), None, None)
-    kd, km = min(n, DI_SLOTS), min(n, MI_SLOTS)
+    kd, km = min(n, DI_SLOTS), min(n, mi_buffers)
     return MemoryLayout(strategy, n, kd, km, restore_schedule(n, kd), restore_schedule(n, km), di_m, mi_m)
 
 
@@ -414,7 +435,8 @@ class _Memory:
     def prefetch(self, i: int) -> list:
         """Issued with micro-op i's first backward exchange (before micro-op i-1's compute): the
         restore of its DI into buffer i % 2, which micro-op i-2 has finished with, and of its MI
-        when no earlier micro-op reads its buffer in backward (micro-op 0: the buffer is free)."""
+        when no earlier micro-op reads its buffer in backward (i < ``mi_buffers``: the buffer is
+        free)."""
         lay, R = self.layout, self.rows[i]
         works = []
         if i in lay.di_restore:
@@ -435,7 +457,7 @@ class _Memory:
         return works
 
     def _restore_mi(self, i: int, after: tuple) -> list:
-        """The host copy of micro-op i's MI back into its (single) buffer, after ``after``."""
+        """The host copy of micro-op i's MI back into its buffer, after ``after``."""
         lay = self.layout
         if i >= lay.n or i not in lay.mi_restore or lay.mi_method != "offload":
             return []
@@ -445,9 +467,10 @@ class _Memory:
                              kind="restore", micro_op=i, after=after)]
 
     def post_compute(self, i: int, y) -> None:
-        """Right after micro-op i's backward compute is issued: it was the last reader of the MI
-        buffer, so the restore of micro-op i+1's MI starts now (on the copy lane, after that
-        compute); micro-op i+1's compute waits for it (:meth:`pre_compute`)."""
+        """Right after micro-op i's backward compute is issued: it was the last reader of its MI
+        buffer, so the restore of the buffer's next occupant (micro-op i+1, or i+2 with two MI
+        buffers) starts now (on the copy lane, after that compute); that micro-op's compute waits
+        for it (:meth:`pre_compute`)."""
         j = i + self.layout.mi_slots
         works = self._restore_mi(j, (y,))
         if works:
@@ -495,6 +518,7 @@ class _State:
     timeline: Optional[Timeline]
     trace: Optional[list]
     scheduler: Any = None
+    mi_buffers: int = MI_SLOTS
     mem: Optional[_Memory] = None
     graphs: list = field(default_factory=list)
     out_width: list = field(default_factory=list)
@@ -523,7 +547,7 @@ class _MemoryPipelinedExperts(torch.autograd.Function):
         w = _weights(dparams, *has_b)
         want = [p for p in dparams if p.requires_grad]
         x0 = sends[0]
-        mem = _Memory(memory_layout(state.strategy, n), state.ffn, plan, state.group, x0.shape[1], state.n1,
+        mem = _Memory(memory_layout(state.strategy, n, state.mi_buffers), state.ffn, plan, state.group, x0.shape[1], state.n1,
                       x0.dtype, x0.device)
         mem.params = w
         mem.wgrads = WeightGradStore(want, n) if want else None
@@ -622,6 +646,7 @@ def run_memory_pipelined(
     trace: Optional[list] = None,
     scheduler: Any = None,
     stats: Optional[dict] = None,
+    mi_buffers: int = MI_SLOTS,
 ) -> list[torch.Tensor]:
     """:func:`tritonmoe.comm.run_pipelined` with the expert FFN's activations managed by
     ``strategy`` (see the module docstring); differentiable.
@@ -634,6 +659,7 @@ def run_memory_pipelined(
         n1: the first GEMM's width (MI's width).
         stats: a dict that receives the pass's :class:`MemoryLayout`, received rows per micro-op
             and the bytes copied to the host.
+        mi_buffers: shared MI buffers under a reuse strategy (1: the paper's; 2: double-buffered).
 
     Returns: N buffers, micro-op i's expert outputs back on this rank in the order of ``sends[i]``.
     """
@@ -642,7 +668,8 @@ def run_memory_pipelined(
         raise ValueError(f"memory strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if len(sends) != n:
         raise ValueError(f"got {len(sends)} send buffers for a plan of {n} micro-ops")
-    state = _State(group, plan, ffn, strategy, int(n1), timeline, trace, scheduler, stats=stats)
+    mi_buffers = check_mi_buffers(mi_buffers)
+    state = _State(group, plan, ffn, strategy, int(n1), timeline, trace, scheduler, stats=stats, mi_buffers=mi_buffers)
     tensors = (*sends, *params)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return list(_MemoryPipelinedExperts.apply(state, (has_b1, has_b2), *tensors))

@@ -31,7 +31,7 @@ run() {  # run CAP CMD...: at most CAP seconds, never past the budget less 25 s 
   run ${TESTS_S:-235} .venv/bin/python -m bench gpu-tests --shards ${SHARDS:-8} \
       --deadline-s $(( ${TESTS_S:-235} - 15 )) --results-dir bench/results
   run ${CHECK_S:-170} .venv/bin/python -m bench check --skip-tests --budget-s $(( ${CHECK_S:-170} - 10 ))
-  run ${MEMORY_S:-80} .venv/bin/python -m bench.memory --single --json $mem.json
+  run ${MEMORY_S:-110} .venv/bin/python -m bench.memory --single --json $mem.json
   # device time per kernel of the host-bound entries (their wall time is mostly launches)
   run 60 .venv/bin/python -m bench profile --sections route,permute,decode --impls triton,triton-fused --reps 5
   run 200 .venv/bin/python -m bench gemm --json $gemm.json --markdown $gemm.md

@@ -23,6 +23,9 @@ from tritonmoe.plan.memory import MemoryBudgetError, expert_block_bytes
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 6, 8
 STRATEGIES = ("keep", "offload", "recomm", "recompute", "recomm_recompute")
+#: (strategy, MI buffers): every strategy with the paper's single MI buffer, and every reuse
+#: strategy with MI double-buffered (MoEConfig.memory_mi_buffers=2)
+CONFIGS = tuple((s, 1) for s in STRATEGIES) + tuple((s, 2) for s in STRATEGIES if s != "keep")
 DEGREES = (1, 2, 3, 4)
 TOKENS = {2: [(7, 12), (0, 9), (5, 5)], 4: [(9, 0, 13, 5), (3, 8, 1, 11)]}
 
@@ -140,9 +143,9 @@ def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]
     want = step(ref)
     for n in DEGREES:
         rows = received_rows(ref, xs, rank, P, n)
-        for s in STRATEGIES:
-            label = f"P={P} case {ci} ({c.why}) n={n} {s}"
-            layer = tm.MoELayer(_config(c, n, s), ep_group=dist.group.WORLD, dtype=dt)
+        for s, mi in CONFIGS:
+            label = f"P={P} case {ci} ({c.why}) n={n} {s} mi_buffers={mi}"
+            layer = tm.MoELayer(_config(c, n, s, memory_mi_buffers=mi), ep_group=dist.group.WORLD, dtype=dt)
             layer.load_state_dict(ref.state_dict())
             ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
             layer.expert_path.trace = []
@@ -150,7 +153,7 @@ def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]
                 got = step(layer)
             # operation accounting from the schedule's trace: re-dispatch all-to-alls and host
             # copies per pass, as the restore schedule says
-            lay = memory_mod.memory_layout(s, n)
+            lay = memory_mod.memory_layout(s, n, mi)
             kinds = [(e.op, e.kind, e.phase) for e in layer.expert_path.trace]
             counts = {"recomm": kinds.count(("all_to_all", "recomm", "bwd")),
                       "offload": kinds.count(("copy", "offload", "fwd")),
@@ -162,8 +165,11 @@ def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]
                 failures.append(f"{label}: trace {counts}, expected {want_counts}")
             # where each restore of micro-op i is issued: DI's (host copy or re-dispatch) one
             # micro-op ahead, before micro-op i-1's backward expert compute (double buffer); MI's
-            # host copy after micro-op i-1's compute (the single buffer's previous reader) and
-            # before micro-op i's (micro-op 0's: before its compute)
+            # host copy, with one MI buffer, after micro-op i-1's compute (the buffer's previous
+            # reader) and before micro-op i's (micro-op 0's: before its compute); with two, one
+            # micro-op ahead like DI, after micro-op i-2's compute (micro-op 1's with its
+            # first exchange). Every restore of micro-op i >= 2 comes after micro-op i-2's compute
+            # (its buffers' previous reader).
             bwd = [e for e in layer.expert_path.trace if e.phase == "bwd"]
             compute_at = {e.micro_op: j for j, e in enumerate(bwd) if e.op == "compute" and e.kind == "expert"}
             for i in range(n):
@@ -174,9 +180,15 @@ def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]
                         and lo < j < compute_at[i]]
                 after = [j for j, e in enumerate(bwd) if e.kind in ("restore", "recomm") and e.micro_op == i
                          and j > compute_at[i]]
-                di = int(i in lay.di_restore)
-                mi = int(i in lay.mi_offloaded)
-                where = (0, di + mi, 0) if i == 0 else (di, mi, 0)
+                n_di = int(i in lay.di_restore)
+                n_mi = int(i in lay.mi_offloaded)
+                if i == 0:
+                    where = (0, n_di + n_mi, 0)
+                else:
+                    where = (n_di, n_mi, 0) if mi == 1 else (n_di + n_mi, 0, 0)
+                if i >= 2 and any(e.kind in ("restore", "recomm") and e.micro_op == i
+                                  for e in bwd[:compute_at[i - 2]]):
+                    failures.append(f"{label}: a restore of micro-op {i} issued before micro-op {i - 2}'s compute")
                 if (len(early), len(late), len(after)) != where:
                     failures.append(f"{label}: restores of micro-op {i} issued (before {i - 1}'s compute, "
                                     f"between, after {i}'s) = {(len(early), len(late), len(after))}, want {where}")
@@ -187,8 +199,16 @@ def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]
             if layer.memory_strategy_used != s:
                 failures.append(f"{label}: memory_strategy_used={layer.memory_strategy_used}")
             measured = sum(sb.calls[0].values()) if len(sb.calls) == 1 else None
-            model = expert_block_bytes(rows, D_MODEL, layer.config.n1, s, 8)["device"]
-            acct.append({"P": P, "case": ci, "n": n, "strategy": s, "rank": rank, "measured": measured,
+            # the model from the rows this file derived, with the buffer counts of the issue
+            # and the paper: DI in min(n, 2) buffers, MI in min(n, mi), each of the largest
+            # micro-op; "keep": every micro-op's own
+            if s == "keep":
+                model = sum(rows) * (D_MODEL + layer.config.n1) * 8
+            else:
+                model = (min(n, 2) * D_MODEL + min(n, mi) * layer.config.n1) * max(rows) * 8
+            if model != expert_block_bytes(rows, D_MODEL, layer.config.n1, s, 8, mi)["device"]:
+                failures.append(f"{label}: expert_block_bytes disagrees with the buffer count {model} B")
+            acct.append({"P": P, "case": ci, "n": n, "strategy": s, "mi": mi, "rank": rank, "measured": measured,
                          "model": model, "rows": rows})
             if measured != model:
                 failures.append(f"{label}: saved {measured} B, model {model} B (rows {rows})")
@@ -352,6 +372,73 @@ def missing_cost_model(rank: int, P: int) -> str:
     return "no error"
 
 
+class SlowCopies:
+    """Delays every job of the CPU copy lane (``comm.executor._submit_copy``) before it reads its
+    source, so that a buffer overwritten before its host copy has run (a missing or wrong wait)
+    shows up as a wrong gradient instead of depending on thread timing. ``calls`` counts them."""
+
+    def __init__(self, delay_s: float = 0.02) -> None:
+        from tritonmoe.comm import executor
+
+        self.mod, self.delay, self.calls = executor, delay_s, 0
+
+    def __enter__(self):
+        import time
+
+        self.orig = self.mod._submit_copy
+
+        def submit(fn, *args):
+            def slow(*a):
+                time.sleep(self.delay)
+                return fn(*a)
+
+            self.calls += 1
+            return self.orig(slow, *args)
+
+        self.mod._submit_copy = submit
+        return self
+
+    def __exit__(self, *exc):
+        self.mod._submit_copy = self.orig
+
+
+def slow_copy_case(rank: int, P: int) -> list[str]:
+    """The host-copying strategies with every copy-lane job delayed (:class:`SlowCopies`), one and
+    two MI buffers, n = 3 and 4: still bitwise equal to the unmanaged layer in fp64, so no buffer
+    is overwritten before its host copy has read it (forward) and no compute reads a buffer
+    before its restore has landed (backward), whatever the copy thread's timing."""
+    failures = []
+    c = CASES[P][0]
+    tokens = TOKENS[P][c.pattern]
+    dt = torch.float64
+    torch.manual_seed(31)
+    ref = tm.MoELayer(_config(c, 1, None), ep_group=dist.group.WORLD, dtype=dt)
+    gen = torch.Generator().manual_seed(32)
+    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+
+    def step(layer):
+        x = xs[rank].clone().requires_grad_()
+        out = layer(x)
+        (out * out).sum().backward()
+        return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+    want = step(ref)
+    for n in (3, 4):
+        for s in ("offload", "recomm", "recompute"):
+            for mi in (1, 2):
+                layer = tm.MoELayer(_config(c, n, s, memory_mi_buffers=mi), ep_group=dist.group.WORLD, dtype=dt)
+                layer.load_state_dict(ref.state_dict())
+                with SlowCopies() as sc:
+                    got = step(layer)
+                if sc.calls == 0:
+                    failures.append(f"slow copies n={n} {s} mi={mi}: no copy went through the copy lane")
+                for j, (a, b) in enumerate(zip(got, want)):
+                    if a is None or b is None or not torch.equal(a, b):
+                        failures.append(f"slow copies n={n} {s} mi_buffers={mi}: tensor {j} differs from the "
+                                        "unmanaged layer")
+    return failures
+
+
 def table(rank: int, P: int) -> dict:
     failures, acct = [], []
     for ci, c in enumerate(CASES[P]):
@@ -363,6 +450,7 @@ def table(rank: int, P: int) -> dict:
     extra["missing_cost_model"] = missing
     failures += extra.pop("failures")
     if P == 2:
+        failures += slow_copy_case(rank, P)
         failures += triton_case(rank, P)
         srch = search_run(rank, P)
         failures += srch.pop("failures")

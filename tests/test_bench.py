@@ -595,12 +595,35 @@ def test_single_device_memory_check_runs_and_accounts(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
-    assert {(r["n"], r["strategy"]) for r in rows} == {(n, s) for n in (2, 4) for s in
-                                                       ("keep", "offload", "recomm", "recompute", "recomm_recompute")}
+    strategies = ("keep", "offload", "recomm", "recompute", "recomm_recompute")
+    want = {("gpt-xl", n, s, 1) for n in (2, 4) for s in strategies}
+    want |= {("gpt-xl", 4, s, 2) for s in strategies[1:]}  # two MI buffers from n = 3 on
+    want |= {("overlap", 4, "keep", 1), ("overlap", 4, "offload", 1), ("overlap", 4, "offload", 2)}
+    assert {(r["shape"], r["n"], r["strategy"], r["mi_buffers"]) for r in rows} == want
     for r in rows:
         assert r["saved_bytes"] == r["model_bytes"] > 0, r
         assert r["held_bytes"] is None and r["peak_bytes"] is None  # no device allocator on CPU
+        assert r["sim"] is None  # the H100 prediction is attached on CUDA only
+        keep = next(k for k in rows if (k["shape"], k["n"], k["strategy"]) == (r["shape"], r["n"], "keep"))
         if r["strategy"] != "keep":
-            keep = next(k for k in rows if k["n"] == r["n"] and k["strategy"] == "keep")
             assert r["saved_bytes"] < keep["saved_bytes"]
+        if r["mi_buffers"] == 2:  # one more MI buffer kept than with one
+            one = next(k for k in rows if (k["shape"], k["n"], k["strategy"], k["mi_buffers"])
+                       == (r["shape"], r["n"], r["strategy"], 1))
+            assert r["saved_bytes"] > one["saved_bytes"] and r["host_bytes"] == one["host_bytes"], (r, one)
         assert r["host_bytes"] == r["model_host_bytes"], r  # what went to the host: the layout's offloads
+
+
+def test_single_device_check_predictions():
+    """The simulator's predictions the single-device check prints on CUDA (dgx-h100 preset): at
+    the GPT-XL-like shape the offload copies outlast the compute (so the issue's "80% hidden"
+    condition, a copy shorter than the compute, does not hold there), at the overlap shape they
+    do not; a second MI buffer puts more of the copies beside compute at both."""
+    from bench import memory as bm
+
+    xl = bm.predict_single(bm.SINGLE_GPU, 4, "offload", 1)
+    wide = [bm.predict_single(bm.SINGLE_GPU_OVERLAP, 8, "offload", mi) for mi in (1, 2)]
+    assert xl["copy_s"] > xl["compute_s"] > 0
+    assert all(0 < w["copy_s"] < w["compute_s"] for w in wide)
+    assert wide[1]["hidden_frac"] > wide[0]["hidden_frac"] and wide[1]["step_s"] < wide[0]["step_s"]
+    assert bm.predict_single(bm.SINGLE_GPU, 4, "keep", 1)["hidden_frac"] is None  # no copies

@@ -37,18 +37,21 @@ def test_strategies_bitwise_equal_and_saved_bytes_match_the_model(world_size):
     assert not failures, "\n".join(failures[:30])
     acct = [a for v in vals for a in v["accounting"]]
     # every (case, n, strategy) on every rank was measured, and reuse saved memory where it can
-    assert len(acct) == world_size * len(_memory_cases.CASES[world_size]) * 4 * 5
+    assert len(acct) == world_size * len(_memory_cases.CASES[world_size]) * 4 * len(_memory_cases.CONFIGS)
     for a in acct:
         assert a["measured"] == a["model"], a  # saved_tensors_hooks bytes: exactly the model's
     # reuse keeps the largest micro-op's rows in 2 DI buffers + 1 MI buffer: less than "keep" for
     # balanced micro-ops at n >= 2 (at n = 2 the MI half), possibly more for very unbalanced ones
-    # (the model says which)
-    by = {(a["case"], a["n"], a["strategy"], a["rank"]): a for a in acct}
-    for (ci, n, s, r), a in by.items():
+    # (the model says which); a second MI buffer saves less from n = 3 on, nothing at n = 2
+    by = {(a["case"], a["n"], a["strategy"], a["mi"], a["rank"]): a for a in acct}
+    for (ci, n, s, mi, r), a in by.items():
         rows = a["rows"]
-        if s != "keep" and n >= 2 and min(rows) > 0 and max(rows) <= 1.2 * min(rows):
-            assert a["measured"] < by[(ci, n, "keep", r)]["measured"], a
-    assert any(a["measured"] < by[(a["case"], a["n"], "keep", a["rank"])]["measured"] for a in acct)
+        keep = by[(ci, n, "keep", 1, r)]["measured"]
+        if s != "keep" and n >= 2 and min(rows) > 0 and max(rows) <= 1.2 * min(rows) and (mi == 1 or n >= 3):
+            assert a["measured"] < keep, a
+        if mi == 2 and n >= 3 and max(rows) > 0:
+            assert by[(ci, n, s, 1, r)]["measured"] < a["measured"], a
+    assert any(a["measured"] < by[(a["case"], a["n"], "keep", 1, a["rank"])]["measured"] for a in acct)
     if world_size == 2:
         # a cost model missing on rank 1 only: a ValueError on every rank at construction
         msgs = [v["auto"]["missing_cost_model"] for v in vals]
@@ -100,6 +103,13 @@ def test_expert_block_bytes(rows, d, n1):
         lay = memory_layout(s, n)
         host = 4 * (sum(rows[i] for i in lay.di_offloaded) * d + sum(rows[i] for i in lay.mi_offloaded) * n1)
         assert b["host"] == host
+        # two MI buffers: MI double-buffered too; the same micro-ops' DI are restored, MI only
+        # those a second buffer does not keep (none at n = 2), so at most the same host bytes
+        b2 = expert_block_bytes(rows, d, n1, s, 4, 2)
+        assert b2["device"] == 4 * max(rows) * min(n, 2) * (d + n1)
+        lay2 = memory_layout(s, n, 2)
+        assert lay2.di_restore == lay.di_restore and lay2.mi_restore == restore_schedule(n, 2)
+        assert b2["host"] <= b["host"]
     assert expert_block_bytes(rows, d, n1, "recomm_recompute", 4)["host"] == 0
 
 
@@ -190,6 +200,10 @@ def test_budget_below_every_candidate_is_a_value_error():
     (dict(world_size=None), ValueError, "world_size=None"),
     (dict(time_fn=lambda n, s: float("nan") if n == 1 else 1.0), ValueError, r"time_fn\(1, 'keep'\) returned nan"),
     (dict(time_fn=lambda n, s: -1.0), ValueError, "returned -1.0"),
+    (dict(mi_buffers=(1, 2)), ValueError, "cannot tell MI buffer counts apart"),
+    (dict(mi_buffers="2"), TypeError, "mi_buffers must be an int or a sequence"),
+    (dict(mi_buffers=(1, 3)), ValueError, "memory_mi_buffers=3"),
+    (dict(mi_buffers=()), ValueError, "mi_buffers is empty"),
 ])
 def test_choose_memory_bad_arguments_are_typed_errors(kw, exc, match):
     cfg = tm.MoEConfig(64, 128, 8, 2)
@@ -233,6 +247,14 @@ def test_config_validation():
         tm.MoEConfig(8, 8, 4, 1, memory_strategy="keep", ep_capacity=4)
     with pytest.raises(ValueError, match="needs ep_group"):
         tm.MoELayer(tm.MoEConfig(8, 8, 4, 1, memory_strategy="recompute"))
+    assert tm.MoEConfig(8, 8, 4, 1, memory_strategy="auto", memory_mi_buffers=2).memory_mi_buffers == 2
+    with pytest.raises(ValueError, match=r"memory_mi_buffers=3: use 1 \(the paper's single T_M buffer"):
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy="offload", memory_mi_buffers=3)
+    with pytest.raises(TypeError, match="memory_mi_buffers must be an int"):
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy="offload", memory_mi_buffers="2")
+    for s in (None, "keep"):
+        with pytest.raises(ValueError, match=f"memory_strategy={s!r} shares none"):
+            tm.MoEConfig(8, 8, 4, 1, memory_strategy=s, memory_mi_buffers=2)
 
 
 @pytest.mark.skipif(pinned_memory_available(), reason="pinned memory is available here")
@@ -250,6 +272,10 @@ def test_memory_layout_rejects_bad_input():
         memory_layout("x", 2)
     with pytest.raises(ValueError, match="n must be a positive int"):
         memory_layout("keep", 0)
+    with pytest.raises(ValueError, match="memory_mi_buffers=0"):
+        memory_layout("offload", 4, 0)
+    with pytest.raises(TypeError, match="memory_mi_buffers must be an int"):
+        memory_layout("offload", 4, True)
     with pytest.raises(ValueError, match="B must be a non-negative int"):
         paper_memory(8, 8, 1, -1, 2)
     assert math.isclose(paper_memory(768, 3072, 64, 1 << 30, 8)["phi"], (6 * 8 - 8) / 64, rel_tol=1e-3)
@@ -322,3 +348,70 @@ def test_planner_cli_memory_budget(capsys, tmp_path):
         main(args + ["--memory-strategies", "swap"])
     with pytest.raises(SystemExit):
         main(args + ["--memory-budget", "lots"])
+
+
+# -- two MI buffers: what the simulator predicts ---------------------------------------------------
+
+
+def _sim_mi(strategy: str, n: int, mi: int, cluster: str = "dgx-h100") -> "tuple[float, float]":
+    """(step time, copy seconds beside compute / copy seconds) simulated for a GPT-XL-like layer."""
+    from tritonmoe.comm.timeline import _intersection_length, _union
+    from tritonmoe.plan import Cluster, simulate
+
+    cfg = tm.MoEConfig(2048, 8192, 32, 2, activation="gelu", pipeline_degree=n, memory_strategy=strategy,
+                       memory_mi_buffers=mi)
+    tl = simulate(cfg, 8192, Cluster.preset(cluster, nodes=1),
+                  candidate={"schedule": "ep-pipeline", "pipeline_degree": n, "memory_strategy": strategy},
+                  dtype="bfloat16")
+    spans = [sp for sp in tl.spans() if sp.rank == 0] if hasattr(tl.spans()[0], "rank") else tl.spans()
+    cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
+    comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
+    total = sum(b - a for a, b in cp)
+    return tl.step_time(), (_intersection_length(cp, comp) / total if total else 0.0)
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_two_mi_buffers_overlap_the_mi_copies_in_the_simulator(n):
+    """With one MI buffer a micro-op's MI copy serializes with its neighbour's compute (in
+    forward the buffer store waits for the previous copy; in backward a restore starts only after
+    the previous micro-op's compute); with two it runs beside the next micro-op's compute: the
+    host-copying strategies get faster and more of their copy time runs beside compute; the
+    recomputing ones (no MI copies) are unchanged unless the second buffer spares a recompute."""
+    for s in ("offload", "recomm"):
+        t1, h1 = _sim_mi(s, n, 1)
+        t2, h2 = _sim_mi(s, n, 2)
+        assert t2 < t1 and h2 > h1, (s, n, t1, t2, h1, h2)
+    for s in ("recompute", "recomm_recompute"):
+        t1, t2 = _sim_mi(s, n, 1)[0], _sim_mi(s, n, 2)[0]
+        if memory_layout(s, n, 1).mi_restore == memory_layout(s, n, 2).mi_restore:
+            assert t1 == t2, (s, n)  # the same recomputes, no MI copy to overlap
+        else:
+            assert t2 < t1, (s, n)  # n = 3: the second buffer keeps micro-op 1's MI, one recompute fewer
+
+
+def test_choose_memory_compares_mi_buffer_counts():
+    """mi_buffers=(1, 2): every reuse strategy is a candidate per count ("keep" once); a budget
+    between the two counts' needs picks one MI buffer; without a budget the faster wins."""
+    from tritonmoe.plan import Cluster
+
+    cfg = tm.MoEConfig(2048, 8192, 32, 2, activation="gelu", pipeline_degree=4, memory_strategy="auto")
+    cl = Cluster.preset("dgx-h100", nodes=1)
+    strategies = ("keep", "offload", "recomm")
+    plan = choose_memory(cfg, 8192, cl, degrees=[4], strategies=strategies, mi_buffers=(1, 2))
+    got = [(c.strategy, c.mi_buffers) for c in plan.candidates]
+    assert got == [("keep", 1), ("offload", 1), ("offload", 2), ("recomm", 1), ("recomm", 2)]
+    by = {(c.strategy, c.mi_buffers): c for c in plan.candidates}
+    assert by[("offload", 2)].device_bytes > by[("offload", 1)].device_bytes
+    assert by[("offload", 2)].host_bytes == by[("offload", 1)].host_bytes  # at n = 4 every MI is copied
+    assert by[("offload", 2)].step_time < by[("offload", 1)].step_time
+    assert "MI bufs" in plan.table()
+    budget = by[("offload", 1)].device_bytes
+    tight = choose_memory(cfg, 8192, cl, degrees=[4], strategies=("offload", "recomm"), mi_buffers=(1, 2),
+                          budget_bytes=budget)
+    assert tight.mi_buffers == 1 and all(c.rejected for c in tight.candidates if c.mi_buffers == 2)
+    # the config's count is the default
+    one = choose_memory(cfg, 8192, cl, degrees=[4], strategies=("offload",))
+    two = choose_memory(tm.MoEConfig(2048, 8192, 32, 2, activation="gelu", pipeline_degree=4, memory_strategy="auto",
+                                     memory_mi_buffers=2), 8192, cl, degrees=[4], strategies=("offload",))
+    assert (one.mi_buffers, two.mi_buffers) == (1, 2)
+    assert two.step_time == by[("offload", 2)].step_time and one.step_time == by[("offload", 1)].step_time

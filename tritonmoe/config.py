@@ -89,6 +89,12 @@ class MoEConfig:
             search over degree and strategy). Needs ``ep_group``.
         memory_budget_bytes: device bytes the expert block may keep for backward per rank
             (``memory_strategy="auto"`` only); the planner rejects candidates that need more.
+        memory_mi_buffers: shared device buffers for the middle activation (MI, the first GEMM's
+            output) under a reuse strategy: 1 (the paper's single T_M buffer; least memory, but a
+            micro-op's MI host copy or restore serializes with its neighbour's compute) or 2
+            (double-buffered like DI: one more MI buffer, and the MI copies of "offload" /
+            "recomm" can run beside the next micro-op's compute). Needs a memory strategy other
+            than "keep".
     """
 
     d_model: int
@@ -121,6 +127,7 @@ class MoEConfig:
     ep_capacity: Optional[int] = None
     memory_strategy: Optional[str] = None
     memory_budget_bytes: Optional[int] = None
+    memory_mi_buffers: int = 1
 
     def __post_init__(self) -> None:
         V.positive_int("d_model", self.d_model)
@@ -207,6 +214,15 @@ class MoEConfig:
                     f"got memory_strategy={self.memory_strategy!r}"
                 )
             object.__setattr__(self, "memory_budget_bytes", int(b))
+        from tritonmoe.comm.memory import check_mi_buffers
+
+        object.__setattr__(self, "memory_mi_buffers", check_mi_buffers(self.memory_mi_buffers))
+        if self.memory_mi_buffers != 1 and self.memory_strategy in (None, "keep"):
+            raise ValueError(
+                f"memory_mi_buffers={self.memory_mi_buffers} sets the shared MI buffers of a memory reuse strategy; "
+                f"memory_strategy={self.memory_strategy!r} shares none: use memory_strategy='offload', 'recomm', "
+                "'recompute', 'recomm_recompute' or 'auto', or leave memory_mi_buffers=1"
+            )
         if self.memory_strategy is not None:
             if self.ep_capacity is not None:
                 raise ValueError(

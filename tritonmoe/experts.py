@@ -343,6 +343,7 @@ class ExpertParallelExperts(ExpertPath):
                     num_experts=c.num_experts, d_model=c.d_model, dtype=dtype_code,
                     pipeline_degree=_DEGREE_CODES.get(c.pipeline_degree, c.pipeline_degree),
                     degree_policy=policy_code, memory_strategy=memory_code, memory_budget=c.memory_budget_bytes or 0,
+                    memory_mi_buffers=c.memory_mi_buffers,
                     memory_policy=memory_policy_code,
                 ),
                 group=group,
@@ -485,6 +486,7 @@ class ExpertParallelExperts(ExpertPath):
                 sends, plan, self.memory_ffn(plan, x_TD, routing, bounds, weights), weights.params(),
                 strategy=strategy, n1=c.n1, has_b1=weights.b1 is not None, has_b2=weights.b2 is not None,
                 group=self.group, timeline=timeline, trace=self.trace, scheduler=sched, stats=self.memory_stats,
+                mi_buffers=c.memory_mi_buffers,
             )
         unpermute = self.impl("unpermute", x_TD)
         outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]

@@ -26,6 +26,9 @@ receives. Adapting the paper to the real tensors:
       MI: n1 * max_i R_i                 (n1 = 2 * d_ffn for SwiGLU)
       device = (min(n, 2) * d + n1) * max_i R_i
 
+  or, with ``mi_buffers=2`` (``MoEConfig.memory_mi_buffers``), min(n, 2) MI buffers too:
+  ``device = min(n, 2) * (d + n1) * max_i R_i``;
+
   (the paper's T_DO / T_O buffers are not this block's: the combine's outputs are kept by the
   unpermute for the routing weights' gradient);
 * host bytes: the DI / MI of the micro-ops a strategy copies out
@@ -36,8 +39,8 @@ restores issued as the runtime issues them (:func:`issue_memory_ops`): forward o
 the copy lane after each micro-op's expert compute (the compute that overwrites a buffer waits
 for its occupant's copy), backward DI restores (host copy or re-dispatch all-to-all) with
 micro-op i's first exchange (one micro-op ahead), MI restores (host copy) after micro-op i-1's
-backward compute (the single buffer's previous reader; micro-op 0's with its first exchange),
-FC1 recomputes inside micro-op i's compute.
+backward compute (the single buffer's previous reader; micro-op 0's with its first exchange), or
+after micro-op i-2's with two MI buffers, FC1 recomputes inside micro-op i's compute.
 
 **The joint choice** :func:`choose_memory` evaluates every (degree, strategy) candidate, rejects
 those whose predicted bytes exceed the budget (reporting each one's predicted bytes and step time)
@@ -54,7 +57,7 @@ import math
 import torch
 
 from tritonmoe.comm.executor import VirtualTensor, Work
-from tritonmoe.comm.memory import RESTORE, STRATEGIES, memory_layout
+from tritonmoe.comm.memory import MI_SLOTS, RESTORE, STRATEGIES, check_mi_buffers, memory_layout
 
 __all__ = [
     "paper_memory",
@@ -102,16 +105,18 @@ def paper_memory(M: int, H: int, E: int, B: int, n: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def expert_block_bytes(rows: Sequence[int], d_model: int, n1: int, strategy: str, element_size: int) -> dict:
+def expert_block_bytes(rows: Sequence[int], d_model: int, n1: int, strategy: str, element_size: int,
+                       mi_buffers: int = MI_SLOTS) -> dict:
     """Bytes the managed expert block keeps for backward on one rank whose micro-ops receive
     ``rows[i]`` rows: ``device`` (saved DI and MI: separate tensors or the shared buffers) and
-    ``host`` (the copies a strategy offloads). See the module docstring for the adaptation."""
+    ``host`` (the copies a strategy offloads), with ``mi_buffers`` shared MI buffers. See the
+    module docstring for the adaptation."""
     n = len(rows)
     if n < 1:
         raise ValueError("rows must list at least one micro-op")
     if strategy not in RESTORE:
         raise ValueError(f"memory_strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
-    lay = memory_layout(strategy, n)
+    lay = memory_layout(strategy, n, mi_buffers)
     es = int(element_size)
     if not lay.reuse:
         device = sum(rows) * (d_model + n1) * es
@@ -136,26 +141,36 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
     """The hooks :func:`tritonmoe.comm.pipeline.forward_pass` / ``backward_pass`` take, issuing
     on the simulator's executor what :mod:`tritonmoe.comm.memory` issues for ``strategy``:
     ``{"fwd_pre": ..., "fwd_post": ..., "bwd_prefetch": ..., "bwd_pre": ..., "bwd_post": ...,
-    "extra_bwd_work": i -> Work, "extra_fwd_work": i -> Work}``."""
-    lay = memory_layout(strategy, st.n)
+    "extra_bwd_work": i -> Work, "extra_fwd_work": i -> Work}``. The MI buffer count is the
+    candidate's ``memory_mi_buffers``, else the config's."""
+    mi = st.candidate.get("memory_mi_buffers", getattr(st.config, "memory_mi_buffers", MI_SLOTS))
+    lay = memory_layout(strategy, st.n, mi)
     W, d, dt, plan = st.work, st.config.d_model, st.dtype, st.plan
     n1 = W.n1
     offloads: dict = {}  # (kind, micro-op) -> its forward host copy
     mi_pending: dict = {}  # micro-op -> its backward MI restore
 
     def fwd_pre(i: int) -> list:
-        # the runtime's store_di / store_mi wait for the host copy of the buffer's occupant
-        # (micro-op i-2's DI, i-1's MI) before micro-op i overwrites it
-        return [h for h in (offloads.pop(("di", i - lay.di_slots), None), offloads.pop(("mi", i - lay.mi_slots), None))
-                if h is not None]
+        # the runtime's store_di waits for the host copy of its DI buffer's occupant (micro-op
+        # i-2) before micro-op i's rows land in it, ahead of its expert compute
+        h = offloads.pop(("di", i - lay.di_slots), None)
+        return [h] if h is not None else []
 
     def fwd_post(i: int, y) -> None:
+        after = (y,)
+        if lay.reuse:
+            # store_mi: the expert compute wrote MI to a temporary; copying it into its shared
+            # buffer waits for the host copy of the buffer's occupant (micro-op i-1, or i-2 with
+            # two MI buffers), so only this copy, and what the compute lane runs after it, waits
+            ev = offloads.pop(("mi", i - lay.mi_slots), None)
+            after = (ex.compute(None, work=Work(0.0, 2 * rows[i] * n1 * W.s, "elementwise", 1), kind="store",
+                                micro_op=i, after=(y,) + ((ev,) if ev is not None else ())),)
         if i in lay.di_offloaded:
             offloads[("di", i)] = ex.copy(VirtualTensor((rows[i], d), dt), to="host", kind="offload", micro_op=i,
-                                          after=(y,))
+                                          after=after)
         if i in lay.mi_offloaded:
             offloads[("mi", i)] = ex.copy(VirtualTensor((rows[i], n1), dt), to="host", kind="offload", micro_op=i,
-                                          after=(y,))
+                                          after=after)
 
     def restore_mi(i: int, after: tuple) -> list:
         if i >= st.n or i not in lay.mi_restore or lay.mi_method != "offload":
@@ -191,7 +206,7 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
     def extra_fwd(i: int) -> Work:
         if not lay.reuse:
             return Work(0.0, 0.0, "elementwise", 0)
-        return Work(0.0, 2 * rows[i] * (d + n1) * W.s, "elementwise", 2)  # copies into the shared buffers
+        return Work(0.0, 2 * rows[i] * d * W.s, "elementwise", 1)  # DI into its shared buffer (MI: fwd_post)
 
     def extra_bwd(i: int) -> Work:
         w = Work(0.0, 0.0, "elementwise", 0)
@@ -212,9 +227,9 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
 
 @dataclass
 class MemoryCandidate:
-    """One (degree, strategy): predicted device bytes of the expert block's saved activations
-    (the most loaded rank), host bytes, step time (seconds), and why it was rejected (None when
-    it fits)."""
+    """One (degree, strategy, MI buffers): predicted device bytes of the expert block's saved
+    activations (the most loaded rank), host bytes, step time (seconds), and why it was rejected
+    (None when it fits)."""
 
     pipeline_degree: int
     strategy: str
@@ -222,13 +237,14 @@ class MemoryCandidate:
     host_bytes: int
     step_time: float
     rejected: Optional[str] = None
+    mi_buffers: int = MI_SLOTS
 
 
 @dataclass
 class MemoryPlan:
     """The joint choice: ``pipeline_degree``, ``strategy``, its predicted ``device_bytes`` and
     ``step_time``; ``candidates`` (every evaluated one, rejected ones with their reason);
-    ``budget_bytes``."""
+    ``budget_bytes``; ``mi_buffers`` (the chosen MI buffer count)."""
 
     pipeline_degree: int
     strategy: str
@@ -236,18 +252,22 @@ class MemoryPlan:
     step_time: float
     candidates: list[MemoryCandidate] = field(default_factory=list)
     budget_bytes: Optional[int] = None
+    mi_buffers: int = MI_SLOTS
 
     @property
     def rejected(self) -> list[MemoryCandidate]:
         return [c for c in self.candidates if c.rejected is not None]
 
     def table(self) -> str:
-        """Every candidate: degree, strategy, predicted device / host MiB, step ms, verdict."""
-        lines = [f"{'n':>2} {'strategy':>17} {'device MiB':>11} {'host MiB':>9} {'step ms':>9}  verdict"]
+        """Every candidate: degree, strategy, MI buffers, predicted device / host MiB, step ms,
+        verdict."""
+        lines = [f"{'n':>2} {'strategy':>17} {'MI bufs':>7} {'device MiB':>11} {'host MiB':>9} {'step ms':>9}  verdict"]
         for c in self.candidates:
-            chosen = c.pipeline_degree == self.pipeline_degree and c.strategy == self.strategy
+            chosen = (c.pipeline_degree, c.strategy, c.mi_buffers) == (self.pipeline_degree, self.strategy,
+                                                                        self.mi_buffers)
             verdict = "chosen" if chosen else (c.rejected or "slower")
-            lines.append(f"{c.pipeline_degree:>2} {c.strategy:>17} {c.device_bytes / 2**20:>11.3f} "
+            mi = "-" if c.strategy == "keep" else str(c.mi_buffers)
+            lines.append(f"{c.pipeline_degree:>2} {c.strategy:>17} {mi:>7} {c.device_bytes / 2**20:>11.3f} "
                          f"{c.host_bytes / 2**20:>9.3f} {c.step_time * 1e3:>9.3f}  {verdict}")
         return "\n".join(lines)
 
@@ -276,6 +296,7 @@ def choose_memory(
     dtype: Optional[Union[str, torch.dtype]] = None,
     mode: str = "auto",
     time_fn: Optional[Callable[[int, str], float]] = None,
+    mi_buffers: Optional[Union[int, Sequence[int]]] = None,
 ) -> MemoryPlan:
     """The fastest (pipeline degree, memory strategy) whose expert block fits ``budget_bytes``.
 
@@ -287,6 +308,9 @@ def choose_memory(
         degrees: candidate degrees (default 1..8, at most the tokens per rank);
             ``strategies``: candidate strategies (default all five).
         time_fn: ``time_fn(n, strategy) -> seconds`` replacing the simulator (a profile).
+        mi_buffers: the shared MI buffer count of the reuse strategies (default
+            ``config.memory_mi_buffers``), or several (e.g. ``(1, 2)``) to compare them too: each
+            reuse strategy is then a candidate per count ("keep" shares no buffer: once).
 
     Raises:
         MemoryBudgetError: when no candidate fits (naming the smallest need and its candidate).
@@ -324,6 +348,18 @@ def choose_memory(
     for s in strategies:
         if s not in RESTORE:
             raise ValueError(f"unknown memory strategy {s!r}; use one of {', '.join(STRATEGIES)}")
+    if mi_buffers is None:
+        mis: tuple = (getattr(config, "memory_mi_buffers", MI_SLOTS),)
+    elif isinstance(mi_buffers, (str, bytes)) or not isinstance(mi_buffers, (int, Sequence)):
+        raise TypeError(f"mi_buffers must be an int or a sequence of ints (1, 2), got {mi_buffers!r}")
+    else:
+        mis = (mi_buffers,) if isinstance(mi_buffers, int) else tuple(mi_buffers)
+    if not mis:
+        raise ValueError("mi_buffers is empty; pass 1, 2 or (1, 2) (or None: the config's)")
+    mis = tuple(dict.fromkeys(check_mi_buffers(m) for m in mis))
+    if time_fn is not None and len(mis) > 1:
+        raise ValueError(f"time_fn(n, strategy) cannot tell MI buffer counts apart; with mi_buffers={mis} profile "
+                         "each count in its own choose_memory call")
     cost = None
     if time_fn is None:
         cost = resolve_cost(cluster_or_cost, dtype)
@@ -341,31 +377,34 @@ def choose_memory(
     for n in degs:
         per_rank = _rows_per_rank(config, toks, n, routing)
         for s in strategies:
-            sizes = [expert_block_bytes(r, config.d_model, n1, s, es) for r in per_rank]
-            dev = max(x["device"] for x in sizes)
-            host = max(x["host"] for x in sizes)
-            if time_fn is not None:
-                t = float(time_fn(n, s))
-                if not math.isfinite(t) or t < 0:
-                    raise ValueError(f"time_fn({n}, {s!r}) returned {t}; it must return finite seconds >= 0")
-            else:
-                t = simulate(config, toks, cost, candidate={"schedule": "ep-pipeline", "pipeline_degree": n,
-                                                            "memory_strategy": s},
-                             dtype=dt, mode=mode, routing=routing).step_time()
-            why = None
-            if budget_bytes is not None and dev > budget_bytes:
-                why = f"needs {dev} B > budget {budget_bytes} B"
-            cands.append(MemoryCandidate(n, s, dev, host, t, why))
+            for mi in (mis[:1] if s == "keep" else mis):
+                sizes = [expert_block_bytes(r, config.d_model, n1, s, es, mi) for r in per_rank]
+                dev = max(x["device"] for x in sizes)
+                host = max(x["host"] for x in sizes)
+                if time_fn is not None:
+                    t = float(time_fn(n, s))
+                    if not math.isfinite(t) or t < 0:
+                        raise ValueError(f"time_fn({n}, {s!r}) returned {t}; it must return finite seconds >= 0")
+                else:
+                    t = simulate(config, toks, cost, candidate={"schedule": "ep-pipeline", "pipeline_degree": n,
+                                                                "memory_strategy": s, "memory_mi_buffers": mi},
+                                 dtype=dt, mode=mode, routing=routing).step_time()
+                why = None
+                if budget_bytes is not None and dev > budget_bytes:
+                    why = f"needs {dev} B > budget {budget_bytes} B"
+                cands.append(MemoryCandidate(n, s, dev, host, t, why, mi))
     fits = [c for c in cands if c.rejected is None]
     if not fits:
         small = min(cands, key=lambda c: (c.device_bytes, c.step_time))
         raise MemoryBudgetError(
             f"memory_budget_bytes={budget_bytes} is below the smallest candidate's need: {small.device_bytes} bytes "
-            f"(pipeline_degree={small.pipeline_degree}, memory_strategy={small.strategy!r}) for {max(toks)} tokens per "
+            f"(pipeline_degree={small.pipeline_degree}, memory_strategy={small.strategy!r}, "
+            f"memory_mi_buffers={small.mi_buffers}) for {max(toks)} tokens per "
             f"rank; raise the budget to at least {small.device_bytes}, or allow larger pipeline degrees"
         )
     best = min(fits, key=lambda c: c.step_time)
-    return MemoryPlan(best.pipeline_degree, best.strategy, best.device_bytes, best.step_time, cands, budget_bytes)
+    return MemoryPlan(best.pipeline_degree, best.strategy, best.device_bytes, best.step_time, cands, budget_bytes,
+                      best.mi_buffers)
 
 
 def joint_search_steps(B: float, searches: dict, strategies: Sequence[str] = STRATEGIES, n_min: int = 2,
@@ -445,7 +484,7 @@ class AutoMemory:
             self.cost.check_group_size(self.world_size, ("all_to_all",))
         self.strategies = tuple(strategies)
         self.fingerprint = _fingerprint_int(self.cost.fingerprint() + ",".join(self.strategies)
-                                            + str(config.memory_budget_bytes))
+                                            + str(config.memory_budget_bytes) + f"mi{config.memory_mi_buffers}")
         self.cache: dict[int, MemoryPlan] = {}
 
     def step(self, tokens: int, timeline: Optional[Any] = None) -> tuple[int, str, Optional[Any]]:

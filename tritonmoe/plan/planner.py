@@ -173,7 +173,8 @@ def choose(
         s = cand.get("memory_strategy")
         if s is not None:
             n = int(cand.get("pipeline_degree", 1))
-            c.device_bytes = max(expert_block_bytes(r, config.d_model, config.n1, s, es)["device"]
+            mi = cand.get("memory_mi_buffers", getattr(config, "memory_mi_buffers", 1))
+            c.device_bytes = max(expert_block_bytes(r, config.d_model, config.n1, s, es, mi)["device"]
                                  for r in _rows_per_rank(config, toks, n, routing))
             if budget is not None and c.device_bytes > budget:
                 c.rejected = f"needs {c.device_bytes} B > budget {budget} B"
