@@ -52,8 +52,9 @@ gpu-profile: setup
 	$(PY) -m bench profile $(CHECK_ARGS)
 
 # MPMoE's memory strategies on one GPU (an expert-parallel group of one rank): the device memory
-# held between forward and backward and the peak per (degree, strategy), against the memory
-# model, and how much of the offload copies ran behind compute (about a minute; prints a table).
+# held between forward and backward and the peak per (degree, strategy, MI buffers), against the
+# memory model, and how much of the offload copies ran behind compute, beside the simulator's
+# prediction, at a GPT-XL-like and a wider "overlap" shape (about 1-2 minutes; prints a table).
 gpu-memory: setup
 	$(PY) -m bench.memory --single $(MEMORY_ARGS)
 
