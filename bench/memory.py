@@ -49,16 +49,17 @@ DEFAULTS = dict(tokens=2048, d_model=256, d_ffn=512, num_experts=8, top_k=2, act
 
 
 def configurations(spec: dict) -> list[tuple[int, str, int]]:
-    """(degree, strategy, MI buffers) of a spec: every strategy with ``mi_buffers[0]``, and the
-    reuse strategies with every other count in ``spec["mi_buffers"]`` where it changes something
-    (n >= 3: at n = 2 two MI buffers keep both micro-ops' MI, as "keep" does)."""
-    mis = tuple(spec.get("mi_buffers", (1,)))
+    """(degree, strategy, MI buffers) of a spec: "keep" once (it shares no buffer: 1), every reuse
+    strategy with each count in ``spec["mi_buffers"]``, two buffers only where they change
+    something (n >= 3: at n = 2 two MI buffers keep both micro-ops' MI, as "keep" does)."""
+    mis = tuple(dict.fromkeys(spec.get("mi_buffers", (1,))))
     out = []
     for n in spec["degrees"]:
         for s in spec["strategies"]:
-            out.append((n, s, mis[0]))
-            if s != "keep" and n >= 3:
-                out.extend((n, s, mi) for mi in mis[1:])
+            if s == "keep":
+                out.append((n, s, 1))
+            else:
+                out.extend((n, s, mi) for mi in mis if mi == 1 or n >= 3)
     return out
 
 
@@ -241,10 +242,23 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
             "hidden_frac": _intersection_length(cp, comp) / total if total > 0 else None}
 
 
+def _max_abs_diff(got: list, want: list) -> float:
+    """Largest absolute difference over paired tensors (inf where one side is missing)."""
+    worst = 0.0
+    for a, b in zip(got, want):
+        if (a is None) != (b is None):
+            return float("inf")
+        if a is not None:
+            worst = max(worst, float((a.float() - b.float()).abs().max()) if a.numel() else 0.0)
+    return worst
+
+
 def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list[dict]:
     """The single-device memory check (module docstring) at ``shape`` (a key of :data:`SHAPES`):
-    one dict per (degree, strategy, MI buffers). On CUDA each row also carries the simulator's
-    prediction for it (``sim``: :func:`predict_single`). Initializes (and destroys) a process
+    one dict per (degree, strategy, MI buffers), with ``max_abs_diff_vs_keep``: the largest
+    difference of its output and gradients from "keep"'s at the same degree (the same kernels on
+    the same rows, so 0 unless a restore is wrong or, for the recomputing strategies, rounding).
+    On CUDA each row also carries the simulator's prediction for it (``sim``: :func:`predict_single`). Initializes (and destroys) a process
     group of one rank in this process."""
     import tritonmoe as tm
     from tritonmoe.comm import memory as memory_mod
@@ -273,6 +287,7 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
         g = torch.randn(spec["tokens"], spec["d_model"], generator=gen).to(dev, dt)
         out = []
         first_state = None
+        ref: dict = {}  # degree -> "keep"'s output and gradients
         for n, strategy, mi in configurations(spec):
             cfg = tm.MoEConfig(spec["d_model"], spec["d_ffn"], spec["num_experts"], spec["top_k"],
                                activation=spec["activation"], pipeline_degree=n, memory_strategy=strategy,
@@ -289,7 +304,7 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
             seen: dict = {}
             counted = _counting(orig, params, seen)
 
-            times, held, peak, copies = [], None, None, (0.0, None)
+            times, held, peak, copies, diff = [], None, None, (0.0, None), None
             for rep in range(spec["warmup"] + spec["reps"]):
                 xi = x.clone().requires_grad_()
                 last = rep == spec["warmup"] + spec["reps"] - 1
@@ -310,6 +325,12 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
                     t = time.perf_counter() - t0
                     if rep == spec["warmup"] and cuda:
                         peak = torch.cuda.max_memory_allocated(dev) - before
+                    if rep == spec["warmup"]:  # outputs and gradients, against "keep" at this degree
+                        got = [y.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+                        if strategy == "keep":
+                            ref[n] = [None if t is None else t.detach().clone() for t in got]
+                        elif n in ref:
+                            diff = _max_abs_diff(got, ref[n])
                 finally:
                     memory_mod.run_memory_pipelined = orig
                 del y, xi
@@ -328,6 +349,7 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
                         "held_bytes": held, "peak_bytes": peak, "saved_bytes": sum(seen.values()),
                         "model_bytes": model["device"], "host_bytes": sum(st["d2h_bytes"].values()),
                         "model_host_bytes": model["host"], "copy_s": copies[0], "copy_hidden_frac": copies[1],
+                        "max_abs_diff_vs_keep": diff,
                         "sim": predict_single(spec, n, strategy, mi) if cuda else None,
                         **{k: spec[k] for k in ("tokens", "d_model", "d_ffn", "num_experts", "top_k",
                                                  "activation", "dtype")}})
@@ -355,8 +377,8 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
 def format_single(results: list[dict]) -> str:
     mib = 2.0**20
     lines = ["| shape | n | strategy | MI bufs | fwd+bwd ms | vs keep | held after fwd MiB | peak MiB | saved MiB (hooks) | "
-             "model MiB | saving / model's | host MiB | copy ms | hidden | sim: step ms, copy ms, hidden |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "model MiB | saving / model's | host MiB | copy ms | hidden | sim: step ms, copy ms, hidden | max diff vs keep |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, scale=1.0, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v / scale)
@@ -370,7 +392,7 @@ def format_single(results: list[dict]) -> str:
             f(r["step_median_s"], 1e-3), f(r.get("time_vs_keep"), 1, "{:.2f}x"),
             f(r["held_bytes"], mib), f(r["peak_bytes"], mib), f(r["saved_bytes"], mib), f(r["model_bytes"], mib),
             f(r.get("saving_vs_model"), 1, "{:.0%}"), f(r["host_bytes"], mib), f(r["copy_s"], 1e-3),
-            f(r["copy_hidden_frac"], 1, "{:.0%}"), sim_txt]) + " |")
+            f(r["copy_hidden_frac"], 1, "{:.0%}"), sim_txt, f(r.get("max_abs_diff_vs_keep"), 1, "{:.2g}")]) + " |")
     return "\n".join(lines)
 
 

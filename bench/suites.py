@@ -904,7 +904,7 @@ def describe_memory(ctx: Context) -> list[str]:
     d = memory.DEFAULTS
     return [f"P=2 T/rank={d['tokens']} d={d['d_model']} f={d['d_ffn']} E={d['num_experts']} k={d['top_k']} "
             f"{d['activation']}, n in {d['degrees']}, strategies {', '.join(d['strategies'])} "
-            f"(the reuse ones also with {', '.join(str(m) for m in d['mi_buffers'][1:])} MI buffers from n = 3: +mi2) "
+            f"with MI buffers {', '.join(str(m) for m in d['mi_buffers'])} (two from n = 3: impl +mi2) "
             "[bench.memory.run_memory, float32, gloo on CPU processes]"]
 
 

@@ -75,7 +75,7 @@ def pipeline_pass(
     tail_work: Optional[Work] = None,
     prefetch: Optional[Callable[[int], Sequence[Any]]] = None,
     pre_compute: Optional[Callable[[int], Sequence[Any]]] = None,
-    post_compute: Optional[Callable[[int, Any], None]] = None,
+    post_compute: Optional[Callable[[int, Any], Optional[Sequence[Any]]]] = None,
 ) -> list[Any]:
     """One pass of the micro-op pipeline (see the module docstring) on executor ``ex``.
 
@@ -97,8 +97,10 @@ def pipeline_pass(
         pre_compute: ``pre_compute(i)`` is called just before micro-op i's compute is issued
             (after micro-op i-1's); its handles become dependencies of that compute too.
         post_compute: ``post_compute(i, handle)`` is called right after micro-op i's compute is
-            issued (the simulator's offload copies hang off it; in backward, the restore of the
-            next micro-op's single-buffered MI).
+            issued (the simulator's MI store and offload copies hang off it; in backward, the
+            restore of the MI buffer's next occupant); the handles it returns, if any, become
+            dependencies of micro-op i's second exchange (the simulator's MI store, which the
+            runtime runs inside the compute the exchange reads).
 
     Returns: the N second-exchange results, micro-op i's rows back in the order of ``sends[i]``.
     """
@@ -133,9 +135,9 @@ def pipeline_pass(
         )
         first[i] = None
         deps[i] = []
-        if post_compute is not None:
-            post_compute(i, y)
-        second[i] = ex.all_to_all(y, plan.recv_splits[i], plan.send_splits[i], group=group, kind=kinds[1], micro_op=i)
+        extra = post_compute(i, y) if post_compute is not None else None
+        second[i] = ex.all_to_all(y, plan.recv_splits[i], plan.send_splits[i], group=group, kind=kinds[1], micro_op=i,
+                                  after=tuple(extra or ()))
         if i >= 1:
             backs[i - 1] = ex.wait(second[i - 1])
             second[i - 1] = None

@@ -456,3 +456,34 @@ def table(rank: int, P: int) -> dict:
         failures += srch.pop("failures")
         extra["search"] = srch
     return {"failures": failures, "accounting": acct, "auto": extra}
+
+
+def sim_vs_real(rank: int, P: int) -> list[str]:
+    """One rank (P = 1): the order in which the managed block issues its expert computes,
+    exchanges, host copies and re-dispatches (the real executor's trace) equals the order of the
+    simulator's program for the same layer, for every reuse strategy, n = 2..5 and both MI buffer
+    counts (the simulator's restores are the runtime's, in number and place)."""
+    from tritonmoe.plan import Cluster
+    from tritonmoe.plan.simulate import build_programs, resolve_cost
+
+    cost = resolve_cost(Cluster.preset("dgx-h100", nodes=1), "float32")
+    kinds = ("expert", "dispatch", "combine", "offload", "restore", "recomm")
+    out = []
+    for s in STRATEGIES[1:]:
+        for n in (2, 3, 4, 5):
+            for mi in (1, 2):
+                cfg = tm.MoEConfig(D_MODEL, D_FFN, 4, 2, pipeline_degree=n, memory_strategy=s, memory_mi_buffers=mi)
+                torch.manual_seed(0)
+                layer = tm.MoELayer(cfg, ep_group=dist.group.WORLD, dtype=torch.float64)
+                layer.expert_path.trace = []
+                x = torch.randn(48, D_MODEL, dtype=torch.float64, requires_grad=True)
+                layer(x).sum().backward()
+                real = [(e.lane, e.kind, e.micro_op, e.phase) for e in layer.expert_path.trace if e.kind in kinds]
+                prog = build_programs(cfg, [48], cost, {"schedule": "ep-pipeline", "pipeline_degree": n,
+                                                        "memory_strategy": s}, dtype=torch.float32)[0]
+                sim = [(o.lane, o.kind, o.micro_op, o.phase) for o in prog.ops if o.kind in kinds]
+                if real != sim:
+                    j = next((j for j, (a, b) in enumerate(zip(real, sim)) if a != b), min(len(real), len(sim)))
+                    out.append(f"{s} n={n} mi_buffers={mi}: issue order differs at {j}: real {real[j:j + 3]}, "
+                               f"simulated {sim[j:j + 3]} ({len(real)} vs {len(sim)} operations)")
+    return out

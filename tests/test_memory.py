@@ -348,6 +348,43 @@ def test_planner_cli_memory_budget(capsys, tmp_path):
         main(args + ["--memory-strategies", "swap"])
     with pytest.raises(SystemExit):
         main(args + ["--memory-budget", "lots"])
+    # both MI buffer counts as candidates: two buffers keep more bytes
+    assert main(args + ["--memory-strategies", "offload", "--memory-mi-buffers", "1,2", "--json", str(out_json)]) == 0
+    d = json.loads(out_json.read_text())
+    by = {c["values"]["memory_mi_buffers"]: c["device_bytes"] for c in d["candidates"]}
+    assert set(by) == {1, 2} and by[2] > by[1]
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="memory_mi_buffers=3"):
+        main(args + ["--memory-strategies", "offload", "--memory-mi-buffers", "3"])
+    with pytest.raises(SystemExit, match="needs --memory-strategies"):
+        main(args + ["--memory-mi-buffers", "2"])
+
+
+def test_mi_buffer_edge_cases():
+    """ "keep" shares no buffer, so a plan choosing it has one MI buffer whatever the config's
+    count (a config built from the plan is valid); numpy ints are counts; the HF conversion
+    ignores the memory options (runtime choices, not what the block computes); the memory bench's
+    configurations pair "keep" with one buffer and two buffers only from n = 3."""
+    import numpy as np
+
+    from bench.memory import configurations
+    from tritonmoe.hf import _config_fields
+    from tritonmoe.plan import Cluster
+
+    cfg = tm.MoEConfig(2048, 8192, 32, 2, activation="gelu", pipeline_degree=4, memory_strategy="auto",
+                       memory_mi_buffers=2)
+    plan = choose_memory(cfg, 8192, Cluster.preset("dgx-h100", nodes=1), degrees=[4], strategies=("keep",))
+    assert (plan.strategy, plan.mi_buffers) == ("keep", 1)
+    plan = choose_memory(cfg, 8192, Cluster.preset("dgx-h100", nodes=1), degrees=[4], strategies=("offload",),
+                         mi_buffers=np.int64(2))
+    assert plan.mi_buffers == 2 and type(plan.mi_buffers) is int
+    assert _config_fields(tm.MoEConfig(8, 8, 4, 1)) == _config_fields(
+        tm.MoEConfig(8, 8, 4, 1, memory_strategy="auto", memory_budget_bytes=1 << 20, memory_mi_buffers=2))
+    spec = dict(degrees=(2, 4), strategies=("keep", "offload"), mi_buffers=(2,))
+    assert configurations(spec) == [(2, "keep", 1), (4, "keep", 1), (4, "offload", 2)]
+    spec["mi_buffers"] = (2, 1)
+    assert configurations(spec) == [(2, "keep", 1), (2, "offload", 1), (4, "keep", 1), (4, "offload", 2),
+                                    (4, "offload", 1)]
 
 
 # -- two MI buffers: what the simulator predicts ---------------------------------------------------
@@ -415,3 +452,55 @@ def test_choose_memory_compares_mi_buffer_counts():
                                      memory_mi_buffers=2), 8192, cl, degrees=[4], strategies=("offload",))
     assert (one.mi_buffers, two.mi_buffers) == (1, 2)
     assert two.step_time == by[("offload", 2)].step_time and one.step_time == by[("offload", 1)].step_time
+
+
+def test_simulator_issues_the_runtimes_memory_operations():
+    """The simulator's program issues the expert computes, exchanges, host copies and
+    re-dispatches of the managed block in the runtime's order (one gloo rank; every reuse
+    strategy, n = 2..5, one and two MI buffers)."""
+    results, _ = run_group(1, _memory_cases.sim_vs_real, deadline_s=120, pg_timeout_s=60)
+    (bad,) = values_or_fail(results)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("mi", [1, 2])
+@pytest.mark.parametrize("strategy", ["recomm", "recompute"])
+def test_simulated_memory_ops_wait_where_the_runtime_waits(strategy, mi):
+    """The simulated timeline honours the runtime's waits ("recomm" copies only MI, "recompute"
+    only DI, so each copy span is unambiguous), at a shape whose copies outlast its compute (a
+    missing wait would show): forward, the MI store after its micro-op's compute and after the
+    host copy of the buffer's previous occupant (i - mi_buffers), the combine after the store,
+    each copy after the store; micro-op i's compute after the DI copy of i-2; backward, each
+    restore after the compute of its buffer's previous reader and before its own compute; as many
+    copies and restores as the layout restores."""
+    from tritonmoe.plan import Cluster, simulate
+
+    n = 4
+    cfg = tm.MoEConfig(2048, 8192, 4, 2, activation="gelu", pipeline_degree=n, memory_strategy=strategy,
+                       memory_mi_buffers=mi)
+    tl = simulate(cfg, [8192], Cluster.preset("dgx-h100", nodes=1), dtype="bfloat16",
+                  candidate={"schedule": "ep-pipeline", "pipeline_degree": n, "memory_strategy": strategy})
+    sp: dict = {}
+    for s in tl.spans():
+        sp.setdefault((s.phase, s.kind, s.micro_op), []).append(s)
+    one = {k: v[0] for k, v in sp.items()}
+    lay = memory_layout(strategy, n, mi)
+    copies = len(lay.di_offloaded) + len(lay.mi_offloaded)
+    assert sum(len(v) for (ph, k, _), v in sp.items() if (ph, k) == ("fwd", "offload")) == copies
+    assert sum(len(v) for (ph, k, _), v in sp.items() if (ph, k) == ("bwd", "restore")) == copies
+    eps = 1e-12
+    slots = mi if strategy == "recomm" else 2  # the copied tensor's buffer count: MI's or DI's
+    for i in range(n):
+        store, expert, combine = one[("fwd", "store", i)], one[("fwd", "expert", i)], one[("fwd", "combine", i)]
+        assert store.start >= expert.end - eps and combine.start >= store.end - eps
+        if ("fwd", "offload", i) in one:
+            assert one[("fwd", "offload", i)].start >= store.end - eps
+        prev = one.get(("fwd", "offload", i - slots))
+        if prev is not None:
+            waiter = store if strategy == "recomm" else expert  # MI: the store waits; DI: the compute
+            assert waiter.start >= prev.end - eps, (i, waiter, prev)
+        rest = one.get(("bwd", "restore", i))
+        if rest is not None:
+            assert one[("bwd", "expert", i)].start >= rest.end - eps
+            if i >= slots:
+                assert rest.start >= one[("bwd", "expert", i - slots)].end - eps, (i, rest)

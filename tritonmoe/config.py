@@ -94,7 +94,7 @@ class MoEConfig:
             micro-op's MI host copy or restore serializes with its neighbour's compute) or 2
             (double-buffered like DI: one more MI buffer, and the MI copies of "offload" /
             "recomm" can run beside the next micro-op's compute). Needs a memory strategy other
-            than "keep".
+            than "keep"; ``memory_strategy="auto"`` plans with this count (it does not switch).
     """
 
     d_model: int

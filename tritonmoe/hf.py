@@ -262,7 +262,7 @@ def _config_fields(cfg: MoEConfig) -> dict:
     """The fields of a config that fix what a converted block computes (not the training or
     runtime options: aux-loss coefficients, backend, schedules)."""
     skip = {"aux_loss_coef", "z_loss_coef", "backend", "ffn_path", "parm_schedule", "cost_model", "pipeline_degree",
-            "ep_capacity", "capacity_factor"}
+            "ep_capacity", "capacity_factor", "memory_strategy", "memory_budget_bytes", "memory_mi_buffers"}
     import dataclasses
 
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}

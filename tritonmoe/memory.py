@@ -1,21 +1,25 @@
 """Memory strategies of the pipelined expert-parallel layer (MPMoE, paper 004), user-facing.
 
-``MoEConfig(memory_strategy=..., memory_budget_bytes=...)`` with ``ep_group``:
+``MoEConfig(memory_strategy=..., memory_budget_bytes=..., memory_mi_buffers=...)`` with ``ep_group``:
 
 * ``None`` (default): the unmanaged pipeline (its expert FFN keeps whatever its ops save).
 * ``"keep"``: every micro-op keeps its own dispatched input (DI) and first-GEMM output (MI):
   nothing reused, nothing restored (the paper's PMoE baseline).
 * ``"offload"`` (S1), ``"recomm"`` (S2), ``"recompute"`` (S3), ``"recomm_recompute"`` (S4):
-  DI lives in two shared device buffers and MI in one (micro-op i overwrites i-2's / i-1's); what
-  backward lacks is restored from pinned host copies, by re-running the dispatch all-to-all, or
-  by recomputing the first GEMM (:mod:`tritonmoe.comm.memory`).
+  DI lives in two shared device buffers and MI in one (micro-op i overwrites i-2's / i-1's), or
+  in two with ``memory_mi_buffers=2`` (i overwrites i-2's: its host copy runs beside the next
+  micro-op's compute); what backward lacks is restored from pinned host copies, by re-running
+  the dispatch all-to-all, or by recomputing the first GEMM (:mod:`tritonmoe.comm.memory`).
 * ``"auto"``: the planner's choice of the strategy (and of the degree with
-  ``pipeline_degree="auto"``) under ``memory_budget_bytes`` (:mod:`tritonmoe.plan.memory`).
+  ``pipeline_degree="auto"``) under ``memory_budget_bytes`` (:mod:`tritonmoe.plan.memory`), for
+  the config's ``memory_mi_buffers`` (``choose_memory(..., mi_buffers=(1, 2))`` compares both
+  counts offline).
 
 The trade-off: every reuse strategy keeps ``(2*d + n1) * max_i R_i`` elements on the device
-instead of ``(d + n1) * sum_i R_i``; offloading costs host memory and copy bandwidth (hidden
-behind compute when the copy is shorter), re-communicating costs one all-to-all per micro-op in
-backward, recomputing one first GEMM per micro-op.
+(``2*(d + n1) * max_i R_i`` with two MI buffers) instead of ``(d + n1) * sum_i R_i``; offloading
+costs host memory and copy bandwidth (hidden behind compute when the copy is shorter),
+re-communicating costs one all-to-all per micro-op in backward, recomputing one first GEMM per
+micro-op.
 """
 
 from __future__ import annotations

@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--memory-strategies", type=_strategies, default=None, metavar="S[,S2,...]|all",
                             help="MPMoE memory strategies to try (keep, offload, recomm, recompute, recomm_recompute; "
                                  "all: the five; default: none, or all with --memory-budget)")
+            sp.add_argument("--memory-mi-buffers", type=_ints, default=None, metavar="1|2|1,2",
+                            help="shared MI buffers of the reuse strategies to try (default: the config's, 1)")
             sp.add_argument("--memory-budget", type=_positive_bytes, default=None, metavar="BYTES",
                             help="device bytes the expert block may keep for backward per rank (e.g. 2147483648 or "
                                  "2GiB); candidates over it are rejected")
@@ -233,6 +235,16 @@ def _plan(args) -> int:
     over = {"pipeline_degree": args.degrees} if args.degrees else {}
     if args.memory_strategies:
         over["memory_strategy"] = args.memory_strategies
+    if args.memory_mi_buffers:
+        from tritonmoe.comm.memory import check_mi_buffers
+
+        try:
+            over["memory_mi_buffers"] = [check_mi_buffers(m) for m in args.memory_mi_buffers]
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"--memory-mi-buffers: {exc}")
+        if not args.memory_strategies and args.memory_budget is None:
+            raise SystemExit("--memory-mi-buffers needs --memory-strategies (or --memory-budget): MI buffers belong "
+                             "to a memory reuse strategy")
     plan = choose(cfg, toks, machine, world_size=args.world_size, routing=args.routing, dtype=args.dtype,
                   mode=args.mode, candidates_override=over, memory_budget_bytes=args.memory_budget)
     print(f"{plan.cost_source}: P={plan.world_size}, d={cfg.d_model} f={cfg.d_ffn} E={cfg.num_experts} k={cfg.top_k}")

@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import math
+import numbers
+
 import torch
 
 from tritonmoe.comm.executor import VirtualTensor, Work
@@ -149,6 +151,7 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
     n1 = W.n1
     offloads: dict = {}  # (kind, micro-op) -> its forward host copy
     mi_pending: dict = {}  # micro-op -> its backward MI restore
+    bwd_done: dict = {}  # micro-op -> its backward expert compute
 
     def fwd_pre(i: int) -> list:
         # the runtime's store_di waits for the host copy of its DI buffer's occupant (micro-op
@@ -156,12 +159,14 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
         h = offloads.pop(("di", i - lay.di_slots), None)
         return [h] if h is not None else []
 
-    def fwd_post(i: int, y) -> None:
+    def fwd_post(i: int, y) -> list:
         after = (y,)
         if lay.reuse:
             # store_mi: the expert compute wrote MI to a temporary; copying it into its shared
             # buffer waits for the host copy of the buffer's occupant (micro-op i-1, or i-2 with
-            # two MI buffers), so only this copy, and what the compute lane runs after it, waits
+            # two MI buffers), so only this copy, and what the compute lane runs after it, waits;
+            # the runtime stores inside the expert compute, before the rows the combine sends
+            # exist, so the combine waits for the store (returned: forward_pass adds it)
             ev = offloads.pop(("mi", i - lay.mi_slots), None)
             after = (ex.compute(None, work=Work(0.0, 2 * rows[i] * n1 * W.s, "elementwise", 1), kind="store",
                                 micro_op=i, after=(y,) + ((ev,) if ev is not None else ())),)
@@ -171,6 +176,7 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
         if i in lay.mi_offloaded:
             offloads[("mi", i)] = ex.copy(VirtualTensor((rows[i], n1), dt), to="host", kind="offload", micro_op=i,
                                           after=after)
+        return list(after) if lay.reuse else []
 
     def restore_mi(i: int, after: tuple) -> list:
         if i >= st.n or i not in lay.mi_restore or lay.mi_method != "offload":
@@ -181,7 +187,11 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
         works = []
         if i in lay.di_restore:
             if lay.di_method == "offload":
-                works.append(ex.copy(VirtualTensor((rows[i], d), dt), to="device", kind="restore", micro_op=i))
+                # into the DI buffer micro-op i-2 read: the runtime's copy waits for the compute
+                # lane's work issued so far, micro-op i-2's backward compute the last of it
+                prev = bwd_done.get(i - lay.di_slots)
+                works.append(ex.copy(VirtualTensor((rows[i], d), dt), to="device", kind="restore", micro_op=i,
+                                     after=(prev,) if prev is not None else ()))
             else:
                 a, b = st.bounds[i]
                 R = plan.send_rows(i)
@@ -195,6 +205,7 @@ def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
 
     def bwd_post(i: int, y) -> None:
         # micro-op i was the MI buffer's last reader: the next occupant's restore starts after it
+        bwd_done[i] = y
         j = i + lay.mi_slots
         works = restore_mi(j, (y,))
         if works:
@@ -350,10 +361,10 @@ def choose_memory(
             raise ValueError(f"unknown memory strategy {s!r}; use one of {', '.join(STRATEGIES)}")
     if mi_buffers is None:
         mis: tuple = (getattr(config, "memory_mi_buffers", MI_SLOTS),)
-    elif isinstance(mi_buffers, (str, bytes)) or not isinstance(mi_buffers, (int, Sequence)):
+    elif isinstance(mi_buffers, (str, bytes)) or not isinstance(mi_buffers, (numbers.Integral, Sequence)):
         raise TypeError(f"mi_buffers must be an int or a sequence of ints (1, 2), got {mi_buffers!r}")
     else:
-        mis = (mi_buffers,) if isinstance(mi_buffers, int) else tuple(mi_buffers)
+        mis = (mi_buffers,) if isinstance(mi_buffers, numbers.Integral) else tuple(mi_buffers)
     if not mis:
         raise ValueError("mi_buffers is empty; pass 1, 2 or (1, 2) (or None: the config's)")
     mis = tuple(dict.fromkeys(check_mi_buffers(m) for m in mis))
@@ -377,7 +388,7 @@ def choose_memory(
     for n in degs:
         per_rank = _rows_per_rank(config, toks, n, routing)
         for s in strategies:
-            for mi in (mis[:1] if s == "keep" else mis):
+            for mi in ((MI_SLOTS,) if s == "keep" else mis):  # "keep" shares no buffer
                 sizes = [expert_block_bytes(r, config.d_model, n1, s, es, mi) for r in per_rank]
                 dev = max(x["device"] for x in sizes)
                 host = max(x["host"] for x in sizes)

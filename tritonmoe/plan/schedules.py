@@ -316,6 +316,18 @@ def _memory_strategies(ctx: PlanContext) -> Sequence[str]:
     return tuple(STRATEGIES) if s == "auto" else (s,)
 
 
+def _mi_buffers(ctx: PlanContext) -> Sequence[int]:
+    """The config's shared MI buffer count (``memory_mi_buffers``)."""
+    return (getattr(ctx.config, "memory_mi_buffers", 1),)
+
+
+register_dimension(Dimension(
+    "memory_mi_buffers", _mi_buffers, ("ep-pipeline",),
+    "shared MI buffers of a memory reuse strategy (MoEConfig.memory_mi_buffers: 1, the paper's single T_M, or 2, "
+    "double-buffered); only in the candidates when named, e.g. choose(..., candidates_override="
+    "{'memory_mi_buffers': [1, 2]}); the simulator reads the config's count otherwise",
+    applies=lambda ctx: False,
+))
 register_dimension(Dimension(
     "memory_strategy", _memory_strategies, ("ep-pipeline",),
     "MPMoE's memory reuse and restore strategy of the pipelined expert block (tritonmoe.comm.memory); candidates "
