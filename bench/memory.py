@@ -242,6 +242,59 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
             "hidden_frac": _intersection_length(cp, comp) / total if total > 0 else None}
 
 
+#: CUDA runtime/driver calls that launch a kernel (Triton launches through the driver API)
+_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def diagnose_step(step, cuda: bool) -> dict:
+    """Where one training step's time goes on the host: ``step()`` run once under the PyTorch
+    profiler (CPU, and CUDA activities on a GPU) and, on a GPU, with
+    ``torch.cuda.set_sync_debug_mode("warn")``, which warns at every operation that makes the host
+    wait for the device. Returns ``host_syncs`` (count; None on CPU, where nothing synchronizes)
+    and ``sync_sites`` (the warnings' source lines, most frequent first), ``launches`` (kernel
+    launch calls), ``aten_ops`` (PyTorch operator calls), ``cpu_s`` (the step's wall time on the
+    host) and ``kernel_s`` (the device time of its kernels; None on CPU)."""
+    import collections
+    import os
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    caught: list = []
+    with profile(activities=acts) as prof:
+        prev = torch.cuda.get_sync_debug_mode() if cuda else None
+        t0 = time.perf_counter()
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                step()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(prev)
+        cpu_s = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize()
+    sites: collections.Counter = collections.Counter()
+    for w in caught:
+        if "synchroniz" in str(w.message).lower():
+            sites[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+    ev = prof.key_averages()
+    kernel_us = None
+    if cuda:
+        kernel_us = 0.0
+        for e in ev:
+            if str(getattr(e, "device_type", "")).endswith("CUDA"):
+                t = getattr(e, "self_device_time_total", None)
+                kernel_us += t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
+    return {"host_syncs": sum(sites.values()) if cuda else None, "sync_sites": sites.most_common(8),
+            "launches": sum(e.count for e in ev if e.key in _LAUNCH_CALLS),
+            "aten_ops": sum(e.count for e in ev if e.key.startswith("aten::")), "cpu_s": cpu_s,
+            "kernel_s": None if kernel_us is None else kernel_us * 1e-6}
+
+
 def _max_abs_diff(got: list, want: list) -> float:
     """Largest absolute difference over paired tensors (inf where one side is missing)."""
     worst = 0.0
@@ -341,6 +394,17 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
                 if last:
                     copies = _copy_overlap(layer.timeline)
                     layer.timeline = None
+            diag = None
+            if strategy == "keep" and spec.get("diagnose", True):
+                # one more step under the profiler (and the sync debug mode on a GPU): where the
+                # time of a deeper pipeline goes (launches, host syncs, device time)
+                def one_step():
+                    xi = x.clone().requires_grad_()
+                    (layer(xi) * g).sum().backward()
+
+                diag = diagnose_step(one_step, cuda)
+                for p in layer.parameters():
+                    p.grad = None
             st = layer.expert_path.memory_stats
             model = expert_block_bytes(st["rows"], spec["d_model"], layer.config.n1, strategy,
                                        torch.empty((), dtype=dt).element_size(), mi)
@@ -349,7 +413,7 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
                         "held_bytes": held, "peak_bytes": peak, "saved_bytes": sum(seen.values()),
                         "model_bytes": model["device"], "host_bytes": sum(st["d2h_bytes"].values()),
                         "model_host_bytes": model["host"], "copy_s": copies[0], "copy_hidden_frac": copies[1],
-                        "max_abs_diff_vs_keep": diff,
+                        "max_abs_diff_vs_keep": diff, "diagnosis": diag,
                         "sim": predict_single(spec, n, strategy, mi) if cuda else None,
                         **{k: spec[k] for k in ("tokens", "d_model", "d_ffn", "num_experts", "top_k",
                                                  "activation", "dtype")}})
@@ -383,6 +447,16 @@ def format_single(results: list[dict]) -> str:
     def f(v, scale=1.0, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v / scale)
 
+    diags = []
+    for r in results:
+        d = r.get("diagnosis")
+        if d:
+            top = ", ".join(f"{site} x{k}" for site, k in d["sync_sites"][:3]) or "-"
+            diags.append(f"- {r.get('shape', '-')} n={r['n']} keep, one step: {d['cpu_s'] * 1e3:.1f} ms on the host, "
+                         f"{d['launches']} kernel launches, {d['aten_ops']} aten ops, "
+                         + ("" if d["kernel_s"] is None else f"{d['kernel_s'] * 1e3:.1f} ms of kernels, ")
+                         + ("host syncs not measurable on CPU" if d["host_syncs"] is None
+                            else f"{d['host_syncs']} host syncs ({top})"))
     for r in results:
         sim = r.get("sim")
         sim_txt = "-" if not sim else (f"{sim['step_s'] * 1e3:.1f}, {sim['copy_s'] * 1e3:.1f}, "
@@ -393,7 +467,7 @@ def format_single(results: list[dict]) -> str:
             f(r["held_bytes"], mib), f(r["peak_bytes"], mib), f(r["saved_bytes"], mib), f(r["model_bytes"], mib),
             f(r.get("saving_vs_model"), 1, "{:.0%}"), f(r["host_bytes"], mib), f(r["copy_s"], 1e-3),
             f(r["copy_hidden_frac"], 1, "{:.0%}"), sim_txt, f(r.get("max_abs_diff_vs_keep"), 1, "{:.2g}")]) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + diags if diags else []))
 
 
 def format_table(results: list[dict]) -> str:

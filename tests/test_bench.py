@@ -595,6 +595,7 @@ def test_single_device_memory_check_runs_and_accounts(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
+    assert "keep, one step:" in proc.stdout and "aten ops" in proc.stdout
     strategies = ("keep", "offload", "recomm", "recompute", "recomm_recompute")
     want = {("gpt-xl", n, s, 1) for n in (2, 4) for s in strategies}
     want |= {("gpt-xl", 4, s, 2) for s in strategies[1:]}  # two MI buffers from n = 3 on
@@ -604,6 +605,12 @@ def test_single_device_memory_check_runs_and_accounts(tmp_path):
         assert r["saved_bytes"] == r["model_bytes"] > 0, r
         assert r["held_bytes"] is None and r["peak_bytes"] is None  # no device allocator on CPU
         assert r["sim"] is None  # the H100 prediction is attached on CUDA only
+        d = r["diagnosis"]  # one profiled step of "keep" per degree: where a deeper pipeline's time goes
+        if r["strategy"] == "keep":
+            assert d["host_syncs"] is None and d["kernel_s"] is None  # CPU: nothing to wait for, no kernels
+            assert d["launches"] == 0 and d["aten_ops"] > 0 and d["cpu_s"] > 0, d
+        else:
+            assert d is None
         keep = next(k for k in rows if (k["shape"], k["n"], k["strategy"]) == (r["shape"], r["n"], "keep"))
         if r["strategy"] != "keep":
             assert r["saved_bytes"] < keep["saved_bytes"]
@@ -632,3 +639,18 @@ def test_single_device_check_predictions():
     assert all(0 < w["copy_s"] < w["compute_s"] for w in wide)
     assert wide[1]["hidden_frac"] > wide[0]["hidden_frac"] and wide[1]["step_s"] < wide[0]["step_s"]
     assert bm.predict_single(bm.SINGLE_GPU, 4, "keep", 1)["hidden_frac"] is None  # no copies
+
+
+def test_step_diagnosis_counts_what_it_reports():
+    """bench.memory.diagnose_step on CPU: a step of 3 matmuls and an add is 4+ aten operator
+    calls (the profiler's count), no kernel launches and no host-sync count (CPU has none)."""
+    from bench.memory import diagnose_step
+
+    a = torch.randn(8, 8)
+
+    def step():
+        (a @ a @ a @ a + 1).sum()
+
+    d = diagnose_step(step, cuda=False)
+    assert d["aten_ops"] >= 5 and d["launches"] == 0 and d["host_syncs"] is None and d["sync_sites"] == []
+    assert d["cpu_s"] > 0 and d["kernel_s"] is None
