@@ -346,11 +346,17 @@ def static_table(rank: int, P: int) -> dict:
             y = ep.expert_path(x2, routing, ep.expert_weights())
             y.sum().backward()
         syncs[f"static case {i}"] = list(counter.syncs)
-    # Control: the dynamic path's counts exchange is a host sync, and the counter sees it.
-    dyn = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, 2), ep_group=dist.group.WORLD, dtype=torch.float64)
-    x3 = torch.randn(5, D_MODEL, dtype=torch.float64, requires_grad=True)
+    # The dynamic path at pipeline degree 3: its permutes size their buffers from the slot count,
+    # so none reads R back (its one sync, the counts exchange's tolist, is not a dispatched op).
+    dyn = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, 2, pipeline_degree=3, capacity_factor=1.0),
+                      ep_group=dist.group.WORLD, dtype=torch.float64)
+    x3 = torch.randn(7, D_MODEL, dtype=torch.float64, requires_grad=True)
     _, routing = dyn.route(x3)
     with SyncCounter() as counter:
         dyn.expert_path(x3, routing, dyn.expert_weights()).sum().backward()
     syncs["dynamic"] = list(counter.syncs)
+    # Control: a permute without num_rows reads R back from the device, and the counter sees it.
+    with SyncCounter() as counter:
+        tm.permute(x3.detach(), routing.topk_ids, NUM_EXPERTS)
+    syncs["control"] = list(counter.syncs)
     return {"failures": failures, "syncs": syncs}

@@ -978,3 +978,17 @@ def test_gpu_grouped_ffn_configs(dtype, rows_per_expert):
     for name, a, b in zip(("dx", "dw1", "dw2"), _grad(y, (x, w1, w2), g),
                           _grad(y_ref, (x, w1, w2), g)):
         assert_close(a, b, dtype, True, name)
+
+
+def test_weight_grad_store_flush_without_deferred_rows_reads_no_counts():
+    """The W step of a pass whose GEMMs computed their own weight gradients (the kernels' path:
+    nothing deferred) reads no counts back: on a GPU, reading them is a host sync per micro-op."""
+    from tritonmoe.exact import WeightGradStore
+
+    class NoRead:
+        def tolist(self):
+            raise AssertionError("flush read the counts although nothing was deferred")
+
+    w = torch.zeros(2, 3, 4, requires_grad=True)
+    store = WeightGradStore([w], 3)
+    assert store.flush([NoRead()] * 3) == [None]

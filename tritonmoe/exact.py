@@ -160,6 +160,9 @@ class WeightGradStore:
         another order than the unscheduled computation's puts them back in that order. Frees the
         recorded rows."""
         out: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        if not self._pieces:  # nothing deferred (the kernels' GEMMs compute their own): no sync
+            self._calls = {}
+            return out
         counts = [c.tolist() for c in group_counts]  # host sync: row ranges per (group, expert)
         for j, sites in sorted(self._pieces.items()):
             for per_op in sites:

@@ -410,7 +410,9 @@ class ExpertParallelExperts(ExpertPath):
 
         def resend(i: int) -> torch.Tensor:
             a, b = bounds[i]
-            return permute(x_keep[a:b], ids[a:b], c.num_experts)[0]
+            # the slot bound as the buffer's rows (no host sync), then the rows the forward sent
+            rows = permute(x_keep[a:b], ids[a:b], c.num_experts, num_rows=(b - a) * ids.shape[1])[0]
+            return rows[: plan.send_rows(i)]
 
         from .comm.partition import _transpose_chunks
 
@@ -471,11 +473,17 @@ class ExpertParallelExperts(ExpertPath):
         permute = self.impl("permute", x_TD)
         sends, infos = [], []
         for a, b in bounds:
-            x_perm, info = permute(x_TD[a:b], routing.topk_ids[a:b], c.num_experts)
+            # num_rows = the micro-batch's slots, a bound on its routed rows known on the host, so
+            # the permute reads nothing back (without it every micro-op's permute synchronizes to
+            # size its buffer); the rows past R (capacity drops) are zero and cut off below
+            x_perm, info = permute(x_TD[a:b], routing.topk_ids[a:b], c.num_experts,
+                                   num_rows=(b - a) * routing.topk_ids.shape[1])
             sends.append(x_perm)
             infos.append(info)
         plan = disp.exchange_counts(torch.stack([info.counts for info in infos]), row_dtype=x_TD.dtype,
                                     row_width=x_TD.shape[1])
+        # the rows each micro-op really sends (the split exchange's host sync has them)
+        sends = [s if s.shape[0] == plan.send_rows(i) else s[: plan.send_rows(i)] for i, s in enumerate(sends)]
         if strategy is None:
             backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD, weights), weights.params(),
                                        trace=self.trace)
