@@ -216,6 +216,21 @@ class HostSyncs:
                 setattr(owner, name, old)
         self._saved.clear()
 
+    def as_device_work(self, fn):
+        """``fn`` wrapped so that nothing it does is counted: for code that stands in for
+        asynchronous device work on CPU (Triton's interpreter running a kernel launch reads its
+        tensors on the host, which a GPU launch does not)."""
+        counter = self
+
+        def wrapper(*args, **kwargs):
+            counter._tls.depth = getattr(counter._tls, "depth", 0) + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter._tls.depth -= 1
+
+        return wrapper
+
     # -- reading -------------------------------------------------------------------------------
 
     def where(self) -> list[str]:

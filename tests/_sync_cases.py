@@ -11,11 +11,11 @@ from _sync import HostSyncs
 D = 8
 
 
-def _layer_step(layer: tm.MoELayer, T: int, seed: int) -> None:
+def _layer_step(layer: tm.MoELayer, T: int, seed: int, dtype: torch.dtype = torch.float64) -> None:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, dtype=torch.float64, generator=gen).requires_grad_()
+    x = torch.randn(T, D, dtype=dtype, generator=gen).requires_grad_()
     out = layer(x)
-    ((out * torch.randn(out.shape, dtype=torch.float64, generator=gen)).sum() + layer.aux_loss).backward()
+    ((out * torch.randn(out.shape, dtype=dtype, generator=gen)).sum() + layer.aux_loss).backward()
 
 
 def layer_syncs(rank: int, P: int) -> dict:
@@ -44,4 +44,20 @@ def layer_syncs(rank: int, P: int) -> dict:
     with HostSyncs() as s:
         _layer_step(dyn, 6 if rank == 0 else 0, 20)
     out["dynamic"] = [(y.kind, y.where, y.source().strip(), y.commented()) for y in s.syncs]
+    # the dynamic mode on the Triton kernels (the GPU's path; the interpreter on CPU, its kernel
+    # runs not counted: on a GPU a launch is asynchronous), pipelined with capacity drops
+    import triton.runtime.interpreter as interp
+
+    torch.manual_seed(0)
+    tri = tm.MoELayer(tm.MoEConfig(D, 6, 4, 2, aux_loss_coef=0.01, pipeline_degree=3, capacity_factor=1.0,
+                                   backend="triton"), ep_group=dist.group.WORLD, dtype=torch.float32)
+    _layer_step(tri, 4, 1, torch.float32)
+    run = interp.InterpretedFunction.run
+    with HostSyncs() as s:
+        interp.InterpretedFunction.run = s.as_device_work(run)
+        try:
+            _layer_step(tri, 7 if rank == 0 else 5, 21, torch.float32)
+        finally:
+            interp.InterpretedFunction.run = run
+    out["dynamic-triton"] = [(y.kind, y.where, y.source().strip(), y.commented()) for y in s.syncs]
     return out

@@ -8,7 +8,8 @@ scalar reads and copies patched, data-dependent ATen ops seen by a dispatch mode
   host sync, on 2 gloo ranks, for two configurations and ragged batches (a rank with zero tokens).
 * The dynamic expert-parallel mode: its syncs are exactly the known, commented ones (each line
   carries a "host sync" comment): the counts exchange, and on the reference backend the
-  reference's own row slicing and the exact weight-gradient flush.
+  reference's own row slicing and the exact weight-gradient flush; on the Triton kernels
+  (pipelined, with capacity drops) the counts exchange alone.
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ def test_counter_sees_every_sync_path_once():
 #: flush (tritonmoe.exact); on CUDA the Triton kernels replace the reference's.
 DYNAMIC_SYNCS = {
     ("comm/splits.py", "exchange_counts"),
-    ("tritonmoe/reference.py", "permute_rows"),
     ("tritonmoe/reference.py", "copy_segments"),
     ("tritonmoe/reference.py", "clamped_offsets"),
     ("tritonmoe/exact.py", "flush"),
@@ -83,6 +83,11 @@ def test_static_ep_layer_step_is_sync_free_and_dynamic_syncs_are_the_commented_o
     results, _ = run_group(2, _sync_cases.layer_syncs, deadline_s=180, pg_timeout_s=60)
     for rank, cases in enumerate(values_or_fail(results)):
         for case, syncs in cases.items():
+            if case == "dynamic-triton":
+                # the kernels' path, pipelined (3 micro-ops) with capacity drops: the counts
+                # exchange only (no per-micro-op permute sizing, no W-step count read)
+                assert [w.split("(")[1].rstrip(")") for _, w, _, _ in syncs] == ["exchange_counts"], (rank, syncs)
+                continue
             if case != "dynamic":
                 assert syncs == [], (rank, case, syncs)
                 continue
