@@ -242,57 +242,99 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
             "hidden_frac": _intersection_length(cp, comp) / total if total > 0 else None}
 
 
-#: CUDA runtime/driver calls that launch a kernel (Triton launches through the driver API)
-_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+#: Prefixes of the CUDA runtime/driver calls that launch work (the profiler may give them a version
+#: suffix, e.g. ``cudaLaunchKernelExC_v11060``; Triton launches through ``cuLaunchKernel*``)
+_LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
+#: The source roots whose frames a sync is attributed to
+_PROJECT_DIRS = ("tritonmoe", "kernels", "comm", "bench")
+
+
+def _project_site() -> str:
+    """The innermost frame of this project's code on the current stack, as ``dir/file.py:line``
+    (else the innermost frame outside torch, the warnings machinery and this function)."""
+    import os
+    import sys
+
+    f = sys._getframe(2)
+    fallback = None
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        parts = fn.split(os.sep)
+        for d in _PROJECT_DIRS:
+            if d in parts[:-1] and "site-packages" not in parts and fn != os.path.abspath(__file__):
+                i = len(parts) - 1 - parts[::-1].index(d)
+                return f"{'/'.join(parts[i:])}:{f.f_lineno}"
+        if fallback is None and not fn.startswith(torch_dir) and "warnings" not in parts[-1]:
+            fallback = f"{parts[-1]}:{f.f_lineno}"
+        f = f.f_back
+    return fallback or "?"
 
 
 def diagnose_step(step, cuda: bool) -> dict:
     """Where one training step's time goes on the host: ``step()`` run once under the PyTorch
     profiler (CPU, and CUDA activities on a GPU) and, on a GPU, with
     ``torch.cuda.set_sync_debug_mode("warn")``, which warns at every operation that makes the host
-    wait for the device. Returns ``host_syncs`` (count; None on CPU, where nothing synchronizes)
-    and ``sync_sites`` (the warnings' source lines, most frequent first), ``launches`` (kernel
-    launch calls), ``aten_ops`` (PyTorch operator calls), ``cpu_s`` (the step's wall time on the
-    host) and ``kernel_s`` (the device time of its kernels; None on CPU)."""
+    wait for the device. Returns:
+
+    * ``host_syncs`` (count; None on CPU, where nothing synchronizes) and ``sync_sites``: where
+      they happened, the innermost frame of this project's code when the warning was issued,
+      most frequent first (a sync inside the C++ autograd engine is reported when ``backward``
+      returns, so it shows as the line that called backward);
+    * ``launches``: kernel launch calls (runtime and driver API, graph launches included);
+    * ``aten_ops``: top-level PyTorch operator calls (an op called by another op not counted);
+    * ``profiled_host_s``: the step's host wall time under the profiler and the sync debug mode
+      (inflated by both, and including the host's waits: compare with the unprofiled step time);
+    * ``device_s`` (summed device time of the kernels, on every stream, so it can exceed the
+      step's wall time) and ``copy_s`` (of memcpy / memset); None on CPU."""
     import collections
-    import os
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    caught: list = []
+    sites: collections.Counter = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message).lower():
+            sites[_project_site()] += 1
+
     with profile(activities=acts) as prof:
         prev = torch.cuda.get_sync_debug_mode() if cuda else None
         t0 = time.perf_counter()
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = show
                 if cuda:
                     torch.cuda.set_sync_debug_mode("warn")
                 step()
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode(prev)
-        cpu_s = time.perf_counter() - t0
+        host_s = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize()
-    sites: collections.Counter = collections.Counter()
-    for w in caught:
-        if "synchroniz" in str(w.message).lower():
-            sites[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
     ev = prof.key_averages()
-    kernel_us = None
+    device_us = copy_us = None
     if cuda:
-        kernel_us = 0.0
+        device_us = copy_us = 0.0
         for e in ev:
-            if str(getattr(e, "device_type", "")).endswith("CUDA"):
-                t = getattr(e, "self_device_time_total", None)
-                kernel_us += t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
+            if not str(getattr(e, "device_type", "")).endswith("CUDA") or getattr(e, "is_user_annotation", False):
+                continue
+            t = getattr(e, "self_device_time_total", None)
+            t = t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
+            if e.key.lower().startswith(("memcpy", "memset")):
+                copy_us += t
+            else:
+                device_us += t
+    top_level = sum(1 for e in prof.events() if e.name.startswith("aten::")
+                    and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
     return {"host_syncs": sum(sites.values()) if cuda else None, "sync_sites": sites.most_common(8),
-            "launches": sum(e.count for e in ev if e.key in _LAUNCH_CALLS),
-            "aten_ops": sum(e.count for e in ev if e.key.startswith("aten::")), "cpu_s": cpu_s,
-            "kernel_s": None if kernel_us is None else kernel_us * 1e-6}
+            "launches": sum(e.count for e in ev if e.key.startswith(_LAUNCH_PREFIXES)),
+            "aten_ops": top_level, "profiled_host_s": host_s,
+            "device_s": None if device_us is None else device_us * 1e-6,
+            "copy_s": None if copy_us is None else copy_us * 1e-6}
 
 
 def _max_abs_diff(got: list, want: list) -> float:
@@ -452,9 +494,11 @@ def format_single(results: list[dict]) -> str:
         d = r.get("diagnosis")
         if d:
             top = ", ".join(f"{site} x{k}" for site, k in d["sync_sites"][:3]) or "-"
-            diags.append(f"- {r.get('shape', '-')} n={r['n']} keep, one step: {d['cpu_s'] * 1e3:.1f} ms on the host, "
-                         f"{d['launches']} kernel launches, {d['aten_ops']} aten ops, "
-                         + ("" if d["kernel_s"] is None else f"{d['kernel_s'] * 1e3:.1f} ms of kernels, ")
+            diags.append(f"- {r.get('shape', '-')} n={r['n']} keep, one step: {d['profiled_host_s'] * 1e3:.1f} ms "
+                         f"profiled host wall time (unprofiled median {r['step_median_s'] * 1e3:.1f} ms), "
+                         f"{d['launches']} kernel launches, {d['aten_ops']} top-level aten ops, "
+                         + ("" if d["device_s"] is None else
+                            f"{d['device_s'] * 1e3:.1f} ms summed kernel time, {d['copy_s'] * 1e3:.1f} ms of copies, ")
                          + ("host syncs not measurable on CPU" if d["host_syncs"] is None
                             else f"{d['host_syncs']} host syncs ({top})"))
     for r in results:

@@ -48,16 +48,20 @@ def layer_syncs(rank: int, P: int) -> dict:
     # runs not counted: on a GPU a launch is asynchronous), pipelined with capacity drops
     import triton.runtime.interpreter as interp
 
-    torch.manual_seed(0)
-    tri = tm.MoELayer(tm.MoEConfig(D, 6, 4, 2, aux_loss_coef=0.01, pipeline_degree=3, capacity_factor=1.0,
-                                   backend="triton"), ep_group=dist.group.WORLD, dtype=torch.float32)
-    _layer_step(tri, 4, 1, torch.float32)
-    run = interp.InterpretedFunction.run
-    with HostSyncs() as s:
-        interp.InterpretedFunction.run = s.as_device_work(run)
-        try:
-            _layer_step(tri, 7 if rank == 0 else 5, 21, torch.float32)
-        finally:
-            interp.InterpretedFunction.run = run
-    out["dynamic-triton"] = [(y.kind, y.where, y.source().strip(), y.commented()) for y in s.syncs]
+    # (the re-dispatching memory strategies too: their backward permutes again; with a rank that
+    # has no tokens)
+    for strategy, tokens in ((None, (7, 5)), ("recomm", (7, 0)), ("recomm_recompute", (0, 6))):
+        torch.manual_seed(0)
+        tri = tm.MoELayer(tm.MoEConfig(D, 6, 4, 2, aux_loss_coef=0.01, pipeline_degree=3, capacity_factor=1.0,
+                                       backend="triton", memory_strategy=strategy),
+                          ep_group=dist.group.WORLD, dtype=torch.float32)
+        _layer_step(tri, 4, 1, torch.float32)
+        run = interp.InterpretedFunction.run
+        with HostSyncs() as s:
+            interp.InterpretedFunction.run = s.as_device_work(run)
+            try:
+                _layer_step(tri, tokens[rank], 21, torch.float32)
+            finally:
+                interp.InterpretedFunction.run = run
+        out[f"dynamic-triton {strategy}"] = [(y.kind, y.where, y.source().strip(), y.commented()) for y in s.syncs]
     return out

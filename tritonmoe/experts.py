@@ -475,7 +475,9 @@ class ExpertParallelExperts(ExpertPath):
         for a, b in bounds:
             # num_rows = the micro-batch's slots, a bound on its routed rows known on the host, so
             # the permute reads nothing back (without it every micro-op's permute synchronizes to
-            # size its buffer); the rows past R (capacity drops) are zero and cut off below
+            # size its buffer); the rows past R (capacity drops) are zero and cut off below (the
+            # price, only with drops: the dropped slots' rows are zero-filled, and the backward of
+            # the cut materializes them as zero gradient rows)
             x_perm, info = permute(x_TD[a:b], routing.topk_ids[a:b], c.num_experts,
                                    num_rows=(b - a) * routing.topk_ids.shape[1])
             sends.append(x_perm)
