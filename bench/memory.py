@@ -81,7 +81,8 @@ def _counting(fn, params: set, sink: dict):
 
 
 def _copy_overlap(timeline) -> tuple[float, "float | None"]:
-    """(seconds on the copy lane, fraction of them during which the compute lane was busy too)."""
+    """(seconds on the copy lane, fraction of them during which the compute lane was busy too)
+    of a recorded or simulated timeline."""
     from tritonmoe.comm.timeline import _intersection_length, _union
 
     spans = timeline.spans()
@@ -89,6 +90,13 @@ def _copy_overlap(timeline) -> tuple[float, "float | None"]:
     comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
     total = sum(b - a for a, b in cp)
     return total, (_intersection_length(cp, comp) / total if total > 0 else None)
+
+
+def _lane_busy(timeline, lane: str) -> float:
+    """Seconds during which ``lane`` of the timeline was busy."""
+    from tritonmoe.comm.timeline import _union
+
+    return sum(b - a for a, b in _union((sp.start, sp.end) for sp in timeline.spans() if sp.lane == lane))
 
 
 def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]:
@@ -226,7 +234,6 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
     ``cluster``'s preset cost model): step seconds, copy-lane seconds and the fraction of them
     beside compute (the same measure as ``copy_hidden_frac``)."""
     import tritonmoe as tm
-    from tritonmoe.comm.timeline import _intersection_length, _union
     from tritonmoe.plan import Cluster, simulate
 
     cfg = tm.MoEConfig(spec["d_model"], spec["d_ffn"], spec["num_experts"], spec["top_k"], activation=spec["activation"],
@@ -234,12 +241,8 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
     tl = simulate(cfg, [spec["tokens"]], Cluster.preset(cluster, nodes=1),
                   candidate={"schedule": "ep-pipeline", "pipeline_degree": n, "memory_strategy": strategy},
                   dtype=spec["dtype"])
-    spans = tl.spans()
-    cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
-    comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
-    total = sum(b - a for a, b in cp)
-    return {"step_s": tl.step_time(), "copy_s": total, "compute_s": sum(b - a for a, b in comp),
-            "hidden_frac": _intersection_length(cp, comp) / total if total > 0 else None}
+    copy_s, hidden = _copy_overlap(tl)
+    return {"step_s": tl.step_time(), "copy_s": copy_s, "compute_s": _lane_busy(tl, "compute"), "hidden_frac": hidden}
 
 
 #: Prefixes of the CUDA runtime/driver calls that launch work (the profiler may give them a version
@@ -440,7 +443,7 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
             if strategy == "keep" and spec.get("diagnose", True):
                 # one more step under the profiler (and the sync debug mode on a GPU): where the
                 # time of a deeper pipeline goes (launches, host syncs, device time)
-                def one_step():
+                def one_step(layer=layer):
                     xi = x.clone().requires_grad_()
                     (layer(xi) * g).sum().backward()
 

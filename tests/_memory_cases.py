@@ -215,6 +215,16 @@ def run_case(rank: int, P: int, c: Case, ci: int) -> tuple[list[str], list[dict]
     return failures, acct
 
 
+def _reference(c: Case, P: int, rank: int, seeds: tuple[int, int]):
+    """The unmanaged n = 1 layer of case ``c`` (fp64, weights from ``torch.manual_seed(seeds[0])``)
+    and every rank's input batch (from a generator seeded ``seeds[1]``)."""
+    torch.manual_seed(seeds[0])
+    ref = tm.MoELayer(_config(c, 1, None), ep_group=dist.group.WORLD, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seeds[1])
+    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=torch.float64) for T in TOKENS[P][c.pattern]]
+    return ref, xs
+
+
 def auto_and_errors(rank: int, P: int) -> dict:
     """memory_strategy='auto' under a budget that rejects "keep" (still bitwise equal), and a
     budget below every candidate's need (the same MemoryBudgetError on every rank, before any
@@ -223,10 +233,7 @@ def auto_and_errors(rank: int, P: int) -> dict:
     c = CASES[P][0]
     tokens = TOKENS[P][c.pattern]
     dt = torch.float64
-    torch.manual_seed(7)
-    ref = tm.MoELayer(_config(c, 1, None), ep_group=dist.group.WORLD, dtype=dt)
-    gen = torch.Generator().manual_seed(8)
-    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+    ref, xs = _reference(c, P, rank, (7, 8))
     x = xs[rank].clone().requires_grad_()
     ref(x).sum().backward()
     want = (x.grad.clone(), ref.w1.grad.clone())
@@ -334,12 +341,8 @@ def search_run(rank: int, P: int) -> dict:
     joint search has decided; every step's candidate and gradients are recorded (the parent
     checks that every rank ran the same candidates)."""
     c = CASES[P][2]
-    tokens = TOKENS[P][c.pattern]
     dt = torch.float64
-    torch.manual_seed(21)
-    ref = tm.MoELayer(_config(c, 1, None), ep_group=dist.group.WORLD, dtype=dt)
-    gen = torch.Generator().manual_seed(22)
-    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+    ref, xs = _reference(c, P, rank, (21, 22))
     x = xs[rank].clone().requires_grad_()
     ref(x).sum().backward()
     layer = tm.MoELayer(_config(c, "search", "auto"), ep_group=dist.group.WORLD, dtype=dt)
@@ -409,12 +412,8 @@ def slow_copy_case(rank: int, P: int) -> list[str]:
     before its restore has landed (backward), whatever the copy thread's timing."""
     failures = []
     c = CASES[P][0]
-    tokens = TOKENS[P][c.pattern]
     dt = torch.float64
-    torch.manual_seed(31)
-    ref = tm.MoELayer(_config(c, 1, None), ep_group=dist.group.WORLD, dtype=dt)
-    gen = torch.Generator().manual_seed(32)
-    xs = [torch.randn(T, D_MODEL, generator=gen, dtype=dt) for T in tokens]
+    ref, xs = _reference(c, P, rank, (31, 32))
 
     def step(layer):
         x = xs[rank].clone().requires_grad_()

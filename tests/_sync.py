@@ -220,16 +220,7 @@ class HostSyncs:
         """``fn`` wrapped so that nothing it does is counted: for code that stands in for
         asynchronous device work on CPU (Triton's interpreter running a kernel launch reads its
         tensors on the host, which a GPU launch does not)."""
-        counter = self
-
-        def wrapper(*args, **kwargs):
-            counter._tls.depth = getattr(counter._tls, "depth", 0) + 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                counter._tls.depth -= 1
-
-        return wrapper
+        return self._wrap("device work", fn, when=lambda args, kwargs: False)  # never counted, hides its inside
 
     # -- reading -------------------------------------------------------------------------------
 

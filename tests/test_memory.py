@@ -400,7 +400,7 @@ def _sim_mi(strategy: str, n: int, mi: int, cluster: str = "dgx-h100") -> "tuple
     tl = simulate(cfg, 8192, Cluster.preset(cluster, nodes=1),
                   candidate={"schedule": "ep-pipeline", "pipeline_degree": n, "memory_strategy": strategy},
                   dtype="bfloat16")
-    spans = [sp for sp in tl.spans() if sp.rank == 0] if hasattr(tl.spans()[0], "rank") else tl.spans()
+    spans = [sp for sp in tl.spans() if sp.rank == 0]
     cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
     comp = _union((sp.start, sp.end) for sp in spans if sp.lane == "compute")
     total = sum(b - a for a, b in cp)
