@@ -101,7 +101,7 @@ def _lane_busy(timeline, lane: str) -> float:
 
 def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]:
     import tritonmoe as tm
-    from tritonmoe.comm import memory as memory_mod
+    from tritonmoe.comm.programs import memory_reuse as memory_mod
 
     dt = getattr(torch, spec["dtype"])
     torch.manual_seed(0)
@@ -359,7 +359,7 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
     On CUDA each row also carries the simulator's prediction for it (``sim``: :func:`predict_single`). Initializes (and destroys) a process
     group of one rank in this process."""
     import tritonmoe as tm
-    from tritonmoe.comm import memory as memory_mod
+    from tritonmoe.comm.programs import memory_reuse as memory_mod
     from tritonmoe.comm.timeline import Timeline
     from tritonmoe.plan.memory import expert_block_bytes
 

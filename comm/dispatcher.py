@@ -14,7 +14,7 @@ scheduler can split, reorder or overlap::
     unpermute
 
 ``dispatch`` and ``combine`` are the blocking, differentiable single steps; ``run_pipelined``
-runs all micro-ops' dispatch / expert / combine overlapped (:mod:`tritonmoe.comm.pipeline`).
+runs all micro-ops' dispatch / expert / combine overlapped (:mod:`tritonmoe.comm.programs.pipeline`).
 
 Rank r of P owns the experts [r*L, (r+1)*L), L = E/P. A received buffer is source-major (source
 rank, then local expert, then the source's permuted order); the expert FFN runs on the
@@ -29,7 +29,7 @@ import torch
 
 from .all_to_all import _AllToAll
 from .partition import _transpose_chunks
-from .pipeline import ExpertFn, run_pipelined
+from tritonmoe.comm.programs.pipeline import ExpertFn, run_pipelined
 from .splits import DispatchPlan, exchange_counts, group_rank_size
 from .timeline import Timeline
 

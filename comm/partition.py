@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from tritonmoe import _validation as V
+from tritonmoe.core import validation as V
 from tritonmoe import validation_enabled
-from tritonmoe.dispatch import implementation
+from tritonmoe.backends import implementation
 
 __all__ = ["copy_segments", "transpose_chunks", "chunk_transpose_segments"]
 

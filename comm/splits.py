@@ -13,7 +13,7 @@ scrambling rows. Two ways to never get there:
   and a disagreement raises the same :class:`SplitMismatchError` (a ``ValueError``) on every rank,
   naming the offending ranks, before any data moves.
 
-Shapes use the letters of :mod:`tritonmoe.types`; ``N`` is the number of micro-ops.
+Shapes use the letters of :mod:`tritonmoe.core.types`; ``N`` is the number of micro-ops.
 """
 
 from __future__ import annotations

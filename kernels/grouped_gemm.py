@@ -1,7 +1,7 @@
 """Grouped expert FFN on Triton: ``grouped_gemm``, ``grouped_ffn`` and the fused ``moe_ffn``.
 
 Launchers with the signatures of :mod:`tritonmoe.reference` (registered in
-:data:`tritonmoe.dispatch.OPS`); the kernels are in ``_grouped_gemm_kernels.py`` and the
+:data:`tritonmoe.backends.OPS`); the kernels are in ``_grouped_gemm_kernels.py`` and the
 launch parameters in ``_gemm_config.py``.
 
 Shape letters: T tokens, k slots per token, E experts, D d_model, F d_ffn, N1 the first GEMM's
@@ -43,7 +43,7 @@ deterministic run to run.
 Precision: fp32 accumulation everywhere; fp16/bf16 operands use the tensor cores; fp32 operands
 use IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, then TF32 (read at each
 call, like torch's own matmuls). fp64 inputs have no tensor-core path: the launchers refuse them
-and :mod:`tritonmoe.dispatch` sends them to :mod:`tritonmoe.reference`. Biases are added to the
+and :mod:`tritonmoe.backends` sends them to :mod:`tritonmoe.reference`. Biases are added to the
 fp32 accumulator; bias gradients are fp32 sums rounded once to the bias dtype.
 
 Backward and the pre-activation: saved by default (one extra [rows, N1] write in forward),
@@ -62,8 +62,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._host import cdiv, next_power_of_2
-from .._settings import validation_enabled
-from ..types import Routing
+from tritonmoe.core.types import Routing
 from . import _gemm_config as C
 from . import _grouped_gemm_persistent as P
 from ._grouped_gemm_kernels import (
@@ -193,11 +192,12 @@ def route_rows(topk_ids_TK: torch.Tensor, counts_E: torch.Tensor, num_experts: i
     dev = topk_ids_TK.device
     offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
     ids_S = topk_ids_TK.reshape(-1)
-    if not decode and not validation_enabled():
+    if not decode:
         # Ids outside [-1, E) are "not routed" (the validation-off contract; with validation on
-        # the public API has refused them): map them to -1 so that the stable sort puts them in
-        # the unrouted head that offsets[0] = T*k - sum(counts) assumes. The decode kernel does
-        # this in registers.
+        # the public API has refused them and this is the identity): map them to -1 so that the
+        # stable sort puts them in the unrouted head that offsets[0] = T*k - sum(counts) assumes.
+        # Always applied (one elementwise op over T*k ids), so the launcher never reads the
+        # process-wide validation flag. The decode kernel does this in registers.
         ids_S = torch.where((ids_S >= 0) & (ids_S < E), ids_S, torch.full_like(ids_S, -1))
     if decode and S > 0:
         row_map = torch.empty(S, device=dev, dtype=torch.int64)
@@ -698,7 +698,7 @@ def _check_dtype(x: torch.Tensor) -> None:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(
             f"the Triton grouped GEMMs run on tensor cores in fp16/bf16/fp32 (tf32), got {x.dtype}; "
-            "tritonmoe.dispatch sends fp64 to tritonmoe.reference"
+            "tritonmoe.backends sends fp64 to tritonmoe.reference"
         )
 
 

@@ -3,7 +3,7 @@
 :func:`permute` and :func:`unpermute` have exactly the signatures and results of
 :func:`tritonmoe.reference.permute` / :func:`tritonmoe.reference.unpermute` (metadata bit-exact,
 permuted rows bit-exact, the weighted combine accumulated per token in fp32, fp64 for fp64) and
-are registered in :data:`tritonmoe.dispatch.OPS`. They assume validated arguments (the
+are registered in :data:`tritonmoe.backends.OPS`. They assume validated arguments (the
 public :func:`tritonmoe.permute` / :func:`tritonmoe.unpermute` check them).
 
 Building blocks, usable on their own (meant for the expert-parallel and pipelining code):
@@ -45,9 +45,8 @@ from typing import Iterator
 import torch
 import triton.language as tl
 
-from tritonmoe import _validation as V
-from tritonmoe.reference import max_permuted_rows
-from tritonmoe.types import PermuteInfo
+from tritonmoe.core import validation as V
+from tritonmoe.core.types import PermuteInfo, max_permuted_rows
 
 from ._host import cdiv, next_power_of_2
 from ._permute_kernels import (

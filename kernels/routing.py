@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from tritonmoe.types import Routing
+from tritonmoe.core.types import Routing
 
 from ._host import cdiv, next_power_of_2
 from ._routing_kernels import (
@@ -368,13 +368,13 @@ def route(
     :func:`tritonmoe.reference.selection_values` (see ``_routing_kernels``).
 
     fp16/bf16/fp32 logits only: the kernels compute in fp32, which would not meet the fp64
-    contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.dispatch` routes fp64 logits
+    contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.backends` routes fp64 logits
     to the reference.
     """
     if logits_TE.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(
             f"the Triton router computes in fp32 and takes fp16/bf16/fp32 logits, got {logits_TE.dtype}; "
-            "tritonmoe.dispatch sends fp64 to tritonmoe.reference.route"
+            "tritonmoe.backends sends fp64 to tritonmoe.reference.route"
         )
     T, E = logits_TE.shape
     prob = _problem(T, E, top_k, n_groups, topk_groups, score_func, renormalize, capacity, with_aux, group_score,

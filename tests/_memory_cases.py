@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import tritonmoe as tm
-from tritonmoe.comm import memory as memory_mod
+from tritonmoe.comm.programs import memory_reuse as memory_mod
 from tritonmoe.plan.memory import MemoryBudgetError, expert_block_bytes
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 6, 8

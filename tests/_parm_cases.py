@@ -152,7 +152,7 @@ class Counter:
 
     @contextmanager
     def installed(self):
-        from tritonmoe import dispatch
+        from tritonmoe import backends as dispatch
 
         # (all_gather_single exists from torch 2.12; tritonmoe.comm.compat calls it where it does)
         saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
@@ -496,7 +496,8 @@ def _split_table(P: int, seed: int, zero_rate: float = 0.3) -> list[list[int]]:
 def saa_checks(rank: int, P: int, cache: dict) -> list[str]:
     """SAA == all_gather(all_to_all(x)) for MP groups of 2 and P/2 consecutive ranks, uneven and
     zero splits; forward bitwise, backward bitwise against the composition's autograd."""
-    from tritonmoe.comm import all_to_all, saa
+    from tritonmoe.comm import all_to_all
+    from tritonmoe.comm.programs import saa
 
     failures = []
     world = dist.group.WORLD

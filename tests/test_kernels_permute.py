@@ -19,7 +19,7 @@ import tritonmoe as tm
 from tritonmoe import reference as ref
 from tritonmoe.kernels import permute as kp
 from tritonmoe.kernels._permute_kernels import row_offset
-from tritonmoe.types import PermuteInfo
+from tritonmoe.core.types import PermuteInfo
 
 from strategies import permute_cases
 
@@ -119,7 +119,7 @@ def check_unpermute(y, info, w, config="default"):
 
 
 def test_registered():
-    from tritonmoe.dispatch import implementation as select_impl
+    from tritonmoe.backends import implementation as select_impl
 
     assert select_impl("permute", "triton", DEV) is kp.permute
     assert select_impl("unpermute", "triton", DEV) is kp.unpermute

@@ -1,4 +1,4 @@
-"""MPMoE memory reuse and restore strategies (paper 004; tritonmoe.comm.memory, tritonmoe.plan.memory).
+"""MPMoE memory reuse and restore strategies (paper 004; tritonmoe.comm.programs.memory_reuse, tritonmoe.plan.memory).
 
 The distributed checks run in one spawned gloo group per size (tests/_memory_cases.py): every
 strategy x degree bitwise equal to the unmanaged n = 1 layer in fp64 (outputs and every gradient,
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import _memory_cases
 import tritonmoe as tm
 from _dist import run_group, values_or_fail
-from tritonmoe.comm.memory import STRATEGIES, memory_layout, restore_schedule
+from tritonmoe.comm.programs.memory_reuse import STRATEGIES, memory_layout, restore_schedule
 from tritonmoe.memory import check_offload, pinned_memory_available
 from tritonmoe.plan.memory import (
     MemoryBudgetError,

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
-from tritonmoe.comm.hierarchical import _send_layout_index, hierarchical_plan
-from tritonmoe.comm.parm import baseline_plan, pause_plan, s2_part_counts, saa_plan
+from tritonmoe.comm.programs.hierarchical import _send_layout_index, hierarchical_plan
+from tritonmoe.comm.programs.model_parallel import baseline_plan, pause_plan, s2_part_counts, saa_plan
 from tritonmoe.parm_layout import LayoutError, ParmLayout
 from tritonmoe.plan.parm import AlphaBeta, ParmCostModel, algorithm1, fit_alpha_beta, step_times
 
@@ -282,7 +282,7 @@ def test_hierarchical_steps_equal_the_flat_exchange(shape, data):
 @given(st.sampled_from([(4, 2), (4, 4), (8, 2), (8, 4)]), st.data())
 def test_saa_schedule_messages_match_across_ranks(shape, data):
     from tritonmoe.comm.executor import VirtualTensor
-    from tritonmoe.comm.saa import saa_schedule
+    from tritonmoe.comm.programs.saa import saa_schedule
     from tritonmoe.plan import SimExecutor, VirtualGroup
 
     P, n_mp = shape

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import tritonmoe as tm
 from tritonmoe.comm.executor import VirtualTensor
-from tritonmoe.comm.saa import saa_schedule
+from tritonmoe.comm.programs.saa import saa_schedule
 from tritonmoe.parm_layout import ParmLayout
 from tritonmoe.plan import GPUS, Cluster, Link, SimExecutor, VirtualGroup
 from tritonmoe.plan import engine

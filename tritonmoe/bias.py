@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from . import _validation as V
+from tritonmoe.core import validation as V
 
 __all__ = [
     "ExpertBiasError", "check_expert_bias", "expert_bias_finite", "nan_weights_if_nonfinite", "update_expert_bias",

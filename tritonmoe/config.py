@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from . import _validation as V
-from ._settings import BACKENDS
+from tritonmoe.core import validation as V
+from tritonmoe.core.settings import BACKENDS
 
 #: Values of MoEConfig.ffn_path.
 FFN_PATHS = ("auto", "fused", "unfused")
@@ -214,7 +214,7 @@ class MoEConfig:
                     f"got memory_strategy={self.memory_strategy!r}"
                 )
             object.__setattr__(self, "memory_budget_bytes", int(b))
-        from tritonmoe.comm.memory import check_mi_buffers
+        from tritonmoe.comm.programs.memory_reuse import check_mi_buffers
 
         object.__setattr__(self, "memory_mi_buffers", check_mi_buffers(self.memory_mi_buffers))
         if self.memory_mi_buffers != 1 and self.memory_strategy in (None, "keep"):

@@ -11,7 +11,7 @@ sum of the chosen experts' FFN outputs per token, wherever those experts live::
 * :class:`ExpertParallelExperts`: rank r of an expert-parallel group of P ranks owns the experts
   [r*E/P, (r+1)*E/P); the tokens travel to their experts and back (all-to-all), in
   ``pipeline_degree`` micro-ops whose communication overlaps expert compute
-  (:mod:`tritonmoe.comm.pipeline`).
+  (:mod:`tritonmoe.comm.programs.pipeline`).
 * :class:`tritonmoe.parm_experts.ParmExperts`: model + expert + expert-sharding parallelism
   (paper 003), with Parm's schedules. Its S1 schedule routes only this model-parallel rank's
   slice of the tokens, so it takes over the layer's whole step (:meth:`ExpertPath.layer_forward`).
@@ -21,7 +21,7 @@ branch in the layer. Every path takes the layer's expert parameters as :class:`E
 (it owns none: ``layer.w1``/``layer.w2`` stay where checkpoints and optimizers expect them) and
 records which variant ran in :attr:`ExpertPath.path_used`.
 
-The ops run on the implementation :mod:`tritonmoe.dispatch` picks for the layer's backend,
+The ops run on the implementation :mod:`tritonmoe.backends` picks for the layer's backend,
 device and dtype; the layer produces its own routing metadata, so no value checks run here.
 """
 
@@ -32,10 +32,10 @@ from typing import Any, Optional
 
 import torch
 
-from . import ops, reference
+from tritonmoe import custom_ops as ops, reference
 from .config import MoEConfig
-from .dispatch import implementation
-from .types import Routing
+from tritonmoe.backends import implementation
+from tritonmoe.core.types import Routing
 
 __all__ = [
     "ExpertWeights",
@@ -171,7 +171,7 @@ class LocalExperts(ExpertPath):
         w, kw = weights, ffn_options(c)
         path = self.choose(x_TD, routing, w)
         self.path_used = path
-        # Traced by torch.compile: the custom ops (tritonmoe.ops; one opaque node each, no graph
+        # Traced by torch.compile: the custom ops (tritonmoe.custom_ops; one opaque node each, no graph
         # break), the same variant and implementations as eager.
         compiling = torch.compiler.is_compiling()
         # Training (grad enabled) in the "save" pre-activation mode: the ops that return the
@@ -200,7 +200,7 @@ class LocalExperts(ExpertPath):
 @torch._dynamo.assume_constant_result
 def _saves_activations() -> bool:
     """Whether the compiled layer's expert FFN saves its activations for backward (the
-    ``*_train`` custom ops) rather than recomputing them: :func:`tritonmoe.ops.preact_mode`,
+    ``*_train`` custom ops) rather than recomputing them: :func:`tritonmoe.custom_ops.preact_mode`,
     read once at trace time."""
     return ops.preact_mode() == "save"
 
@@ -282,7 +282,7 @@ class ExpertParallelExperts(ExpertPath):
     dispatch / expert FFN / combine per micro-op, pipelined (forward and backward), and unpermute
     each micro-batch. The expert FFN runs on the expert-major re-layout of the received rows: one
     grouped FFN per micro-op over the local experts; its weight gradients are deferred to one W
-    step where the GEMM supports it (:mod:`tritonmoe.exact`).
+    step where the GEMM supports it (:mod:`tritonmoe.core.exact`).
 
     Construction is collective (one small all-to-all): every rank of the group must agree on the
     settings that size later collectives, or every rank raises the same ``ValueError``.
@@ -388,7 +388,7 @@ class ExpertParallelExperts(ExpertPath):
     def _build_memory_policy(self, group: Any, dtype: torch.dtype):
         from .memory import pinned_memory_available, uses_offload
         from .plan.memory import AutoMemory, SearchMemory
-        from .comm.memory import STRATEGIES
+        from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 
         device = _group_device(group)
         strategies = STRATEGIES
@@ -399,10 +399,10 @@ class ExpertParallelExperts(ExpertPath):
         return AutoMemory(self.config, group, device, dtype, strategies)
 
     def memory_ffn(self, plan, x_TD: torch.Tensor, routing: Routing, bounds, weights: ExpertWeights):
-        """The :class:`tritonmoe.comm.memory.ExpertFFN` of the managed block: the layer's grouped
+        """The :class:`tritonmoe.comm.programs.memory_reuse.ExpertFFN` of the managed block: the layer's grouped
         GEMM and activation, the dispatcher's re-layouts, and the re-permute of micro-batch i's
         tokens (from the layer input, which the router keeps anyway) for "recomm"."""
-        from .comm.memory import ExpertFFN
+        from tritonmoe.comm.programs.memory_reuse import ExpertFFN
 
         c, disp = self.config, self.dispatcher
         permute = self.impl("permute", x_TD)
@@ -490,7 +490,7 @@ class ExpertParallelExperts(ExpertPath):
             backs = disp.run_pipelined(sends, plan, self.expert_fn(plan, x_TD, weights), weights.params(),
                                        trace=self.trace)
         else:
-            from .comm import memory as _memory
+            from tritonmoe.comm.programs import memory_reuse as _memory
 
             backs = _memory.run_memory_pipelined(
                 sends, plan, self.memory_ffn(plan, x_TD, routing, bounds, weights), weights.params(),

@@ -1,19 +1,19 @@
 """The public functional ops: validate at the boundary, then dispatch to a backend.
 
 Each op takes ``backend="auto"|"triton"|"torch"`` (None = the process default, see
-:mod:`tritonmoe._settings`). Shapes use the letters of :mod:`tritonmoe.types`.
+:mod:`tritonmoe.core.settings`). Shapes use the letters of :mod:`tritonmoe.core.types`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _validation as V
+from tritonmoe.core import validation as V
 from . import reference
-from ._settings import validation_enabled
+from tritonmoe.core.settings import validation_enabled
 from .bias import nan_weights_if_nonfinite
-from .dispatch import implementation
-from .types import PermuteInfo, Routing
+from tritonmoe.backends import implementation
+from tritonmoe.core.types import PermuteInfo, Routing
 
 __all__ = [
     "route",
@@ -38,12 +38,12 @@ def _check_values(t: torch.Tensor) -> bool:
 
 
 def _traced():
-    """:mod:`tritonmoe.ops` while ``torch.compile`` traces the call, else None: compiled, each op
+    """:mod:`tritonmoe.custom_ops` while ``torch.compile`` traces the call, else None: compiled, each op
     is its ``torch.ops.tritonmoe`` custom op (one opaque node, no graph break), in the backend
     the eager call would use."""
     if not torch.compiler.is_compiling():
         return None
-    from . import ops
+    from tritonmoe import custom_ops as ops
 
     return ops
 
@@ -263,7 +263,7 @@ def grouped_gemm(
     if _check_values(x):
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0], allow_tail=True)
     if _traced() is not None:
-        from ._settings import resolve_backend
+        from tritonmoe.core.settings import resolve_backend
 
         return torch.ops.tritonmoe.grouped_gemm(x, expert_offsets, w, bias, resolve_backend(backend))
     impl = implementation("grouped_gemm", backend, x.device, x.dtype)

@@ -466,7 +466,7 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     """transformers' experts call ``(hidden_states [T, D], top_k_index [T, k], top_k_weights)``
     on tritonmoe's fused expert FFN (the block's routing; transformers' gate-up experts)."""
     from .functional import moe_ffn
-    from .types import Routing
+    from tritonmoe.core.types import Routing
 
     if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False):
         raise NotImplementedError(f"the tritonmoe experts implementation runs gate-up SwiGLU experts without biases; "

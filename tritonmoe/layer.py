@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import ops, reference
+from tritonmoe import custom_ops as ops, reference
 from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
-from .dispatch import implementation
-from .exact import rowwise_mm
-from ._validation import GLU_ACTIVATIONS
+from tritonmoe.backends import implementation
+from tritonmoe.core.exact import rowwise_mm
+from tritonmoe.core.validation import GLU_ACTIVATIONS
 from .experts import (
     ExpertParallelExperts,
     ExpertPath,
@@ -25,7 +25,7 @@ from .experts import (
 )
 from .parallel.guard import check_ddp
 from .parallel.init import draw_seed, init_experts_
-from .types import Routing
+from tritonmoe.core.types import Routing
 
 __all__ = ["MoELayer", "Router", "SharedExperts", "router_logits"]
 
@@ -35,7 +35,7 @@ def router_logits(
 ) -> torch.Tensor:
     """The router's logits ``x @ weight.T (+ bias)``: ``router(x)`` when the module is given (so
     its hooks run, e.g. FSDP's unshard), else the product itself, which in fp64 (the
-    exact-reference dtype of the tests) is row-invariant (:func:`tritonmoe.exact.rowwise_mm`): a
+    exact-reference dtype of the tests) is row-invariant (:func:`tritonmoe.core.exact.rowwise_mm`): a
     token's logits do not depend on how many other tokens share the call, so a schedule that
     routes a slice of the tokens (Parm's S1) makes the same routing decisions as one that routes
     them all. The same arithmetic as :class:`Router` (bias included)."""
@@ -85,7 +85,7 @@ class SharedExperts(nn.Module):
     activation (``w1`` [d_model, n1], gate columns first for the GLUs; ``w2`` [shared_d_ffn,
     d_model]), optionally scaled per token by ``sigmoid(x @ gate)`` (``gate`` [d_model];
     Qwen2-MoE). Replicated on every rank (a dense parameter for data parallelism). In fp64 the
-    products are row-invariant (:func:`tritonmoe.exact.rowwise_mm`), like the router's."""
+    products are row-invariant (:func:`tritonmoe.core.exact.rowwise_mm`), like the router's."""
 
     def __init__(self, config: MoEConfig, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -144,7 +144,7 @@ class MoELayer(nn.Module):
     * The router is replicated: initialize it identically on every rank; its gradient is this
       rank's (a data-parallel wrapper averages it). ``aux_loss`` is this rank's batch's loss.
     * ``config.pipeline_degree`` = n cuts the local tokens into n micro-batches whose dispatch,
-      expert FFN and combine are pipelined (:mod:`tritonmoe.comm.pipeline`); every rank of the
+      expert FFN and combine are pipelined (:mod:`tritonmoe.comm.programs.pipeline`); every rank of the
       group must use the same n. Routing is decided once for the whole local batch, so n changes
       the schedule, not the result: bitwise in fp64 on the reference backend (see that module).
     * Set ``layer.timeline = tritonmoe.comm.Timeline()`` to record each micro-op's spans.
@@ -378,7 +378,7 @@ class MoELayer(nn.Module):
         c = self.config
         logits_TE = router_logits(self.router_input(x_TD), self.router.weight, self.router)
         need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
-        # Traced by torch.compile: the custom op (one opaque node; tritonmoe.ops), else the implementation.
+        # Traced by torch.compile: the custom op (one opaque node; tritonmoe.custom_ops), else the implementation.
         route = ops.route if torch.compiler.is_compiling() else implementation("route", c.backend, x_TD.device,
                                                                                  logits_TE.dtype)
         kw = {"backend": c.backend} if route is ops.route else {}
@@ -461,7 +461,7 @@ class MoELayer(nn.Module):
         compile). Their collectives take host-side split sizes, their schedules drive streams,
         events and process groups dynamo does not trace, and their exact weight-gradient
         deferral cannot live in a custom op. ``fullgraph=True`` therefore refuses a model with
-        such a layer; the local layer compiles into the graph (:mod:`tritonmoe.ops`)."""
+        such a layer; the local layer compiles into the graph (:mod:`tritonmoe.custom_ops`)."""
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:

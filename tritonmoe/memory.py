@@ -9,7 +9,7 @@
   DI lives in two shared device buffers and MI in one (micro-op i overwrites i-2's / i-1's), or
   in two with ``memory_mi_buffers=2`` (i overwrites i-2's: its host copy runs beside the next
   micro-op's compute); what backward lacks is restored from pinned host copies, by re-running
-  the dispatch all-to-all, or by recomputing the first GEMM (:mod:`tritonmoe.comm.memory`).
+  the dispatch all-to-all, or by recomputing the first GEMM (:mod:`tritonmoe.comm.programs.memory_reuse`).
 * ``"auto"``: the planner's choice of the strategy (and of the degree with
   ``pipeline_degree="auto"``) under ``memory_budget_bytes`` (:mod:`tritonmoe.plan.memory`), for
   the config's ``memory_mi_buffers`` (``choose_memory(..., mi_buffers=(1, 2))`` compares both
@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from .comm.memory import RESTORE, STRATEGIES
+from tritonmoe.comm.programs.memory_reuse import RESTORE, STRATEGIES
 
 __all__ = ["STRATEGIES", "MEMORY_STRATEGIES", "uses_offload", "pinned_memory_available", "check_memory_strategy",
            "check_offload"]

@@ -8,7 +8,7 @@ shard's gate columns then its up columns; ``w2`` [E/n_ep, F/n_esp, d]); their ou
 sums. An MP group (n_mp ranks) holds one batch: the layer's input and output are replicated over
 it, and the gradient arriving at the output is too (a tensor-parallel region's convention).
 
-Schedules (``MoEConfig.parm_schedule``; the communication steps are :mod:`tritonmoe.comm.parm`):
+Schedules (``MoEConfig.parm_schedule``; the communication steps are :mod:`tritonmoe.comm.programs.model_parallel`):
 
 * ``"baseline"``: DeepSpeed-MoE's order; every MP rank processes its copy of the batch.
 * ``"s1"`` (pause MP *before* the gate): MP rank m routes tokens
@@ -58,7 +58,7 @@ from torch.autograd.function import once_differentiable
 from .comm.compat import all_gather_single
 from .comm.errors import backend_errors
 from .comm.executor import RealExecutor, Work
-from .comm.parm import (
+from tritonmoe.comm.programs.model_parallel import (
     BASELINE,
     PAUSE_AFTER_GATE,
     PAUSE_BEFORE_GATE,
@@ -73,16 +73,16 @@ from .comm.parm import (
 from .comm.partition import _transpose_chunks
 from .reference import _SegmentBias
 from .comm.splits import comm_device
-from ._validation import ACTIVATIONS, GLU_ACTIVATIONS
+from tritonmoe.core.validation import ACTIVATIONS, GLU_ACTIVATIONS
 from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
 from .experts import ExpertPath, ExpertWeights, ffn_options, micro_batch_bounds
 from .parm_layout import LayoutError, ParmGroups, groups_from_process_groups
-from .types import Routing
+from tritonmoe.core.types import Routing
 
 __all__ = ["ParmExperts", "SCHEDULE_NAMES", "shard_expert_weights", "shard_expert_biases"]
 
-#: MoEConfig.parm_schedule -> the schedule's name in tritonmoe.comm.parm.
+#: MoEConfig.parm_schedule -> the schedule's name in tritonmoe.comm.programs.model_parallel.
 SCHEDULE_NAMES = {"baseline": BASELINE, "s1": PAUSE_BEFORE_GATE, "s2": PAUSE_AFTER_GATE}
 
 _DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -733,7 +733,7 @@ class ParmExperts(ExpertPath):
 
 
 def _part_index(batch_counts, n_mp: int, q: int, device) -> torch.Tensor:
-    from .comm.parm import _part_bounds, ranges
+    from tritonmoe.comm.programs.model_parallel import _part_bounds, ranges
 
     off, acc = [], 0
     for v in batch_counts:

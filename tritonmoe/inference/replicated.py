@@ -568,7 +568,7 @@ class ReplicatedMoELayer(nn.Module):
         """The routed experts' weighted sum for this rank's tokens, computed where the placement
         puts them; ``counts_PE``: every rank's per-expert counts (from :meth:`_exchange_counts`)."""
         from ..comm.all_to_all import all_to_all_raw
-        from ..dispatch import implementation
+        from tritonmoe.backends import implementation
         from ..experts import ffn_options
 
         layer, c = self.layer, self.layer.config

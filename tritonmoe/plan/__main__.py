@@ -61,7 +61,7 @@ def _layer_args(p: argparse.ArgumentParser) -> None:
 
 
 def _strategies(text: str) -> tuple:
-    from tritonmoe.comm.memory import STRATEGIES
+    from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 
     if text.strip() == "all":
         return tuple(STRATEGIES)
@@ -236,7 +236,7 @@ def _plan(args) -> int:
     if args.memory_strategies:
         over["memory_strategy"] = args.memory_strategies
     if args.memory_mi_buffers:
-        from tritonmoe.comm.memory import check_mi_buffers
+        from tritonmoe.comm.programs.memory_reuse import check_mi_buffers
 
         try:
             over["memory_mi_buffers"] = [check_mi_buffers(m) for m in args.memory_mi_buffers]

@@ -358,7 +358,7 @@ for _e in [
     CalEntry("CAL-12", "MPMoE 004 Figs. 11-12", "memory saving vs granularity (Eq. 6)", "mpmoe-adira", "23/34/38%",
              run=_cal12, free="E = 64, Adam, B = 1k..32k tokens per device (doubling), all three Table III layers"),
     CalEntry("CAL-16", "MPMoE 004 Fig. 15", "restore-strategy ranking", "mpmoe-adira", "orderings",
-             blocked="the strategies exist (tritonmoe.comm.memory) and simulate (choose_memory), but the paper's "
+             blocked="the strategies exist (tritonmoe.comm.programs.memory_reuse) and simulate (choose_memory), but the paper's "
                      "ranking has no numbers and the copy-vs-communication bandwidth contention it rests on is "
                      "not modelled"),
     CalEntry("CAL-17", "SE-MoE 002 §5.3", "hierarchical vs flat all-to-all", "se-moe", "+15.5% comm",

@@ -192,7 +192,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
     then of ``bucket_bytes``, across layers at priority 0; Lina: each gradient in micro-ops of at most
     ``chunk_bytes`` at :data:`~tritonmoe.comm.PRIORITY_GRADIENT`), then wait for them."""
     from tritonmoe.comm.executor import VirtualTensor, Work
-    from tritonmoe.comm.pipeline import backward_pass, forward_pass
+    from tritonmoe.comm.programs.pipeline import backward_pass, forward_pass
     from tritonmoe.comm.priority import PRIORITY_EXCHANGE, PRIORITY_GRADIENT, issue_gradient_sync
 
     from .schedules import _backward_epilogue, _backward_prologue, _prologue

@@ -10,7 +10,7 @@ the saving ratio ``phi = (dM_act + dM_buf) / (M_ms + M_act + M_buf)`` (0 at n = 
 double-buffered then).
 
 **The model of this library's layer** (:func:`expert_block_bytes`): what the managed expert
-block (:mod:`tritonmoe.comm.memory`) keeps for backward, in bytes, for the rows R_i each micro-op
+block (:mod:`tritonmoe.comm.programs.memory_reuse`) keeps for backward, in bytes, for the rows R_i each micro-op
 receives. Adapting the paper to the real tensors:
 
 * DI is micro-op i's received rows [R_i, d] (R counts a token once per chosen expert on this
@@ -32,7 +32,7 @@ receives. Adapting the paper to the real tensors:
   (the paper's T_DO / T_O buffers are not this block's: the combine's outputs are kept by the
   unpermute for the routing weights' gradient);
 * host bytes: the DI / MI of the micro-ops a strategy copies out
-  (:func:`tritonmoe.comm.memory.restore_schedule`).
+  (:func:`tritonmoe.comm.programs.memory_reuse.restore_schedule`).
 
 **The time of a candidate** is the simulator's (:func:`tritonmoe.plan.simulate`) with the
 restores issued as the runtime issues them (:func:`issue_memory_ops`): forward offload copies on
@@ -59,7 +59,13 @@ import numbers
 import torch
 
 from tritonmoe.comm.executor import VirtualTensor, Work
-from tritonmoe.comm.memory import MI_SLOTS, RESTORE, STRATEGIES, check_mi_buffers, memory_layout
+from tritonmoe.comm.programs.memory_reuse import (
+    MI_SLOTS,
+    RESTORE,
+    STRATEGIES,
+    check_mi_buffers,
+    memory_layout,
+)
 
 __all__ = [
     "paper_memory",
@@ -140,8 +146,8 @@ def _fc1_work(W, R: int) -> Work:
 
 
 def issue_memory_ops(ex, st, strategy: str, rows: Sequence[int]) -> dict:
-    """The hooks :func:`tritonmoe.comm.pipeline.forward_pass` / ``backward_pass`` take, issuing
-    on the simulator's executor what :mod:`tritonmoe.comm.memory` issues for ``strategy``:
+    """The hooks :func:`tritonmoe.comm.programs.pipeline.forward_pass` / ``backward_pass`` take, issuing
+    on the simulator's executor what :mod:`tritonmoe.comm.programs.memory_reuse` issues for ``strategy``:
     ``{"fwd_pre": ..., "fwd_post": ..., "bwd_prefetch": ..., "bwd_pre": ..., "bwd_post": ...,
     "extra_bwd_work": i -> Work, "extra_fwd_work": i -> Work}``. The MI buffer count is the
     candidate's ``memory_mi_buffers``, else the config's."""
@@ -326,7 +332,7 @@ def choose_memory(
     Raises:
         MemoryBudgetError: when no candidate fits (naming the smallest need and its candidate).
     Ties go to the candidate evaluated first (smaller degree, then the order of
-    :data:`~tritonmoe.comm.memory.STRATEGIES`)."""
+    :data:`~tritonmoe.comm.programs.memory_reuse.STRATEGIES`)."""
     from .schedules import DEFAULT_DEGREES
     from .simulate import _tokens, parse_dtype, resolve_cost, simulate
 

@@ -50,7 +50,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._validation import GLU_ACTIVATIONS
+from tritonmoe.core.validation import GLU_ACTIVATIONS
 
 __all__ = [
     "AlphaBeta",
@@ -385,7 +385,7 @@ def measure_collectives(
     from ..comm.compat import all_gather_single, reduce_scatter_single
     from ..comm.errors import backend_errors
     from ..comm.executor import RealExecutor
-    from ..comm.saa import saa_schedule
+    from tritonmoe.comm.programs.saa import saa_schedule
 
     rows = sorted({int(r) for r in rows})
     if not rows or rows[0] < 1:
@@ -542,7 +542,7 @@ def _local_steps(config, layout, dtype, device, token_counts: Sequence[int]) -> 
     ``E / n_ep`` experts, ``d_ffn / n_esp`` wide, the routed rows spread evenly over them),
     unpermute, forward and backward -- with the implementations the layer runs (its backend,
     device and dtype). No communication."""
-    from ..dispatch import implementation
+    from tritonmoe.backends import implementation
     from ..experts import ffn_options
 
     c = config
@@ -598,7 +598,7 @@ def sim_groups(layout, rank: int):
 
 
 def _slice_counts(batch_counts: Sequence[int], n_mp: int, m: int) -> list[int]:
-    from ..comm.parm import s2_part_counts
+    from tritonmoe.comm.programs.model_parallel import s2_part_counts
 
     return s2_part_counts(batch_counts, n_mp, m)
 
@@ -619,8 +619,8 @@ def parm_step_programs(
     ``layout`` (or the layout ranks in ``ranks``) on :class:`~tritonmoe.plan.SimExecutor` (one :class:`~tritonmoe.plan.Program`
     per layout rank, global ranks ``layout.ranks``).
 
-    The communication steps are the functions the real layer runs (:mod:`tritonmoe.comm.parm`,
-    :mod:`tritonmoe.comm.saa`), in the order autograd runs them; the local work around them
+    The communication steps are the functions the real layer runs (:mod:`tritonmoe.comm.programs.model_parallel`,
+    :mod:`tritonmoe.comm.programs.saa`), in the order autograd runs them; the local work around them
     (gate, permute, Dump, combine, unpermute and their backward) is recorded as compute with
     its FLOPs and bytes.
 
@@ -633,9 +633,17 @@ def parm_step_programs(
             even -- a uniform spread of the experts over the slices).
     """
     from ..comm.executor import VirtualTensor, Work
-    from ..comm.parm import (
-        ExpertShard, baseline_backward, baseline_forward, baseline_plan, pause_backward, pause_forward,
-        pause_plan, run_collective, s2_part_counts, saa_plan,
+    from tritonmoe.comm.programs.model_parallel import (
+        ExpertShard,
+        baseline_backward,
+        baseline_forward,
+        baseline_plan,
+        pause_backward,
+        pause_forward,
+        pause_plan,
+        run_collective,
+        s2_part_counts,
+        saa_plan,
     )
     from ..experts import micro_batch_bounds
     from ..parm_experts import _ffn_work
@@ -820,7 +828,7 @@ def simulate_all_to_all(
     hierarchical_schedule` with ``local_size`` ranks per node), through the engine. Returns the
     engine's result."""
     from ..comm.executor import VirtualTensor
-    from ..comm.hierarchical import hierarchical_plan, hierarchical_schedule
+    from tritonmoe.comm.programs.hierarchical import hierarchical_plan, hierarchical_schedule
     from . import engine
     from .simulate import resolve_cost
     from .sim_executor import SimExecutor, VirtualGroup

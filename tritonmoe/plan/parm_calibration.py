@@ -66,7 +66,7 @@ def fit_in_simulator(testbed: str, gpus: int, n_mp: int, n_esp: int, placement: 
     elements), the EP&ESP all-to-all and SAA (per-rank input elements), each timed at four
     sizes by the engine on this layout, one representative rank (symmetric mode)."""
     from ..comm.executor import VirtualTensor
-    from ..comm.saa import saa_schedule
+    from tritonmoe.comm.programs.saa import saa_schedule
     from . import engine
     from .parm import sim_groups
     from .simulate import resolve_cost

@@ -161,7 +161,7 @@ def choose(
     ov = dict(candidates_override or {})
     ov.update(overrides)
     if budget is not None and "memory_strategy" not in ov and getattr(config, "memory_strategy", None) is None:
-        from tritonmoe.comm.memory import STRATEGIES
+        from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 
         ov["memory_strategy"] = STRATEGIES
     ctx = PlanContext(config, toks, len(toks), cost, dt, ov)

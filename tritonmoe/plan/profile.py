@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._validation import GLU_ACTIVATIONS
+from tritonmoe.core.validation import GLU_ACTIVATIONS
 import torch.distributed as dist
 
 from tritonmoe.comm.splits import comm_device, new_group
@@ -251,7 +251,7 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
     implementations the layer dispatches to here."""
     from tritonmoe import reference
     from tritonmoe.comm.partition import transpose_chunks
-    from tritonmoe.dispatch import implementation
+    from tritonmoe.backends import implementation
 
     dt = spec.dtype
     g = torch.Generator(device="cpu").manual_seed(T * 131 + d)
@@ -332,7 +332,7 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
         torch.autograd.grad(rt.topk_weights, [logits], dw_, retain_graph=True)
 
     # the pipeline's expert op as it runs it: re-layout, FFN, re-layout with autograd recording,
-    # and its backward through torch.autograd.grad (tritonmoe.comm.pipeline / experts.py)
+    # and its backward through torch.autograd.grad (tritonmoe.comm.programs.pipeline / experts.py)
     def expert_forward():
         r = xr.detach().requires_grad_(True)
         y = transpose_chunks(ffn(transpose_chunks(r, counts_PL), offs, w1, w2, spec.activation), counts_PL.t())

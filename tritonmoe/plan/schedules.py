@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from tritonmoe.comm.executor import VirtualTensor, Work
-from tritonmoe.comm.pipeline import backward_pass, forward_pass
+from tritonmoe.comm.programs.pipeline import backward_pass, forward_pass
 from tritonmoe.comm.splits import DispatchPlan
 
 from .sim_executor import SimExecutor, VirtualGroup
@@ -226,7 +226,7 @@ def build_ep_pipeline(ex: SimExecutor, st: RankStep) -> None:
     like = lambda i: VirtualTensor((rows[i], d), dt)  # noqa: E731
     strategy = st.candidate.get("memory_strategy")
     mem = None
-    if strategy is not None:  # MPMoE's memory reuse and restores (tritonmoe.comm.memory)
+    if strategy is not None:  # MPMoE's memory reuse and restores (tritonmoe.comm.programs.memory_reuse)
         from .memory import issue_memory_ops
 
         mem = issue_memory_ops(ex, st, strategy, rows)
@@ -310,7 +310,7 @@ register_dimension(Dimension(
 
 def _memory_strategies(ctx: PlanContext) -> Sequence[str]:
     """The layer's memory strategy, or all five when it is "auto"."""
-    from tritonmoe.comm.memory import STRATEGIES
+    from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 
     s = getattr(ctx.config, "memory_strategy", None)
     return tuple(STRATEGIES) if s == "auto" else (s,)
@@ -330,7 +330,7 @@ register_dimension(Dimension(
 ))
 register_dimension(Dimension(
     "memory_strategy", _memory_strategies, ("ep-pipeline",),
-    "MPMoE's memory reuse and restore strategy of the pipelined expert block (tritonmoe.comm.memory); candidates "
+    "MPMoE's memory reuse and restore strategy of the pipelined expert block (tritonmoe.comm.programs.memory_reuse); candidates "
     "over a memory budget (MoEConfig.memory_budget_bytes or choose(memory_budget_bytes=)) are rejected",
     applies=lambda ctx: getattr(ctx.config, "memory_strategy", None) is not None,
 ))

@@ -239,7 +239,7 @@ def _impl(config: Any, dtype: torch.dtype, cost: CostModel) -> tuple[bool, bool]
     """(the layer's expert FFN runs the Triton kernels, its GEMMs defer weight gradients) on the
     device the cost model describes (CPU host model: CPU tensors; else CUDA)."""
     from tritonmoe import reference
-    from tritonmoe.dispatch import implementation
+    from tritonmoe.backends import implementation
 
     device = torch.device("cpu" if cost.host_compute else "cuda")
     try:
