@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .all_to_all import _AllToAll
-from .partition import _transpose_chunks
+from .all_to_all import AllToAllFunction
+from .partition import transpose_chunks_unchecked
 from tritonmoe.comm.programs.pipeline import ExpertFn, run_pipelined
 from .splits import DispatchPlan, exchange_counts, group_rank_size
 from .timeline import Timeline
@@ -102,7 +102,7 @@ class AllToAllDispatcher:
             raise ValueError(f"{kind}: the buffer has {x.shape[0]} rows but the plan sends {sum(send)}")
         stream = _stream_of(x)
         rec = self.timeline.start(kind, i, "fwd", stream=stream) if self.timeline is not None else None
-        out = _AllToAll.apply(x, send, recv, self.group)
+        out = AllToAllFunction.apply(x, send, recv, self.group)
         if rec is not None:
             self.timeline.stop(rec, stream=stream)
         return out
@@ -120,7 +120,7 @@ class AllToAllDispatcher:
     def _relayout(self, x: torch.Tensor, counts_AB: torch.Tensor, i: int) -> torch.Tensor:
         stream = _stream_of(x)
         rec = self.timeline.start("partition", i, "fwd", stream=stream) if self.timeline is not None else None
-        out = _transpose_chunks(x, counts_AB, self.backend)
+        out = transpose_chunks_unchecked(x, counts_AB, self.backend)
         if rec is not None:
             self.timeline.stop(rec, stream=stream)
         return out

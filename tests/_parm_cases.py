@@ -32,7 +32,7 @@ import torch.distributed as dist
 import tritonmoe as tm
 from tritonmoe import reference
 from tritonmoe.layer import router_logits
-from tritonmoe.parm_experts import shard_expert_weights
+from tritonmoe.experts.model_parallel import shard_expert_weights
 from tritonmoe.parm_layout import ParmLayout
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 24, 8
@@ -672,7 +672,7 @@ def error_checks(rank: int, P: int, cache: dict) -> list[tuple[str, str, str]]:
 
 
 def auto_and_trace(rank: int, P: int, cache: dict) -> dict:
-    from tritonmoe.plan.parm import step_times
+    from tritonmoe.policy.parm_schedule import step_times
 
     lay = ParmLayout.make(2, P // 2, 2)
     groups = lay.process_groups(cache=cache)
@@ -711,7 +711,7 @@ def auto_and_trace(rank: int, P: int, cache: dict) -> dict:
 def sim_trace_mismatches(values: list[dict], P: int) -> list[str]:
     """Compare each rank's measured communication trace with the simulator's program of the
     same schedule (parent side: the simulator needs every rank's counts)."""
-    from tritonmoe.plan.parm import parm_step_programs
+    from tritonmoe.sim.parm_model import parm_step_programs
 
     lay = ParmLayout.make(2, P // 2, 2)
     toks = [10 + 3 * q for q in range(lay.num_batches)]

@@ -22,9 +22,9 @@ from tritonmoe.plan import (
     ScheduleHangError,
     SimExecutor,
     VirtualGroup,
-    simulate,
 )
-from tritonmoe.plan import engine
+from tritonmoe.sim import simulate
+from tritonmoe.sim import engine
 
 EPS = 1e-12
 

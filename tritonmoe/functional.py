@@ -11,7 +11,7 @@ import torch
 from tritonmoe.core import validation as V
 from . import reference
 from tritonmoe.core.settings import validation_enabled
-from .bias import nan_weights_if_nonfinite
+from .reference import nan_weights_if_nonfinite
 from tritonmoe.backends import implementation
 from tritonmoe.core.types import PermuteInfo, Routing
 

@@ -43,9 +43,12 @@ from tritonmoe.core.exact import (
     row_invariant_grouped_gemm,
     rowwise_mm,
 )
+from tritonmoe.core import validation as V
 from tritonmoe.core.types import PermuteInfo, Routing, max_permuted_rows
 
 __all__ = [
+    "expert_bias_finite",
+    "nan_weights_if_nonfinite",
     "scores",
     "canonical_exp",
     "canonical_scores",
@@ -458,7 +461,7 @@ def _grouped_bias_grad(x_R0: torch.Tensor, dy_RN: torch.Tensor, offs: list, num_
     return db
 
 
-class _SegmentBias(torch.autograd.Function):
+class SegmentBias(torch.autograd.Function):
     """y + bias[e] on the rows of segment e (an elementwise add: row-invariant); the bias gradient
     is one column sum per expert over its rows, or, with a :class:`WeightGradSlot` whose store
     holds ``bias``, deferred to that store (so a pipelined schedule's bias gradient is bitwise the
@@ -542,7 +545,7 @@ def _grouped_gemm_acc(
         else:  # zero head rows (value checks off): the segments start at offs[0]
             inner = row_invariant_grouped_gemm(x_RK[lo:hi], [o - lo for o in offs], w_EKN, wgrad)
             y = torch.cat([x_RK.new_zeros(lo, N), inner, x_RK.new_zeros(R - hi, N)], dim=0)
-        return y if bias_EN is None else _SegmentBias.apply(y, offs, bias_EN, wgrad)
+        return y if bias_EN is None else SegmentBias.apply(y, offs, bias_EN, wgrad)
     # Every expert contributes a (possibly empty) piece, so the output stays in the autograd
     # graph of x, w and the bias even when no row is routed (zero gradients rather than no grad_fn).
     # Rows before offsets[0] (> 0 only with validation off) are zero, like the rows past offsets[E].
@@ -878,3 +881,28 @@ def copy_segments(
             idx[d : d + n] = torch.arange(s, s + n)
     src_ext = torch.cat([src_RD, src_RD.new_zeros(1, D)], dim=0)
     return src_ext[idx.to(src_RD.device)]
+
+
+def expert_bias_finite(bias: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on ``bias``'s device: whether every entry is finite. No host sync (read
+    it where the loop synchronizes anyway, e.g. beside the loss, or pass it to a logger)."""
+    V.float_tensor("expert_bias", bias, 1)
+    return torch.isfinite(bias).all()
+
+
+def nan_weights_if_nonfinite(topk_weights: torch.Tensor, expert_bias: "torch.Tensor | None") -> torch.Tensor:
+    """``topk_weights`` unchanged, or all NaN when any entry of ``expert_bias`` is not finite.
+
+    No host sync: the decision stays on the device (a reduction over E, then ``w + 0`` or
+    ``w + NaN``, which keeps the weights differentiable). ``expert_bias`` None returns the
+    weights as they are. Used by :func:`tritonmoe.route`; a layer applies it to its routing
+    weights the same way.
+    """
+    if expert_bias is None:
+        return topk_weights
+    poison = torch.where(
+        torch.isfinite(expert_bias).all(),
+        torch.zeros((), dtype=topk_weights.dtype, device=topk_weights.device),
+        torch.full((), float("nan"), dtype=topk_weights.dtype, device=topk_weights.device),
+    )
+    return topk_weights + poison

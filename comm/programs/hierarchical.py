@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from tritonmoe.comm.errors import backend_errors, new_group
 from tritonmoe.comm.executor import Executor, Handle, RealExecutor, VirtualTensor, Work
-from tritonmoe.comm.partition import _transpose_chunks
-from tritonmoe.comm.splits import _as_int_list, check_splits, comm_device, exchange_splits, group_rank_size
+from tritonmoe.comm.partition import transpose_chunks_unchecked
+from tritonmoe.comm.splits import as_int_list, check_splits, comm_device, exchange_splits, group_rank_size
 
 __all__ = ["HierarchicalGroups", "HierarchicalPlan", "hierarchical_groups", "hierarchical_plan",
            "hierarchical_schedule", "hierarchical_all_to_all"]
@@ -206,7 +206,7 @@ def hierarchical_schedule(
         if p > 1:
             counts = torch.tensor(plan.transform, dtype=torch.int64)
             h = ex.compute(
-                lambda t: _transpose_chunks(t, counts.to(t.device), None), h,
+                lambda t: transpose_chunks_unchecked(t, counts.to(t.device), None), h,
                 work=_copy_work(plan.rows_mid, src), kind="partition", micro_op=micro_op,
                 out=_rows_like(src, plan.rows_mid),
             )
@@ -278,7 +278,7 @@ def hierarchical_all_to_all(
         output_split_sizes = exchange_splits(input_split_sizes, group=group, input_rows=x.shape[0])
     elif check:
         check_splits(input_split_sizes, output_split_sizes, group=group, input_rows=x.shape[0])
-    send, recv = _as_int_list(input_split_sizes), _as_int_list(output_split_sizes)
+    send, recv = as_int_list(input_split_sizes), as_int_list(output_split_sizes)
     if send is None or recv is None:
         raise TypeError("input_split_sizes and output_split_sizes must be sequences of ints")
     n = P // p

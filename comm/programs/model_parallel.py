@@ -29,9 +29,9 @@ them "s1" / "s2"):
 This module holds the plans (every split derives from one table of per-rank counts, so splits
 agree by construction) and each communication step as a function of an
 :class:`~tritonmoe.comm.executor.Executor`: the layer's autograd functions run them on a
-:class:`~tritonmoe.comm.RealExecutor`, the simulator (:mod:`tritonmoe.plan.parm`) runs the same
+:class:`~tritonmoe.comm.RealExecutor`, the simulator (:mod:`tritonmoe.policy.parm_schedule`) runs the same
 functions on a :class:`~tritonmoe.plan.SimExecutor`. The local work around them (routing,
-permute, Dump, combine, unpermute) is in :mod:`tritonmoe.parm_experts`.
+permute, Dump, combine, unpermute) is in :mod:`tritonmoe.experts.model_parallel`.
 """
 
 from __future__ import annotations
@@ -44,12 +44,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from tritonmoe.core.exact import WeightGradStore
+from tritonmoe.core.validation import GLU_ACTIVATIONS
 
 from tritonmoe.comm.executor import Executor, Handle, RealExecutor, VirtualTensor, Work
 from tritonmoe.comm.programs.saa import rows_of, saa_schedule
 
 __all__ = [
     "BASELINE",
+    "ffn_shard_work",
     "PAUSE_BEFORE_GATE",
     "PAUSE_AFTER_GATE",
     "SCHEDULES",
@@ -97,7 +99,7 @@ def _excl(xs: Sequence[int]) -> list[int]:
     return out
 
 
-def _part_bounds(count: int, n: int, m: int) -> tuple[int, int]:
+def part_bounds(count: int, n: int, m: int) -> tuple[int, int]:
     """Part m of n of ``count`` rows: contiguous, sizes differing by at most one (the first
     ``count % n`` one longer) -- the same rule as the token micro-batches."""
     base, extra = divmod(count, n)
@@ -212,7 +214,7 @@ def s2_part_counts(batch_counts: Sequence[int], n_mp: int, m: int) -> list[int]:
     """Rows per expert of MP rank m's part (S2's split of each expert's rows)."""
     out = []
     for c in batch_counts:
-        lo, hi = _part_bounds(int(c), n_mp, m)
+        lo, hi = part_bounds(int(c), n_mp, m)
         out.append(hi - lo)
     return out
 
@@ -230,7 +232,7 @@ def saa_plan(
     m = layout.mp_rank[rank]
     c = [int(v) for v in batch_counts]
     off = _excl(c)
-    bounds = [[_part_bounds(c[e], n_mp, q) for e in range(E)] for q in range(n_mp)]
+    bounds = [[part_bounds(c[e], n_mp, q) for e in range(E)] for q in range(n_mp)]
     part_counts = [[hi - lo for lo, hi in bounds[q]] for q in range(n_mp)]
     part_index = ranges([off[e] + bounds[m][e][0] for e in range(E)], part_counts[m]) if indices else None
     peer_send = []
@@ -733,3 +735,22 @@ def parm_block(state: ParmBlockState, send: torch.Tensor, params: Sequence[torch
     if state.trace is not None:
         state.trace.extend(ex.trace)
     return out
+
+
+def ffn_shard_work(config, shard_width: int, dtype: torch.dtype):
+    """The :class:`Work` of one expert-shard FFN step (forward or backward) on ``rows`` rows:
+    ``config``'s d_model and activation, a shard ``shard_width`` hidden units wide, ``dtype``
+    elements (the annotation the executors time or simulate)."""
+    d, act = config.d_model, config.activation
+    n1 = 2 * shard_width if act in GLU_ACTIVATIONS else shard_width
+    size = torch.empty((), dtype=dtype).element_size()
+
+    def work(rows: int, step: str) -> Work:
+        flops = 2.0 * rows * d * n1 + 2.0 * rows * shard_width * d
+        if step == "fwd":
+            bytes_ = size * (rows * d * 2 + rows * n1 * 2 + d * n1 + shard_width * d)
+        else:
+            bytes_ = size * (rows * d * 2 + rows * n1 * 3 + d * n1 + shard_width * d)
+        return Work(flops=flops, bytes=float(bytes_), kind="gemm", launches=2)
+
+    return work

@@ -49,7 +49,7 @@ from tritonmoe.comm.executor import Executor, RealExecutor, TraceEntry, Work
 from tritonmoe.comm.splits import DispatchPlan
 from tritonmoe.comm.timeline import Timeline
 
-__all__ = ["run_pipelined", "pipeline_pass", "forward_pass", "backward_pass", "ExpertFn"]
+__all__ = ["run_pipelined", "pipeline_pass", "forward_pass", "backward_pass", "ExpertFn", "micro_batch_bounds"]
 
 #: ``expert_fn(i, recv_RD, params, wgrad) -> y_RD``: the local expert compute of micro-op i on
 #: the rows it received (source-major), differentiable in ``recv_RD`` and ``params``; ``y_RD``
@@ -360,3 +360,15 @@ def run_pipelined(
     if trace is not None:
         trace.extend(ex.trace)
     return out
+
+
+def micro_batch_bounds(num_tokens: int, n: int) -> list[tuple[int, int]]:
+    """n contiguous token ranges covering [0, num_tokens), sizes differing by at most one (the
+    first num_tokens % n one longer); empty ranges when num_tokens < n."""
+    base, extra = divmod(num_tokens, n)
+    bounds, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from tritonmoe.comm.compat import all_gather_single
 from tritonmoe.comm.errors import backend_errors
 from tritonmoe.comm.executor import COMM, COMM2, Executor, Handle, RealExecutor, VirtualTensor, Work
-from tritonmoe.comm.splits import _as_int_list, check_splits, comm_device, exchange_splits, group_rank_size
+from tritonmoe.comm.splits import as_int_list, check_splits, comm_device, exchange_splits, group_rank_size
 
 __all__ = ["saa", "saa_schedule", "rows_of", "empty_rows"]
 
@@ -277,7 +277,7 @@ def saa(
         output_split_sizes = exchange_splits(input_split_sizes, group=group, input_rows=x.shape[0])
     elif check:
         check_splits(input_split_sizes, output_split_sizes, group=group, input_rows=x.shape[0])
-    send, recv = _as_int_list(input_split_sizes), _as_int_list(output_split_sizes)
+    send, recv = as_int_list(input_split_sizes), as_int_list(output_split_sizes)
     if send is None or recv is None:
         raise TypeError("input_split_sizes and output_split_sizes must be sequences of ints")
     _, n_mp = group_rank_size(mp_group)

@@ -569,7 +569,7 @@ class ReplicatedMoELayer(nn.Module):
         puts them; ``counts_PE``: every rank's per-expert counts (from :meth:`_exchange_counts`)."""
         from ..comm.all_to_all import all_to_all_raw
         from tritonmoe.backends import implementation
-        from ..experts import ffn_options
+        from tritonmoe.core.specs import ffn_options
 
         layer, c = self.layer, self.layer.config
         pl, P, rank = self.placement, self.world_size, self.rank

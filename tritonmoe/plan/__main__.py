@@ -89,8 +89,8 @@ def _positive_bytes(text: str) -> int:
 
 def _setup(args):
     import tritonmoe as tm
-    from .cluster import Cluster
-    from .cost_model import CostModel
+    from tritonmoe.sim.cost_model import Cluster
+    from tritonmoe.sim.cost_model import CostModel
 
     cfg = tm.MoEConfig(args.d_model, args.d_ffn, args.num_experts, args.top_k, activation=args.activation,
                        capacity_factor=args.capacity_factor)
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _profile(args) -> int:
     from .profile import ProfileSpec, profile, profile_spawned
-    from .simulate import parse_dtype
+    from tritonmoe.sim.simulate import parse_dtype
 
     spec = ProfileSpec(dtype=parse_dtype(args.dtype), reps=args.reps,
                        collectives_in_place=not args.isolated_collectives)
@@ -199,7 +199,7 @@ def _profile(args) -> int:
 
 
 def _simulate(args) -> int:
-    from .simulate import simulate
+    from tritonmoe.sim.simulate import simulate
 
     cfg, machine, toks = _setup(args)
     tl = simulate(cfg, toks, machine, world_size=args.world_size, routing=args.routing, pipeline_degree=args.degree,
@@ -229,7 +229,7 @@ def _simulate(args) -> int:
 
 
 def _plan(args) -> int:
-    from .planner import choose
+    from tritonmoe.sim.planner import choose
 
     cfg, machine, toks = _setup(args)
     over = {"pipeline_degree": args.degrees} if args.degrees else {}
@@ -273,7 +273,7 @@ def _calibrate(args) -> int:
 
 
 def _clusters(_args) -> int:
-    from .cluster import PRESETS, Cluster
+    from tritonmoe.sim.cost_model import PRESETS, Cluster
 
     for name in PRESETS:
         c = Cluster.preset(name)

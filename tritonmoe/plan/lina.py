@@ -195,7 +195,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
     from tritonmoe.comm.programs.pipeline import backward_pass, forward_pass
     from tritonmoe.comm.priority import PRIORITY_EXCHANGE, PRIORITY_GRADIENT, issue_gradient_sync
 
-    from .schedules import _backward_epilogue, _backward_prologue, _prologue
+    from tritonmoe.sim.schedules import backward_epilogue, backward_prologue, prologue
 
     W, d, dt, plan = st.work, st.config.d_model, st.dtype, st.plan
     rows, active, segs = st.expert_stats()
@@ -205,7 +205,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
     dense_bwd = _work_for(cost, 2 * model.dense_s)
     for _ in range(model.layers):
         ex.compute(None, work=dense_fwd, kind="dense")
-        sends = _prologue(ex, st)
+        sends = prologue(ex, st)
         forward_pass(ex, sends, plan, None, work=lambda i: W.expert_fwd(rows[i], active[i], segs[i]), out_like=like)
         for i, (a, b) in enumerate(st.bounds):
             ex.compute(None, work=W.unpermute(b - a, plan.send_rows(i), backward=False), kind="unpermute", micro_op=i)
@@ -244,7 +244,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
     wstep = W.wgrad_step(total_rows, any_active) if st.defer_wgrad else Work(0.0, 0.0, "elementwise", 1)
     router_bytes = d * st.config.num_experts * torch_itemsize(dt)
     for _ in range(model.layers):
-        grads = _backward_prologue(ex, st)
+        grads = backward_prologue(ex, st)
         backward_pass(
             ex, grads, plan, None,
             work=lambda i: W.expert_bwd(rows[i], active[i], segs[i], defer_wgrad=st.defer_wgrad, accumulate=i > 0,
@@ -253,7 +253,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
         )
         if expert_group is not None:
             ready(expert_grad_bytes, expert_group)
-        _backward_epilogue(ex, st)
+        backward_epilogue(ex, st)
         ex.compute(None, work=dense_bwd, kind="dense")
         ready(model.dense_grad_bytes + router_bytes, dense_group)
     flush()
@@ -286,13 +286,13 @@ def simulate_lina_step(
     "fifo" (DDP buckets, concurrent with the all-to-alls) or "lina" (micro-ops of at most
     ``chunk_bytes`` behind the all-to-alls; None: priority without partitioning)."""
     from tritonmoe.comm.splits import plan_from_counts
-    from tritonmoe.experts import micro_batch_bounds
+    from tritonmoe.comm.programs.pipeline import micro_batch_bounds
 
-    from . import engine
-    from .schedules import RankStep
-    from .sim_executor import SimExecutor, VirtualGroup
-    from .simulate import _impl, resolve_cost, routing_counts
-    from .work import WorkModel
+    from tritonmoe.sim import engine
+    from tritonmoe.sim.schedules import RankStep
+    from tritonmoe.sim.executor import SimExecutor, VirtualGroup
+    from tritonmoe.sim.simulate import kernel_flags, resolve_cost, routing_counts
+    from tritonmoe.sim.work import WorkModel
 
     if comm not in ("fifo", "lina", "none"):
         raise ValueError(f"comm={comm!r}; use 'fifo', 'lina' or 'none' (no gradient reduction: every all-to-all alone)")
@@ -308,7 +308,7 @@ def simulate_lina_step(
     ep = P // p
     n = int(pipeline_degree)
     counts = routing_counts(cfg, [model.tokens] * ep, n)
-    kernels, defers = _impl(cfg, dt, cost)
+    kernels, defers = kernel_flags(cfg, dt, cost)
     s = torch_itemsize(dt)
     W = WorkModel(cfg.d_model, cfg.d_ffn, cfg.n1, cfg.num_experts, cfg.top_k, s, kernels)
     dense = VirtualGroup(tuple(range(P)))
@@ -372,7 +372,7 @@ def lina_cluster(nodes: Optional[int] = None):
     """The Lina testbed preset with PCIe between the GPUs of a node (see :data:`LINA_FREE`)."""
     import dataclasses
 
-    from .cluster import LINKS, Cluster
+    from tritonmoe.sim.cost_model import LINKS, Cluster
 
     c = Cluster.preset("lina", nodes=nodes)
     return dataclasses.replace(c, name="lina-pcie", intra=LINKS["pcie4"], intra_is_pcie=True)

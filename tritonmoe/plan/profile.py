@@ -18,7 +18,7 @@ or the self-spawning :func:`profile_spawned` on CPU). It measures
 * the host time to issue one asynchronous collective;
 * the compute of the layer's ops at several shapes (grouped FFN forward and backward, router
   GEMM, re-layout copies, permute, unpermute, routing, gradient accumulation), with the same
-  work descriptions the simulator uses (:class:`~tritonmoe.plan.work.WorkModel`): by one rank
+  work descriptions the simulator uses (:class:`~tritonmoe.sim.work.WorkModel`): by one rank
   alone (the rates) and with **every rank computing at once**, as in a real step; on a CPU
   machine with fewer cores than ranks the slowdown between the two gives the cores the ranks
   share (``CostModel.host_cores``), so the engine slows ranks that compute at the same time;
@@ -51,8 +51,15 @@ import torch.distributed as dist
 from tritonmoe.comm.splits import comm_device, new_group
 from tritonmoe.comm.compat import all_gather_single, reduce_scatter_single
 
-from .cost_model import COLLECTIVES, CommSample, ComputeSample, CostModel, HostSample, InterferenceSample
-from .work import HOST, WorkModel
+from tritonmoe.sim.cost_model import (
+    COLLECTIVES,
+    CommSample,
+    ComputeSample,
+    CostModel,
+    HostSample,
+    InterferenceSample,
+)
+from tritonmoe.sim.work import HOST, WorkModel
 
 __all__ = ["ProfileSpec", "profile", "profile_spawned", "DEFAULT_SIZES"]
 
@@ -107,7 +114,7 @@ def _say(spec: ProfileSpec, msg: str) -> None:
 
 def _collective(kind: str, nbytes: int, group, g: int, device: torch.device, dtype=torch.float32):
     """A callable running one ``kind`` collective of ``nbytes`` per rank (module docstring of
-    :mod:`tritonmoe.plan.cost_model` for the convention), and its buffers."""
+    :mod:`tritonmoe.sim.cost_model` for the convention), and its buffers."""
     es = torch.empty((), dtype=dtype).element_size()
     n = max(g, (nbytes // es) // g * g)  # divisible by the group size
     x = torch.randn(n, device=device, dtype=dtype)
