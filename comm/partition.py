@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tritonmoe.core import validation as V
-from tritonmoe import validation_enabled
+from tritonmoe.core.settings import validation_enabled
 from tritonmoe.backends import implementation
 
 __all__ = ["copy_segments", "transpose_chunks", "chunk_transpose_segments"]

@@ -36,6 +36,7 @@ import torch
 from tritonmoe import reference
 from tritonmoe.core import settings as _settings
 from tritonmoe.core.settings import resolve_backend
+from tritonmoe import meta
 
 __all__ = ["OPS", "implementation", "kernel", "uses_kernel", "has_kernel"]
 
@@ -130,7 +131,6 @@ def implementation(
     spec = _spec(op)
     b = resolve_backend(backend)
     if device.type == "meta":  # shapes only, on every backend (tritonmoe.meta)
-        from tritonmoe import meta
 
         return getattr(meta, op)
     if b == "torch":

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from tritonmoe import backends as dispatch
 from tritonmoe.core.types import PermuteInfo, Routing
+from tritonmoe.core.settings import resolve_backend
 
 __all__ = ["route", "moe_ffn", "moe_ffn_train", "permute", "unpermute", "grouped_ffn", "grouped_ffn_train", "preact_mode"]
 
@@ -180,7 +181,6 @@ def route(logits: Tensor, top_k: int, *, score_func: str = "softmax", renormaliz
           capacity: Optional[int] = None, with_aux: bool = False, group_score: str = "top2sum",
           routed_scaling_factor: float = 1.0, backend: Optional[str] = None) -> Routing:
     """``tritonmoe::route`` as a :class:`Routing` (arguments validated by the caller)."""
-    from tritonmoe.core.settings import resolve_backend
 
     w, ids, counts, selected, score_sum, lse = torch.ops.tritonmoe.route(
         logits, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux, group_score,
@@ -267,7 +267,6 @@ def moe_ffn(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activation: str
             b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
             swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
     """``tritonmoe::moe_ffn`` (arguments validated by the caller)."""
-    from tritonmoe.core.settings import resolve_backend
 
     return torch.ops.tritonmoe.moe_ffn(x, routing.topk_ids, routing.topk_weights, routing.counts, w1, w2, b1, b2,
                                        activation, float(swiglu_limit), float(swiglu_alpha), resolve_backend(backend))
@@ -529,7 +528,6 @@ def permute(x: Tensor, topk_ids: Tensor, num_experts: int, *, num_rows: int, pad
             backend: Optional[str] = None) -> tuple[Tensor, PermuteInfo]:
     """``tritonmoe::permute`` as ``(x_perm [num_rows, d], PermuteInfo)``; ``num_rows`` (at least
     :func:`tritonmoe.max_permuted_rows`) keeps the shape static."""
-    from tritonmoe.core.settings import resolve_backend
 
     x_perm, offsets, slot_rows, counts = torch.ops.tritonmoe.permute(x, topk_ids, num_experts, pad_to, num_rows,
                                                                      resolve_backend(backend))
@@ -540,7 +538,6 @@ def permute(x: Tensor, topk_ids: Tensor, num_experts: int, *, num_rows: int, pad
 
 def unpermute(y_perm: Tensor, info: PermuteInfo, topk_weights: Tensor, *, backend: Optional[str] = None) -> Tensor:
     """``tritonmoe::unpermute``."""
-    from tritonmoe.core.settings import resolve_backend
 
     return torch.ops.tritonmoe.unpermute(y_perm, info.expert_offsets, info.slot_rows, info.counts, topk_weights,
                                          info.slot_rows.shape[0], info.pad_to, resolve_backend(backend))
@@ -550,7 +547,6 @@ def grouped_ffn(x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor, activ
                 b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
                 swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
     """``tritonmoe::grouped_ffn``."""
-    from tritonmoe.core.settings import resolve_backend
 
     return torch.ops.tritonmoe.grouped_ffn(x, expert_offsets, w1, w2, b1, b2, activation, float(swiglu_limit),
                                            float(swiglu_alpha), resolve_backend(backend))
@@ -733,7 +729,6 @@ def moe_ffn_train(x: Tensor, routing: Routing, w1: Tensor, w2: Tensor, activatio
                   b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
                   swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
     """``tritonmoe::moe_ffn_train``'s output (its saved activations stay with autograd)."""
-    from tritonmoe.core.settings import resolve_backend
 
     out, _, _ = torch.ops.tritonmoe.moe_ffn_train(x, routing.topk_ids, routing.topk_weights, routing.counts, w1, w2,
                                                   b1, b2, activation, float(swiglu_limit), float(swiglu_alpha),
@@ -745,7 +740,6 @@ def grouped_ffn_train(x: Tensor, expert_offsets: Tensor, w1: Tensor, w2: Tensor,
                       b1: Optional[Tensor] = None, b2: Optional[Tensor] = None, *, swiglu_limit: float = 7.0,
                       swiglu_alpha: float = 1.702, backend: Optional[str] = None) -> Tensor:
     """``tritonmoe::grouped_ffn_train``'s output (its saved activations stay with autograd)."""
-    from tritonmoe.core.settings import resolve_backend
 
     y, _, _ = torch.ops.tritonmoe.grouped_ffn_train(x, expert_offsets, w1, w2, b1, b2, activation, float(swiglu_limit),
                                                     float(swiglu_alpha), resolve_backend(backend))

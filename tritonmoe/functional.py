@@ -14,6 +14,8 @@ from tritonmoe.core.settings import validation_enabled
 from .reference import nan_weights_if_nonfinite
 from tritonmoe.backends import implementation
 from tritonmoe.core.types import PermuteInfo, Routing
+from tritonmoe import custom_ops as ops
+from tritonmoe.core.settings import resolve_backend
 
 __all__ = [
     "route",
@@ -43,7 +45,6 @@ def _traced():
     the eager call would use."""
     if not torch.compiler.is_compiling():
         return None
-    from tritonmoe import custom_ops as ops
 
     return ops
 
@@ -263,7 +264,6 @@ def grouped_gemm(
     if _check_values(x):
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0], allow_tail=True)
     if _traced() is not None:
-        from tritonmoe.core.settings import resolve_backend
 
         return torch.ops.tritonmoe.grouped_gemm(x, expert_offsets, w, bias, resolve_backend(backend))
     impl = implementation("grouped_gemm", backend, x.device, x.dtype)

@@ -37,6 +37,7 @@ from tritonmoe.comm.compat import all_gather_single
 from tritonmoe.comm.errors import backend_errors
 from tritonmoe.comm.executor import COMM, COMM2, Executor, Handle, RealExecutor, VirtualTensor, Work
 from tritonmoe.comm.splits import as_int_list, check_splits, comm_device, exchange_splits, group_rank_size
+from tritonmoe.comm.all_to_all import all_to_all_raw
 
 __all__ = ["saa", "saa_schedule", "rows_of", "empty_rows"]
 
@@ -208,7 +209,6 @@ class _SAA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         send, recv, group, rank, mp_group, mp_peers, peer_recv, replicated_grad = ctx.args
-        from tritonmoe.comm.all_to_all import all_to_all_raw
 
         me = list(mp_peers).index(rank)
         sizes = [sum(r) for r in peer_recv]

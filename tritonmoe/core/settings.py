@@ -19,7 +19,6 @@ import contextlib
 import os
 from typing import Iterator
 
-import torch
 
 BACKENDS = ("auto", "triton", "torch")
 

@@ -19,6 +19,17 @@ import torch
 
 from .calibration_table import CALIBRATIONS, CalEntry, format_table, register_calibration, run_calibration
 from .parm_calibration import ENTRIES as PARM_ENTRIES
+from tritonmoe.config import MoEConfig
+from tritonmoe.sim.simulate import simulate
+from tritonmoe.sim.cost_model import Cluster
+from tritonmoe.sim.search import GranularitySearch
+from tritonmoe.sim.memory_model import paper_memory
+from tritonmoe.comm.executor import COMM2, VirtualTensor
+from tritonmoe.sim import engine
+from tritonmoe.sim.executor import SimExecutor, VirtualGroup
+from tritonmoe.comm.executor import Work
+from tritonmoe.plan import lina
+from tritonmoe.plan.lina import LINA_FREE
 
 __all__ = ["CalEntry", "CALIBRATIONS", "register_calibration", "run_calibration", "format_table"]
 
@@ -29,13 +40,11 @@ __all__ = ["CalEntry", "CALIBRATIONS", "register_calibration", "run_calibration"
 
 
 def _cfg(d: int, f: int, E: int, k: int, activation: str = "gelu"):
-    import tritonmoe as tm
 
-    return tm.MoEConfig(d, f, E, k, activation=activation)
+    return MoEConfig(d, f, E, k, activation=activation)
 
 
 def _t(cfg, tokens, cluster, n, schedule="ep-pipeline", dtype="float16") -> float:
-    from tritonmoe.sim.simulate import simulate
 
     # uniform routing and equal token counts: every rank runs the same program, so one
     # representative rank is exact (the engine's symmetric mode)
@@ -50,7 +59,6 @@ def _best(cfg, tokens, cluster, degrees, dtype="float16") -> tuple[int, float]:
 
 
 def _cluster(name: str, nodes: Optional[int] = None):
-    from tritonmoe.sim.cost_model import Cluster
 
     return Cluster.preset(name, nodes=nodes)
 
@@ -65,7 +73,6 @@ _MPMOE_K = 2  # free: top-k is not stated (FastMoE's GShard-style gate is top-2)
 
 def _cal13() -> dict:
     """Best degree over B (tokens per GPU) for GPT-XL on Adira, n in [2, 8]."""
-    from tritonmoe.sim.search import GranularitySearch
 
     c = _cluster("mpmoe-adira")
     cfg = _cfg(2048, 8192, 64, _MPMOE_K)
@@ -95,7 +102,6 @@ def _cal13() -> dict:
 def mpmoe_memory_trend(E: int = 64) -> dict:
     """Eq. 6's saving ratio (:func:`tritonmoe.sim.memory_model.paper_memory`) averaged over the Table III
     layers and the calibration's B sweep (1k..32k tokens per device, doubling), per n in {2, 4, 8}."""
-    from tritonmoe.sim.memory_model import paper_memory
 
     Bs = [1024 * 2**j for j in range(6)]
     out = {}
@@ -131,7 +137,6 @@ def _cal14_seq(model: str) -> Callable[[], dict]:
 
 def _cal14_pb(model: str) -> Callable[[], dict]:
     def run() -> dict:
-        from tritonmoe.sim.simulate import simulate
 
         cfg, c, B = _valor_case(model)
         t6 = _t(cfg, B, c, 6, "ep-sequential")
@@ -180,10 +185,7 @@ def _cal15_scaling() -> dict:
 
 def _cal07() -> dict:
     """A backward all-to-all alone vs with a DDP allreduce bucket on another lane (fair share)."""
-    from tritonmoe.comm.executor import COMM2, VirtualTensor
 
-    from tritonmoe.sim import engine
-    from tritonmoe.sim.executor import SimExecutor, VirtualGroup
 
     c = _cluster("lina")
     cost = c.cost_model("float16")
@@ -214,7 +216,6 @@ def _cal07() -> dict:
 
 
 def _work_seconds(cost, seconds: float):
-    from tritonmoe.comm.executor import Work
 
     rate = cost.compute["elementwise"]
     return Work(0.0, max(0.0, seconds - rate.launch_s) * rate.bytes_per_s, "elementwise", 1)
@@ -222,7 +223,6 @@ def _work_seconds(cost, seconds: float):
 
 def _cal10() -> dict:
     """Pipelining efficiency at 16 experts, one per GPU, 30 MB micro-ops (Lina testbed)."""
-    from tritonmoe.sim.simulate import simulate
 
     c = _cluster("lina")
     cfg = _cfg(1024, 4096, 16, 2)  # free: Transformer-XL-like d=1024, f=4096, top-2
@@ -238,14 +238,12 @@ def _lina_cal(name: str) -> Callable[[], dict]:
     """A Lina entry of :mod:`tritonmoe.plan.lina` (the data-parallel x expert-parallel step with
     the gradient lane: FIFO or Lina's priority and partitioning, packing)."""
     def run() -> dict:
-        from . import lina
 
         return getattr(lina, name)()
     return run
 
 
 def _lina_free() -> str:
-    from .lina import LINA_FREE
 
     return LINA_FREE
 

@@ -33,6 +33,16 @@ import torch
 from .calibration_table import CalEntry
 from tritonmoe.policy.parm_schedule import AlphaBeta, ParmCostModel, algorithm1, fit_alpha_beta
 from tritonmoe.sim.parm_model import simulate_parm
+from tritonmoe.sim.cost_model import Cluster
+from tritonmoe.parm_layout import ParmLayout
+from tritonmoe.config import MoEConfig
+from tritonmoe.comm.executor import VirtualTensor
+from tritonmoe.comm.programs.saa import saa_schedule
+from tritonmoe.sim import engine
+from tritonmoe.sim.parm_model import sim_groups
+from tritonmoe.sim.simulate import resolve_cost
+from tritonmoe.sim.executor import SimExecutor, VirtualGroup
+from tritonmoe.sim.parm_model import simulate_all_to_all
 
 __all__ = ["GRID", "table_iv_cell", "fit_in_simulator", "real_model"]
 
@@ -42,7 +52,6 @@ DTYPE = "float32"
 
 
 def _cluster(testbed: str, gpus: int):
-    from tritonmoe.sim.cost_model import Cluster
 
     if testbed == "parm-a":
         return Cluster.preset("parm-a")
@@ -50,15 +59,13 @@ def _cluster(testbed: str, gpus: int):
 
 
 def _layout(n_mp: int, n_esp: int, gpus: int, placement: str):
-    from ..parm_layout import ParmLayout
 
     return ParmLayout.make(n_mp, gpus // n_esp, n_esp, placement=placement)
 
 
 def _config(M: int, H: int, E: int, k: int, f: float):
-    import tritonmoe as tm
 
-    return tm.MoEConfig(M, H, E, k, activation="gelu", capacity_factor=f)
+    return MoEConfig(M, H, E, k, activation="gelu", capacity_factor=f)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,12 +73,6 @@ def fit_in_simulator(testbed: str, gpus: int, n_mp: int, n_esp: int, placement: 
     """Algorithm 1's three lines fitted on the simulated cluster: the MP all-gather (gathered
     elements), the EP&ESP all-to-all and SAA (per-rank input elements), each timed at four
     sizes by the engine on this layout, one representative rank (symmetric mode)."""
-    from ..comm.executor import VirtualTensor
-    from tritonmoe.comm.programs.saa import saa_schedule
-    from tritonmoe.sim import engine
-    from tritonmoe.sim.parm_model import sim_groups
-    from tritonmoe.sim.simulate import resolve_cost
-    from tritonmoe.sim.executor import SimExecutor, VirtualGroup
 
     cost = resolve_cost(_cluster(testbed, gpus), DTYPE)
     lay = _layout(n_mp, n_esp, gpus, placement)
@@ -222,8 +223,6 @@ def _real_entry(model: str, testbed: str) -> Callable[[], dict]:
 def _cal17() -> dict:
     """SE-MoE: flat vs hierarchical all-to-all on 4 nodes x 8 A100 (the ``se-moe`` preset) for a
     dispatch of 4096 tokens x top-2 x 4096 fp16 elements per GPU, uniform over the 32 ranks."""
-    from tritonmoe.sim.cost_model import Cluster
-    from tritonmoe.sim.parm_model import simulate_all_to_all
 
     c = Cluster.preset("se-moe")
     P = c.num_gpus

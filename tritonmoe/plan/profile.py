@@ -60,6 +60,13 @@ from tritonmoe.sim.cost_model import (
     InterferenceSample,
 )
 from tritonmoe.sim.work import HOST, WorkModel
+from tritonmoe.comm.executor import RealExecutor, Work
+from tritonmoe.comm.timeline import Timeline
+from tritonmoe import reference
+from tritonmoe.comm.partition import transpose_chunks
+from tritonmoe.backends import implementation
+from tritonmoe.comm.rendezvous import init_local
+from tritonmoe.comm.rendezvous import local_store
 
 __all__ = ["ProfileSpec", "profile", "profile_spawned", "DEFAULT_SIZES"]
 
@@ -214,8 +221,6 @@ def _host_issue(device) -> list:
     """Host seconds per operation issued through the real executor with a timeline recording
     (as the layer runs it, e.g. under ``bench.ep``): an asynchronous 1-row all-to-all (the call
     alone, median of 30), and the executor's own cost of a compute (a no-op function)."""
-    from tritonmoe.comm.executor import RealExecutor, Work
-    from tritonmoe.comm.timeline import Timeline
 
     P = dist.get_world_size()
     x = torch.randn(P, 4, device=device)
@@ -256,9 +261,6 @@ def _timed(fn, device, reps: int, warmup: int) -> float:
 def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device, P: int):
     """(name, kind, Work, callable) of the layer's ops at one shape and token count, on the
     implementations the layer dispatches to here."""
-    from tritonmoe import reference
-    from tritonmoe.comm.partition import transpose_chunks
-    from tritonmoe.backends import implementation
 
     dt = spec.dtype
     g = torch.Generator(device="cpu").manual_seed(T * 131 + d)
@@ -677,7 +679,6 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
 
 
 def _spawned(rank: int, P: int, port: int, spec: ProfileSpec, out: str, err_dir: str, timeout_s: float) -> None:
-    from tritonmoe.comm.rendezvous import init_local
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     try:
@@ -700,7 +701,6 @@ def profile_spawned(nproc: int, spec: Optional[ProfileSpec] = None, *, out: str,
     if nproc < 2:
         raise ValueError(f"--nproc {nproc}: profiling collectives needs at least 2 ranks")
     spec = spec or ProfileSpec()
-    from tritonmoe.comm.rendezvous import local_store
 
     with tempfile.TemporaryDirectory() as err_dir:
         store = local_store(nproc, timeout_s)  # served until the ranks have ended (no free-port race)

@@ -43,6 +43,7 @@ from tritonmoe.sim.cost_model import Cluster
 from tritonmoe.sim.cost_model import CostModel, CostModelError
 from tritonmoe.sim.schedules import DEFAULT_DEGREES
 from tritonmoe.sim.search import GranularitySearch
+from tritonmoe.sim.planner import choose
 
 __all__ = ["ENV_COST_MODEL", "DEFAULT_CPU_MODEL", "token_bucket", "runtime_cost_model", "AutoDegree", "SearchDegree",
            "make_policy"]
@@ -141,7 +142,6 @@ class AutoDegree(DegreePolicy):
         self.plans: dict[int, Any] = {}
 
     def step(self, tokens: int, timeline: Optional[Timeline]) -> tuple[int, Optional[Timeline]]:
-        from tritonmoe.sim.planner import choose
 
         t_max = int(self._agree([float(tokens)])[0])
         b, rep = token_bucket(t_max)

@@ -51,6 +51,13 @@ from typing import Optional, Sequence
 import torch
 
 from tritonmoe.core.validation import GLU_ACTIVATIONS
+from tritonmoe.comm.splits import comm_device
+from tritonmoe.comm.compat import all_gather_single, reduce_scatter_single
+from tritonmoe.comm.errors import backend_errors
+from tritonmoe.comm.executor import RealExecutor
+from tritonmoe.comm.programs.saa import saa_schedule
+from tritonmoe.backends import implementation
+from tritonmoe.core.specs import ffn_options
 
 __all__ = [
     "AlphaBeta",
@@ -380,12 +387,7 @@ def measure_collectives(
     dtype and device whose sizes reach as far."""
     import torch.distributed as dist
 
-    from tritonmoe.comm.splits import comm_device
 
-    from tritonmoe.comm.compat import all_gather_single, reduce_scatter_single
-    from tritonmoe.comm.errors import backend_errors
-    from tritonmoe.comm.executor import RealExecutor
-    from tritonmoe.comm.programs.saa import saa_schedule
 
     rows = sorted({int(r) for r in rows})
     if not rows or rows[0] < 1:
@@ -456,10 +458,7 @@ def measure_collectives(
 def _median_over_ranks(groups, values: Sequence[float]) -> list[float]:
     """Each entry's median over the P ranks (every rank gets the same list; deterministic, and
     robust to one rank descheduled during a measurement). Collective over ``groups.ep_esp``."""
-    from tritonmoe.comm.splits import comm_device
 
-    from tritonmoe.comm.compat import all_gather_single
-    from tritonmoe.comm.errors import backend_errors
 
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device(groups.ep_esp))
     if groups.ep_esp is not None and t.numel():
@@ -501,7 +500,6 @@ def measure_cost_model(
     Every fit is least squares on the relative error over sizes timed interleaved, median of
     ``reps`` rounds."""
     lay = groups.layout
-    from tritonmoe.comm.splits import comm_device
 
     dev = device if device is not None else comm_device(groups.ep_esp)
     T = 512 if tokens is None else max(1, int(tokens))
@@ -542,8 +540,6 @@ def _local_steps(config, layout, dtype, device, token_counts: Sequence[int]) -> 
     ``E / n_ep`` experts, ``d_ffn / n_esp`` wide, the routed rows spread evenly over them),
     unpermute, forward and backward -- with the implementations the layer runs (its backend,
     device and dtype). No communication."""
-    from tritonmoe.backends import implementation
-    from tritonmoe.core.specs import ffn_options
 
     c = config
     Fs = c.d_ffn // layout.n_esp

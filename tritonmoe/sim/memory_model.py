@@ -65,6 +65,10 @@ from tritonmoe.comm.programs.memory_reuse import (
     check_mi_buffers,
     memory_layout,
 )
+from tritonmoe.sim.simulate import routing_counts
+from tritonmoe.sim.schedules import DEFAULT_DEGREES
+from tritonmoe.sim.simulate import _tokens, parse_dtype, resolve_cost, simulate
+from tritonmoe.sim.search import GranularitySearch
 
 __all__ = [
     "paper_memory",
@@ -185,7 +189,6 @@ class MemoryPlan:
 
 def _rows_per_rank(config: Any, toks: Sequence[int], n: int, routing: Any) -> list[list[int]]:
     """Rows each rank receives per micro-op under ``routing`` (the simulator's counts)."""
-    from tritonmoe.sim.simulate import routing_counts
 
     counts = routing_counts(config, toks, n, routing)  # [P(source), n, E]
     P = len(toks)
@@ -227,8 +230,6 @@ def choose_memory(
         MemoryBudgetError: when no candidate fits (naming the smallest need and its candidate).
     Ties go to the candidate evaluated first (smaller degree, then the order of
     :data:`~tritonmoe.comm.programs.memory_reuse.STRATEGIES`)."""
-    from tritonmoe.sim.schedules import DEFAULT_DEGREES
-    from tritonmoe.sim.simulate import _tokens, parse_dtype, resolve_cost, simulate
 
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                                      or budget_bytes <= 0):
@@ -326,7 +327,6 @@ def joint_search_steps(B: float, searches: dict, strategies: Sequence[str] = STR
     the measured seconds sent back, and returns ``(n, strategy, {strategy: (n, seconds)})``, the
     best candidate by comparison. A strategy whose search answers from its known ranges without
     profiling has its answer profiled once, so every strategy is compared on a measurement."""
-    from tritonmoe.sim.search import GranularitySearch
 
     per: dict = {}
     for s in strategies:

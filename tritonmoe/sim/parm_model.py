@@ -28,7 +28,6 @@ from tritonmoe.comm.programs.model_parallel import (
     saa_plan,
 )
 from tritonmoe.comm.programs.pipeline import micro_batch_bounds
-from tritonmoe.core.validation import GLU_ACTIVATIONS
 from tritonmoe.parm_layout import ParmGroups
 
 from . import engine

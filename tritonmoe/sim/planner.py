@@ -17,6 +17,8 @@ import torch
 
 from tritonmoe.sim.schedules import DIMENSIONS, SCHEDULES, PlanContext, dimensions_of
 from tritonmoe.sim.simulate import _tokens, parse_dtype, resolve_cost, simulate
+from tritonmoe.sim.memory_model import MemoryBudgetError, _rows_per_rank, expert_block_bytes
+from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 
 __all__ = ["Candidate", "Plan", "choose", "candidates"]
 
@@ -150,7 +152,6 @@ def choose(
         MemoryBudgetError: (a ValueError) no candidate fits the budget.
 
     Ties go to the candidate evaluated first (the smaller degree)."""
-    from tritonmoe.sim.memory_model import MemoryBudgetError, _rows_per_rank, expert_block_bytes
 
     budget = memory_budget_bytes if memory_budget_bytes is not None else getattr(config, "memory_budget_bytes", None)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
@@ -161,7 +162,6 @@ def choose(
     ov = dict(candidates_override or {})
     ov.update(overrides)
     if budget is not None and "memory_strategy" not in ov and getattr(config, "memory_strategy", None) is None:
-        from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 
         ov["memory_strategy"] = STRATEGIES
     ctx = PlanContext(config, toks, len(toks), cost, dt, ov)

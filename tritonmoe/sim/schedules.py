@@ -41,6 +41,8 @@ from tritonmoe.comm.splits import DispatchPlan
 
 from tritonmoe.sim.executor import SimExecutor, VirtualGroup
 from tritonmoe.sim.work import WorkModel
+from tritonmoe.sim.memory_ops import issue_memory_ops
+from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 
 __all__ = [
     "RankStep",
@@ -227,7 +229,6 @@ def build_ep_pipeline(ex: SimExecutor, st: RankStep) -> None:
     strategy = st.candidate.get("memory_strategy")
     mem = None
     if strategy is not None:  # MPMoE's memory reuse and restores (tritonmoe.comm.programs.memory_reuse)
-        from tritonmoe.sim.memory_ops import issue_memory_ops
 
         mem = issue_memory_ops(ex, st, strategy, rows)
     fwd_work = (lambda i: W.expert_fwd(rows[i], active[i], segs[i])) if mem is None else \
@@ -310,7 +311,6 @@ register_dimension(Dimension(
 
 def _memory_strategies(ctx: PlanContext) -> Sequence[str]:
     """The layer's memory strategy, or all five when it is "auto"."""
-    from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 
     s = getattr(ctx.config, "memory_strategy", None)
     return tuple(STRATEGIES) if s == "auto" else (s,)

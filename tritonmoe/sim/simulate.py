@@ -26,6 +26,9 @@ from tritonmoe.sim.cost_model import CostModel
 from tritonmoe.sim.schedules import SCHEDULES, RankStep
 from tritonmoe.sim.executor import SimExecutor, VirtualGroup
 from tritonmoe.sim.work import WorkModel
+from tritonmoe.comm.programs.pipeline import micro_batch_bounds
+from tritonmoe import reference
+from tritonmoe.backends import implementation
 
 __all__ = ["SimTimeline", "simulate", "routing_counts", "resolve_cost", "expert_probabilities", "parse_dtype"]
 
@@ -166,7 +169,6 @@ def routing_counts(config: Any, tokens_per_rank: Sequence[int], n: int, routing:
 
     ``routing`` may also be the counts: an integer tensor [P, n, E], or a callable ``n -> [P, n,
     E]`` (e.g. the routing of a measured run, for every degree the planner tries)."""
-    from tritonmoe.comm.programs.pipeline import micro_batch_bounds
 
     E, k = config.num_experts, config.top_k
     if callable(routing) or isinstance(routing, torch.Tensor):  # the counts themselves
@@ -238,8 +240,6 @@ def _tokens(tokens_per_rank: Any, world_size: Optional[int], cost: CostModel) ->
 def kernel_flags(config: Any, dtype: torch.dtype, cost: CostModel) -> tuple[bool, bool]:
     """(the layer's expert FFN runs the Triton kernels, its GEMMs defer weight gradients) on the
     device the cost model describes (CPU host model: CPU tensors; else CUDA)."""
-    from tritonmoe import reference
-    from tritonmoe.backends import implementation
 
     device = torch.device("cpu" if cost.host_compute else "cuda")
     try:
@@ -262,7 +262,6 @@ def build_programs(
     ranks: Optional[Sequence[int]] = None,
 ) -> list:
     """The :class:`~tritonmoe.plan.Program` of each of ``ranks`` (default: all) for one step."""
-    from tritonmoe.comm.programs.pipeline import micro_batch_bounds
 
     P = len(tokens)
     spec = SCHEDULES.get(candidate["schedule"])
