@@ -13,7 +13,6 @@ Building blocks, usable on their own (meant for the expert-parallel and pipelini
   with ``num_rows`` given (e.g. the static bound :func:`max_permuted_rows`) permutation needs no
   host synchronization at all.
 * :func:`scatter_rows` / :func:`gather_rows` - the raw (not autograd) row movers, with ``out=``.
-* :func:`ep_split_metadata` - rows per destination rank when experts are split over P ranks.
 
 Host synchronization: :func:`permute` with ``num_rows=None`` must return x_perm with exactly
 R = ``expert_offsets[E]`` rows, and R depends on the ids (slots with id -1 and the padding), so it
@@ -66,7 +65,6 @@ __all__ = [
     "scatter_rows",
     "gather_rows",
     "max_permuted_rows",
-    "ep_split_metadata",
     "MetadataConfig",
     "RowsConfig",
     "metadata_config",
@@ -298,41 +296,6 @@ def permute_metadata(topk_ids: torch.Tensor, num_experts: int, pad_to: int = 1) 
                 BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, SCAN_E=cfg.scan_e, num_warps=cfg.num_warps,
             )
     return PermuteInfo(expert_offsets=offsets, slot_rows=rows, counts=counts, num_tokens=T, pad_to=pad_to)
-
-
-def ep_split_metadata(expert_offsets, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a permuted buffer per destination rank, for expert parallelism over P ranks.
-
-    Experts are split evenly: rank r owns experts [r*E/P, (r+1)*E/P), so in the permuted buffer
-    (grouped by expert) rank r's rows are the contiguous range
-    ``[expert_offsets[r*E/P], expert_offsets[(r+1)*E/P])``, padding rows included.
-
-    Args:
-        expert_offsets: the int32/int64 [E+1] offsets of :class:`PermuteInfo` (or the
-            PermuteInfo itself), on any device.
-        num_ranks: P >= 1, a divisor of E.
-
-    Returns: ``(rank_counts, rank_offsets)``: int64 [P] rows to send to each rank (the
-    all-to-all's input split sizes) and int64 [P+1] their start rows in the buffer
-    (``rank_offsets[P] == R``). Both stay on the device: ``rank_offsets`` is a strided view of the
-    offsets for int64 offsets (no copy; do not modify it in place) and ``rank_counts`` one subtraction, so there is no host sync; call
-    ``.tolist()`` where a collective needs host split sizes. Matches
-    :func:`tritonmoe.reference.ep_splits`. The per-(rank, local expert) unpadded counts that a
-    receiver needs are ``info.counts.view(P, E // P)``.
-    """
-    offsets = expert_offsets.expert_offsets if isinstance(expert_offsets, PermuteInfo) else expert_offsets
-    V.offsets_args("expert_offsets", offsets)
-    P = V.positive_int("num_ranks", num_ranks)
-    E = offsets.shape[0] - 1
-    if E % P:
-        raise ValueError(
-            f"num_experts={E} is not divisible by num_ranks={P}; experts are split evenly over the "
-            f"ranks, so use a P that divides {E}"
-        )
-    rank_offsets = offsets[:: E // P]
-    if rank_offsets.dtype != torch.int64:
-        rank_offsets = rank_offsets.long()
-    return rank_offsets[1:] - rank_offsets[:-1], rank_offsets
 
 
 # ---------------------------------------------------------------------------------------------
