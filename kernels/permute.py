@@ -47,7 +47,7 @@ import triton.language as tl
 from tritonmoe.core import validation as V
 from tritonmoe.core.types import PermuteInfo, max_permuted_rows
 
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, device_ctx, next_power_of_2
 from ._permute_kernels import (
     _block_hist_kernel,
     _block_rank_kernel,
@@ -228,13 +228,6 @@ def _acc_tl(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _device_ctx(device: torch.device):
-    """Triton launches on the current CUDA device; make it the tensors' device."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
 def _read_num_rows(info: PermuteInfo) -> int:
     """R = expert_offsets[E], needed on the host to allocate x_perm with exactly R rows."""
     if info.slot_rows.numel() == 0:
@@ -275,7 +268,7 @@ def permute_metadata(topk_ids: torch.Tensor, num_experts: int, pad_to: int = 1) 
         return PermuteInfo(expert_offsets=offsets, slot_rows=rows, counts=counts, num_tokens=T, pad_to=pad_to)
     ids = topk_ids.contiguous()
     cfg = metadata_config(S, E, dev)
-    with _device_ctx(dev):
+    with device_ctx(dev):
         if cfg.fused:
             _metadata_fused_kernel[(1,)](
                 ids, counts, offsets, rows, S, E, pad_to,
@@ -336,7 +329,7 @@ def _scatter(
     w = weights_TK.contiguous() if weights_TK is not None else rows
     dw = torch.empty(cfg.nsplit, T, K, dtype=acc_torch, device=dev) if dot_RD is not None else None
     dummy = src_TD  # stands in for the pointers a constexpr flag switches off
-    with _device_ctx(dev):
+    with device_ctx(dev):
         _scatter_rows_kernel[grid](
             src_TD, src_TD.stride(0), src_TD.stride(1),
             rows, w, offsets, counts,
@@ -393,7 +386,7 @@ def _gather(
     dev = src_RD.device
     cfg = rows_config("gather", T, K, D, src_RD.element_size(), dev)
     w = weights_TK.contiguous() if weights_TK is not None else rows
-    with _device_ctx(dev):
+    with device_ctx(dev):
         _gather_rows_kernel[(T, cfg.nsplit)](
             src_RD, src_RD.stride(0), src_RD.stride(1), rows, w, out,
             T, K, D, src_RD.shape[0], cfg.nsplit,
