@@ -36,7 +36,7 @@ def _check_values(t: torch.Tensor) -> bool:
     ``torch.compile`` traces the call (a graph cannot branch on tensor values: compiled, the
     ops run as with ``set_validation(False)``; the shape and type checks still run, at trace
     time)."""
-    return validation_enabled() and not t.is_meta and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and not t.is_meta and validation_enabled()
 
 
 def _traced():
