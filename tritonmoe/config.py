@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 import os
 from fractions import Fraction
+import dataclasses
+import hashlib
+import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -257,6 +260,20 @@ class MoEConfig:
         """Output columns of w1: 2*d_ffn for swiglu (gate then up), d_ffn otherwise."""
         return 2 * self.d_ffn if self.activation in V.GLU_ACTIVATIONS else self.d_ffn
 
+    def agreement_values(self) -> dict[str, int]:
+        """Every field that changes what a rank computes, as an int64 code (equal values, equal
+        codes: floats by their exact bits, whatever their Python type; strings, dtypes and
+        tuples by a stable hash): what the ranks of a group compare at construction. The fields
+        of :data:`RANK_LOCAL_FIELDS` are left out."""
+        return {f.name: agreement_code(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in RANK_LOCAL_FIELDS}
+
+    def agreement_labels(self) -> dict[str, str]:
+        """The readable values of :meth:`agreement_values`' fields (for the error that names
+        each rank's value)."""
+        return {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in RANK_LOCAL_FIELDS}
+
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity ``ceil(capacity_factor * num_tokens * top_k / num_experts)`` for a
         batch of ``num_tokens`` tokens (``ep_capacity`` when set; None when dropless).
@@ -274,3 +291,26 @@ class MoEConfig:
         num, den = self._capacity_ratio
         # ceil(a / b) = -((-a) // b) for integers a >= 0, b > 0.
         return -((-num * num_tokens * self.top_k) // (den * self.num_experts))
+
+
+#: MoEConfig fields a rank may set on its own: how it computes, not what (``backend`` and
+#: ``ffn_path`` pick implementations of the same ops; ``cost_model`` is a path on that rank's
+#: disk, and the ranks compare the loaded model's fingerprint instead).
+RANK_LOCAL_FIELDS = frozenset({"backend", "ffn_path", "cost_model"})
+
+
+def agreement_code(value: Any) -> int:
+    """A value as a non-negative int64 code, equal for equal values across processes: bools and
+    ints as numbers, other reals by their float64 bits (``1`` and ``1.0`` agree), everything else
+    by a hash of its type and ``repr``."""
+    if isinstance(value, bool):
+        text = f"b:{int(value)}"
+    elif isinstance(value, numbers.Integral):
+        text = f"r:{float(value).hex()}" if abs(int(value)) < 2**53 else f"i:{int(value)}"
+    elif isinstance(value, numbers.Real):
+        text = f"r:{float(value).hex()}"
+    elif value is None:
+        text = "none"
+    else:
+        text = f"{type(value).__name__}:{value!r}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")

@@ -27,18 +27,13 @@ device and dtype; the layer produces its own routing metadata, so no value check
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from tritonmoe import custom_ops as ops, reference
-from tritonmoe.backends import implementation
 from tritonmoe.comm.programs.pipeline import micro_batch_bounds
 from tritonmoe.config import MoEConfig
 from tritonmoe.core.specs import ffn_options
-from tritonmoe.core.types import Routing
 
 from .base import ExpertPath, ExpertWeights
 from .expert_parallel import ExpertParallelExperts

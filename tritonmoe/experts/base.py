@@ -4,13 +4,22 @@ parallel layout implements (``path(x_TD, routing, weights) -> y_TD``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from tritonmoe.backends import implementation
 from tritonmoe.config import MoEConfig
 from tritonmoe.core.types import Routing
+
+
+#: The parameter dtypes the distributed paths exchange, by their code in agreement checks.
+DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s index in :data:`DTYPE_CODES` (-1: none of them)."""
+    return DTYPE_CODES.index(dtype) if dtype in DTYPE_CODES else -1
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from tritonmoe.core.specs import ffn_options
 from tritonmoe.core.types import Routing
 from tritonmoe.policy.degree import make_policy
 from tritonmoe.policy.memory_strategy import (
-    MEMORY_STRATEGIES,
     AutoMemory,
     SearchMemory,
     check_offload,
@@ -24,7 +23,7 @@ from tritonmoe.policy.memory_strategy import (
     uses_offload,
 )
 
-from .base import ExpertPath, ExpertWeights
+from .base import ExpertPath, ExpertWeights, dtype_code
 
 
 def _under_nonreentrant_checkpoint() -> bool:
@@ -38,9 +37,7 @@ def _under_nonreentrant_checkpoint() -> bool:
 
 
 #: dtypes as small ints for the cross-rank agreement check.
-_DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 #: run-time pipeline degrees as ints for the agreement check
-_DEGREE_CODES = {"auto": -1, "search": -2}
 
 
 def group_device(group: Any) -> torch.device:
@@ -87,7 +84,7 @@ class ExpertParallelExperts(ExpertPath):
         # The sizes of every later collective follow from these; a rank that disagrees would
         # make gloo abort mid-forward, so compare them once here (one small collective), before
         # any check that could fail on some ranks only.
-        dtype_code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+        dt_code = dtype_code(dtype)
         self.degree_policy = None
         policy_code = 0
         if isinstance(c.pipeline_degree, str):
@@ -100,7 +97,6 @@ class ExpertParallelExperts(ExpertPath):
 
         device = group_device(group)
         check_offload(c.memory_strategy, device)
-        memory_code = -1 if c.memory_strategy is None else MEMORY_STRATEGIES.index(c.memory_strategy)
         # memory_strategy="auto": the runtime (degree, strategy) choice, built (its cost model
         # loaded) on every rank before the agreement check, like the degree policy, so that a
         # rank where it fails makes every rank raise instead of leaving the others waiting in the
@@ -112,17 +108,15 @@ class ExpertParallelExperts(ExpertPath):
         local_failures = [p for p in (policy if isinstance(c.pipeline_degree, str) else None, memory_policy)
                           if isinstance(p, Exception)]
         try:
+            # every field that changes what a rank computes (MoEConfig.agreement_values), the
+            # parameters' dtype, and the run-time policies' cost-model fingerprints
             check_agreement(
-                dict(
-                    num_experts=c.num_experts, d_model=c.d_model, dtype=dtype_code,
-                    pipeline_degree=_DEGREE_CODES.get(c.pipeline_degree, c.pipeline_degree),
-                    degree_policy=policy_code, memory_strategy=memory_code, memory_budget=c.memory_budget_bytes or 0,
-                    memory_mi_buffers=c.memory_mi_buffers,
-                    memory_policy=memory_policy_code,
-                ),
+                {**c.agreement_values(), "dtype": dt_code, "degree_policy": policy_code,
+                 "memory_policy": memory_policy_code},
                 group=group,
                 what="the expert-parallel MoEConfig (degree_policy, memory_policy: the cost model's fingerprint, -1 "
                      "where it failed to load)",
+                labels={**c.agreement_labels(), "dtype": str(dtype)},
             )
         except ValueError as exc:
             if local_failures:  # name this rank's own cause too

@@ -47,7 +47,6 @@ unsharded experts on the de-duplicated batches):
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import Optional
 
@@ -76,8 +75,10 @@ from tritonmoe.comm.programs.model_parallel import (
 from tritonmoe.comm.splits import check_agreement, comm_device
 from tritonmoe.config import MoEConfig
 from tritonmoe.core.types import Routing
-from tritonmoe.core.validation import ACTIVATIONS, GLU_ACTIVATIONS
-from tritonmoe.experts import ExpertPath, ExpertWeights, ffn_options, micro_batch_bounds
+from tritonmoe.core.validation import GLU_ACTIVATIONS
+from tritonmoe.comm.programs.pipeline import micro_batch_bounds
+from tritonmoe.core.specs import ffn_options
+from tritonmoe.experts.base import ExpertPath, ExpertWeights, dtype_code
 from tritonmoe.router import RouteStep, router_logits
 from tritonmoe.parallel.init import init_experts_
 from tritonmoe.parm_layout import LayoutError, ParmGroups, groups_from_process_groups
@@ -95,7 +96,6 @@ __all__ = ["ParmExperts", "SCHEDULE_NAMES", "shard_expert_weights", "shard_exper
 #: MoEConfig.parm_schedule -> the schedule's name in tritonmoe.comm.programs.model_parallel.
 SCHEDULE_NAMES = {"baseline": BASELINE, "s1": PAUSE_BEFORE_GATE, "s2": PAUSE_AFTER_GATE}
 
-_DTYPE_CODES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
 def shard_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MoEConfig, layout, rank: int):
@@ -786,20 +786,9 @@ def _mp_capacity_keep(ids_TK: torch.Tensor, all_counts: torch.Tensor, m: int, ca
 
 
 def _config_values(config: MoEConfig, dtype: torch.dtype) -> dict[str, int]:
-    return dict(
-        num_experts=config.num_experts, d_model=config.d_model, d_ffn=config.d_ffn, top_k=config.top_k,
-        activation=list(ACTIVATIONS).index(config.activation),
-        parm_schedule=["auto", "baseline", "s1", "s2"].index(config.parm_schedule),
-        capacity_factor_x1e6=-1 if config.capacity_factor is None else int(round(config.capacity_factor * 1e6)),
-        dtype=_DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1,
-        swiglu_limit_bits=_float_bits(config.swiglu_limit), swiglu_alpha_bits=_float_bits(config.swiglu_alpha),
-        expert_ffn_bias=int(config.expert_ffn_bias), router_bias=int(config.router_bias),
-    )
-
-
-def _float_bits(v: float) -> int:
-    """A float's exact fp64 bit pattern as an int64 (for the cross-rank agreement check)."""
-    return int.from_bytes(struct.pack("<d", float(v)), "little", signed=True)
+    """What the ranks of a Parm layout compare: every field that changes what a rank computes
+    (:meth:`MoEConfig.agreement_values`) and the parameters' dtype."""
+    return {**config.agreement_values(), "dtype": dtype_code(dtype)}
 
 
 def _check_config_agreement(groups: ParmGroups, values: dict[str, int]) -> None:

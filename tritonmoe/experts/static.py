@@ -15,7 +15,7 @@ from tritonmoe.comm.splits import comm_device, group_rank_size
 from tritonmoe.config import MoEConfig
 from tritonmoe.core.types import Routing
 
-from .base import ExpertPath, ExpertWeights
+from .base import DTYPE_CODES, ExpertPath, ExpertWeights, dtype_code
 
 
 class StaticExpertParallelExperts(ExpertPath):
@@ -51,9 +51,9 @@ class StaticExpertParallelExperts(ExpertPath):
         rank, P = group_rank_size(group)
         E = config.num_experts
         check_agreement(
-            dict(num_experts=E, d_model=config.d_model, ep_capacity=config.ep_capacity,
-                 dtype=_DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1),
+            {**config.agreement_values(), "dtype": dtype_code(dtype)},
             group=group, what="the static expert-parallel MoEConfig",
+            labels={**config.agreement_labels(), "dtype": str(dtype)},
         )
         if E % P:
             raise ValueError(f"num_experts={E} is not divisible by the expert-parallel group size {P}")
@@ -70,7 +70,7 @@ class StaticExpertParallelExperts(ExpertPath):
             return
 
         P = self.world_size
-        code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+        code = dtype_code(dtype)
         mine = torch.tensor([code], dtype=torch.int64, device=comm_device(self._control))
         table = torch.empty(P, dtype=torch.int64, device=mine.device)
         try:
@@ -85,7 +85,7 @@ class StaticExpertParallelExperts(ExpertPath):
         codes = table.tolist()  # host sync: only on a forward whose dtype changed
         if len(set(codes)) > 1:
             names = ", ".join(
-                f"rank {r}: {str(_DTYPE_CODES[c]).replace('torch.', '') if c >= 0 else 'unsupported'}"
+                f"rank {r}: {str(DTYPE_CODES[c]).replace('torch.', '') if c >= 0 else 'unsupported'}"
                 for r, c in enumerate(codes)
             )
             raise TypeError(
@@ -93,7 +93,7 @@ class StaticExpertParallelExperts(ExpertPath):
                 "cast every rank's layer and input the same way"
             )
         if code < 0:
-            raise TypeError(f"static expert parallelism exchanges rows of {_DTYPE_CODES}, got {dtype}")
+            raise TypeError(f"static expert parallelism exchanges rows of {DTYPE_CODES}, got {dtype}")
         self.wire_dtype = dtype
 
     def send_rows(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
