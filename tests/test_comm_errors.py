@@ -39,8 +39,8 @@ COLLECTIVES = {
 #: Functions whose collectives are wrapped by their caller: the real executor's ``run`` closures
 #: (issued inside ``_collective``'s ``backend_errors``, waited for in ``_host_wait``), the Parm
 #: cost model's timed lambdas (timed inside one), and the profiler (a measurement tool of its own).
-WRAPPED_BY_CALLER = {("comm/executor.py", "run"), ("tritonmoe/plan/parm.py", "<lambda>"),
-                     ("tritonmoe/plan/parm.py", "fn")}
+WRAPPED_BY_CALLER = {("comm/executor.py", "run"), ("tritonmoe/policy/parm_schedule.py", "<lambda>"),
+                     ("tritonmoe/policy/parm_schedule.py", "fn")}
 UNCHECKED_FILES = {"tritonmoe/plan/profile.py"}
 
 
