@@ -497,7 +497,7 @@ def saa_checks(rank: int, P: int, cache: dict) -> list[str]:
     """SAA == all_gather(all_to_all(x)) for MP groups of 2 and P/2 consecutive ranks, uneven and
     zero splits; forward bitwise, backward bitwise against the composition's autograd."""
     from tritonmoe.comm import all_to_all
-    from tritonmoe.comm.programs import saa
+    from tritonmoe.comm.programs.saa import saa
 
     failures = []
     world = dist.group.WORLD
