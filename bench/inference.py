@@ -364,7 +364,7 @@ def _sim_counts(pl, per_rank_counts: torch.Tensor) -> tuple[torch.Tensor, int]:
 def run_sim_latency(spec: dict) -> list[dict]:
     import tritonmoe as tm
     from tritonmoe.inference import Placement, eplb_placement, lina_placement
-    from tritonmoe.sim import simulate
+    from tritonmoe.sim.simulate import simulate
     from tritonmoe.plan.lina import lina_cluster
 
     E, P, T = spec["experts"], spec["sim_world"], spec["sim_tokens"]

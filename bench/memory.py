@@ -235,7 +235,7 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
     beside compute (the same measure as ``copy_hidden_frac``)."""
     import tritonmoe as tm
     from tritonmoe.plan import Cluster
-    from tritonmoe.sim import simulate
+    from tritonmoe.sim.simulate import simulate
 
     cfg = tm.MoEConfig(spec["d_model"], spec["d_ffn"], spec["num_experts"], spec["top_k"], activation=spec["activation"],
                        pipeline_degree=n, memory_strategy=strategy, memory_mi_buffers=mi_buffers)

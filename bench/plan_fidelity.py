@@ -75,7 +75,7 @@ def run_plan_suite(ctx, progress=None) -> list[dict]:
     """Fit, measure, simulate, choose (see the module docstring); rows for the harness."""
     import bench.ep as ep
     import tritonmoe as tm
-    from tritonmoe.sim import simulate
+    from tritonmoe.sim.simulate import simulate
     from tritonmoe.sim.planner import choose
     from tritonmoe.plan.profile import ProfileSpec, profile_spawned
 

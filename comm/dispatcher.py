@@ -109,15 +109,19 @@ class AllToAllDispatcher:
 
     # -- local re-layout around the expert compute --------------------------------------------
 
-    def to_expert_major(self, recv: torch.Tensor, plan: DispatchPlan, i: int = 0) -> torch.Tensor:
-        """Received rows (source, local expert) -> (local expert, source): one segment copy."""
-        return self._relayout(recv, plan.recv_counts[i], i)
+    def to_expert_major(self, recv: torch.Tensor, plan: DispatchPlan, i: int = 0, *, span: bool = True) -> torch.Tensor:
+        """Received rows (source, local expert) -> (local expert, source): one segment copy.
+        ``span=False``: no timeline span of its own (it runs inside the caller's, e.g. the
+        expert op's in forward and backward)."""
+        return self._relayout(recv, plan.recv_counts[i], i, span)
 
-    def to_source_major(self, y: torch.Tensor, plan: DispatchPlan, i: int = 0) -> torch.Tensor:
+    def to_source_major(self, y: torch.Tensor, plan: DispatchPlan, i: int = 0, *, span: bool = True) -> torch.Tensor:
         """Expert-major rows back to the received (source, local expert) order for the combine."""
-        return self._relayout(y, plan.recv_counts[i].t(), i)
+        return self._relayout(y, plan.recv_counts[i].t(), i, span)
 
-    def _relayout(self, x: torch.Tensor, counts_AB: torch.Tensor, i: int) -> torch.Tensor:
+    def _relayout(self, x: torch.Tensor, counts_AB: torch.Tensor, i: int, span: bool = True) -> torch.Tensor:
+        if not span:
+            return transpose_chunks_unchecked(x, counts_AB, self.backend)
         stream = _stream_of(x)
         rec = self.timeline.start("partition", i, "fwd", stream=stream) if self.timeline is not None else None
         out = transpose_chunks_unchecked(x, counts_AB, self.backend)

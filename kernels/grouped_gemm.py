@@ -55,13 +55,12 @@ written by the forward anyway (GEMM2 reads it) and is kept for dw2 in "save" mod
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, device_ctx, next_power_of_2
 from tritonmoe.core.types import Routing
 from . import _gemm_config as C
 from . import _grouped_gemm_persistent as P
@@ -702,12 +701,6 @@ def _check_dtype(x: torch.Tensor) -> None:
         )
 
 
-def _on(device: torch.device):
-    """Triton launches on the current CUDA device: make it the tensors' (autograd runs backward
-    on the forward's device)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def _act(activation: str, swiglu_limit: float, swiglu_alpha: float) -> _Act:
     return _Act(_ACT[activation], float(swiglu_limit), float(swiglu_alpha))
 
@@ -718,7 +711,7 @@ def grouped_gemm(
     """Rows in [offsets[e], offsets[e+1]) times w[e], plus bias[e]; rows outside the segments are
     zero."""
     _check_dtype(x_RK)
-    with _on(x_RK.device):
+    with device_ctx(x_RK.device):
         return _GroupedGemmFn.apply(x_RK, expert_offsets.contiguous(), w_EKN, bias)
 
 
@@ -739,7 +732,7 @@ def grouped_ffn(
     _check_dtype(x_RD)
     needs_grad = _needs_grad(x_RD, w1_EDN, w2_EFD, b1, b2)
     act = _act(activation, swiglu_limit, swiglu_alpha)
-    with _on(x_RD.device):
+    with device_ctx(x_RD.device):
         return _GroupedFFNFn.apply(x_RD, expert_offsets.contiguous(), w1_EDN, w2_EFD, b1, b2, act, needs_grad)
 
 
@@ -762,7 +755,7 @@ def moe_ffn(
     w_TK = routing.topk_weights
     needs_grad = _needs_grad(x_TD, w_TK, w1_EDN, w2_EFD, b1, b2)
     act = _act(activation, swiglu_limit, swiglu_alpha)
-    with _on(x_TD.device):
+    with device_ctx(x_TD.device):
         return _MoEFFNFn.apply(x_TD, w_TK, routing.topk_ids, routing.counts, w1_EDN, w2_EFD, b1, b2, act,
                                needs_grad)
 
@@ -778,7 +771,7 @@ def grouped_ffn_train(x_RD, expert_offsets, w1_EDN, w2_EFD, activation="swiglu",
     """(y [R, D], A [R, F], H [R, N1]); not differentiable."""
     _check_dtype(x_RD)
     act = _act(activation, swiglu_limit, swiglu_alpha)
-    with _on(x_RD.device), torch.no_grad():
+    with device_ctx(x_RD.device), torch.no_grad():
         y, a, h, _ = ffn_forward(x_RD, expert_offsets.contiguous(), w1_EDN, w2_EFD, b1, b2, act, True)
     return y, a, h
 
@@ -789,7 +782,7 @@ def grouped_ffn_train_backward(dy_RD, x_RD, expert_offsets, w1_EDN, w2_EFD, b1, 
     _check_dtype(x_RD)
     act = _act(activation, swiglu_limit, swiglu_alpha)
     needs = (needs[0], needs[1], needs[2], needs[3] and b1 is not None, needs[4] and b2 is not None)
-    with _on(x_RD.device), torch.no_grad():
+    with device_ctx(x_RD.device), torch.no_grad():
         space = RowSpace(expert_offsets.contiguous(), x_RD.shape[0], w1_EDN.shape[0])
         return ffn_backward(dy_RD, x_RD, space, w1_EDN, w2_EFD, b1, a_RF, h_RN, act, needs, _bias_dtypes(b1, b2))
 
@@ -800,7 +793,7 @@ def moe_ffn_train(x_TD, routing: Routing, w1_EDN, w2_EFD, activation="swiglu", b
     differentiable."""
     _check_dtype(x_TD)
     act = _act(activation, swiglu_limit, swiglu_alpha)
-    with _on(x_TD.device), torch.no_grad():
+    with device_ctx(x_TD.device), torch.no_grad():
         plan = moe_plan(x_TD, routing.topk_ids, routing.counts, w1_EDN, w2_EFD, act)
         return moe_forward(x_TD, routing.topk_weights, routing.topk_ids, plan, w1_EDN, w2_EFD, b1, b2, act, True)
 
@@ -812,7 +805,7 @@ def moe_ffn_train_backward(dout_TD, x_TD, routing: Routing, w1_EDN, w2_EFD, b1, 
     _check_dtype(x_TD)
     act = _act(activation, swiglu_limit, swiglu_alpha)
     needs = (*needs[:4], needs[4] and b1 is not None, needs[5] and b2 is not None)
-    with _on(x_TD.device), torch.no_grad():
+    with device_ctx(x_TD.device), torch.no_grad():
         plan = moe_plan(x_TD, routing.topk_ids, routing.counts, w1_EDN, w2_EFD, act)
         return moe_backward(dout_TD, x_TD, routing.topk_weights, routing.topk_ids, plan.space, w1_EDN, w2_EFD, b1, b2,
                             a_RF, h_RN, act, needs, _bias_dtypes(b1, b2))

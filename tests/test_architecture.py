@@ -5,7 +5,8 @@ and ``comm/`` are mapped to ``tritonmoe.kernels`` / ``tritonmoe.comm`` as pyproj
 them. Asserted:
 
 * the floors: a module imports only its own floor or lower ones (no upward import);
-* no import circle among library files, nor among ``bench/`` files;
+* no import circle among library files, nor among ``bench/`` files (an ``importlib.import_module``
+  of a literal module name counts as an import);
 * no ``from X import _private`` across packages (library and ``bench/``), nor a private module
   of another package;
 * no library module imports a deprecated alias (the old paths kept for one release);
@@ -136,10 +137,23 @@ def imports_of(module: str, path: Path, known: dict[str, Path]) -> list[Import]:
                         t = _resolve(mod, known)
                         if t:
                             out.append(Import(module, t, a.name, local, child.lineno))
+            elif isinstance(child, ast.Call) and _import_call(child):
+                # importlib.import_module("pkg.mod") / __import__("pkg.mod") with a literal name:
+                # an import all the same (a circle must not hide behind it)
+                t = _resolve(child.args[0].value, known)
+                if t:
+                    out.append(Import(module, t, None, True, child.lineno))
             visit(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
     visit(tree, False)
     return out
+
+
+def _import_call(node: ast.Call) -> bool:
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+    return (name in ("import_module", "__import__") and bool(node.args)
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
 
 
 def floor_of(module: str) -> int:
@@ -343,6 +357,8 @@ def test_the_checker_sees_what_it_must():
         (base / "tritonmoe" / "core" / "__init__.py").write_text("")
         (base / "tritonmoe" / "core" / "a.py").write_text("def f():\n    from tritonmoe.layer import _x\n")
         (base / "tritonmoe" / "layer.py").write_text("from tritonmoe.core.a import f\n_x = 1\n")
+        (base / "tritonmoe" / "core" / "b.py").write_text(
+            "import importlib\n\ndef g():\n    return importlib.import_module('tritonmoe.layer')\n")
         mods = {}
         for p in sorted((base / "tritonmoe").rglob("*.py")):
             parts = list(p.relative_to(base / "tritonmoe").with_suffix("").parts)
@@ -351,7 +367,8 @@ def test_the_checker_sees_what_it_must():
             mods[".".join(["tritonmoe"] + parts)] = p
         edges = _edges(mods)
         up = [e for e in edges if floor_of(e.target) > floor_of(e.source)]
-        assert [(e.source, e.target, e.local) for e in up] == [("tritonmoe.core.a", "tritonmoe.layer", True)]
+        assert sorted((e.source, e.target, e.local) for e in up) == [
+            ("tritonmoe.core.a", "tritonmoe.layer", True), ("tritonmoe.core.b", "tritonmoe.layer", True)]
         assert _cycles(mods, edges) == [["tritonmoe.core.a", "tritonmoe.layer"]]
         assert _private_across(mods, edges) == ["tritonmoe.core.a:2 imports tritonmoe.layer._x"]
 

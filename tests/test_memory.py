@@ -394,7 +394,7 @@ def _sim_mi(strategy: str, n: int, mi: int, cluster: str = "dgx-h100") -> "tuple
     """(step time, copy seconds beside compute / copy seconds) simulated for a GPT-XL-like layer."""
     from tritonmoe.comm.timeline import _intersection_length, _union
     from tritonmoe.plan import Cluster
-    from tritonmoe.sim import simulate
+    from tritonmoe.sim.simulate import simulate
 
     cfg = tm.MoEConfig(2048, 8192, 32, 2, activation="gelu", pipeline_degree=n, memory_strategy=strategy,
                        memory_mi_buffers=mi)
@@ -475,7 +475,7 @@ def test_simulated_memory_ops_wait_where_the_runtime_waits(strategy, mi):
     restore after the compute of its buffer's previous reader and before its own compute; as many
     copies and restores as the layout restores."""
     from tritonmoe.plan import Cluster
-    from tritonmoe.sim import simulate
+    from tritonmoe.sim.simulate import simulate
 
     n = 4
     cfg = tm.MoEConfig(2048, 8192, 4, 2, activation="gelu", pipeline_degree=n, memory_strategy=strategy,

@@ -23,7 +23,7 @@ from tritonmoe.plan import (
     InterferenceSample,
     fit_linear,
 )
-from tritonmoe.sim import simulate
+from tritonmoe.sim.simulate import simulate
 from tritonmoe.sim import cost_model as CM
 from tritonmoe.sim.cost_model import VERSION
 

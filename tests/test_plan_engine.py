@@ -23,7 +23,7 @@ from tritonmoe.plan import (
     SimExecutor,
     VirtualGroup,
 )
-from tritonmoe.sim import simulate
+from tritonmoe.sim.simulate import simulate
 from tritonmoe.sim import engine
 
 EPS = 1e-12

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import tritonmoe as tm
 from tritonmoe.plan import DIMENSIONS, SCHEDULES, Cluster, Dimension, ScheduleSpec, routing_counts
-from tritonmoe.sim import simulate
+from tritonmoe.sim.simulate import simulate
 from tritonmoe.sim.planner import choose
 from tritonmoe.sim.schedules import build_ep_pipeline
 from tritonmoe.sim.work import WorkModel

@@ -17,7 +17,7 @@ pipelined layer bitwise equal to the unpipelined one in fp64. It costs speed (M 
 products, scalar transcendentals), which only tests pay: fp32, bf16 and fp16 run plain
 per-expert matmuls and vectorized activations.
 
-Non-finite logits (identical on every backend; see DESIGN.md):
+Non-finite logits (identical on every backend; the rules are in this module, below):
 
 * A NaN selection value ranks as -inf: it is chosen only after every finite value, lower expert
   id first, and its weight is NaN (so the output is NaN, loudly, rather than silently wrong).
@@ -61,7 +61,6 @@ __all__ = [
     "permute_rows",
     "max_permuted_rows",
     "unpermute",
-    "ep_splits",
     "grouped_gemm",
     "grouped_ffn",
     "moe_ffn",
@@ -108,7 +107,7 @@ def _scatter_count(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Canonical selection values (identical on every backend; see DESIGN.md "Selection is exact")
+# Canonical selection values (identical on every backend: selection is exact)
 # ---------------------------------------------------------------------------------------------
 #
 # Which experts a token gets must not depend on how a backend rounds exp or division: two
@@ -437,16 +436,6 @@ def unpermute(y_perm_RD: torch.Tensor, info: PermuteInfo, topk_weights_TK: torch
     w_TK = torch.where(routed_TK, topk_weights_TK.to(acc), torch.zeros((), dtype=acc, device=y_perm_RD.device))
     out = (g_TKD * w_TK.unsqueeze(-1)).sum(dim=1)
     return out.to(y_perm_RD.dtype)
-
-
-def ep_splits(expert_offsets: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a permuted buffer per destination rank when E experts are split evenly over P ranks
-    (rank r owns experts [r*E/P, (r+1)*E/P)): int64 ``(rank_counts [P], rank_offsets [P+1])``,
-    rank r's rows being [rank_offsets[r], rank_offsets[r+1]) (padding rows included)."""
-    E = expert_offsets.shape[0] - 1
-    per_rank = E // num_ranks
-    rank_offsets = torch.stack([expert_offsets[r * per_rank].long() for r in range(num_ranks + 1)])
-    return rank_offsets[1:] - rank_offsets[:-1], rank_offsets
 
 
 def _grouped_bias_grad(x_R0: torch.Tensor, dy_RN: torch.Tensor, offs: list, num_experts: int) -> torch.Tensor:

@@ -7,7 +7,6 @@ from typing import Any, Optional
 import torch
 
 from tritonmoe.comm import AllToAllDispatcher, check_agreement
-from tritonmoe.comm.partition import transpose_chunks_unchecked
 from tritonmoe.comm.programs import memory_reuse as _memory
 from tritonmoe.comm.programs.memory_reuse import STRATEGIES, ExpertFFN
 from tritonmoe.comm.programs.pipeline import micro_batch_bounds
@@ -190,8 +189,8 @@ class ExpertParallelExperts(ExpertPath):
         # forward and backward)
         return ExpertFFN(
             activation=c.activation, gemm=self.impl("grouped_gemm", x_TD),
-            to_expert_major=lambda i, r: transpose_chunks_unchecked(r, plan.recv_counts[i], disp.backend),
-            to_source_major=lambda i, y: transpose_chunks_unchecked(y, plan.recv_counts[i].t(), disp.backend),
+            to_expert_major=lambda i, r: disp.to_expert_major(r, plan, i, span=False),
+            to_source_major=lambda i, y: disp.to_source_major(y, plan, i, span=False),
             offsets=lambda i: disp.expert_offsets(plan, i), resend=resend,
             swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha,
             # the grouped FFN's forward and backward as the unmanaged path dispatches them (Triton
