@@ -16,6 +16,7 @@ from tritonmoe.config import MoEConfig
 from tritonmoe.core.types import Routing
 
 from .base import ExpertPath, ExpertWeights
+from .expert_parallel import _DTYPE_CODES
 
 
 class StaticExpertParallelExperts(ExpertPath):
