@@ -156,6 +156,16 @@ def saa_schedule(
             else:
                 gather_step(t - 1, c if c is not None else empty_rows(src, 0), x_dep)
 
+    return _assemble(ex, chunks, src, mp_peers, peer_recv_splits, after=x_dep + tuple(issued))
+
+
+def _assemble(ex: Executor, chunks: list[list[Any]], src: Any, mp_peers: Sequence[int],
+              peer_recv_splits: Sequence[Sequence[int]], *, after: tuple) -> Handle:
+    """SAA's output from its chunks (``chunks[q][t]``: MP member q's chunk of phase t, a value,
+    a ``(handle, index)`` of a point-to-point batch's output, or None): one copy (kind
+    ``saa_assemble``) concatenating member q's all-to-all output (its chunks in source order),
+    for q in MP-rank order, after ``after``."""
+    P = len(chunks[0])
     order = []  # (q, t) in the output order: member q, then source rank 0..P-1
     for q, peer in enumerate(mp_peers):
         for s in range(P):
@@ -169,7 +179,7 @@ def saa_schedule(
             index.append(("h", len(handles) - 1, p[1]))
         else:
             index.append(("v", p))
-    total = sum(peer_recv_splits[q][s] for q in range(n_mp) for s in range(P))
+    total = sum(peer_recv_splits[q][s] for q in range(len(mp_peers)) for s in range(P))
 
     def assemble(*vals):
         pieces = []
@@ -185,7 +195,7 @@ def saa_schedule(
     row_bytes = src.row_bytes() if isinstance(src, VirtualTensor) else src.element_size() * math.prod(src.shape[1:])
     return ex.compute(
         assemble, *handles, work=Work(bytes=2.0 * total * row_bytes, kind="copy"), kind="saa_assemble",
-        out=empty_rows(src, total), after=x_dep + tuple(issued),
+        out=empty_rows(src, total), after=after,
     )
 
 

@@ -47,15 +47,11 @@ unsharded experts on the de-duplicated batches):
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from tritonmoe.comm.compat import all_gather_single
-from tritonmoe.comm.errors import backend_errors
 from tritonmoe.comm.executor import RealExecutor
 from tritonmoe.comm.partition import transpose_chunks_unchecked
 from tritonmoe.comm.programs.model_parallel import (
@@ -64,6 +60,7 @@ from tritonmoe.comm.programs.model_parallel import (
     PAUSE_BEFORE_GATE,
     ExpertShard,
     ParmBlockState,
+    ffn_shard_work,
     part_bounds,
     baseline_plan,
     parm_block,
@@ -82,16 +79,10 @@ from tritonmoe.experts.base import ExpertPath, ExpertWeights, dtype_code
 from tritonmoe.router import RouteStep, router_logits
 from tritonmoe.parallel.init import init_experts_
 from tritonmoe.parm_layout import LayoutError, ParmGroups, groups_from_process_groups
-from tritonmoe.policy.parm_schedule import (
-    PROBE_TOKENS,
-    choose_schedule,
-    device_sync,
-    measure_cost_model,
-    step_times,
-)
+from tritonmoe.policy.parm_schedule import ParmSchedulePolicy
 from tritonmoe.reference import SegmentBias
 
-__all__ = ["ParmExperts", "SCHEDULE_NAMES", "shard_expert_weights", "shard_expert_biases"]
+__all__ = ["ParmExperts", "EspShard", "SCHEDULE_NAMES", "shard_expert_weights", "shard_expert_biases"]
 
 #: MoEConfig.parm_schedule -> the schedule's name in tritonmoe.comm.programs.model_parallel.
 SCHEDULE_NAMES = {"baseline": BASELINE, "s1": PAUSE_BEFORE_GATE, "s2": PAUSE_AFTER_GATE}
@@ -101,17 +92,11 @@ SCHEDULE_NAMES = {"baseline": BASELINE, "s1": PAUSE_BEFORE_GATE, "s2": PAUSE_AFT
 def shard_expert_weights(w1: torch.Tensor, w2: torch.Tensor, config: MoEConfig, layout, rank: int):
     """This layout rank's ``(w1, w2)`` slices of the full expert weights ``w1`` [E, d, n1] and
     ``w2`` [E, F, d] (e.g. to load an unsharded checkpoint)."""
-    a, s = layout.ep[rank], layout.esp[rank]
+    a = layout.ep[rank]
     L = config.num_experts // layout.n_ep
-    F = config.d_ffn
-    Fs = F // layout.n_esp
     e = slice(a * L, (a + 1) * L)
-    h = slice(s * Fs, (s + 1) * Fs)
-    if config.activation in GLU_ACTIVATIONS:
-        w1_s = torch.cat([w1[e, :, h], w1[e, :, F + s * Fs : F + (s + 1) * Fs]], dim=-1)
-    else:
-        w1_s = w1[e, :, h]
-    return w1_s.contiguous(), w2[e, h, :].contiguous()
+    w1_s, w2_s = EspShard(config, layout.esp[rank], layout.n_esp).slice_weights(w1[e], w2[e])
+    return w1_s.contiguous(), w2_s.contiguous()
 
 
 def shard_expert_biases(b1: torch.Tensor, b2: torch.Tensor, config: MoEConfig, layout, rank: int):
@@ -301,125 +286,48 @@ def _sum_copies(buf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# The expert path
-# ---------------------------------------------------------------------------------------------
+class EspShard:
+    """This rank's slice of the experts' hidden dimension: ESP shard ``index`` of ``n_esp``, the
+    ``width = d_ffn / n_esp`` hidden units ``[index * width, (index + 1) * width)`` of every local
+    expert -- which columns of ``w1`` and rows of ``w2`` it holds, and its compute on received
+    rows. Shard 0 adds the second bias (:meth:`compute`)."""
 
+    def __init__(self, config: MoEConfig, index: int, n_esp: int) -> None:
+        self.config = config
+        self.index = index
+        self.width = config.d_ffn // n_esp
 
-class ParmExperts(ExpertPath):
-    """Model + expert + expert-sharding parallelism with Parm's schedules (see the module
-    docstring). Build it with :meth:`from_groups` (the layer does).
-
-    Attributes:
-        groups: this rank's :class:`~tritonmoe.parm_layout.ParmGroups`.
-        schedule_used: "baseline", "s1" or "s2": what the last forward ran.
-        cost_model: the fitted :class:`tritonmoe.policy.parm_schedule.ParmCostModel` ``auto`` decides with
-            (measured on the groups at the first ``auto`` forward when None; set one to skip).
-        trace: when a list, receives every executor operation of forward and backward.
-    """
-
-    def __init__(self, config: MoEConfig, groups: ParmGroups) -> None:
-        super().__init__(config)
-        layout = groups.layout
-        layout.check_model(config.num_experts, config.d_ffn)
-        self.groups = groups
-        self.layout = layout
-        L = config.num_experts // layout.n_ep
-        self.num_local_experts = L
-        self.expert_start = groups.a * L
-        self.shard_width = config.d_ffn // layout.n_esp
-        self.schedule_used: Optional[str] = None
-        self.cost_model = None
-        self.trace: Optional[list] = None
-
-    @classmethod
-    def from_groups(
-        cls,
-        config: MoEConfig,
-        *,
-        ep_group=None,
-        mp_group=None,
-        esp_group=None,
-        ep_esp_group=None,
-        groups: Optional[ParmGroups] = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> "ParmExperts":
-        """The path of this rank. With ``groups`` (from :meth:`ParmLayout.process_groups`)
-        nothing is exchanged but the config check; otherwise the layout is read from the process
-        groups with one exchange over the default group (collective: every rank builds its
-        layer), which also checks that the ranks agree on the groups and the config; either way
-        a disagreement raises the same :class:`~tritonmoe.parm_layout.LayoutError` on every
-        rank before any data moves."""
-        if not isinstance(config, MoEConfig):
-            raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
-        if config.pipeline_degree != 1:
-            raise ValueError(
-                f"pipeline_degree={config.pipeline_degree}: Parm's schedules run one micro-op; use "
-                "pipeline_degree=1 with mp_group/esp_group"
-            )
-        values = _config_values(config, dtype)
-        if groups is None:
-            groups = groups_from_process_groups(
-                ep_group=ep_group, mp_group=mp_group, esp_group=esp_group, ep_esp_group=ep_esp_group,
-                values=values, what="MoELayer(ep_group=..., mp_group=..., esp_group=...)",
-            )
-        else:
-            if not isinstance(groups, ParmGroups):
-                raise TypeError(f"parm_groups must be a ParmGroups, got {type(groups).__name__}")
-            _check_config_agreement(groups, values)
-        return cls(config, groups)
-
-    # -- shapes and weights ----------------------------------------------------------------------
-
-    def init_weights_(self, w1: torch.Tensor, w2: torch.Tensor, *, base_seed: int, expert_start: int) -> None:
-        """Fill this rank's shards in place with the slices of the layout-independent initial
-        experts (:func:`tritonmoe.parallel.init.init_experts_` draws each whole local expert,
-        then this rank keeps its ESP columns): the same global experts on every layout."""
-
-        if w1.is_meta or w2.is_meta:
-            return
-        c = self.config
-        L = w1.shape[0]
-        full1 = w1.new_empty(L, c.d_model, c.n1)
-        full2 = w2.new_empty(L, c.d_ffn, c.d_model)
-        init_experts_(full1, full2, base_seed=base_seed, expert_start=expert_start, d_model=c.d_model, d_ffn=c.d_ffn)
-        s, F, Fs = self.layout.esp[self.groups.rank], c.d_ffn, self.shard_width
+    def slice_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This shard's ``(w1, w2)`` of whole experts ``w1`` [L, d, n1] and ``w2`` [L, F, d]: for
+        a GLU activation its gate columns then its up columns of ``w1``; its rows of ``w2``
+        (views or new tensors, not necessarily contiguous)."""
+        c, s, Fs = self.config, self.index, self.width
+        F = c.d_ffn
         h = slice(s * Fs, (s + 1) * Fs)
-        with torch.no_grad():
-            if c.activation in GLU_ACTIVATIONS:
-                w1.copy_(torch.cat([full1[:, :, h], full1[:, :, F + s * Fs : F + (s + 1) * Fs]], dim=-1))
-            else:
-                w1.copy_(full1[:, :, h])
-            w2.copy_(full2[:, h, :])
+        if c.activation in GLU_ACTIVATIONS:
+            w1_s = torch.cat([w1[:, :, h], w1[:, :, F + s * Fs : F + (s + 1) * Fs]], dim=-1)
+        else:
+            w1_s = w1[:, :, h]
+        return w1_s, w2[:, h, :]
 
-    def weight_shapes(self):
-        c = self.config
-        Fs = self.shard_width
+    def weight_shapes(self, num_local_experts: int):
+        """Shapes of this shard's ``w1`` and ``w2`` for ``num_local_experts`` experts."""
+        c, Fs = self.config, self.width
         n1 = 2 * Fs if c.activation in GLU_ACTIVATIONS else Fs
-        return (self.num_local_experts, c.d_model, n1), (self.num_local_experts, Fs, c.d_model)
+        return (num_local_experts, c.d_model, n1), (num_local_experts, Fs, c.d_model)
 
-    def shard(
-        self, weights: ExpertWeights, x_like: torch.Tensor, counts_GL: torch.Tensor, counts_list: Optional[list] = None
-    ) -> ExpertShard:
-        """The expert-shard compute on received rows grouped by origin (``counts_GL`` rows per
-        origin and local expert; ``counts_list`` the same as host ints): expert-major re-layout,
-        grouped FFN on this shard, back.
-
-        Biases: ``b1`` holds this shard's columns of the first projection (added by every shard);
-        ``b2`` is whole on every shard of the ESP group but added to the output by shard 0 only,
-        so the partial outputs sum to the expert's output with the bias once (with n_esp = 1 the
-        shard computes exactly what the single-process layer does). Every shard gets the whole
-        ``b2`` gradient (the column sums of its rows' output gradient, which every shard receives
-        identically): the replicas stay equal, like a row-parallel linear's bias."""
+    def compute(self, ffn, weights: ExpertWeights, counts_GL: torch.Tensor, counts_list: Optional[list],
+                dtype: torch.dtype) -> ExpertShard:
+        """The shard's compute (:meth:`ParmExperts.shard` says what it does) with the grouped
+        FFN implementation ``ffn`` on rows of ``dtype``."""
         c = self.config
-        ffn = self.impl("grouped_ffn", x_like)
         defers = getattr(ffn, "defers_weight_grad", False)
         counts_L = counts_GL.sum(0)
         offsets = counts_L.new_zeros(counts_GL.shape[1] + 1)
         offsets[1:] = torch.cumsum(counts_L, 0)
         backend = c.backend
         opts = ffn_options(c)  # the clamped SwiGLU's limit and alpha
-        adds_b2 = self.layout.esp[self.groups.rank] == 0
+        adds_b2 = self.index == 0
         offs_host = None
         if weights.b2 is not None and not adds_b2:
             if counts_list is None:
@@ -440,101 +348,152 @@ class ParmExperts(ExpertPath):
                 y_em = SegmentBias.apply(y_em, offs_host, w.b2, slot, False)  # its gradient only
             return transpose_chunks_unchecked(y_em, counts_GL.t(), backend)
 
-        return ExpertShard(fn=fn, params=weights.params(), work=ffn_shard_work(c, self.shard_width, x_like.dtype))
+        return ExpertShard(fn=fn, params=weights.params(), work=ffn_shard_work(c, self.width, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The expert path
+# ---------------------------------------------------------------------------------------------
+
+
+class ParmExperts(ExpertPath):
+    """Model + expert + expert-sharding parallelism with Parm's schedules (see the module
+    docstring). Build it with :meth:`from_groups` (the layer does).
+
+    Attributes:
+        groups: this rank's :class:`~tritonmoe.parm_layout.ParmGroups`.
+        schedule_used: "baseline", "s1" or "s2": what the last forward ran.
+        schedule_policy: the :class:`~tritonmoe.policy.parm_schedule.ParmSchedulePolicy` that picks
+            each forward's schedule.
+        cost_model: the fitted :class:`tritonmoe.policy.parm_schedule.ParmCostModel` ``auto`` decides with
+            (measured on the groups at the first ``auto`` forward when None; set one to skip).
+        trace: when a list, receives every executor operation of forward and backward.
+    """
+
+    def __init__(self, config: MoEConfig, groups: ParmGroups) -> None:
+        super().__init__(config)
+        layout = groups.layout
+        layout.check_model(config.num_experts, config.d_ffn)
+        self.groups = groups
+        self.layout = layout
+        L = config.num_experts // layout.n_ep
+        self.num_local_experts = L
+        self.expert_start = groups.a * L
+        self.esp_shard = EspShard(config, layout.esp[groups.rank], layout.n_esp)
+        self.shard_width = self.esp_shard.width
+        self.schedule_used: Optional[str] = None
+        self.schedule_policy = ParmSchedulePolicy(config, groups)
+        self.trace: Optional[list] = None
+
+    @property
+    def cost_model(self):
+        """The fitted :class:`~tritonmoe.policy.parm_schedule.ParmCostModel` ``auto`` decides with
+        (held by :attr:`schedule_policy`; None until the first ``auto`` forward; set one to skip
+        the measurement)."""
+        return self.schedule_policy.cost_model
+
+    @cost_model.setter
+    def cost_model(self, model) -> None:
+        self.schedule_policy.cost_model = model
+
+    @classmethod
+    def from_groups(
+        cls,
+        config: MoEConfig,
+        *,
+        ep_group=None,
+        mp_group=None,
+        esp_group=None,
+        ep_esp_group=None,
+        groups: Optional[ParmGroups] = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> "ParmExperts":
+        """The path of this rank. With ``groups`` (from :meth:`ParmLayout.process_groups`)
+        nothing is exchanged but the config check; otherwise the layout is read from the process
+        groups with one exchange over the default group (collective: every rank builds its
+        layer), which also checks that the ranks agree on the groups and the config; either way
+        a disagreement raises the same :class:`~tritonmoe.parm_layout.LayoutError` on every
+        rank before any data moves."""
+        process_groups = dict(ep_group=ep_group, mp_group=mp_group, esp_group=esp_group, ep_esp_group=ep_esp_group)
+        return cls(config, _agreed_groups(config, dtype, groups, process_groups))
+
+    # -- shapes and weights ----------------------------------------------------------------------
+
+    def init_weights_(self, w1: torch.Tensor, w2: torch.Tensor, *, base_seed: int, expert_start: int) -> None:
+        """Fill this rank's shards in place with the slices of the layout-independent initial
+        experts (:func:`tritonmoe.parallel.init.init_experts_` draws each whole local expert,
+        then this rank keeps its ESP columns): the same global experts on every layout."""
+
+        if w1.is_meta or w2.is_meta:
+            return
+        c = self.config
+        L = w1.shape[0]
+        full1 = w1.new_empty(L, c.d_model, c.n1)
+        full2 = w2.new_empty(L, c.d_ffn, c.d_model)
+        init_experts_(full1, full2, base_seed=base_seed, expert_start=expert_start, d_model=c.d_model, d_ffn=c.d_ffn)
+        w1_s, w2_s = self.esp_shard.slice_weights(full1, full2)
+        with torch.no_grad():
+            w1.copy_(w1_s)
+            w2.copy_(w2_s)
+
+    def weight_shapes(self):
+        return self.esp_shard.weight_shapes(self.num_local_experts)
+
+    def shard(
+        self, weights: ExpertWeights, x_like: torch.Tensor, counts_GL: torch.Tensor, counts_list: Optional[list] = None
+    ) -> ExpertShard:
+        """The expert-shard compute on received rows grouped by origin (``counts_GL`` rows per
+        origin and local expert; ``counts_list`` the same as host ints): expert-major re-layout,
+        grouped FFN on this shard, back.
+
+        Biases: ``b1`` holds this shard's columns of the first projection (added by every shard);
+        ``b2`` is whole on every shard of the ESP group but added to the output by shard 0 only,
+        so the partial outputs sum to the expert's output with the bias once (with n_esp = 1 the
+        shard computes exactly what the single-process layer does). Every shard gets the whole
+        ``b2`` gradient (the column sums of its rows' output gradient, which every shard receives
+        identically): the replicas stay equal, like a row-parallel linear's bias."""
+        return self.esp_shard.compute(self.impl("grouped_ffn", x_like), weights, counts_GL, counts_list, x_like.dtype)
 
     # -- the step ----------------------------------------------------------------------------------
 
     def choose(self, x_TD: torch.Tensor, router=None, weights: Optional[ExpertWeights] = None) -> str:
-        """The schedule of this forward ("baseline", "s1" or "s2"); "auto" asks the step model
-        (every rank decides from the same agreed inputs). At the first "auto" forward the model
-        is fitted (:meth:`fit_cost_model`; with the layer's ``router`` step and expert ``weights``,
+        """The schedule of this forward ("baseline", "s1" or "s2"): :meth:`ParmSchedulePolicy.choose
+        <tritonmoe.policy.parm_schedule.ParmSchedulePolicy.choose>` ("auto" asks the step model;
+        every rank decides from the same agreed inputs). At the first "auto" forward the model is
+        fitted (:meth:`fit_cost_model`; with the layer's ``router`` step and expert ``weights``,
         its per-schedule startup measured on the layer too)."""
-        c = self.config
-        if c.parm_schedule != "auto":
-            return c.parm_schedule
-
-        T = x_TD.shape[0]
-        g = self.groups.ep_esp
-        if g is not None:
-            # host sync: the decision must be the same on every rank (ragged batches differ in T)
-            t = torch.tensor([T], dtype=torch.int64, device=comm_device(g))
-            with backend_errors("the Parm schedule agreement (allreduce MAX of the token count)", g):
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-            T = int(t)
-        if self.cost_model is None:
-            self.cost_model = self.fit_cost_model(x_TD, T, router, weights)
-        return choose_schedule(self.cost_model, self.config, self.layout, T, dtype=x_TD.dtype)
+        return self.schedule_policy.choose(x_TD, fit=lambda x, T: self.fit_cost_model(x, T, router, weights))
 
     def fit_cost_model(self, x_TD: torch.Tensor, tokens: int, router=None, weights: Optional[ExpertWeights] = None,
                        *, reps: int = 9):
         """The step model ``auto`` decides with (collective over the P ranks; every rank gets the
-        same model): :func:`tritonmoe.policy.parm_schedule.measure_cost_model` on the groups, spanning the
-        message sizes of a batch of ``tokens`` (the agreed batch size; the collectives' fits are
-        shared by every layer of these groups), then, with ``router`` (the layer's
-        :class:`~tritonmoe.router.RouteStep`), ``weights`` and autograd enabled, each
-        schedule's startup: the forward + backward of this layer's three schedules timed on a
-        small batch (the first :data:`~tritonmoe.policy.parm_schedule.PROBE_TOKENS` rows of ``x_TD``),
-        minus what the fitted terms predict for it (:attr:`ParmCostModel.startup`: the host
-        work of the schedule's Python steps -- plans, autograd nodes, copies -- that timing
-        the collectives and the local ops alone does not see)."""
-        import dataclasses
-
-
-        c = self.config
-        model = measure_cost_model(self.groups, dtype=x_TD.dtype, device=x_TD.device, d_model=c.d_model, config=c,
-                                   tokens=tokens)
-        if router is None or weights is None or not torch.is_grad_enabled():
-            return model
-        T0 = min(int(tokens), PROBE_TOKENS)
-        measured = self._time_schedules(router, weights, x_TD[: min(T0, x_TD.shape[0])], reps)
-        item = x_TD.element_size()
-        pred = step_times(model, c, self.layout, T0, itemsize=item)
-        startup = {s: measured[s] - pred[s] for s in measured}
-        return dataclasses.replace(model, startup=startup, source=model.source + (
-            f"; startup measured on the layer at {T0} tokens: "
-            + ", ".join(f"{s} {measured[s] * 1e3:.2f} ms (model {pred[s] * 1e3:.2f})" for s in measured)))
-
-    def _time_schedules(self, router, weights: ExpertWeights, x_TD: torch.Tensor, reps: int) -> dict[str, float]:
-        """Seconds of this layer's forward + backward (gradients returned, not accumulated into
-        the parameters) under each schedule on ``x_TD``: per round, each schedule once (the order
-        rotating); a round's time is the maximum over the P ranks (a step ends when its last rank
-        does); the median over ``reps`` rounds after one warm-up round. Collective; the same
-        result on every rank. The path's step state (trace, timeline) is restored, and the layer's
-        last logits are left alone (the probe routes through a step that records nothing)."""
-
-        scheds = ("baseline", "s1", "s2")
-        params = [p for p in (*router.parameters(), *weights.params()) if p.requires_grad]
-        quiet = RouteStep(router.config, router.router, router.expert_bias)  # records no logits
+        same model): :meth:`ParmSchedulePolicy.fit <tritonmoe.policy.parm_schedule.ParmSchedulePolicy.fit>`,
+        with ``router`` (the layer's :class:`~tritonmoe.router.RouteStep`) and ``weights`` given,
+        probing this layer's three schedules (:meth:`_schedule_probe`) for their startup: the
+        host work of the schedule's Python steps -- plans, autograd nodes, copies -- that timing
+        the collectives and the local ops alone does not see."""
+        if router is None or weights is None:
+            return self.schedule_policy.fit(x_TD, tokens, reps=reps)
         saved = (self.trace, self.timeline, self.schedule_used, self.path_used)
         self.trace = self.timeline = None
-        rows = []
         try:
-            for rep in range(1 + reps):
-                ts = [0.0] * len(scheds)
-                for j in range(len(scheds)):
-                    k = (j + rep) % len(scheds)
-                    xi = x_TD.detach().clone().requires_grad_()
-                    device_sync(xi.device)  # host sync (fit time only): time the work, not its launch
-                    t0 = time.perf_counter()
-                    out, _, _ = self._run_schedule(quiet, weights, xi, scheds[k])
-                    torch.autograd.grad(out.sum(), [xi] + params, allow_unused=True)
-                    device_sync(xi.device)
-                    ts[k] = time.perf_counter() - t0
-                if rep:
-                    rows.append(ts)
+            return self.schedule_policy.fit(x_TD, tokens, self._schedule_probe(router, weights), reps=reps)
         finally:
             self.trace, self.timeline, self.schedule_used, self.path_used = saved
-        t = torch.tensor(rows, dtype=torch.float64)
-        g = self.groups.ep_esp
-        if g is not None:
-            dev = comm_device(g)
-            t = t.to(dev)
-            table = torch.empty(self.layout.P * t.numel(), dtype=t.dtype, device=dev)
-            with backend_errors("the exchange of the Parm schedules' probe times", g):
-                all_gather_single(table, t.reshape(-1), group=g)
-            t = table.view((self.layout.P,) + tuple(t.shape)).amax(0)
-        med = t.median(dim=0).values.tolist()  # host sync: the fit is a host computation
-        return dict(zip(scheds, med))
+
+    def _schedule_probe(self, router, weights: ExpertWeights):
+        """``run(x, schedule)``: this layer's forward + backward under ``schedule`` (gradients
+        returned, not accumulated into the parameters), through a routing step that records no
+        logits (the layer's last logits are left alone). The caller keeps the path's step state
+        (trace, timeline) out of the probe."""
+        params = [p for p in (*router.parameters(), *weights.params()) if p.requires_grad]
+        quiet = RouteStep(router.config, router.router, router.expert_bias)  # records no logits
+
+        def run(x: torch.Tensor, sched: str) -> None:
+            out, _, _ = self._run_schedule(quiet, weights, x, sched)
+            torch.autograd.grad(out.sum(), [x] + params, allow_unused=True)
+
+        return run
 
     def step(self, x_TD: torch.Tensor, router, weights: ExpertWeights) -> tuple[torch.Tensor, Routing, torch.Tensor]:
         return self._run_schedule(router, weights, x_TD, self.choose(x_TD, router, weights))
@@ -596,66 +555,13 @@ class ParmExperts(ExpertPath):
 
         logits = router_logits(router.input(x_m), w, None if G.mp is not None else gate, bias=b)
         router.record(logits)
-        routing, aux = self._route_slice(router, logits, T, sizes)
+        routing, aux = _route_slice(self, router, logits, T)
         out_m = self._pause(x_m, routing, weights, PAUSE_BEFORE_GATE)
         if G.mp is not None:
             out = _GatherSlices.apply(out_m, self, G.mp, sizes, m, "mp_allgather")
         else:
             out = out_m
         return out, routing, aux
-
-    def _route_slice(self, router, logits: torch.Tensor, T: int, sizes: list[int]) -> tuple[Routing, torch.Tensor]:
-        """Route this MP rank's slice with the batch's capacity and auxiliary losses."""
-        c, G = self.config, self.groups
-        need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
-        routing = self.impl("route", logits)(logits, c.top_k, capacity=None, with_aux=need_aux, **router.options())
-        routing = router.finish(routing)  # as RouteStep.route: a non-finite bias poisons the weights (no sync)
-        cap = c.capacity(T)
-        E, K = c.num_experts, c.top_k
-        ids = routing.topk_ids.long()
-        Tm = ids.shape[0]
-        slot_counts = torch.zeros(K, E, dtype=torch.int64, device=ids.device)
-        if Tm:
-            slot_counts.scatter_add_(1, ids.t(), torch.ones_like(ids.t()))
-        if G.mp is not None and (cap is not None or c.aux_loss_coef > 0):
-            ex = _executor(logits, self, "fwd")
-            dev = comm_device(G.mp)
-            allc = run_collective(ex, "all_gather", slot_counts.to(dev), group=G.mp, kind="mp_counts")
-            _record(self, ex)
-            all_counts = allc.view(self.layout.n_mp, K, E).to(ids.device)
-        else:
-            all_counts = slot_counts.unsqueeze(0)
-        m = G.m if G.mp is not None else 0
-        if cap is not None:
-            keep = _mp_capacity_keep(ids, all_counts, m, cap)
-            ids_k = torch.where(keep, ids, torch.full_like(ids, -1))
-            routing = Routing(
-                topk_ids=ids_k.to(torch.int32),
-                topk_weights=torch.where(keep, routing.topk_weights, torch.zeros_like(routing.topk_weights)),
-                counts=_count(ids_k, E),
-                selected_counts=routing.selected_counts,
-                score_func=routing.score_func,
-                score_sum=routing.score_sum,
-                logsumexp=routing.logsumexp,
-            )
-        aux = torch.zeros((), device=logits.device, dtype=torch.float32)
-        if need_aux:
-            s_E = routing.score_sum
-            lse = routing.logsumexp
-            z = lse.square().sum() if lse.numel() else lse.sum() * 0.0
-            vec = torch.cat([s_E, z.reshape(1).to(s_E.dtype)])
-            if G.mp is not None:
-                vec = _AllReduceForward.apply(vec, self, G.mp)
-            score_sum, z_sum = vec[:E], vec[E]
-            if T == 0:
-                return routing, aux + 0.0 * vec.sum()
-            if c.aux_loss_coef > 0:
-                sel = all_counts.sum((0, 1)).to(score_sum.dtype)
-                f_E = sel / float(T * K)
-                aux = aux + c.aux_loss_coef * (E * (f_E * score_sum).sum() / T)
-            if c.z_loss_coef > 0:
-                aux = aux + c.z_loss_coef * (z_sum / T)
-        return routing, aux
 
     # -- S1 / S2 common: Dump, EP&ESP all-to-all, shards, local combine ------------------------------
 
@@ -756,6 +662,87 @@ def _count(ids: torch.Tensor, E: int) -> torch.Tensor:
     return torch.bincount(flat[flat >= 0].long(), minlength=E).to(torch.int32)
 
 
+# ---------------------------------------------------------------------------------------------
+# S1's routing of an MP slice with the batch's capacity and auxiliary losses
+# ---------------------------------------------------------------------------------------------
+
+
+def _route_slice(path: "ParmExperts", router, logits: torch.Tensor, T: int) -> tuple[Routing, torch.Tensor]:
+    """S1: route this MP rank's slice (``logits``) with the capacity and auxiliary losses of the
+    whole batch of ``T`` tokens (the module docstring's routing decisions)."""
+    c, G = path.config, path.groups
+    need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+    routing = path.impl("route", logits)(logits, c.top_k, capacity=None, with_aux=need_aux, **router.options())
+    routing = router.finish(routing)  # as RouteStep.route: a non-finite bias poisons the weights (no sync)
+    cap = c.capacity(T)
+    ids = routing.topk_ids.long()
+    all_counts = _batch_slot_counts(path, ids, logits, gather=cap is not None or c.aux_loss_coef > 0)
+    if cap is not None:
+        routing = _within_capacity(routing, ids, all_counts, G.m if G.mp is not None else 0, cap, c.num_experts)
+    aux = torch.zeros((), device=logits.device, dtype=torch.float32)
+    if need_aux:
+        return routing, _batch_aux_loss(path, routing, all_counts, T, aux)
+    return routing, aux
+
+
+def _batch_slot_counts(path: "ParmExperts", ids: torch.Tensor, logits: torch.Tensor, *, gather: bool) -> torch.Tensor:
+    """[n_mp, K, E]: per MP rank, its slice's selections per (slot, expert) -- with ``gather``
+    all-gathered over the MP group, else [1, K, E] with this rank's alone."""
+    c, G = path.config, path.groups
+    E, K = c.num_experts, c.top_k
+    slot_counts = torch.zeros(K, E, dtype=torch.int64, device=ids.device)
+    if ids.shape[0]:
+        slot_counts.scatter_add_(1, ids.t(), torch.ones_like(ids.t()))
+    if G.mp is None or not gather:
+        return slot_counts.unsqueeze(0)
+    ex = _executor(logits, path, "fwd")
+    dev = comm_device(G.mp)
+    allc = run_collective(ex, "all_gather", slot_counts.to(dev), group=G.mp, kind="mp_counts")
+    _record(path, ex)
+    return allc.view(path.layout.n_mp, K, E).to(ids.device)
+
+
+def _batch_aux_loss(path: "ParmExperts", routing: Routing, all_counts: torch.Tensor, T: int, aux: torch.Tensor) -> torch.Tensor:
+    """``aux`` plus the batch's load-balancing and z losses on every MP rank: the slices' score
+    sums and squared logsumexps all-reduced over the MP group (backward: the identity), the
+    selections from ``all_counts``."""
+    c, G = path.config, path.groups
+    E, K = c.num_experts, c.top_k
+    s_E = routing.score_sum
+    lse = routing.logsumexp
+    z = lse.square().sum() if lse.numel() else lse.sum() * 0.0
+    vec = torch.cat([s_E, z.reshape(1).to(s_E.dtype)])
+    if G.mp is not None:
+        vec = _AllReduceForward.apply(vec, path, G.mp)
+    score_sum, z_sum = vec[:E], vec[E]
+    if T == 0:
+        return aux + 0.0 * vec.sum()
+    if c.aux_loss_coef > 0:
+        sel = all_counts.sum((0, 1)).to(score_sum.dtype)
+        f_E = sel / float(T * K)
+        aux = aux + c.aux_loss_coef * (E * (f_E * score_sum).sum() / T)
+    if c.z_loss_coef > 0:
+        aux = aux + c.z_loss_coef * (z_sum / T)
+    return aux
+
+
+def _within_capacity(routing: Routing, ids: torch.Tensor, all_counts: torch.Tensor, m: int, capacity: int,
+                     E: int) -> Routing:
+    """``routing`` of MP rank ``m``'s slice with the slots beyond the batch's ``capacity`` dropped
+    (:func:`_mp_capacity_keep`): their ids -1, their weights 0, the counts recounted."""
+    keep = _mp_capacity_keep(ids, all_counts, m, capacity)
+    ids_k = torch.where(keep, ids, torch.full_like(ids, -1))
+    return Routing(
+        topk_ids=ids_k.to(torch.int32),
+        topk_weights=torch.where(keep, routing.topk_weights, torch.zeros_like(routing.topk_weights)),
+        counts=_count(ids_k, E),
+        selected_counts=routing.selected_counts,
+        score_func=routing.score_func,
+        score_sum=routing.score_sum,
+        logsumexp=routing.logsumexp,
+    )
+
+
 def _mp_capacity_keep(ids_TK: torch.Tensor, all_counts: torch.Tensor, m: int, capacity: int) -> torch.Tensor:
     """Which of this MP rank's slots survive the batch's capacity: slot (t, j) of expert e is
     kept iff its position among the batch's slots of e in priority order (slot j, then token t;
@@ -783,6 +770,29 @@ def _mp_capacity_keep(ids_TK: torch.Tensor, all_counts: torch.Tensor, m: int, ca
     j = torch.arange(K, device=flat.device).repeat_interleave(T)
     pos = prefix_KE[j, flat] + rank_local - local_before_j[j, flat]
     return (pos < capacity).view(K, T).t()
+
+
+def _agreed_groups(config: MoEConfig, dtype: torch.dtype, groups: Optional[ParmGroups], process_groups: dict) -> ParmGroups:
+    """This rank's :class:`ParmGroups` for :meth:`ParmExperts.from_groups`, the config checked
+    (a typed error before any exchange) and agreed over the layout's ranks: ``groups`` as given,
+    else read from the ``process_groups`` (``ep_group``, ``mp_group``, ``esp_group``,
+    ``ep_esp_group``) with one exchange over the default group."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
+    if config.pipeline_degree != 1:
+        raise ValueError(
+            f"pipeline_degree={config.pipeline_degree}: Parm's schedules run one micro-op; use "
+            "pipeline_degree=1 with mp_group/esp_group"
+        )
+    values = _config_values(config, dtype)
+    if groups is None:
+        return groups_from_process_groups(
+            **process_groups, values=values, what="MoELayer(ep_group=..., mp_group=..., esp_group=...)",
+        )
+    if not isinstance(groups, ParmGroups):
+        raise TypeError(f"parm_groups must be a ParmGroups, got {type(groups).__name__}")
+    _check_config_agreement(groups, values)
+    return groups
 
 
 def _config_values(config: MoEConfig, dtype: torch.dtype) -> dict[str, int]:

@@ -44,11 +44,13 @@ schedule's :attr:`ParmCostModel.startup`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from tritonmoe.core.validation import GLU_ACTIVATIONS
 from tritonmoe.comm.splits import comm_device
@@ -66,19 +68,13 @@ __all__ = [
     "algorithm1",
     "step_times",
     "choose_schedule",
+    "ParmSchedulePolicy",
     "measure_cost_model",
     "measure_collectives",
     "collective_rows",
     "local_tokens",
     "message_elements",
     "geometric_sizes",
-    "sim_groups",
-    "parm_step_programs",
-    "batch_counts",
-    "simulate_parm",
-    "choose_parm",
-    "simulate_all_to_all",
-    "choose_all_to_all",
 ]
 
 
@@ -385,8 +381,6 @@ def measure_collectives(
     fits the same model), by least squares on the relative error (:func:`fit_alpha_beta` with
     ``relative=True``). With ``cache``, reuses the fits of an earlier call on the same groups,
     dtype and device whose sizes reach as far."""
-    import torch.distributed as dist
-
 
 
     rows = sorted({int(r) for r in rows})
@@ -570,3 +564,110 @@ def _local_steps(config, layout, dtype, device, token_counts: Sequence[int]) -> 
         steps.append(step)
         out_rows.append(float(T * c.top_k))
     return out_rows, steps
+
+
+# ---------------------------------------------------------------------------------------------
+# The run-time policy of an expert path
+# ---------------------------------------------------------------------------------------------
+
+
+class ParmSchedulePolicy:
+    """``parm_schedule`` at run time for one layer on one rank's groups: the schedule of each
+    forward, and for ``"auto"`` the fitted step model it decides with.
+
+    The policy never sees the expert path: to measure the schedules' startup it is handed a
+    callable that runs one schedule (:meth:`fit`), so the policy floor stays below the paths.
+
+    Attributes:
+        config: the layer's :class:`~tritonmoe.MoEConfig`.
+        groups: this rank's :class:`~tritonmoe.parm_layout.ParmGroups`.
+        cost_model: the fitted :class:`ParmCostModel` ``auto`` decides with (fitted at the first
+            ``auto`` decision when None; set one to skip the measurement).
+    """
+
+    def __init__(self, config, groups) -> None:
+        self.config = config
+        self.groups = groups
+        self.layout = groups.layout
+        self.cost_model: Optional[ParmCostModel] = None
+
+    def agreed_tokens(self, tokens: int) -> int:
+        """The batch size every rank decides for: the maximum of ``tokens`` over the P ranks
+        (ragged batches differ in T; one all-reduce over ``groups.ep_esp``)."""
+        g = self.groups.ep_esp
+        if g is None:
+            return int(tokens)
+        # host sync: the decision must be the same on every rank (ragged batches differ in T)
+        t = torch.tensor([int(tokens)], dtype=torch.int64, device=comm_device(g))
+        with backend_errors("the Parm schedule agreement (allreduce MAX of the token count)", g):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        return int(t)
+
+    def choose(self, x_TD: torch.Tensor, fit: Optional[Callable[[torch.Tensor, int], ParmCostModel]] = None) -> str:
+        """The schedule of this forward ("baseline", "s1" or "s2"). For ``"auto"``: the tokens
+        agreed over the ranks (:meth:`agreed_tokens`), the cost model fitted at the first call
+        (``fit(x_TD, tokens)``, default :meth:`fit` without a probe), then
+        :func:`choose_schedule` (every rank decides from the same agreed inputs)."""
+        c = self.config
+        if c.parm_schedule != "auto":
+            return c.parm_schedule
+        T = self.agreed_tokens(x_TD.shape[0])
+        if self.cost_model is None:
+            self.cost_model = (fit or self.fit)(x_TD, T)
+        return choose_schedule(self.cost_model, c, self.layout, T, dtype=x_TD.dtype)
+
+    def fit(self, x_TD: torch.Tensor, tokens: int, run: Optional[Callable[[torch.Tensor, str], None]] = None,
+            *, reps: int = 9) -> ParmCostModel:
+        """The step model ``auto`` decides with (collective over the P ranks; every rank gets the
+        same model): :func:`measure_cost_model` on the groups, spanning the message sizes of a
+        batch of ``tokens`` (the agreed batch size; the collectives' fits are shared by every
+        layer of these groups), then, with ``run`` and autograd enabled, each schedule's startup:
+        :meth:`time_schedules` on a small batch (the first :data:`PROBE_TOKENS` rows of
+        ``x_TD``), minus what the fitted terms predict for it (:attr:`ParmCostModel.startup`).
+
+        ``run(x, schedule)``: the layer's forward + backward under ``schedule`` on ``x`` (a leaf
+        that requires grad), gradients returned, not accumulated."""
+        c = self.config
+        model = measure_cost_model(self.groups, dtype=x_TD.dtype, device=x_TD.device, d_model=c.d_model, config=c,
+                                   tokens=tokens)
+        if run is None or not torch.is_grad_enabled():
+            return model
+        T0 = min(int(tokens), PROBE_TOKENS)
+        measured = self.time_schedules(run, x_TD[: min(T0, x_TD.shape[0])], reps)
+        item = x_TD.element_size()
+        pred = step_times(model, c, self.layout, T0, itemsize=item)
+        startup = {s: measured[s] - pred[s] for s in measured}
+        return dataclasses.replace(model, startup=startup, source=model.source + (
+            f"; startup measured on the layer at {T0} tokens: "
+            + ", ".join(f"{s} {measured[s] * 1e3:.2f} ms (model {pred[s] * 1e3:.2f})" for s in measured)))
+
+    def time_schedules(self, run: Callable[[torch.Tensor, str], None], x_TD: torch.Tensor, reps: int) -> dict[str, float]:
+        """Seconds of ``run(x, schedule)`` (one forward + backward) under each schedule on
+        ``x_TD``: per round, each schedule once (the order rotating); a round's time is the
+        maximum over the P ranks (a step ends when its last rank does); the median over ``reps``
+        rounds after one warm-up round. Collective; the same result on every rank."""
+        scheds = ("baseline", "s1", "s2")
+        rows = []
+        for rep in range(1 + reps):
+            ts = [0.0] * len(scheds)
+            for j in range(len(scheds)):
+                k = (j + rep) % len(scheds)
+                xi = x_TD.detach().clone().requires_grad_()
+                device_sync(xi.device)  # host sync (fit time only): time the work, not its launch
+                t0 = time.perf_counter()
+                run(xi, scheds[k])
+                device_sync(xi.device)
+                ts[k] = time.perf_counter() - t0
+            if rep:
+                rows.append(ts)
+        t = torch.tensor(rows, dtype=torch.float64)
+        g = self.groups.ep_esp
+        if g is not None:
+            dev = comm_device(g)
+            t = t.to(dev)
+            table = torch.empty(self.layout.P * t.numel(), dtype=t.dtype, device=dev)
+            with backend_errors("the exchange of the Parm schedules' probe times", g):
+                all_gather_single(table, t.reshape(-1), group=g)
+            t = table.view((self.layout.P,) + tuple(t.shape)).amax(0)
+        med = t.median(dim=0).values.tolist()  # host sync: the fit is a host computation
+        return dict(zip(scheds, med))

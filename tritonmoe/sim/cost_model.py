@@ -146,30 +146,8 @@ class CostModel:
         :class:`InterferenceSample` and :class:`HostSample` records (any mix, any order):
         alpha/beta per (kind, group size, link) and per copy direction, a roofline per compute
         kind, the median retained speed per (y, x) and the median host issue time."""
-        comm: dict[tuple, list[CommSample]] = {}
-        comp: dict[str, list[ComputeSample]] = {}
-        inter: dict[tuple, list[float]] = {}
-        host: list[float] = []
-        host_compute_s: list[float] = []
         measurements = list(measurements)
-        for m in measurements:
-            if isinstance(m, CommSample):
-                if m.kind not in COLLECTIVES + COPIES:
-                    raise ValueError(f"CommSample kind {m.kind!r} is not one of {', '.join(COLLECTIVES + COPIES)}")
-                if m.link not in LINK_CLASSES:
-                    raise ValueError(f"CommSample link {m.link!r} is not one of {', '.join(LINK_CLASSES)}")
-                key = (m.kind,) if m.kind in COPIES else (m.kind, int(m.group_size), m.link)
-                comm.setdefault(key, []).append(m)
-            elif isinstance(m, ComputeSample):
-                comp.setdefault(m.kind, []).append(m)
-            elif isinstance(m, InterferenceSample):
-                if m.y not in OP_CLASSES or m.x not in OP_CLASSES + ("all",):
-                    raise ValueError(f"InterferenceSample ({m.y!r}, {m.x!r}): classes are {OP_CLASSES} (x also 'all')")
-                inter.setdefault((m.y, m.x), []).append(min(1.0, m.alone_s / m.concurrent_s))
-            elif isinstance(m, HostSample):
-                (host_compute_s if m.what == "compute" else host).append(m.seconds)
-            else:
-                raise TypeError(f"CostModel.fit: unknown measurement {type(m).__name__}")
+        comm, comp, inter, host, host_compute_s = _group_samples(measurements)
         model = cls(
             host_compute=host_compute,
             host_op_s=statistics.median(host) if host else 0.0,
@@ -183,18 +161,7 @@ class CostModel:
             meta=dict(meta or {}),
             samples=measurements,
         )
-        for key, ss in comm.items():
-            fit = fit_linear([s.nbytes for s in ss], [s.seconds for s in ss], piecewise=piecewise)
-            if len(key) == 1:
-                model.copies[key[0]] = fit
-            else:
-                model.collectives[key] = fit
-        composite = comp.pop("composite", [])
-        for kind, ss in comp.items():
-            model.compute[kind] = fit_compute(kind, ss)
-        if composite:
-            model.compute["host"] = fit_host(model, composite)
-        model.interference = {k: statistics.median(v) for k, v in inter.items()}
+        _fit_groups(model, comm, comp, inter, piecewise=piecewise)
         return model
 
     def refit(self, **overrides: Any) -> "CostModel":
@@ -374,75 +341,14 @@ class CostModel:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def to_json(self) -> dict:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "source": self.source,
-            "dtype": self.dtype,
-            "host_compute": self.host_compute,
-            "host_op_s": self.host_op_s,
-            "compute_op_s": self.compute_op_s,
-            "lane_slots": dict(self.lane_slots),
-            "ranks_per_node": self.ranks_per_node,
-            "host_cores": self.host_cores,
-            "threads_per_rank": self.threads_per_rank,
-            "collectives": [
-                {"kind": k, "group_size": p, "link": l, **f.to_json()} for (k, p, l), f in sorted(self.collectives.items())
-            ],
-            "copies": [{"kind": k, **f.to_json()} for k, f in sorted(self.copies.items())],
-            "compute": [{"kind": k, **r.to_json()} for k, r in sorted(self.compute.items())],
-            "interference": [{"y": y, "x": x, "retained": v} for (y, x), v in sorted(self.interference.items())],
-            "cluster": self.cluster.to_json() if self.cluster is not None else None,
-            "meta": self.meta,
-            "samples": [{"type": type(m).__name__, **asdict(m)} for m in self.samples],
-        }
+        """The model as a versioned JSON object (:func:`_model_to_json`)."""
+        return _model_to_json(self)
 
     @classmethod
     def from_json(cls, d: Mapping, *, path: Optional[str] = None) -> "CostModel":
-        where = f"cost model file {path}" if path else "cost model JSON"
-        if not isinstance(d, Mapping) or d.get("format") != FORMAT:
-            raise CostModelError(
-                f"{where} is not a tritonmoe cost model (no \"format\": \"{FORMAT}\"). Fix: write one with "
-                "`python -m tritonmoe.plan profile --out FILE` or CostModel.save"
-            )
-        if d.get("version") != VERSION:
-            raise CostModelError(
-                f"{where} has version {d.get('version')!r}; this tritonmoe reads version {VERSION}. Fix: re-run "
-                "`python -m tritonmoe.plan profile --out FILE` with this version"
-            )
-        try:
-            cluster = None
-            if d.get("cluster") is not None:
-
-                cluster = Cluster.from_json(d["cluster"])
-            return cls(
-                collectives={
-                    (c["kind"], int(c["group_size"]), c["link"]): LinearFit.from_json(c) for c in d["collectives"]
-                },
-                copies={c["kind"]: LinearFit.from_json(c) for c in d.get("copies", [])},
-                compute={c["kind"]: ComputeRate.from_json(c) for c in d.get("compute", [])},
-                interference={(c["y"], c["x"]): float(c["retained"]) for c in d.get("interference", [])},
-                host_compute=bool(d["host_compute"]),
-                host_op_s=float(d.get("host_op_s", 0.0)),
-                compute_op_s=float(d.get("compute_op_s", 0.0)),
-                lane_slots={k: int(v) for k, v in d.get("lane_slots", {}).items()},
-                ranks_per_node=d.get("ranks_per_node"),
-                host_cores=d.get("host_cores"),
-                threads_per_rank=int(d.get("threads_per_rank", 1)),
-                dtype=str(d.get("dtype", "bfloat16")),
-                cluster=cluster,
-                source=str(d.get("source", "file")),
-                meta=dict(d.get("meta", {})),
-                path=path,
-                samples=[sample_from_json(m) for m in d.get("samples", [])],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, CostModelError):
-                raise
-            raise CostModelError(
-                f"{where} is damaged ({type(exc).__name__}: {exc}). Fix: re-run `python -m tritonmoe.plan profile "
-                "--out FILE`"
-            ) from exc
+        """The model of a JSON object written by :meth:`to_json` (:func:`_model_from_json`); a
+        :class:`CostModelError` naming ``path`` and the fix when it is not one."""
+        return _model_from_json(cls, d, path=path)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the model as versioned JSON (atomically)."""
@@ -457,52 +363,196 @@ class CostModel:
     def load(cls, path: str | os.PathLike) -> "CostModel":
         """Read a model written by :meth:`save` (or ``python -m tritonmoe.plan profile``)."""
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"cost model file {path} does not exist. Fix: create it with `python -m tritonmoe.plan profile "
-                f"--out {path}` (add --nproc N for N local ranks, or launch it with torchrun), or pass a "
-                "tritonmoe.plan.Cluster instead"
-            )
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise CostModelError(
-                f"cost model file {path} is not JSON ({exc}). Fix: re-create it with `python -m tritonmoe.plan "
-                f"profile --out {path}`"
-            ) from exc
-        return cls.from_json(d, path=path)
+        return cls.from_json(_read_model_file(path), path=path)
 
     # -- reporting -----------------------------------------------------------------------------
 
     def describe(self) -> list[str]:
-        """Human-readable lines: every fit with its R^2 and held-out error."""
-        lines = [f"cost model ({self.source}{', ' + self.path if self.path else ''}), dtype {self.dtype}, "
-                 f"host model {'CPU (compute on the issuing thread)' if self.host_compute else 'CUDA (asynchronous)'}"]
-        if self.cluster is not None:
-            lines.append(f"  derived from cluster {self.cluster.describe()}")
-        for (k, p, l), f in sorted(self.collectives.items()):
-            lines.append(f"  {k:15} P={p:<4} {l:5} " + _fit_line(f))
-        for k, f in sorted(self.copies.items()):
-            lines.append(f"  {k:15} {'':12} " + _fit_line(f))
-        for k, r in sorted(self.compute.items()):
-            rate = (f"{r.flops_per_s / 1e9:.2f} GFLOP/s" if math.isfinite(r.flops_per_s) else "")
-            bw = (f"{r.bytes_per_s / 1e9:.2f} GB/s" if math.isfinite(r.bytes_per_s) else "")
-            q = _quality(r.r2, r.heldout_rel_err)
-            what = " ".join(x for x in (rate, bw) if x)
-            lines.append(f"  compute {k:11} {what + ', ' if what else ''}launch {r.launch_s * 1e6:.1f} us"
-                         f"{', ' + str(len(r.curve)) + '-point efficiency curve' if r.curve else ''}{q}")
-        for (y, x), v in sorted(self.interference.items()):
-            lines.append(f"  interference alpha({y}, {x}) = {v:.3f} (retained speed)")
-        if self.host_op_s or self.compute_op_s:
-            lines.append(f"  host time per operation: {self.host_op_s * 1e6:.1f} us to issue a collective, "
-                         f"{self.compute_op_s * 1e6:.1f} us around a compute")
-        if self.host_cores:
-            lines.append(f"  compute shares {self.host_cores:.2f} effective cores per node ({self.threads_per_rank} "
-                         "thread(s) per rank)")
-        if self.lane_slots:
-            lines.append("  lane slots " + ", ".join(f"{k}: {v}" for k, v in sorted(self.lane_slots.items())))
-        return lines
+        """Human-readable lines: every fit with its R^2 and held-out error (:func:`_describe_model`)."""
+        return _describe_model(self)
+
+
+def _group_samples(measurements: Sequence[Any]) -> tuple[dict, dict, dict, list, list]:
+    """The measurements of :meth:`CostModel.fit`, each checked and sorted by what it measures:
+    ``(comm, comp, inter, host, host_compute_s)`` -- communication samples per (kind, group
+    size, link) or per copy kind, compute samples per Work kind, retained speeds per (y, x), and
+    host seconds to issue an operation and around a compute."""
+    comm: dict[tuple, list[CommSample]] = {}
+    comp: dict[str, list[ComputeSample]] = {}
+    inter: dict[tuple, list[float]] = {}
+    host: list[float] = []
+    host_compute_s: list[float] = []
+    for m in measurements:
+        if isinstance(m, CommSample):
+            if m.kind not in COLLECTIVES + COPIES:
+                raise ValueError(f"CommSample kind {m.kind!r} is not one of {', '.join(COLLECTIVES + COPIES)}")
+            if m.link not in LINK_CLASSES:
+                raise ValueError(f"CommSample link {m.link!r} is not one of {', '.join(LINK_CLASSES)}")
+            key = (m.kind,) if m.kind in COPIES else (m.kind, int(m.group_size), m.link)
+            comm.setdefault(key, []).append(m)
+        elif isinstance(m, ComputeSample):
+            comp.setdefault(m.kind, []).append(m)
+        elif isinstance(m, InterferenceSample):
+            if m.y not in OP_CLASSES or m.x not in OP_CLASSES + ("all",):
+                raise ValueError(f"InterferenceSample ({m.y!r}, {m.x!r}): classes are {OP_CLASSES} (x also 'all')")
+            inter.setdefault((m.y, m.x), []).append(min(1.0, m.alone_s / m.concurrent_s))
+        elif isinstance(m, HostSample):
+            (host_compute_s if m.what == "compute" else host).append(m.seconds)
+        else:
+            raise TypeError(f"CostModel.fit: unknown measurement {type(m).__name__}")
+    return comm, comp, inter, host, host_compute_s
+
+
+def _fit_groups(model: CostModel, comm: dict, comp: dict, inter: dict, *, piecewise: bool) -> None:
+    """Fill ``model``'s fits from the grouped samples of :func:`_group_samples`: a line (or
+    piecewise line) per collective and per copy kind, a roofline per compute kind (the host
+    cost from the composite samples, priced with the model's other rates), the median retained
+    speed per (y, x)."""
+    for key, ss in comm.items():
+        fit = fit_linear([s.nbytes for s in ss], [s.seconds for s in ss], piecewise=piecewise)
+        if len(key) == 1:
+            model.copies[key[0]] = fit
+        else:
+            model.collectives[key] = fit
+    composite = comp.pop("composite", [])
+    for kind, ss in comp.items():
+        model.compute[kind] = fit_compute(kind, ss)
+    if composite:
+        model.compute["host"] = fit_host(model, composite)
+    model.interference = {k: statistics.median(v) for k, v in inter.items()}
+
+
+# -- persistence: versioned JSON files (CostModel.to_json / from_json / save / load) ------------
+
+
+def _model_to_json(model: CostModel) -> dict:
+    """``model`` as a versioned JSON object (:data:`FORMAT`, :data:`VERSION`), its samples
+    included."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": model.source,
+        "dtype": model.dtype,
+        "host_compute": model.host_compute,
+        "host_op_s": model.host_op_s,
+        "compute_op_s": model.compute_op_s,
+        "lane_slots": dict(model.lane_slots),
+        "ranks_per_node": model.ranks_per_node,
+        "host_cores": model.host_cores,
+        "threads_per_rank": model.threads_per_rank,
+        "collectives": [
+            {"kind": k, "group_size": p, "link": l, **f.to_json()} for (k, p, l), f in sorted(model.collectives.items())
+        ],
+        "copies": [{"kind": k, **f.to_json()} for k, f in sorted(model.copies.items())],
+        "compute": [{"kind": k, **r.to_json()} for k, r in sorted(model.compute.items())],
+        "interference": [{"y": y, "x": x, "retained": v} for (y, x), v in sorted(model.interference.items())],
+        "cluster": model.cluster.to_json() if model.cluster is not None else None,
+        "meta": model.meta,
+        "samples": [{"type": type(m).__name__, **asdict(m)} for m in model.samples],
+    }
+
+
+def _model_from_json(cls: type, d: Mapping, *, path: Optional[str] = None) -> CostModel:
+    """A ``cls`` (:class:`CostModel`) from a JSON object of :func:`_model_to_json`; a
+    :class:`CostModelError` that names ``path`` (or "cost model JSON") and the fix for another
+    format or version or a damaged object."""
+    where = f"cost model file {path}" if path else "cost model JSON"
+    if not isinstance(d, Mapping) or d.get("format") != FORMAT:
+        raise CostModelError(
+            f"{where} is not a tritonmoe cost model (no \"format\": \"{FORMAT}\"). Fix: write one with "
+            "`python -m tritonmoe.plan profile --out FILE` or CostModel.save"
+        )
+    if d.get("version") != VERSION:
+        raise CostModelError(
+            f"{where} has version {d.get('version')!r}; this tritonmoe reads version {VERSION}. Fix: re-run "
+            "`python -m tritonmoe.plan profile --out FILE` with this version"
+        )
+    try:
+        cluster = None
+        if d.get("cluster") is not None:
+            cluster = Cluster.from_json(d["cluster"])
+        return cls(
+            collectives={
+                (c["kind"], int(c["group_size"]), c["link"]): LinearFit.from_json(c) for c in d["collectives"]
+            },
+            copies={c["kind"]: LinearFit.from_json(c) for c in d.get("copies", [])},
+            compute={c["kind"]: ComputeRate.from_json(c) for c in d.get("compute", [])},
+            interference={(c["y"], c["x"]): float(c["retained"]) for c in d.get("interference", [])},
+            host_compute=bool(d["host_compute"]),
+            host_op_s=float(d.get("host_op_s", 0.0)),
+            compute_op_s=float(d.get("compute_op_s", 0.0)),
+            lane_slots={k: int(v) for k, v in d.get("lane_slots", {}).items()},
+            ranks_per_node=d.get("ranks_per_node"),
+            host_cores=d.get("host_cores"),
+            threads_per_rank=int(d.get("threads_per_rank", 1)),
+            dtype=str(d.get("dtype", "bfloat16")),
+            cluster=cluster,
+            source=str(d.get("source", "file")),
+            meta=dict(d.get("meta", {})),
+            path=path,
+            samples=[sample_from_json(m) for m in d.get("samples", [])],
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CostModelError):
+            raise
+        raise CostModelError(
+            f"{where} is damaged ({type(exc).__name__}: {exc}). Fix: re-run `python -m tritonmoe.plan profile "
+            "--out FILE`"
+        ) from exc
+
+
+def _read_model_file(path: str) -> Any:
+    """The JSON object of a cost model file: a :class:`FileNotFoundError` or
+    :class:`CostModelError` naming the file and the command that (re-)creates it when it is
+    missing or not JSON."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"cost model file {path} does not exist. Fix: create it with `python -m tritonmoe.plan profile "
+            f"--out {path}` (add --nproc N for N local ranks, or launch it with torchrun), or pass a "
+            "tritonmoe.plan.Cluster instead"
+        )
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CostModelError(
+            f"cost model file {path} is not JSON ({exc}). Fix: re-create it with `python -m tritonmoe.plan "
+            f"profile --out {path}`"
+        ) from exc
+    return d
+
+
+# -- reporting ------------------------------------------------------------------------------------
+
+
+def _describe_model(model: CostModel) -> list[str]:
+    """Human-readable lines of ``model``: every fit with its R^2 and held-out error."""
+    lines = [f"cost model ({model.source}{', ' + model.path if model.path else ''}), dtype {model.dtype}, "
+             f"host model {'CPU (compute on the issuing thread)' if model.host_compute else 'CUDA (asynchronous)'}"]
+    if model.cluster is not None:
+        lines.append(f"  derived from cluster {model.cluster.describe()}")
+    for (k, p, l), f in sorted(model.collectives.items()):
+        lines.append(f"  {k:15} P={p:<4} {l:5} " + _fit_line(f))
+    for k, f in sorted(model.copies.items()):
+        lines.append(f"  {k:15} {'':12} " + _fit_line(f))
+    for k, r in sorted(model.compute.items()):
+        rate = (f"{r.flops_per_s / 1e9:.2f} GFLOP/s" if math.isfinite(r.flops_per_s) else "")
+        bw = (f"{r.bytes_per_s / 1e9:.2f} GB/s" if math.isfinite(r.bytes_per_s) else "")
+        q = _quality(r.r2, r.heldout_rel_err)
+        what = " ".join(x for x in (rate, bw) if x)
+        lines.append(f"  compute {k:11} {what + ', ' if what else ''}launch {r.launch_s * 1e6:.1f} us"
+                     f"{', ' + str(len(r.curve)) + '-point efficiency curve' if r.curve else ''}{q}")
+    for (y, x), v in sorted(model.interference.items()):
+        lines.append(f"  interference alpha({y}, {x}) = {v:.3f} (retained speed)")
+    if model.host_op_s or model.compute_op_s:
+        lines.append(f"  host time per operation: {model.host_op_s * 1e6:.1f} us to issue a collective, "
+                     f"{model.compute_op_s * 1e6:.1f} us around a compute")
+    if model.host_cores:
+        lines.append(f"  compute shares {model.host_cores:.2f} effective cores per node ({model.threads_per_rank} "
+                     "thread(s) per rank)")
+    if model.lane_slots:
+        lines.append("  lane slots " + ", ".join(f"{k}: {v}" for k, v in sorted(model.lane_slots.items())))
+    return lines
 
 
 def _quality(r2, held) -> str:

@@ -143,7 +143,72 @@ class _Match:
     first: Optional[SimOp] = None
 
 
+def _size_mismatch(op: str, ranks: tuple, ops: dict, symmetric: bool) -> Optional[str]:
+    """What disagrees between the members' sizes of one matched collective (``ops``: rank ->
+    :class:`SimOp`; ``op`` its kind), or None: an all-to-all's (or exchange's) pairwise sends and
+    receives (totals only above :data:`_PAIRWISE_CHECK_MAX_P` ranks; nothing to compare in
+    symmetric mode with absent members), another collective's input sizes."""
+    P = len(ranks)
+    if op in ("all_to_all", "send_recv"):
+        if symmetric and len(ops) < P:
+            return None  # absent members mirror the simulated ones: nothing to compare them with
+        if P > _PAIRWISE_CHECK_MAX_P:
+            if sum(sum(o.send_bytes) for o in ops.values()) != sum(sum(o.recv_bytes) for o in ops.values()):
+                return "the bytes sent and received over the group differ"
+            return None
+        for s_i, s in enumerate(ranks):
+            for d_i, d in enumerate(ranks):
+                if ops[s].send_bytes[d_i] != ops[d].recv_bytes[s_i]:
+                    return (
+                        f"rank {s} sends {ops[s].send_bytes[d_i]} bytes to rank {d}, which expects "
+                        f"{ops[d].recv_bytes[s_i]}"
+                    )
+        return None
+    sizes = {r: o.send_bytes[0] if o.send_bytes else 0 for r, o in ops.items()}
+    if len(set(sizes.values())) > 1:
+        return "input sizes differ: " + ", ".join(f"rank {r}: {v} B" for r, v in sizes.items())
+    return None
+
+
+def _fair_share(data: list[_Flow]) -> None:
+    """Set each flow's ``rate`` (fraction of its full speed, from 0) to its max-min fair share of
+    the resources it crosses, by progressive filling: every unfrozen flow's rate grows alike until
+    a resource saturates or a flow reaches full speed, whose flows then freeze. Flows that share
+    no resource all run at full speed."""
+    users: dict = {}
+    shared = False
+    for f in data:
+        for res in f.usage:
+            n = users.get(res, 0) + 1
+            users[res] = n
+            shared = shared or n > 1
+    if shared:
+        cap_left = {res: 1.0 for res in users}
+        unfrozen = list(data)
+        while unfrozen:
+            load: dict = {}
+            for f in unfrozen:
+                for res, u in f.usage.items():
+                    load[res] = load.get(res, 0.0) + u
+            delta = min([cap_left[res] / l for res, l in load.items() if l > 0] + [1.0 - f.rate for f in unfrozen])
+            delta = max(delta, 0.0)
+            for f in unfrozen:
+                f.rate += delta
+            for res, l in load.items():
+                cap_left[res] -= delta * l
+            saturated = {res for res, l in load.items() if l > 0 and cap_left[res] <= 1e-12}
+            unfrozen = [
+                f for f in unfrozen if 1.0 - f.rate > 1e-12 and not any(res in saturated for res in f.usage)
+            ]
+    else:  # no resource is shared: every op at full speed
+        for f in data:
+            f.rate = 1.0
+
+
 class _Engine:
+    """One simulation's state and event loop (the rules of the module docstring): hosts issue,
+    collectives are matched across members, lanes start their ops, flows share resources."""
+
     def __init__(self, programs: Sequence[Program], cost: CostModel, symmetric: bool) -> None:
         self.cost = cost
         self.symmetric = symmetric
@@ -245,29 +310,7 @@ class _Engine:
         ranks, k = key
         ops = {r: self.progs[r].ops[i] for r, i in m.ops.items()}
         first = m.first
-        P = len(ranks)
-        bad = None
-        if first.op in ("all_to_all", "send_recv"):
-            if self.symmetric and len(ops) < P:
-                pass  # absent members mirror the simulated ones: nothing to compare them with
-            elif P <= _PAIRWISE_CHECK_MAX_P:
-                for s_i, s in enumerate(ranks):
-                    for d_i, d in enumerate(ranks):
-                        if ops[s].send_bytes[d_i] != ops[d].recv_bytes[s_i]:
-                            bad = (
-                                f"rank {s} sends {ops[s].send_bytes[d_i]} bytes to rank {d}, which expects "
-                                f"{ops[d].recv_bytes[s_i]}"
-                            )
-                            break
-                    if bad:
-                        break
-            else:
-                if sum(sum(o.send_bytes) for o in ops.values()) != sum(sum(o.recv_bytes) for o in ops.values()):
-                    bad = "the bytes sent and received over the group differ"
-        else:
-            sizes = {r: o.send_bytes[0] if o.send_bytes else 0 for r, o in ops.items()}
-            if len(set(sizes.values())) > 1:
-                bad = "input sizes differ: " + ", ".join(f"rank {r}: {v} B" for r, v in sizes.items())
+        bad = _size_mismatch(first.op, ranks, ops, self.symmetric)
         if bad:
             raise CollectiveMismatchError(
                 f"collective #{k} on group {ranks} ({first.op} '{first.kind}', micro-op {first.micro_op}, {first.phase}): "
@@ -350,34 +393,7 @@ class _Engine:
         self.rates_dirty = False
         if not data:
             return
-        users: dict = {}
-        shared = False
-        for f in data:
-            for res in f.usage:
-                n = users.get(res, 0) + 1
-                users[res] = n
-                shared = shared or n > 1
-        if shared:
-            cap_left = {res: 1.0 for res in users}
-            unfrozen = list(data)
-            while unfrozen:
-                load: dict = {}
-                for f in unfrozen:
-                    for res, u in f.usage.items():
-                        load[res] = load.get(res, 0.0) + u
-                delta = min([cap_left[res] / l for res, l in load.items() if l > 0] + [1.0 - f.rate for f in unfrozen])
-                delta = max(delta, 0.0)
-                for f in unfrozen:
-                    f.rate += delta
-                for res, l in load.items():
-                    cap_left[res] -= delta * l
-                saturated = {res for res, l in load.items() if l > 0 and cap_left[res] <= 1e-12}
-                unfrozen = [
-                    f for f in unfrozen if 1.0 - f.rate > 1e-12 and not any(res in saturated for res in f.usage)
-                ]
-        else:  # no resource is shared: every op at full speed
-            for f in data:
-                f.rate = 1.0
+        _fair_share(data)
         for f in data:
             factor = 1.0
             for r in f.ranks:

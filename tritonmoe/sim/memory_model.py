@@ -197,40 +197,11 @@ def _rows_per_rank(config: Any, toks: Sequence[int], n: int, routing: Any) -> li
     return [[int(per[i, r]) for i in range(n)] for r in range(P)]
 
 
-def choose_memory(
-    config: Any,
-    tokens_per_rank: Union[int, Sequence[int]],
-    cluster_or_cost: Any,
-    *,
-    budget_bytes: Optional[int] = None,
-    degrees: Optional[Sequence[int]] = None,
-    strategies: Optional[Sequence[str]] = None,
-    world_size: Optional[int] = None,
-    routing: Any = "uniform",
-    dtype: Optional[Union[str, torch.dtype]] = None,
-    mode: str = "auto",
-    time_fn: Optional[Callable[[int, str], float]] = None,
-    mi_buffers: Optional[Union[int, Sequence[int]]] = None,
-) -> MemoryPlan:
-    """The fastest (pipeline degree, memory strategy) whose expert block fits ``budget_bytes``.
-
-    Args:
-        config: the layer's MoEConfig; ``tokens_per_rank``, ``cluster_or_cost``, ``world_size``,
-            ``routing``, ``dtype``, ``mode``: as :func:`tritonmoe.sim.simulate`.
-        budget_bytes: device bytes the expert block may keep for backward on the most loaded
-            rank (None: no limit, so the fastest candidate wins).
-        degrees: candidate degrees (default 1..8, at most the tokens per rank);
-            ``strategies``: candidate strategies (default all five).
-        time_fn: ``time_fn(n, strategy) -> seconds`` replacing the simulator (a profile).
-        mi_buffers: the shared MI buffer count of the reuse strategies (default
-            ``config.memory_mi_buffers``), or several (e.g. ``(1, 2)``) to compare them too: each
-            reuse strategy is then a candidate per count ("keep" shares no buffer: once).
-
-    Raises:
-        MemoryBudgetError: when no candidate fits (naming the smallest need and its candidate).
-    Ties go to the candidate evaluated first (smaller degree, then the order of
-    :data:`~tritonmoe.comm.programs.memory_reuse.STRATEGIES`)."""
-
+def _checked_choices(config: Any, tokens_per_rank, *, budget_bytes, degrees, strategies, world_size, time_fn,
+                     mi_buffers) -> tuple[tuple, tuple]:
+    """:func:`choose_memory`'s arguments checked (a typed error naming the value and the fix,
+    before anything is simulated): the candidate strategies (default all five) and MI buffer
+    counts (default the config's), de-duplicated."""
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                                      or budget_bytes <= 0):
         raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
@@ -272,6 +243,46 @@ def choose_memory(
     if time_fn is not None and len(mis) > 1:
         raise ValueError(f"time_fn(n, strategy) cannot tell MI buffer counts apart; with mi_buffers={mis} profile "
                          "each count in its own choose_memory call")
+    return strategies, mis
+
+
+def choose_memory(
+    config: Any,
+    tokens_per_rank: Union[int, Sequence[int]],
+    cluster_or_cost: Any,
+    *,
+    budget_bytes: Optional[int] = None,
+    degrees: Optional[Sequence[int]] = None,
+    strategies: Optional[Sequence[str]] = None,
+    world_size: Optional[int] = None,
+    routing: Any = "uniform",
+    dtype: Optional[Union[str, torch.dtype]] = None,
+    mode: str = "auto",
+    time_fn: Optional[Callable[[int, str], float]] = None,
+    mi_buffers: Optional[Union[int, Sequence[int]]] = None,
+) -> MemoryPlan:
+    """The fastest (pipeline degree, memory strategy) whose expert block fits ``budget_bytes``.
+
+    Args:
+        config: the layer's MoEConfig; ``tokens_per_rank``, ``cluster_or_cost``, ``world_size``,
+            ``routing``, ``dtype``, ``mode``: as :func:`tritonmoe.sim.simulate`.
+        budget_bytes: device bytes the expert block may keep for backward on the most loaded
+            rank (None: no limit, so the fastest candidate wins).
+        degrees: candidate degrees (default 1..8, at most the tokens per rank);
+            ``strategies``: candidate strategies (default all five).
+        time_fn: ``time_fn(n, strategy) -> seconds`` replacing the simulator (a profile).
+        mi_buffers: the shared MI buffer count of the reuse strategies (default
+            ``config.memory_mi_buffers``), or several (e.g. ``(1, 2)``) to compare them too: each
+            reuse strategy is then a candidate per count ("keep" shares no buffer: once).
+
+    Raises:
+        MemoryBudgetError: when no candidate fits (naming the smallest need and its candidate).
+    Ties go to the candidate evaluated first (smaller degree, then the order of
+    :data:`~tritonmoe.comm.programs.memory_reuse.STRATEGIES`)."""
+
+    strategies, mis = _checked_choices(config, tokens_per_rank, budget_bytes=budget_bytes, degrees=degrees,
+                                       strategies=strategies, world_size=world_size, time_fn=time_fn,
+                                       mi_buffers=mi_buffers)
     cost = None
     if time_fn is None:
         cost = resolve_cost(cluster_or_cost, dtype)

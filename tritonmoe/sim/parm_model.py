@@ -8,6 +8,7 @@ over a measured alpha-beta model) lives in :mod:`tritonmoe.policy.parm_schedule`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -95,26 +96,63 @@ def parm_step_programs(
     lay = layout
     layout.check_model(E, c.d_ffn)
     P = lay.P
-    item = torch.empty((), dtype=dtype).element_size()
     world = VirtualGroup(tuple(lay.ranks))
-    shard_w = c.d_ffn // lay.n_esp
-    ffn_work = ffn_shard_work(c, shard_w, dtype)
-    shard = ExpertShard(fn=None, work=ffn_work)
+    local = _LocalWork(E, D, dtype, torch.empty((), dtype=dtype).element_size())
+    shard = ExpertShard(fn=None, work=ffn_shard_work(c, c.d_ffn // lay.n_esp, dtype))
     need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+    send_table, token_table = _send_tables(lay, schedule, tokens, batch_counts, slice_counts)
 
-    def rows(n: int) -> VirtualTensor:
-        return VirtualTensor((int(n), D), dtype)
+    programs = []
+    for i in (range(P) if ranks is None else ranks):
+        G = sim_groups(lay, i)
+        g, m = lay.mp_group[i], lay.mp_rank[i]
+        T = int(tokens[g])
+        ex = SimExecutor(lay.ranks[i], world, host_compute=host_compute, phase="fwd")
+        sizes = [b - a for a, b in micro_batch_bounds(T, lay.n_mp)]
+        tm_ = sizes[m] if schedule == "s1" else T
+        # ---- forward
+        ex.compute(None, work=local.gate(tm_, False), kind="gate", out=VirtualTensor((tm_, E), torch.float32))
+        if schedule == "s1" and G.mp is not None:
+            if c.capacity_factor is not None or c.aux_loss_coef > 0:
+                run_collective(ex, "all_gather", VirtualTensor((K, E), torch.int64), group=G.mp, kind="mp_counts")
+            if need_aux:
+                run_collective(ex, "all_reduce", VirtualTensor((E + 1,), torch.float32), group=G.mp, kind="mp_scores")
+        if schedule == "baseline":
+            plan = baseline_plan(lay, i, token_table, send_table, E, indices=False)
+            _record_baseline(ex, local, plan, G, shard, T, K)
+        else:
+            _record_pause(ex, local, schedule, lay, i, G, shard, send_table, batch_counts[g], sizes, T)
+        programs.append(ex.program)
+    return programs
 
-    def copy(n: float) -> Work:
-        return Work(bytes=2.0 * n * D * item, kind="copy")
 
-    def gate(n: int, backward: bool) -> Work:
+@dataclass(frozen=True)
+class _LocalWork:
+    """The rows and local work of a simulated Parm step: rows of ``D`` elements of ``dtype``
+    (``item`` bytes each), row copies, and the gate's GEMM over ``E`` experts."""
+
+    E: int
+    D: int
+    dtype: torch.dtype
+    item: int
+
+    def rows(self, n: int) -> VirtualTensor:
+        return VirtualTensor((int(n), self.D), self.dtype)
+
+    def copy(self, n: float) -> Work:
+        return Work(bytes=2.0 * n * self.D * self.item, kind="copy")
+
+    def gate(self, n: int, backward: bool) -> Work:
+        D, E = self.D, self.E
         f = 2.0 * n * D * E * (2 if backward else 1)
-        return Work(flops=f, bytes=float(item * (n * D + D * E + n * E)), kind="gemm")
+        return Work(flops=f, bytes=float(self.item * (n * D + D * E + n * E)), kind="gemm")
 
-    # What each rank sends (the table every split derives from).
+
+def _send_tables(lay, schedule: str, tokens, batch_counts, slice_counts) -> tuple[list[list[int]], list[int]]:
+    """What each layout rank sends -- routed rows per expert, the table every split derives
+    from -- and the tokens it routes, under ``schedule``."""
     send_table, token_table = [], []
-    for i in range(P):
+    for i in range(lay.P):
         g, m = lay.mp_group[i], lay.mp_rank[i]
         T = int(tokens[g])
         if schedule == "baseline":
@@ -127,76 +165,72 @@ def parm_step_programs(
         else:
             send_table.append(s2_part_counts(batch_counts[g], lay.n_mp, m))
             token_table.append(T)
+    return send_table, token_table
 
-    programs = []
-    for i in (range(P) if ranks is None else ranks):
-        G = sim_groups(lay, i)
-        g, m = lay.mp_group[i], lay.mp_rank[i]
-        T = int(tokens[g])
-        ex = SimExecutor(lay.ranks[i], world, host_compute=host_compute, phase="fwd")
-        sizes = [b - a for a, b in micro_batch_bounds(T, lay.n_mp)]
-        tm_ = sizes[m] if schedule == "s1" else T
-        R_batch = sum(int(v) for v in batch_counts[g])
-        counts_vt = VirtualTensor((1 + E,), torch.int64)
-        # ---- forward
-        ex.compute(None, work=gate(tm_, False), kind="gate", out=VirtualTensor((tm_, E), torch.float32))
-        if schedule == "s1" and G.mp is not None:
-            if c.capacity_factor is not None or c.aux_loss_coef > 0:
-                run_collective(ex, "all_gather", VirtualTensor((K, E), torch.int64), group=G.mp, kind="mp_counts")
-            if need_aux:
-                run_collective(ex, "all_reduce", VirtualTensor((E + 1,), torch.float32), group=G.mp, kind="mp_scores")
-        if schedule == "baseline":
-            plan = baseline_plan(lay, i, token_table, send_table, E, indices=False)
-            run_collective(ex, "all_gather", counts_vt, group=G.ep_esp, kind="counts")
-            if G.esp is not None:
-                run_collective(ex, "all_gather", rows(plan.tokens_max), group=G.esp, kind="esp_allgather")
-                run_collective(ex, "all_gather", VirtualTensor((plan.tokens_max, K), torch.int32), group=G.esp,
-                               kind="esp_ids")
-            n_rows = sum(plan.send_splits)
-            ex.compute(None, work=copy(2 * n_rows), kind="permute", out=rows(n_rows))
-            baseline_forward(ex, rows(n_rows), plan, None, shard, ep_group=G.ep, esp_group=G.esp)
-            own = plan.own_rows[plan.own]
-            ex.compute(None, work=copy(own + T), kind="unpermute", out=rows(T))
-            # ---- backward
-            ex.phase = "bwd"
-            ex.compute(None, work=copy(own + T), kind="unpermute", out=rows(own))
-            baseline_backward(ex, rows(own), plan, None, shard, ep_group=G.ep, esp_group=G.esp)
-            ex.compute(None, work=copy(2 * n_rows), kind="permute", out=rows(len(plan.origins) * plan.tokens_max))
-            if G.esp is not None:
-                run_collective(ex, "reduce_scatter", rows(len(plan.origins) * plan.tokens_max), group=G.esp,
-                               kind="esp_reduce_scatter")
-            ex.compute(None, work=gate(T, True), kind="gate", out=rows(T))
-        else:
-            R = sum(send_table[i])
-            if schedule == "s2":
-                ex.compute(None, work=copy(R_batch), kind="permute", out=rows(R_batch))
-            else:
-                ex.compute(None, work=copy(R), kind="permute", out=rows(R))
-            run_collective(ex, "all_gather", counts_vt, group=G.ep_esp, kind="counts")
-            plan = pause_plan(lay, i, send_table, E, indices=False)
-            sp = saa_plan(lay, i, batch_counts[g], E, indices=False) if schedule == "s2" and G.mp is not None else None
-            ex.compute(None, work=copy(plan.send_rows), kind="dump", out=rows(plan.send_rows))
-            back = pause_forward(ex, rows(plan.send_rows), plan, None, shard, group=G.ep_esp, saa=sp, rank=i,
-                                 mp_group=G.mp_lane)
-            n_comb = R_batch if sp is not None else R
-            t_out = T if schedule == "s2" else sizes[m]
-            ex.compute(None, work=copy(lay.n_esp * n_comb + t_out), kind="combine", out=rows(t_out))
-            if schedule == "s1" and G.mp is not None:
-                run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather")
-            # ---- backward
-            ex.phase = "bwd"
-            ex.compute(None, work=copy(lay.n_esp * n_comb + t_out), kind="combine", out=back)
-            pause_backward(ex, back, plan, None, shard, group=G.ep_esp, saa=sp, rank=i)
-            ex.compute(None, work=copy(plan.send_rows + R), kind="dump", out=rows(R))
-            if sp is not None:
-                run_collective(ex, "all_gather", rows(max(sp.part_rows)), group=G.mp, kind="mp_allgather_grad")
-            ex.compute(None, work=copy(R_batch if schedule == "s2" else R), kind="permute", out=rows(t_out))
-            ex.compute(None, work=gate(tm_, True), kind="gate", out=rows(tm_))
-            if schedule == "s1" and G.mp is not None:
-                run_collective(ex, "all_reduce", VirtualTensor((E, D), dtype), group=G.mp, kind="router_grad")
-                run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather_grad")
-        programs.append(ex.program)
-    return programs
+
+def _record_baseline(ex: SimExecutor, local: _LocalWork, plan, G, shard: ExpertShard, T: int, K: int) -> None:
+    """The baseline's step on one rank after the gate's forward: the counts and ESP gathers,
+    permute, the Parm block, unpermute, and their backward down to the gate's."""
+    rows, copy = local.rows, local.copy
+    run_collective(ex, "all_gather", VirtualTensor((1 + local.E,), torch.int64), group=G.ep_esp, kind="counts")
+    if G.esp is not None:
+        run_collective(ex, "all_gather", rows(plan.tokens_max), group=G.esp, kind="esp_allgather")
+        run_collective(ex, "all_gather", VirtualTensor((plan.tokens_max, K), torch.int32), group=G.esp,
+                       kind="esp_ids")
+    n_rows = sum(plan.send_splits)
+    ex.compute(None, work=copy(2 * n_rows), kind="permute", out=rows(n_rows))
+    baseline_forward(ex, rows(n_rows), plan, None, shard, ep_group=G.ep, esp_group=G.esp)
+    own = plan.own_rows[plan.own]
+    ex.compute(None, work=copy(own + T), kind="unpermute", out=rows(T))
+    # ---- backward
+    ex.phase = "bwd"
+    ex.compute(None, work=copy(own + T), kind="unpermute", out=rows(own))
+    baseline_backward(ex, rows(own), plan, None, shard, ep_group=G.ep, esp_group=G.esp)
+    ex.compute(None, work=copy(2 * n_rows), kind="permute", out=rows(len(plan.origins) * plan.tokens_max))
+    if G.esp is not None:
+        run_collective(ex, "reduce_scatter", rows(len(plan.origins) * plan.tokens_max), group=G.esp,
+                       kind="esp_reduce_scatter")
+    ex.compute(None, work=local.gate(T, True), kind="gate", out=rows(T))
+
+
+def _record_pause(ex: SimExecutor, local: _LocalWork, schedule: str, lay, i: int, G, shard: ExpertShard,
+                  send_table, batch_counts_g, sizes: list[int], T: int) -> None:
+    """S1's or S2's step on layout rank ``i`` after the gate's forward (and S1's MP counts and
+    scores): permute, the counts exchange, Dump, the Parm block (S2 with SAA), the local combine,
+    S1's MP all-gather, and their backward down to the gate's (S1: the router gradient's
+    all-reduce and the input gradient's all-gather)."""
+    rows, copy = local.rows, local.copy
+    E, m = local.E, lay.mp_rank[i]
+    tm_ = sizes[m] if schedule == "s1" else T
+    R_batch = sum(int(v) for v in batch_counts_g)
+    R = sum(send_table[i])
+    if schedule == "s2":
+        ex.compute(None, work=copy(R_batch), kind="permute", out=rows(R_batch))
+    else:
+        ex.compute(None, work=copy(R), kind="permute", out=rows(R))
+    run_collective(ex, "all_gather", VirtualTensor((1 + E,), torch.int64), group=G.ep_esp, kind="counts")
+    plan = pause_plan(lay, i, send_table, E, indices=False)
+    sp = saa_plan(lay, i, batch_counts_g, E, indices=False) if schedule == "s2" and G.mp is not None else None
+    ex.compute(None, work=copy(plan.send_rows), kind="dump", out=rows(plan.send_rows))
+    back = pause_forward(ex, rows(plan.send_rows), plan, None, shard, group=G.ep_esp, saa=sp, rank=i,
+                         mp_group=G.mp_lane)
+    n_comb = R_batch if sp is not None else R
+    t_out = T if schedule == "s2" else sizes[m]
+    ex.compute(None, work=copy(lay.n_esp * n_comb + t_out), kind="combine", out=rows(t_out))
+    if schedule == "s1" and G.mp is not None:
+        run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather")
+    # ---- backward
+    ex.phase = "bwd"
+    ex.compute(None, work=copy(lay.n_esp * n_comb + t_out), kind="combine", out=back)
+    pause_backward(ex, back, plan, None, shard, group=G.ep_esp, saa=sp, rank=i)
+    ex.compute(None, work=copy(plan.send_rows + R), kind="dump", out=rows(R))
+    if sp is not None:
+        run_collective(ex, "all_gather", rows(max(sp.part_rows)), group=G.mp, kind="mp_allgather_grad")
+    ex.compute(None, work=copy(R_batch if schedule == "s2" else R), kind="permute", out=rows(t_out))
+    ex.compute(None, work=local.gate(tm_, True), kind="gate", out=rows(tm_))
+    if schedule == "s1" and G.mp is not None:
+        run_collective(ex, "all_reduce", VirtualTensor((E, local.D), local.dtype), group=G.mp, kind="router_grad")
+        run_collective(ex, "all_gather", rows(max(sizes)), group=G.mp, kind="mp_allgather_grad")
 
 
 def batch_counts(config, tokens: int, *, padded: bool = False) -> list[int]:
