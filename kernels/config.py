@@ -282,38 +282,48 @@ class Table:
 
     Lookup (:meth:`lookup`): the group of the exact fields (dtype, E, N, K... as the family keys
     them), then the bucket nearest to the shape's bucket value (rows per expert, tokens...), as
-    vLLM picks the nearest batch key. Entries that do not parse into the target's config class
-    are dropped with one warning each; the rest of the table stays in use.
+    vLLM picks the nearest batch key (ties: the smaller bucket). A group is parsed on its first
+    lookup; entries that do not parse into the target's config class are dropped with one
+    warning each, and the rest of the table stays in use.
     """
 
     def __init__(self, doc: Mapping[str, Any], source: str = "<memory>") -> None:
         self.source = source
         self.doc = doc
         self.device = doc.get("device")
-        self._groups: dict[str, dict[str, list[tuple[int, Any]]]] = {}
+        self._raw: dict[str, dict] = {}
+        self._groups: dict[tuple[str, str], list[tuple[int, Any]]] = {}
         self._memo: dict[tuple, Any] = {}
         entries = doc.get("entries", {})
         if not isinstance(entries, dict):
             raise ValueError("'entries' is not an object")
         for target, groups in entries.items():
-            t = _TARGETS.get(target)
-            if t is None or t.cls is None:
-                _warn(f"{source}: unknown config target {target!r} ignored (targets: {targets()})")
+            if not isinstance(groups, dict) or not all(isinstance(b, dict) for b in groups.values()):
+                _warn(f"{source}: entries of {target!r} are not objects of objects; ignored")
                 continue
-            if not isinstance(groups, dict):
-                _warn(f"{source}: {target}: not an object; ignored")
-                continue
-            for gkey, buckets in groups.items():
-                rows = []
-                for b, ent in (buckets.items() if isinstance(buckets, dict) else ()):
-                    try:
-                        cfg = t.cls(**ent["config"])
-                        rows.append((int(b), cfg))
-                    except Exception as e:  # noqa: BLE001 - any malformed entry is skipped, never fatal
-                        _warn(f"{source}: {target} [{gkey}] bucket {b!r}: unusable entry ({type(e).__name__}: {e}); "
-                              "the heuristic config runs there")
-                if rows:
-                    self._groups.setdefault(target, {})[gkey] = sorted(rows, key=lambda r: r[0])
+            self._raw[target] = groups
+
+    def _group(self, target: str, gkey: str) -> list[tuple[int, Any]]:
+        """The parsed buckets of one group, parsed on first use (the target's module has
+        registered its config class by then); a bad entry is dropped with one warning."""
+        got = self._groups.get((target, gkey))
+        if got is not None:
+            return got
+        rows = []
+        buckets = self._raw.get(target, {}).get(gkey, {})
+        t = _TARGETS.get(target)
+        for b, ent in buckets.items():
+            try:
+                if t is None or t.cls is None:
+                    raise ValueError(f"{target!r} is not a config target with a table")
+                cfg = t.cls(**ent["config"])
+                rows.append((int(b), cfg))
+            except Exception as e:  # noqa: BLE001 - any malformed entry is skipped, never fatal
+                _warn(f"{self.source}: {target} [{gkey}] bucket {b!r}: unusable entry ({type(e).__name__}: {e}); "
+                      "the heuristic config runs there")
+        rows.sort(key=lambda r: r[0])
+        self._groups[(target, gkey)] = rows
+        return rows
 
     def lookup(self, target: str, exact: Mapping[str, Any], bucket: float) -> Any:
         """The config for ``target`` at ``exact`` fields and the bucket nearest ``bucket``, or
@@ -322,7 +332,7 @@ class Table:
         memo = (target, gkey, bucket)
         if memo in self._memo:
             return self._memo[memo]
-        rows = self._groups.get(target, {}).get(gkey)
+        rows = self._group(target, gkey) if target in self._raw else None
         cfg = None
         if rows:
             cfg = min(rows, key=lambda r: (abs(r[0] - bucket), r[0]))[1]
@@ -330,8 +340,12 @@ class Table:
             self._memo[memo] = cfg
         return cfg
 
+    def parse_all(self) -> int:
+        """Parse every entry now (warning for each bad one); the number of usable entries."""
+        return sum(len(self._group(t, g)) for t, groups in self._raw.items() for g in groups)
+
     def __len__(self) -> int:
-        return sum(len(b) for g in self._groups.values() for b in g.values())
+        return sum(len(b) for groups in self._raw.values() for b in groups.values())
 
 
 def _warn(msg: str) -> None:
