@@ -227,3 +227,43 @@ def test_cli_refuses_without_out_in_the_interpreter_and_lists_jobs(capsys):
     assert "3 jobs" in printed and "gemm.swiglu|dtype=bf16,E=4,N=32,K=32|64" in printed
     with pytest.raises(SystemExit):
         T.main(["--ops", "gemm9"])
+
+
+def test_worker_compile_reports_failures_without_raising(monkeypatch):
+    job = _jobs("gemm1")[0]
+    with CF.override("table", None):
+        heur = _active(job)
+    assert runner._worker_compile(job, heur, 0, "cpu") == ("ok", "compiled")
+    real_build = problems.build
+
+    def build(j, device, seed=0):
+        p = real_build(j, device, seed)
+
+        def fail():
+            raise RuntimeError("PassManager::run failed\nmore lines")
+
+        p.run = fail
+        return p
+
+    monkeypatch.setattr(problems, "build", build)
+    assert runner._worker_compile(job, heur, 0, "cpu") == ("error", "RuntimeError: PassManager::run failed")
+
+
+@pytest.mark.slow
+def test_the_worker_pool_compiles_every_candidate_first(tmp_path, monkeypatch):
+    """Spawned workers (they import torch and Triton, and run in the interpreter here) launch
+    every candidate before the main process checks and times them."""
+    job = _jobs("route")[0]
+    seen = []
+    real = runner._compile_in_pool
+
+    def spy(*a, **kw):
+        res = real(*a, **kw)
+        seen.append(res)
+        return res
+
+    monkeypatch.setattr(runner, "_compile_in_pool", spy)
+    doc = runner.tune([job], tmp_path / "t.json", device=CPU, device_name="cpu_test",
+                      opts=runner.TuneOptions(workers=1, **OPTS), log=lambda s: None)
+    assert len(seen) == 1 and len(seen[0]) == 3 and set(seen[0].values()) == {("ok", "compiled")}
+    assert str(job.bucket) in doc["entries"]["route"][job.group]

@@ -6,9 +6,9 @@ Per job (one target at one shape bucket, :mod:`bench.tune.space`):
 1. the heuristic config (what the policy picks with no table: ``override("table", None)``) and
    up to ``max_candidates - 1`` others;
 2. with ``workers`` > 0, a process pool (spawned; each worker imports torch and Triton once)
-   runs every candidate once on the job's problem and checks it: Triton compiles there, in
-   parallel, into the shared on-disk cache, and candidates that fail to compile (shared memory
-   overflow, out of resources) or give a wrong answer are dropped before any timing;
+   launches every candidate once on the job's problem: Triton compiles there, in parallel,
+   into the shared on-disk cache, and candidates that fail to compile (shared memory overflow,
+   out of resources) are dropped before any timing (as many at a time as device memory allows);
 3. the main process runs each remaining candidate once, with its outputs' memory poisoned, and
    checks it against the fp64 reference again (a wrong answer is never written to the table,
    whatever the workers said), recording the config that actually launched (after clamping;
@@ -164,10 +164,9 @@ def _heuristic(prob: problems.Problem) -> Any:
     raise RuntimeError(f"{prob.job.target}: the problem's launch made no choice of this target")
 
 
-# Worker processes: build each job's problem once, run and check candidates (compiles land in
-# Triton's shared on-disk cache, so the main process loads them instead of compiling).
-
-_WORKER_PROBLEM: dict = {}
+# Worker processes: build the job's problem, launch the candidate once (Triton compiles it into
+# its on-disk cache, which the main process then loads instead of compiling), free everything.
+# No reference here: the main process checks every candidate itself.
 
 
 def _worker_init(device_index: Optional[int]) -> None:
@@ -176,15 +175,41 @@ def _worker_init(device_index: Optional[int]) -> None:
         torch.cuda.set_device(device_index)
 
 
-def _worker_check(job: Job, cfg: Any, seed: int, device: str) -> tuple[str, str]:
+def _worker_compile(job: Job, cfg: Any, seed: int, device: str) -> tuple[str, str]:
     dev = torch.device(device)
-    prob = _WORKER_PROBLEM.get(job.id)
-    if prob is None:
-        _WORKER_PROBLEM.clear()
-        prob = problems.build(job, dev, seed)
-        _WORKER_PROBLEM[job.id] = prob
-    status, _, detail = _checked_run(prob, cfg, dev)
-    return status, detail
+    prob = problems.build(job, dev, seed)
+    try:
+        _launch(prob, cfg)()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return "ok", "compiled"
+    except Exception as e:  # noqa: BLE001 - compile failures, out of resources: recorded, skipped
+        return "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    finally:
+        del prob
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _compile_in_pool(pool, workers: int, job: Job, cands: list, seed: int, device: torch.device,
+                     per_task_bytes: int) -> dict:
+    """Run every candidate once in the workers, at most as many at a time as the device memory
+    allows (half the free memory over one problem's inputs and outputs) -> {index: (status,
+    detail)}."""
+    width = workers
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        width = max(1, min(width, int(0.5 * free // max(1, per_task_bytes))))
+    res: dict = {}
+    for lo in range(0, len(cands), width):
+        futs = {i: pool.submit(_worker_compile, job, cands[i], seed, str(device))
+                for i in range(lo, min(len(cands), lo + width))}
+        for i, f in futs.items():
+            try:
+                res[i] = f.result()
+            except Exception as e:  # noqa: BLE001 - a worker that died (e.g. a fault in a kernel)
+                res[i] = ("error", f"worker: {type(e).__name__}: {e}")
+    return res
 
 
 def _pool(workers: int, device: torch.device) -> Optional[cf.ProcessPoolExecutor]:
@@ -229,12 +254,7 @@ def _run_job(job: Job, prob: problems.Problem, pool, opts: TuneOptions, device, 
     invalid = []
     pre = {}
     if pool is not None:
-        futs = {i: pool.submit(_worker_check, job, c, opts.seed, str(device)) for i, c in enumerate(cands)}
-        for i, f in futs.items():
-            try:
-                pre[i] = f.result()
-            except Exception as e:  # noqa: BLE001 - a worker that died (e.g. a fault in a kernel)
-                pre[i] = ("error", f"worker: {type(e).__name__}: {e}")
+        pre = _compile_in_pool(pool, opts.workers, job, cands, opts.seed, device, prob.in_bytes + 2 * prob.out_bytes)
     runnable, seen = [], set()
     for i, c in enumerate(cands):
         status, detail = pre.get(i, ("ok", ""))
