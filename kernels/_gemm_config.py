@@ -334,7 +334,7 @@ def select(
     target = f"gemm.{kind}"
     exact = gemm_key(dtype, tf32, num_experts, n, k)
     cfg, source = _tabled(target, device, exact, avg_rows)
-    if cfg is None:
+    if cfg is None and not CF.replaced(target):  # (an override's whole config needs no policy)
         cfg = _policy(kind, avg_rows, dtype, tf32, _arch(device))
         if kind in PERSISTENT_KINDS and gemm_variant() == "persistent":
             cfg = replace(cfg, variant="persistent")  # same tiles: their smem fits (module docstring)
@@ -350,7 +350,7 @@ def select(
     else:
         cfg = replace(cfg, BM=min(cfg.BM, _pow2_at_least(int(avg_rows))), BN=min(cfg.BN, _pow2_at_least(n)),
                       BK=min(cfg.BK, _pow2_at_least(k)), source=source)
-    CF.note(target, {**exact, "M": avg_rows}, cfg, source)
+    CF.note(target, exact, cfg, source, M=avg_rows)
     return cfg
 
 
@@ -461,9 +461,9 @@ def select_decode(
     exact = decode_key(dtype, tf32, num_experts, n, k, top_k)
     bm = _pow2_at_least(min(max(tokens, 1), 64))
     cfg, source = _tabled(target, device, exact, tokens)
-    if cfg is None:
+    if cfg is None and not CF.replaced(target):
         cfg = _decode_policy(kind, tokens, top_k, n, k, num_experts, dtype, device, bm)
-    else:
+    elif cfg is not None:
         cfg = replace(cfg, BM=bm, BN=min(cfg.BN, _pow2_at_least(n)), BK=min(cfg.BK, _pow2_at_least(k)))
     forced_cfg, forced = CF.resolve(target, cfg)
     if forced:
@@ -471,7 +471,7 @@ def select_decode(
         cfg = replace(forced_cfg, BM=bm, BN=min(forced_cfg.BN, _pow2_at_least(n)),
                       BK=min(forced_cfg.BK, _pow2_at_least(k)))
     cfg = replace(cfg, source=source)
-    CF.note(target, {**exact, "T": tokens}, cfg, source)
+    CF.note(target, exact, cfg, source, T=tokens)
     return cfg
 
 

@@ -82,6 +82,7 @@ __all__ = [
     "overridden",
     "recording",
     "register",
+    "replaced",
     "resolve",
     "summary",
     "table_for",
@@ -215,6 +216,13 @@ def override(target: str, config: Any = _UNSET, /, **fields: Any) -> Iterator[No
 def overridden(target: str) -> bool:
     """Whether an override of ``target`` is active."""
     return target in _OVERRIDES.get()
+
+
+def replaced(target: str) -> bool:
+    """Whether an active override of ``target`` gives a whole config (the policy need not
+    choose one: :func:`resolve` replaces whatever it is given)."""
+    e = _OVERRIDES.get().get(target)
+    return e is not None and e.config is not None
 
 
 def value(target: str, default: Any = None) -> Any:
@@ -417,7 +425,12 @@ def table_for(device: torch.device) -> Optional[Table]:
             return None
         return _cached(Path(env))
     name = device_name(device)
-    return _cached(table_path(name)) if name else None
+    return _device_table(name) if name else None
+
+
+@functools.lru_cache(maxsize=16)
+def _device_table(name: str) -> Optional[Table]:
+    return _cached(table_path(name))
 
 
 def _check_table(v: Any) -> None:
@@ -464,11 +477,12 @@ def recording() -> Iterator[list]:
         _RECORD.reset(token)
 
 
-def note(target: str, key: Mapping[str, Any], config: Any, source: str) -> None:
-    """Record a choice (the policies call this; a no-op outside :func:`recording`)."""
+def note(target: str, key: Mapping[str, Any], config: Any, source: str, **bucket: Any) -> None:
+    """Record a choice: ``key`` (the exact fields) plus ``bucket`` (the policies call this; a
+    no-op outside :func:`recording`, where it builds nothing)."""
     log = _RECORD.get()
     if log is not None:
-        log.append(Ran(target, dict(key), config, source))
+        log.append(Ran(target, {**key, **bucket}, config, source))
 
 
 def summary(ran: list) -> list[dict]:

@@ -150,7 +150,7 @@ def _choose(target: str, device: torch.device, exact: dict, bucket: int, heurist
         cfg = heuristic
     cfg, forced = CF.resolve(target, cfg)
     source = "override" if forced else source
-    CF.note(target, {**exact, "bucket": bucket}, cfg, source)
+    CF.note(target, exact, cfg, source, bucket=bucket)
     return cfg
 
 

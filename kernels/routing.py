@@ -116,7 +116,7 @@ def _choose(prob: "_Problem", device: torch.device) -> "_Problem":
     cfg, forced = CF.resolve("route", cfg)
     if forced:
         source = "override"
-    CF.note("route", {**route_key(prob.E, prob.G), "bucket": prob.T}, cfg, source)
+    CF.note("route", route_key(prob.E, prob.G), cfg, source, bucket=prob.T)
     return prob if cfg is prob.config else dataclasses.replace(prob, config=cfg)
 
 

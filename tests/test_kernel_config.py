@@ -244,6 +244,7 @@ def test_environment_names_or_disables_the_table(tmp_path, monkeypatch):
 def test_the_device_table_is_found_by_device_name(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
     CF._device_name_of.cache_clear()
+    CF._device_table.cache_clear()
     try:
         dev = torch.device("cuda", 0)
         assert CF.device_name(dev) == "NVIDIA_H100_80GB_HBM3"
@@ -252,11 +253,13 @@ def test_the_device_table_is_found_by_device_name(tmp_path, monkeypatch):
         assert CF.table_for(dev) is None  # no file for this device: heuristics
         (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps({"format": 1, "device": "x", "entries": {}}))
         CF._cached_str.cache_clear()
+        CF._device_table.cache_clear()
         tbl = CF.table_for(dev)
         assert isinstance(tbl, CF.Table) and CF.table_for(dev) is tbl  # read once
     finally:
         CF._device_name_of.cache_clear()
         CF._cached_str.cache_clear()
+        CF._device_table.cache_clear()
     assert CF.device_name(CPU) is None
 
 

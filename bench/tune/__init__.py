@@ -21,6 +21,7 @@ import torch
 
 from tritonmoe.kernels import config as CF
 
+from ..presets import PRESETS
 from . import space
 from .runner import TuneOptions, tune
 
@@ -62,8 +63,6 @@ def _layer(text: str) -> space.Layer:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..presets import PRESETS
-
     p = argparse.ArgumentParser(prog="python -m bench tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", type=_names(tuple(PRESETS)), default=None,
                    help=f"layer presets (default: {', '.join(DEFAULT_PRESETS)})")

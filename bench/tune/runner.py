@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import triton
 
 from tritonmoe.kernels import config as CF
 
@@ -75,8 +76,6 @@ def new_doc(device_name: str) -> dict:
 
 
 def _meta() -> dict:
-    import triton
-
     return {"torch": torch.__version__, "triton": triton.__version__,
             "updated_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
