@@ -1,5 +1,9 @@
 """One tuning job's inputs, its launch and its plain-PyTorch reference.
 
+Launches go through the kernel launchers (:mod:`tritonmoe.kernels`), not the public ops, whose
+argument checks may read values back to the host and so prevent CUDA-graph capture; the inputs
+here are well-formed by construction.
+
 :func:`build` makes a :class:`Problem` for a :class:`~bench.tune.space.Job`: random inputs (never
 zeros) at the job's bucket, ``run()`` (the one launch of the job's kernel, with whatever config
 is active: the tuner wraps it in ``tritonmoe.kernels.config.override``) and ``check(out)``,
@@ -19,10 +23,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-import tritonmoe as tm
 from tritonmoe import reference as ref
 from tritonmoe.kernels import gemm_kinds as GK
+from tritonmoe.kernels import grouped_gemm as kg
 from tritonmoe.kernels import permute as kp
+from tritonmoe.kernels import routing as kr
 
 from .space import Job
 
@@ -164,9 +169,9 @@ def _decode(job: Job, device, gen) -> Problem:
     routing = _routing(L, T, device, gen)
     prec = GK.precision_name(dt, False)
 
-    def run():
+    def run():  # the launcher itself: the public op's value checks would sync (no graph capture)
         with torch.no_grad():
-            return tm.moe_ffn(x, routing, w1, w2, L.activation, backend="triton")
+            return kg.moe_ffn(x, routing, w1, w2, L.activation)
 
     def reference():
         r64 = dataclasses.replace(routing, topk_weights=routing.topk_weights.double())
@@ -236,7 +241,7 @@ def _route(job: Job, device, gen) -> Problem:
 
     def run():
         with torch.no_grad():
-            r = tm.route(logits, L.topk, backend="triton")
+            r = kr.route(logits, L.topk)
         return r.topk_ids, r.counts, r.topk_weights
 
     def reference():

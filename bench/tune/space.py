@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 from typing import Iterable
 
@@ -71,6 +72,7 @@ class Layer:
     topk: int
     activation: str = "swiglu"
     n_groups: int = 1
+    tokens: int = 16384  # the prefill size the layer is measured at (its buckets are tuned first)
 
     @property
     def glu(self) -> bool:
@@ -82,7 +84,8 @@ class Layer:
 
     @classmethod
     def of(cls, p: Preset) -> "Layer":
-        return cls(p.name, p.num_experts, p.d_model, p.d_ffn, p.top_k, p.activation, p.n_groups or 1)
+        return cls(p.name, p.num_experts, p.d_model, p.d_ffn, p.top_k, p.activation, p.n_groups or 1,
+                   max(p.tokens_gpu))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +182,25 @@ def jobs_for(presets: Iterable[str | Layer], ops: Iterable[str], dtype: str = "b
         if j.id not in seen:
             seen.add(j.id)
             uniq.append(j)
+    # The most useful entries first, so that a run cut off by its budget has them: every op at
+    # the bucket nearest the layer's own size (prefill rows per expert, its token count, decode
+    # at T = 1), then the buckets further away.
+    order = {op: i for i, op in enumerate(OPS)}
+    uniq.sort(key=lambda j: (_distance_to_primary(j), order[j.op]))
     return uniq
+
+
+def _distance_to_primary(job: "Job") -> float:
+    L = job.layer
+    if job.op.startswith("decode"):
+        primary = 1
+    elif job.target == "permute.metadata":
+        primary = L.tokens * L.topk
+    elif job.op in ("permute", "unpermute", "route"):
+        primary = L.tokens
+    else:
+        primary = max(1, L.tokens * L.topk // L.E)
+    return abs(math.log2(max(job.bucket, 1)) - math.log2(primary))
 
 
 # ---------------------------------------------------------------------------------------------
