@@ -63,12 +63,13 @@ def test_tiny_space_end_to_end_in_the_interpreter(tmp_path):
     assert json.loads(out.read_text()) == doc
     got = {j.id for j in jobs if str(j.bucket) in doc["entries"].get(j.target, {}).get(j.group, {})}
     assert got == {j.id for j in jobs}
-    e = doc["entries"]["gemm.swiglu"][jobs[0].group]["16"]
+    gemm1 = next(j for j in jobs if j.op == "gemm1")
+    e = doc["entries"]["gemm.swiglu"][gemm1.group]["16"]
     assert e["valid"] >= 1 and e["rounds"] == 2 and e["us"] > 0 and "interpreter" in e["timer"]
     # the table loads and the policy uses it
     tbl = CF.load_table(out)
     with CF.override("table", tbl), CF.recording() as ran:
-        cfg = _active(jobs[0])
+        cfg = _active(gemm1)
     assert cfg.source == "table" and CF.config_dict(cfg) == e["config"]
     assert ran[0].source == "table"
 
