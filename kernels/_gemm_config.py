@@ -198,8 +198,9 @@ def override(config: TileConfig | None = None, **per_kind: TileConfig) -> Iterat
     inside the block, on both paths (``gemm.<kind>`` and ``decode.<kind>``). Tile sizes are
     still clamped to the problem like the policy's.
 
-    The old spelling of ``tritonmoe.kernels.config.override("gemm.<kind>", cfg)`` (and
-    ``"decode.<kind>"``), kept as an alias."""
+    Deprecated spelling of ``tritonmoe.kernels.config.override(("gemm", "decode"), cfg)`` (or
+    ``override(("gemm.<kind>", "decode.<kind>"), cfg)``)."""
+    CF.deprecated("_gemm_config.override(cfg, **per_kind)", 'override(("gemm", "decode"), cfg)')
     for kind in per_kind:
         if kind not in KINDS:
             raise ValueError(f"unknown GEMM kind {kind!r}; use one of {KINDS}")
@@ -403,8 +404,9 @@ CF.register("ffn.decode", check=_check_decode, doc="force (True) or avoid (False
 def force_decode(enabled: bool) -> Iterator[None]:
     """Inside the block, fused calls take (True) or avoid (False) the decode path whatever their
     token count (tests run both paths on small shapes). Calls with more than
-    :data:`DECODE_MAX_SLOTS` slots never take it. Alias of ``config.override("ffn.decode",
-    enabled)``."""
+    :data:`DECODE_MAX_SLOTS` slots never take it. Deprecated spelling of
+    ``config.override("ffn.decode", enabled)``."""
+    CF.deprecated("_gemm_config.force_decode(b)", 'override("ffn.decode", b)')
     with CF.override("ffn.decode", enabled):
         yield
 
@@ -631,8 +633,9 @@ CF.register("ffn.preact", check=_check_preact, doc="the FFN backward's pre-activ
 @contextlib.contextmanager
 def preact_mode(mode: str) -> Iterator[None]:
     """Inside the block, the FFN forward either saves its pre-activation for backward ("save")
-    or the backward recomputes it with the first GEMM ("recompute"). Alias of
+    or the backward recomputes it with the first GEMM ("recompute"). Deprecated spelling of
     ``config.override("ffn.preact", mode)``."""
+    CF.deprecated("_gemm_config.preact_mode(m)", 'override("ffn.preact", m)')
     with CF.override("ffn.preact", mode):
         yield
 

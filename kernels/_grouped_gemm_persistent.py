@@ -2,8 +2,8 @@
 
 :func:`tritonmoe.kernels.grouped_gemm._mm` calls :func:`mm` instead of the one-tile-per-program
 kernel when the config policy's :class:`~tritonmoe.kernels._gemm_config.TileConfig` says
-``variant="persistent"`` (``TRITONMOE_GEMM_VARIANT=persistent``, or a config given to
-``_gemm_config.override``). It takes the same arguments and writes the same outputs (same
+``variant="persistent"`` (``TRITONMOE_GEMM_VARIANT=persistent``, a tuned table's entry, or a
+config given to ``tritonmoe.kernels.config.override("gemm.<kind>", ...)``). It takes the same arguments and writes the same outputs (same
 epilogues, same flags: activation, pre-activation store, token gather, slot scatter, gate
 scaling; K-contiguous weights, which is how the dX GEMM sees ``w^T``).
 
@@ -97,8 +97,9 @@ CF.register("persistent", PersistentOptions, probe=_DEFAULT_OPTIONS, doc="schedu
 
 @contextlib.contextmanager
 def options(**changes) -> Iterator[PersistentOptions]:
-    """Use :class:`PersistentOptions` with ``changes`` inside the block. Alias of
-    ``tritonmoe.kernels.config.override("persistent", **changes)`` (scoped with contextvars)."""
+    """Use :class:`PersistentOptions` with ``changes`` inside the block. Deprecated spelling of
+    ``tritonmoe.kernels.config.override("persistent", **changes)``."""
+    CF.deprecated("_grouped_gemm_persistent.options(**kw)", 'override("persistent", **kw)')
     with CF.override("persistent", **changes):
         yield current_options()
 

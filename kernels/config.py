@@ -74,6 +74,7 @@ __all__ = [
     "Target",
     "autotune_enabled",
     "bucket_key",
+    "deprecated",
     "config_dict",
     "device_name",
     "load_table",
@@ -151,13 +152,23 @@ _OVERRIDES: contextvars.ContextVar[Mapping[str, _Entry]] = contextvars.ContextVa
     "tritonmoe_kernel_config_overrides", default=MappingProxyType({}))
 
 
-def _expand(target: str) -> list[str]:
+def _expand(target: str | tuple) -> list[str]:
+    if isinstance(target, (tuple, list)):
+        return sorted({n for t in target for n in _expand(t)})
+    if not isinstance(target, str):
+        raise TypeError(f"config target must be a str or a tuple of them, got {type(target).__name__}")
     if target in _TARGETS:
         return [target]
     names = [n for n in _TARGETS if n.startswith(target + ".")]
     if not names:
         raise ValueError(f"unknown config target {target!r}; use one of {targets()} (or a family prefix such as 'gemm')")
     return sorted(names)
+
+
+def deprecated(old: str, new: str) -> None:
+    """Warn that the spelling ``old`` is deprecated in favour of ``new`` (called by the old
+    context managers' bodies, so the warning points at the caller's ``with``)."""
+    warnings.warn(f"{old} is deprecated; use tritonmoe.kernels.config.{new}", DeprecationWarning, stacklevel=4)
 
 
 _UNSET = object()
@@ -182,9 +193,9 @@ def _check(t: Target, config: Any, fields: Mapping[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def override(target: str, config: Any = _UNSET, /, **fields: Any) -> Iterator[None]:
-    """Pin the choice of ``target`` (or of every target under a family prefix, e.g. ``"gemm"``)
-    inside the block: ``config`` replaces what the table or heuristic would choose, ``fields``
+def override(target: str | tuple, config: Any = _UNSET, /, **fields: Any) -> Iterator[None]:
+    """Pin the choice of ``target`` (or of every target under a family prefix, e.g. ``"gemm"``,
+    or of each of a tuple of them, e.g. ``("gemm", "decode")``) inside the block: ``config`` replaces what the table or heuristic would choose, ``fields``
     change fields of it (of ``config`` when both are given; of an enclosing override's config
     otherwise, so nested overrides compose). Plain-value targets (``ffn.decode``,
     ``ffn.preact``, ``table``) take a value only. Typed errors for unknown targets or fields, and

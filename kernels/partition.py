@@ -51,8 +51,9 @@ def select_config(d: int, element_size: int) -> PartitionConfig:
 
 @contextlib.contextmanager
 def override_config(config: PartitionConfig) -> Iterator[None]:
-    """Use ``config`` for every :func:`copy_segments` launch in the block (tests). Alias of
-    ``tritonmoe.kernels.config.override("partition", config)``."""
+    """Use ``config`` for every :func:`copy_segments` launch in the block (tests). Deprecated
+    spelling of ``tritonmoe.kernels.config.override("partition", config)``."""
+    CF.deprecated("partition.override_config(cfg)", 'override("partition", cfg)')
     with CF.override("partition", config):
         yield
 

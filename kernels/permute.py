@@ -131,9 +131,10 @@ CF.register("permute.gather", RowsConfig, probe=RowsConfig(16, 1, 1), doc="unper
 def config_override(*, metadata: dict | None = None, scatter: dict | None = None, gather: dict | None = None) -> Iterator[None]:
     """Override fields of the chosen configs inside a block (for tests), e.g.
     ``config_override(metadata={"fused": False, "block_s": 16})``. Scoped to the block and the
-    current context; nothing global is modified. Alias of
+    current context; nothing global is modified. Old spelling of
     ``tritonmoe.kernels.config.override("permute.metadata", fused=False, block_s=16)`` (and
-    ``"permute.scatter"`` / ``"permute.gather"``)."""
+    ``"permute.scatter"`` / ``"permute.gather"``). Deprecated."""
+    CF.deprecated("permute.config_override(metadata=..., ...)", 'override("permute.metadata", **fields)')
     with contextlib.ExitStack() as stack:
         for kind, fields in (("metadata", metadata), ("scatter", scatter), ("gather", gather)):
             if fields:

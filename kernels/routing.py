@@ -91,8 +91,9 @@ CF.register("route", RouteConfig, probe=RouteConfig(1, 1, 1, 1), doc="the routin
 @contextlib.contextmanager
 def config_override(config: RouteConfig) -> Iterator[None]:
     """Use ``config`` for every route launch in this block (tests use it to force several token
-    blocks, so the capacity scan crosses blocks, on small inputs). Alias of
+    blocks, so the capacity scan crosses blocks, on small inputs). Deprecated spelling of
     ``tritonmoe.kernels.config.override("route", config)``."""
+    CF.deprecated("routing.config_override(cfg)", 'override("route", cfg)')
     if not isinstance(config, RouteConfig):
         raise TypeError(f"config must be a RouteConfig, got {type(config).__name__}")
     with CF.override("route", config):

@@ -126,35 +126,38 @@ def test_override_errors_are_typed_and_raised_before_the_block():
     assert not CF.overridden("gemm.mm")
 
 
-def test_old_spellings_are_aliases_of_the_one_mechanism():
+def test_old_spellings_are_deprecated_aliases_of_the_one_mechanism():
     cfg = C.TileConfig(BM=32, BN=32, BK=32, GROUP_M=1)
-    with C.override(cfg):
+    old = pytest.warns(DeprecationWarning, match="deprecated; use tritonmoe.kernels.config.override")
+    with old, C.override(cfg):
         assert all(CF.overridden(f"gemm.{k}") for k in C.KINDS)
         assert all(CF.overridden(f"decode.{k}") for k in C.DECODE_KINDS)
         assert _sel("mm").BN == 32 and _sel("mm").source == "override"
-    with C.override(wgrad=cfg):
+    with CF.override(("gemm", "decode"), cfg):  # the new spelling of the same thing
+        assert all(CF.overridden(f"decode.{k}") for k in C.DECODE_KINDS) and _sel("mm").BN == 32
+    with old, C.override(wgrad=cfg):
         assert CF.overridden("gemm.wgrad") and not CF.overridden("gemm.mm")
-    with C.force_decode(True):
+    with pytest.raises(ValueError, match="unknown GEMM kind"), old:
+        with C.override(bogus=cfg):
+            pass
+    with old, C.force_decode(True):
         assert C.decode_path(1000, 2) and CF.value("ffn.decode") is True
     assert not C.decode_path(1000, 2)
-    with C.preact_mode("recompute"):
+    with old, C.preact_mode("recompute"):
         assert C.ffn_preact_mode() == "recompute" == CF.value("ffn.preact")
-    with kp.config_override(metadata={"fused": False, "block_s": 16}, gather={"nsplit": 2}):
+    with old, kp.config_override(metadata={"fused": False, "block_s": 16}, gather={"nsplit": 2}):
         m = kp.metadata_config(100, 8, CPU)
         assert (m.fused, m.block_s) == (False, 16)
         assert kp.rows_config("gather", 4, 2, 64, 2, CPU).nsplit == 2
         assert not CF.overridden("permute.scatter")
-    with pytest.raises(ValueError, match="block_q"):
-        with kp.config_override(metadata={"block_q": 1}):
-            pass
     rc = dataclasses.replace(kr.route_config(16, interpret=True), block_t=2)
-    with kr.config_override(rc):
+    with old, kr.config_override(rc):
         assert CF.resolve("route", None) == (rc, True)
     pc = kpart.PartitionConfig(block_r=2, block_d=16)
-    with kpart.override_config(pc):
+    with old, kpart.override_config(pc):
         assert kpart.select_config(64, 4) == pc
     assert kpart.select_config(64, 4) != pc
-    with P.options(epilogue_split=2, flatten=False) as opts:
+    with old, P.options(epilogue_split=2, flatten=False) as opts:
         assert opts == P.current_options() == P.PersistentOptions(flatten=False, epilogue_split=2)
         with CF.override("persistent", tma_store=False):
             assert P.current_options() == P.PersistentOptions(flatten=False, tma_store=False, epilogue_split=2)
