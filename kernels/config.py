@@ -130,8 +130,8 @@ def register(name: str, cls: Optional[type] = None, *, check: Optional[Callable[
     """Register a target (idempotent for the same definition; kernel modules call it at import)."""
     t = Target(name, cls, check, doc, probe)
     old = _TARGETS.get(name)
-    if old is not None and (old.cls is not cls and getattr(old.cls, "__qualname__", None) != getattr(cls, "__qualname__", None)):
-        raise ValueError(f"config target {name!r} is already registered with {old.cls!r}")
+    if old is not None and getattr(old.cls, "__qualname__", None) != getattr(cls, "__qualname__", None):
+        raise ValueError(f"config target {name!r} is already registered with {old.cls!r}")  # (a reload re-registers)
     _TARGETS[name] = t
     return t
 
