@@ -268,3 +268,13 @@ def test_the_worker_pool_compiles_every_candidate_first(tmp_path, monkeypatch):
                       opts=runner.TuneOptions(workers=1, **OPTS), log=lambda s: None)
     assert len(seen) == 1 and len(seen[0]) == 3 and set(seen[0].values()) == {("ok", "compiled")}
     assert str(job.bucket) in doc["entries"]["route"][job.group]
+
+
+def test_the_timer_rotates_the_order_every_round():
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    times = timer.interleaved(fns, device=CPU, rounds=3)
+    assert [len(t) for t in times] == [3, 3, 3] and all(x >= 0 for t in times for x in t)
+    assert calls[:3] == [0, 1, 2]  # one untimed call each first
+    assert calls[3:] == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert timer.interleaved([], device=CPU, rounds=3) == []
