@@ -56,8 +56,10 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import importlib
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 from types import MappingProxyType
@@ -136,8 +138,28 @@ def register(name: str, cls: Optional[type] = None, *, check: Optional[Callable[
     return t
 
 
+#: The modules that register targets (each registers its own when imported; they import this
+#: module, so it cannot import them at its top).
+FAMILIES = (
+    "tritonmoe.kernels._gemm_config",
+    "tritonmoe.kernels._grouped_gemm_persistent",
+    "tritonmoe.kernels.permute",
+    "tritonmoe.kernels.routing",
+    "tritonmoe.kernels.partition",
+)
+
+
+def _load_families() -> None:
+    """Import every registering module, so that a target can be named (and overridden) before
+    its kernels were first used."""
+    for mod in FAMILIES:
+        if mod not in sys.modules:
+            importlib.import_module(mod)
+
+
 def targets() -> tuple[str, ...]:
-    """The registered target names, sorted."""
+    """The target names, sorted."""
+    _load_families()
     return tuple(sorted(_TARGETS))
 
 
@@ -157,6 +179,8 @@ def _expand(target: str | tuple) -> list[str]:
         return sorted({n for t in target for n in _expand(t)})
     if not isinstance(target, str):
         raise TypeError(f"config target must be a str or a tuple of them, got {type(target).__name__}")
+    if target not in _TARGETS and not any(n.startswith(target + ".") for n in _TARGETS):
+        _load_families()  # a target of a family not imported yet
     if target in _TARGETS:
         return [target]
     names = [n for n in _TARGETS if n.startswith(target + ".")]

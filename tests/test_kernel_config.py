@@ -317,3 +317,21 @@ def test_recording_says_which_config_ran_and_from_where():
         tritonmoe.route(torch.randn(8, 16, generator=gen), 2, backend="triton")
     assert [(r.target, r.source) for r in ran2] == [("route", "heuristic")]
     assert len(ran2) == 1 and CF.summary(ran2 + ran2) == CF.summary(ran2)  # duplicates collapse
+
+
+def test_targets_can_be_named_before_their_kernels_are_imported():
+    """A fresh interpreter that imports only the config module can override any target."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from tritonmoe.kernels import config\n"
+            "assert 'tritonmoe.kernels.permute' not in sys.modules\n"
+            "with config.override('ffn.preact', 'recompute'), config.override('permute.metadata', fused=False):\n"
+            "    from tritonmoe.kernels import _gemm_config as C, permute as kp\n"
+            "    import torch\n"
+            "    assert C.ffn_preact_mode() == 'recompute'\n"
+            "    assert not kp.metadata_config(8, 4, torch.device('cpu')).fused\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
