@@ -74,6 +74,7 @@ __all__ = [
     "RowsConfig",
     "metadata_config",
     "rows_config",
+    "rows_key",
     "config_override",
 ]
 

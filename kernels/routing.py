@@ -41,7 +41,8 @@ from ._routing_kernels import (
     _route_fwd_kernel,
 )
 
-__all__ = ["route", "RouteConfig", "route_config", "config_override", "MAX_TILE_LANES", "FWD_COMPILE_OPTIONS"]
+__all__ = ["route", "RouteConfig", "route_config", "route_key", "config_override", "MAX_TILE_LANES",
+           "FWD_COMPILE_OPTIONS"]
 
 #: Compile options of the forward kernel. No FMA contraction: the canonical selection values
 #: (see ``_routing_kernels``) must round every multiply and every add on its own, as the
