@@ -278,3 +278,13 @@ def test_the_timer_rotates_the_order_every_round():
     assert calls[:3] == [0, 1, 2]  # one untimed call each first
     assert calls[3:] == [0, 1, 2, 1, 2, 0, 2, 0, 1]
     assert timer.interleaved([], device=CPU, rounds=3) == []
+
+
+def test_jobs_run_nearest_the_layers_own_size_first():
+    jobs = space.jobs_for(["mixtral-8x7b-like"], ("gemm1", "decode1", "route"), "bf16",
+                          buckets={"gemm": [64, 4096, 256], "decode": [16, 1], "tokens": [64, 16384]})
+    first = [(j.op, j.bucket) for j in jobs[:3]]
+    assert first == [("gemm1", 4096), ("decode1", 1), ("route", 16384)]  # 16384 tokens * 2 / 8 experts
+    assert len(jobs) == 7 and len({j.id for j in jobs}) == 7
+    with pytest.raises(ValueError, match="unknown tune op"):
+        space.jobs_for(["small"], ("gemm3",))
