@@ -198,14 +198,14 @@ def deprecated(old: str, new: str) -> None:
 _UNSET = object()
 
 
-def _check(t: Target, config: Any, fields: Mapping[str, Any]) -> None:
+def _check(t: Target, config: Any, fields: Mapping[str, Any], given: bool) -> None:
     if t.cls is None:
         if fields:
             raise TypeError(f"config target {t.name!r} takes a value, not fields {sorted(fields)}")
         if t.check is not None:
             t.check(config)
         return
-    if config is not None and not isinstance(config, t.cls):
+    if given and not isinstance(config, t.cls):
         raise TypeError(f"override({t.name!r}, ...) expects a {t.cls.__name__}, got {type(config).__name__}")
     names = {f.name for f in dataclasses.fields(t.cls) if f.init}
     bad = sorted(set(fields) - names)
@@ -218,10 +218,11 @@ def _check(t: Target, config: Any, fields: Mapping[str, Any]) -> None:
 
 @contextlib.contextmanager
 def override(target: str | tuple, config: Any = _UNSET, /, **fields: Any) -> Iterator[None]:
-    """Pin the choice of ``target`` (or of every target under a family prefix, e.g. ``"gemm"``,
-    or of each of a tuple of them, e.g. ``("gemm", "decode")``) inside the block: ``config`` replaces what the table or heuristic would choose, ``fields``
-    change fields of it (of ``config`` when both are given; of an enclosing override's config
-    otherwise, so nested overrides compose). Plain-value targets (``ffn.decode``,
+    """Pin the choice of ``target`` inside the block: one target, every target under a family
+    prefix (``"gemm"``), or each of a tuple of them (``("gemm", "decode")``). ``config``
+    replaces what the table or heuristic would choose; ``fields`` change fields of it (of
+    ``config`` when both are given; of an enclosing override's config otherwise, so nested
+    overrides compose). Plain-value targets (``ffn.decode``,
     ``ffn.preact``, ``table``) take a value only. Typed errors for unknown targets or fields, and
     for a config of the wrong type, are raised before anything changes."""
     names = _expand(target)
@@ -230,7 +231,7 @@ def override(target: str | tuple, config: Any = _UNSET, /, **fields: Any) -> Ite
         t = _TARGETS[n]
         if t.cls is None and not given:
             raise TypeError(f"config target {n!r} needs a value: override({n!r}, value)")
-        _check(t, config if given else None, fields)
+        _check(t, config if given else None, fields, given)
     current = _OVERRIDES.get()
     new = dict(current)
     for n in names:

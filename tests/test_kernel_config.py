@@ -111,6 +111,9 @@ def test_override_errors_are_typed_and_raised_before_the_block():
     with pytest.raises(TypeError, match="expects a TileConfig"):
         with CF.override("gemm.mm", kr.RouteConfig(1, 1, 1, 1)):
             pass
+    with pytest.raises(TypeError, match="expects a TileConfig, got NoneType"):
+        with CF.override("gemm.mm", None):
+            pass
     with pytest.raises(TypeError, match="needs a value"):
         with CF.override("ffn.decode"):
             pass
