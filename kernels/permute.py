@@ -28,7 +28,9 @@ exactly R rows), and with ``pad_to == 1`` and no id -1 the bound is exactly R = 
 (``permute_metadata`` + ``permute_rows(x, info, num_rows=...)`` are the same two steps.)
 
 Config: every tile size, warp count and grid split is chosen in :func:`metadata_config` and
-:func:`rows_config` below; tests override them with :func:`config_override`. These kernels are
+:func:`rows_config` below (a tuned table's entry for the shape first, targets ``permute.metadata``
+/ ``permute.scatter`` / ``permute.gather``); tests override them with
+``tritonmoe.kernels.config.override`` (old spelling: :func:`config_override`). These kernels are
 memory bound and their configs are computed, not autotuned, so ``TRITONMOE_AUTOTUNE`` does not
 affect them.
 """
@@ -36,7 +38,6 @@ affect them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from typing import Iterator
@@ -47,6 +48,7 @@ import triton.language as tl
 from tritonmoe.core import validation as V
 from tritonmoe.core.types import PermuteInfo, max_permuted_rows
 
+from . import config as CF
 from ._host import cdiv, device_ctx, next_power_of_2
 from ._permute_kernels import (
     _block_hist_kernel,
@@ -69,6 +71,7 @@ __all__ = [
     "RowsConfig",
     "metadata_config",
     "rows_config",
+    "rows_key",
     "config_override",
 ]
 
@@ -116,28 +119,38 @@ class RowsConfig:
     tail_rows: int = 256
 
 
-_OVERRIDE: contextvars.ContextVar[dict] = contextvars.ContextVar("tritonmoe_permute_config", default={})
+CF.register("permute.metadata", MetadataConfig, probe=MetadataConfig(True, 16, 16, 16, 1),
+            doc="permute metadata kernels (metadata_config)")
+CF.register("permute.scatter", RowsConfig, probe=RowsConfig(16, 1, 1), doc="permute's row scatter (rows_config)")
+CF.register("permute.gather", RowsConfig, probe=RowsConfig(16, 1, 1), doc="unpermute's row gather (rows_config)")
 
 
 @contextlib.contextmanager
 def config_override(*, metadata: dict | None = None, scatter: dict | None = None, gather: dict | None = None) -> Iterator[None]:
     """Override fields of the chosen configs inside a block (for tests), e.g.
     ``config_override(metadata={"fused": False, "block_s": 16})``. Scoped to the block and the
-    current context; nothing global is modified."""
-    new = dict(_OVERRIDE.get())
-    for kind, fields in (("metadata", metadata), ("scatter", scatter), ("gather", gather)):
-        if fields:
-            cls = MetadataConfig if kind == "metadata" else RowsConfig
-            bad = set(fields) - {f.name for f in dataclasses.fields(cls)}
-            if bad:
-                raise ValueError(f"config_override({kind}=...) has unknown fields {sorted(bad)}; {cls.__name__} has "
-                                 f"{[f.name for f in dataclasses.fields(cls)]}")
-            new[kind] = {**new.get(kind, {}), **fields}
-    token = _OVERRIDE.set(new)
-    try:
+    current context; nothing global is modified. Old spelling of
+    ``tritonmoe.kernels.config.override("permute.metadata", fused=False, block_s=16)`` (and
+    ``"permute.scatter"`` / ``"permute.gather"``). Deprecated."""
+    CF.deprecated("permute.config_override(metadata=..., ...)", 'override("permute.metadata", **fields)')
+    with contextlib.ExitStack() as stack:
+        for kind, fields in (("metadata", metadata), ("scatter", scatter), ("gather", gather)):
+            if fields:
+                stack.enter_context(CF.override(f"permute.{kind}", **fields))
         yield
-    finally:
-        _OVERRIDE.reset(token)
+
+
+def _choose(target: str, device: torch.device, exact: dict, bucket: int, heuristic):
+    """Table entry (else ``heuristic``), then an override; the choice is noted for recordings."""
+    tbl = CF.table_for(device)
+    cfg = tbl.lookup(target, exact, bucket) if tbl is not None else None
+    source = "table" if cfg is not None else "heuristic"
+    if cfg is None:
+        cfg = heuristic
+    cfg, forced = CF.resolve(target, cfg)
+    source = "override" if forced else source
+    CF.note(target, exact, cfg, source, bucket=bucket)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,8 +188,7 @@ def metadata_config(num_slots: int, num_experts: int, device: torch.device) -> M
     else:
         block_s = min(256, next_power_of_2(max(num_slots, 1)))
         cfg = MetadataConfig(True, block_s, min(64, E_pow2), min(256, nb_pow2), 4)
-    over = _OVERRIDE.get().get("metadata")
-    return dataclasses.replace(cfg, **over) if over else cfg
+    return _choose("permute.metadata", device, {"E": int(num_experts)}, int(num_slots), cfg)
 
 
 def gather_block_d(top_k: int, d: int, elem_size: int) -> int:
@@ -214,8 +226,12 @@ def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, 
     chunks = cdiv(max(d, 1), block_d)
     nsplit = min(chunks, max(1, cdiv(4 * _sms(device), max(num_tokens, 1))))
     cfg = RowsConfig(block_d, nsplit, num_warps)
-    over = _OVERRIDE.get().get(kind)
-    return dataclasses.replace(cfg, **over) if over else cfg
+    return _choose(f"permute.{kind}", device, rows_key(top_k, d, elem_size), int(num_tokens), cfg)
+
+
+def rows_key(top_k: int, d: int, elem_size: int) -> dict:
+    """Exact fields of a ``permute.scatter`` / ``permute.gather`` table key (the bucket is T)."""
+    return {"k": int(top_k), "D": int(d), "elem": int(elem_size)}
 
 
 # ---------------------------------------------------------------------------------------------
