@@ -249,8 +249,20 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
 #: Prefixes of the CUDA runtime/driver calls that launch work (the profiler may give them a version
 #: suffix, e.g. ``cudaLaunchKernelExC_v11060``; Triton launches through ``cuLaunchKernel*``)
 _LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
-#: The source roots whose frames a sync is attributed to
-_PROJECT_DIRS = ("tritonmoe", "kernels", "comm", "bench")
+#: The packages whose frames a sync is attributed to (by module name, not by path: a checkout
+#: cloned into a folder named ``tritonmoe`` must not make every file under it a project site)
+_PROJECT_PACKAGES = ("tritonmoe", "bench")
+
+
+def _project_label(module: str) -> str | None:
+    """``dir/file.py`` of a project module (``tritonmoe.kernels.x`` -> ``kernels/x.py``), None for
+    a module of anything else (and for this module itself)."""
+    if module == __name__ or module.split(".")[0] not in _PROJECT_PACKAGES:
+        return None
+    parts = module.split(".")
+    if parts[:2] in (["tritonmoe", "kernels"], ["tritonmoe", "comm"]):
+        parts = parts[1:]
+    return "/".join(parts) + ".py"
 
 
 def _project_site() -> str:
@@ -263,12 +275,11 @@ def _project_site() -> str:
     fallback = None
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     while f is not None:
+        label = _project_label(str(f.f_globals.get("__name__", "")))
+        if label is not None:
+            return f"{label}:{f.f_lineno}"
         fn = os.path.abspath(f.f_code.co_filename)
         parts = fn.split(os.sep)
-        for d in _PROJECT_DIRS:
-            if d in parts[:-1] and "site-packages" not in parts and fn != os.path.abspath(__file__):
-                i = len(parts) - 1 - parts[::-1].index(d)
-                return f"{'/'.join(parts[i:])}:{f.f_lineno}"
         if fallback is None and not fn.startswith(torch_dir) and "warnings" not in parts[-1]:
             fallback = f"{parts[-1]}:{f.f_lineno}"
         f = f.f_back

@@ -665,3 +665,29 @@ def test_step_diagnosis_counts_what_it_reports():
 
     d = diagnose_step(syncing, cuda=False)
     assert [s for s, _ in d["sync_sites"]] and d["sync_sites"][0][0].startswith("test_bench.py:"), d  # not the warnings module
+
+
+def test_step_diagnosis_labels_by_module_not_by_folder_name(tmp_path):
+    """A checkout cloned into a folder named ``tritonmoe`` (``git clone``'s default) or ``bench``:
+    a file under it that is no project module is not a project site (issue 35 item 7)."""
+    import importlib.util
+    import warnings
+
+    from bench.memory import diagnose_step
+
+    for folder in ("tritonmoe", "bench", "comm"):
+        src = tmp_path / folder / "tests" / f"probe_{folder}.py"
+        src.parent.mkdir(parents=True)
+        src.write_text("import warnings\n\ndef syncing():\n    warnings.warn('called a synchronizing CUDA operation')\n")
+        spec = importlib.util.spec_from_file_location(f"probe_{folder}", src)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        with warnings.catch_warnings():
+            d = diagnose_step(mod.syncing, cuda=False)
+        assert d["sync_sites"][0][0] == f"probe_{folder}.py:4", d
+    # and a project module is labelled by its place in the package
+    from bench.memory import _project_label
+
+    assert _project_label("tritonmoe.kernels.permute") == "kernels/permute.py"
+    assert _project_label("tritonmoe.experts.local") == "tritonmoe/experts/local.py"
+    assert _project_label("bench.memory") is None and _project_label("torch.nn") is None
