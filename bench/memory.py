@@ -83,7 +83,7 @@ def _counting(fn, params: set, sink: dict):
 def _copy_overlap(timeline) -> tuple[float, "float | None"]:
     """(seconds on the copy lane, fraction of them during which the compute lane was busy too)
     of a recorded or simulated timeline."""
-    from tritonmoe.comm.timeline import _intersection_length, _union
+    from tritonmoe.comm.timeline import intersection_length as _intersection_length, union as _union
 
     spans = timeline.spans()
     cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
@@ -94,7 +94,7 @@ def _copy_overlap(timeline) -> tuple[float, "float | None"]:
 
 def _lane_busy(timeline, lane: str) -> float:
     """Seconds during which ``lane`` of the timeline was busy."""
-    from tritonmoe.comm.timeline import _union
+    from tritonmoe.comm.timeline import union as _union
 
     return sum(b - a for a, b in _union((sp.start, sp.end) for sp in timeline.spans() if sp.lane == lane))
 
@@ -179,13 +179,13 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
 def run_memory(*, world_size: int = 2, timeout_s: float = 180.0, **overrides) -> list[dict]:
     """Every (degree, strategy) on ``world_size`` spawned gloo ranks; one dict each (see the module
     docstring), with the spec's shapes."""
-    from .ep import _run_spawned
+    from .ep import run_spawned
 
     spec = dict(DEFAULTS)
     spec.update(overrides)
     spec["degrees"], spec["strategies"] = tuple(spec["degrees"]), tuple(spec["strategies"])
     spec["mi_buffers"] = tuple(spec["mi_buffers"])
-    per_rank = _run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.memory")
+    per_rank = run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.memory")
     results = []
     for j, first in enumerate(per_rank[0]):
         ranks = [pr[j] for pr in per_rank]
