@@ -67,6 +67,7 @@ class FakeH100(check.Runner):
         self.now = 0.0
         self.planned: list[tuple] = []
         self.test_timeout = None
+        self.sentinel_medians = [1.0e-3, 1.01e-3, 1.02e-3]  # start, middle, end: 2% drift
 
     def clock(self):
         return self.now
@@ -98,6 +99,19 @@ class FakeH100(check.Runner):
     def roofs(self, ctx):
         return H100_ROOFS
 
+    def device_timer(self, ctx, telemetry, **kw):
+        return None  # the fake answers whole cases (run_case below)
+
+    def round_roofs(self, ctx, timer):
+        return {}
+
+    def device_info(self, ctx):
+        return 132, 4096.0
+
+    def sentinel(self, ctx, telemetry):
+        medians = iter(self.sentinel_medians)
+        return lambda: {"median_s": next(medians), "p20_s": 0.0, "p80_s": 0.0, "mhz": 1755.0, "rounds": 30}
+
     def run_case(self, ctx, case):
         self.now += self.case_seconds.get(case.suite, 0.0)
         rows = []
@@ -119,7 +133,8 @@ class FakeH100(check.Runner):
         return rows
 
 
-EFFICIENCY = {"triton": 0.9, "triton-fused": 0.9, "triton-split": 0.9, "torch": 0.1, "grouped_mm": 0.6, "loop": 0.3}
+EFFICIENCY = {"triton": 0.9, "triton-fused": 0.9, "triton-split": 0.9, "torch": 0.1, "grouped_mm": 0.6, "loop": 0.3,
+              "liger": 0.5}
 
 
 def _by_name(results):

@@ -54,6 +54,7 @@ from .common import (
     make_entries,
     make_routing,
     no_grad_fn,
+    parse_routing,
     require_backend,
 )
 from .ep import describe_ep, ep_cases, ep_rows, load_ep, run_ep_suite, run_plan_rows
@@ -175,7 +176,7 @@ __all__ = [
     "describe_lina", "describe_memory", "ep_cases", "ep_rows", "ffn_weights", "fill_round_row", "gather_split_impls",
     "grad_fn", "grouped_ffn_case", "grouped_mm_check", "layer_case", "leaf", "load_ep", "make_entries",
     "make_routing", "measure_in_rounds", "metadata_entries", "metadata_impl", "moe_ffn_case", "move_entries",
-    "no_grad_fn", "permute_case", "plan", "plan_ffn", "plan_gemm", "plan_layer", "plan_permute", "plan_route",
+    "no_grad_fn", "parse_routing", "permute_case", "plan", "plan_ffn", "plan_gemm", "plan_layer", "plan_permute", "plan_route",
     "prepare_roofs", "require_backend", "route_case", "route_shapes", "rows_impl", "run_case", "run_ep_suite",
     "run_inference_suite", "run_lina_suite", "run_memory_suite", "run_suite", "skew_router", "unpermute_case",
 ]

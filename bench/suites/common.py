@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+import tritonmoe as tm
 from tritonmoe import reference
 
 from .. import baselines as B
@@ -114,13 +114,15 @@ def require_backend(ctx: Context, backend: str) -> None:
     """Triton on CPU tensors runs in Triton's interpreter: only when it was switched on before
     tritonmoe was imported, and it is no performance path; say so instead of failing."""
     if backend == "triton" and not ctx.is_cuda:
-        if os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("1", "true", "on", "yes"):
+        if not tm.interpreter_enabled():
             raise Unavailable("backend='triton' on CPU needs TRITON_INTERPRET=1 set before import (interpreter)")
 
 
 #: One implementation of a case: (impl name, forward(state) -> output, check(backward) or None).
 #: ``check`` raises :class:`Unavailable` when the implementation cannot run here.
-Impl = tuple[str, Callable[[dict], torch.Tensor], Callable[[bool], None] | None]
+#: An optional fourth element ``own_inputs(state)`` names the leaves its backward differentiates
+#: (see :func:`make_entries`).
+Impl = tuple  # (str, Callable[[dict], Tensor], Callable[[bool], None] | None[, Callable[[dict], list[Tensor]]])
 
 
 def make_entries(
@@ -135,21 +137,24 @@ def make_entries(
     ``fwd`` runs ``forward(state)`` under ``torch.no_grad()``. ``fwd+bwd`` runs it and
     ``torch.autograd.grad`` of the output for ``inputs(state)`` (the differentiable leaves, the
     same tensors in both modes); the output gradient is drawn by ``out_grad(state)`` on the first
-    backward entry, so forward-only entries do not count it in their peak memory.
+    backward entry, so forward-only entries do not count it in their peak memory. An Impl with a
+    fourth element ``own_inputs(state)`` differentiates with respect to those leaves instead (a
+    peer that holds the weights in its own layout: the same inputs, converted once).
     """
     entries = []
     for mode in MODES:
         backward = mode != "fwd"
-        for impl, forward, check in impls:
+        for impl, forward, check, *own in impls:
+            leaves = own[0] if own else inputs
 
-            def make(st, forward=forward, check=check, backward=backward):
+            def make(st, forward=forward, check=check, backward=backward, leaves=leaves):
                 if check is not None:
                     check(backward)
                 if not backward:
                     return no_grad_fn(lambda: forward(st)), work(st, False)
                 if "grad_out" not in st:
                     st["grad_out"] = out_grad(st)
-                return grad_fn(lambda: forward(st), inputs(st), st["grad_out"]), work(st, True)
+                return grad_fn(lambda: forward(st), leaves(st), st["grad_out"]), work(st, True)
 
             entries.append(Entry(mode, impl, make))
     return entries

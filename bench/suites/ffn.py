@@ -9,6 +9,7 @@ import torch
 import tritonmoe as tm
 
 from .. import baselines as B
+from .. import peers as PE
 from .. import work as W
 from ..harness import Unavailable
 from ..presets import Preset
@@ -91,6 +92,8 @@ def moe_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
     if "grouped_mm" in ctx.baselines:
         impls.append(("grouped_mm", lambda st: B.grouped_mm_moe_ffn(
             st["x"], st["routing"].topk_ids, st["w"], st["w1"], st["w2"], act), grouped_mm_check(ctx)))
+    if "liger" in ctx.baselines:
+        impls.append(liger_impl(ctx, act))
     if "loop" in ctx.baselines:
         impls.append(("loop", lambda st: B.loop_moe_ffn(
             st["x"], st["routing"].topk_ids, st["w"], st["w1"], st["w2"], act), None))
@@ -104,3 +107,23 @@ def moe_ffn_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
                 build, entries)
 
 
+def liger_impl(ctx: Context, activation: str) -> tuple:
+    """Liger-Kernel's fused MoE (:mod:`bench.peers`) on a moe_ffn case's inputs: its weights
+    converted to liger's layout once per case (untimed, kept in the state), differentiated with
+    respect to those converted leaves, x and the gate weights."""
+
+    def weights(st):
+        if "liger_w" not in st:
+            st["liger_w"] = PE.liger_weights(st["w1"], st["w2"])
+        return st["liger_w"]
+
+    def forward(st):
+        if "liger_fn" not in st:  # resolved once (the first, untimed call)
+            st["liger_fn"] = PE.require_liger(ctx.device, activation)
+        gate_up, down = weights(st)
+        return PE.liger_moe_ffn(st["liger_fn"], st["x"], st["routing"].topk_ids, st["w"], gate_up, down)
+
+    def check(backward: bool) -> None:
+        PE.require_liger(ctx.device, activation)
+
+    return ("liger", forward, check, lambda st: [st["x"], *weights(st), st["w"]])
