@@ -221,7 +221,7 @@ class Runner:
     def run_tests(self, timeout_s: float, log: Callable[[str], None], out_prefix: str | None = None) -> dict:
         """The gpu-marked tests as concurrent pytest shards (:mod:`bench.gpu_tests`), all done
         within ``timeout_s``; the merged summary goes to ``<out_prefix>.{json,md}`` (shard logs in
-        ``<out_prefix>-logs/``). Returns :func:`tests_record` of it."""
+        :func:`bench.gpu_tests.shard_logs_dir`: an ignored folder for bench/results). Returns :func:`tests_record` of it."""
         from . import gpu_tests as GT
 
         opt = GT.Options(python=sys.executable, deadline_s=timeout_s)
