@@ -115,6 +115,9 @@ class Section:
     cold_l2: bool = False
     min_rounds: int = 30
     min_device_s: float = 0.5
+    #: Reps that also time one eager call (10 for millisecond entries, whose eager call costs
+    #: as much as their replay).
+    eager_reps: int = 30
 
     def cases(self, ctx: S.Context, gpu: bool) -> list[S.Case]:
         out = []
@@ -190,15 +193,15 @@ def plan_layer(ctx: S.Context, gpu: bool) -> list[S.Case]:
 
 #: The core set, in run order.
 SECTIONS: tuple[Section, ...] = (
-    Section("route", "router forward and forward+backward", 45, reps=100, warmup=10, plan=plan_route,
+    Section("route", "router forward and forward+backward", 35, reps=100, warmup=10, plan=plan_route,
             modes=("fwd", "fwd+bwd"), cold_l2=True, min_rounds=100, min_device_s=0.0),
-    Section("permute", "permute / unpermute: the op, the row movement alone, the metadata", 45, reps=30, warmup=5,
+    Section("permute", "permute / unpermute: the op, the row movement alone, the metadata", 30, reps=30, warmup=5,
             plan=plan_permute, cold_l2=True, min_rounds=100, min_device_s=0.0),
-    Section("ffn", "grouped FFN and moe_ffn forward and forward+backward, beside torch._grouped_mm and Liger", 130,
-            reps=10, warmup=2, plan=plan_ffn),
-    Section("decode", "moe_ffn decode forward at T = 1, 8, 64", 50, reps=30, warmup=5, plan=plan_decode,
+    Section("ffn", "grouped FFN and moe_ffn forward and forward+backward, beside torch._grouped_mm and Liger", 70,
+            reps=10, warmup=2, plan=plan_ffn, eager_reps=10),
+    Section("decode", "moe_ffn decode forward at T = 1, 8, 64", 40, reps=30, warmup=5, plan=plan_decode,
             modes=("fwd",), cold_l2=True, min_rounds=100, min_device_s=0.0),
-    Section("layer", "MoELayer forward and forward+backward", 60, reps=10, warmup=2, plan=plan_layer),
+    Section("layer", "MoELayer forward and forward+backward", 40, reps=10, warmup=2, plan=plan_layer, eager_reps=10),
 )
 SECTION_NAMES = tuple(s.name for s in SECTIONS)
 
@@ -250,12 +253,13 @@ class Runner:
         return S.run_case(ctx, case)
 
     def device_timer(self, ctx: S.Context, telemetry: Telemetry, *, cold_l2: bool = False, min_rounds: int = 30,
-                     min_device_s: float = 0.5) -> DeviceTimer:
+                     min_device_s: float = 0.5, eager_reps: int = 30) -> DeviceTimer:
         """The interleaved-rounds timer: CUDA graphs, events and NVML clocks on a GPU; on CPU
         wall-clock rounds without warm-up (the stand-in shapes check the pipeline, not speed)."""
         if self.device.type == "cuda":
             return DeviceTimer(CudaBackend(self.device), NvmlClock.from_telemetry(telemetry), cold_l2=cold_l2,
-                               min_rounds=min_rounds, min_device_s=min_device_s, max_rounds=max(min_rounds, 1000))
+                               min_rounds=min_rounds, min_device_s=min_device_s, max_rounds=max(min_rounds, 1000),
+                               eager_reps=eager_reps)
         return DeviceTimer(CpuBackend(), NullClock(), warmup_s=0.0, min_rounds=min_rounds, min_device_s=0.0,
                            max_rounds=min_rounds)
 
@@ -608,7 +612,7 @@ def _run_section(run: _Run, sec: Section, telemetry: Telemetry) -> dict:
     reps = max(3, round(sec.reps * args.reps_scale))
     ctx.timer = run.runner.timer(reps if gpu else 3, sec.warmup if gpu else 1, telemetry)
     ctx.rounds = run.runner.device_timer(ctx, telemetry, cold_l2=sec.cold_l2, min_rounds=_min_rounds(sec, args, gpu),
-                                         min_device_s=sec.min_device_s if gpu else 0.0)
+                                         min_device_s=sec.min_device_s if gpu else 0.0, eager_reps=sec.eager_reps)
     ts = run.runner.clock()
     first = len(run.doc["results"])
     for case in cases:

@@ -286,7 +286,7 @@ class DeviceTimer:
     def __init__(self, backend, clock=None, *, replay_target_s: float = REPLAY_TARGET_S,
                  max_calls: int = MAX_CALLS_PER_REPLAY, warmup_s: float = WARMUP_S, cold_l2: bool = False,
                  min_rounds: int = 30, min_device_s: float = 0.5, max_rounds: int = 1000,
-                 max_case_s: float = 30.0, eager: bool = True) -> None:
+                 max_case_s: float = 30.0, eager: bool = True, eager_reps: int = 30) -> None:
         if min_rounds < 1 or max_rounds < min_rounds:
             raise ValueError(f"rounds: need 1 <= min_rounds ({min_rounds}) <= max_rounds ({max_rounds})")
         self.backend = backend
@@ -298,6 +298,7 @@ class DeviceTimer:
         self.min_rounds, self.min_device_s, self.max_rounds = min_rounds, min_device_s, max_rounds
         self.max_case_s = max_case_s
         self.eager = eager
+        self.eager_reps = eager_reps
 
     @property
     def device_kind(self) -> str:
@@ -313,10 +314,13 @@ class DeviceTimer:
 
         return thunk
 
-    def prepare(self, name: str, fn: Callable[[], Any], *, cold_l2: Optional[bool] = None) -> Prepared:
+    def prepare(self, name: str, fn: Callable[[], Any], *, cold_l2: Optional[bool] = None,
+                eager: Optional[bool] = None) -> Prepared:
         """Compile (first call), warm up for ``warmup_s``, estimate one call, choose ``N`` and
-        capture. Exceptions of ``fn`` itself propagate (the row records them)."""
+        capture. ``eager=False``: no eager time (the roof pseudo-implementations). Exceptions of
+        ``fn`` itself propagate (the row records them)."""
         be = self.backend
+        with_eager = self.eager if eager is None else eager
         cold = self.cold_l2 if cold_l2 is None else cold_l2
         cold = cold and be.is_cuda
         fn()  # compile / autotune: not part of the warm-up
@@ -333,7 +337,7 @@ class DeviceTimer:
         tail = sorted(est[len(est) // 2:])
         one = max(tail[len(tail) // 2], 1e-9)  # the median of the later half: the steady call
         if not be.is_cuda:
-            return Prepared(name, fn, "cpu", 1, False, None, warmup_s=warm, estimate_s=one, eager=self.eager)
+            return Prepared(name, fn, "cpu", 1, False, None, warmup_s=warm, estimate_s=one, eager=with_eager)
         flush_s = be.elapsed(be.flush) if cold else 0.0
         calls = max(1, min(self.max_calls, math.ceil(self.replay_target_s / max(one + flush_s, 1e-9))))
         try:
@@ -341,13 +345,15 @@ class DeviceTimer:
             flush_replay = be.capture(be.flush, calls) if cold else None
         except CaptureError as exc:
             return Prepared(name, fn, "eager", calls, cold, f"graph capture failed, eager event timing: {exc}",
-                            warmup_s=warm, estimate_s=one, eager=self.eager)
+                            warmup_s=warm, estimate_s=one, eager=with_eager)
         return Prepared(name, fn, "graph-flush" if cold else "graph", calls, cold, None, replay, flush_replay,
-                        warmup_s=warm, estimate_s=one, eager=self.eager)
+                        warmup_s=warm, estimate_s=one, eager=with_eager)
 
     def rep(self, p: Prepared) -> Rep:
-        """One rep: the clock, the device time of one replay (or its fallback), one eager call,
-        the clock again. Appended to ``p.reps`` and returned."""
+        """One rep: the clock, the device time of one replay (or its fallback), one eager call
+        (in the first ``eager_reps`` reps only: eager time needs fewer samples than the device
+        time's ratios, and a millisecond entry's eager call would double its cost), the clock
+        again. Appended to ``p.reps`` and returned."""
         be = self.backend
         before = self.clock.read()
         if p.mode == "graph":
@@ -365,7 +371,7 @@ class DeviceTimer:
         else:  # cpu
             dev = be.elapsed(p.fn)
         eager = None
-        if p.eager:
+        if p.eager and len(p.reps) < self.eager_reps:
             if p.mode == "cpu":
                 eager = dev
             else:

@@ -211,14 +211,15 @@ def prepare_roofs(ctx: Context, timer: Any, *, matmul_n: int, copy_bytes: int,
         a = torch.randn(matmul_n, matmul_n, device=dev, dtype=dtype)
         b = torch.randn(matmul_n, matmul_n, device=dev, dtype=dtype)
         c = torch.empty(matmul_n, matmul_n, device=dev, dtype=dtype)
-        out[RD.ROOF_MATMUL] = (timer.prepare(RD.ROOF_MATMUL, lambda: torch.matmul(a, b, out=c), cold_l2=False),
+        out[RD.ROOF_MATMUL] = (timer.prepare(RD.ROOF_MATMUL, lambda: torch.matmul(a, b, out=c), cold_l2=False,
+                                                 eager=False),
                                2.0 * matmul_n**3)
     except Exception as exc:  # out of memory, say: the rows fall back to the start-of-run roofs
         ctx.log(f"{RD.ROOF_MATMUL}: not in the rounds ({first_line(exc)})")
     try:
         src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev).random_(0, 255)
         dst = torch.empty_like(src)
-        out[RD.ROOF_COPY] = (timer.prepare(RD.ROOF_COPY, lambda: dst.copy_(src), cold_l2=False), 2.0 * copy_bytes)
+        out[RD.ROOF_COPY] = (timer.prepare(RD.ROOF_COPY, lambda: dst.copy_(src), cold_l2=False, eager=False), 2.0 * copy_bytes)
     except Exception as exc:  # as above
         ctx.log(f"{RD.ROOF_COPY}: not in the rounds ({first_line(exc)})")
     return out
