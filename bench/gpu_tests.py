@@ -459,6 +459,38 @@ def shard_logs_dir(out_prefix: str | Path) -> Path:
     return Path(f"{prefix}-logs")
 
 
+def _log_dir(out_prefix: Optional[str | Path], logs_dir: Optional[str | Path]) -> Path:
+    """The shard logs' folder, created: ``logs_dir``, else :func:`shard_logs_dir` of the prefix,
+    else (no prefix) a temporary directory that is kept. Absolute: the shards' cwd is opt.root."""
+    if logs_dir is not None:
+        log_dir = Path(logs_dir).absolute()
+    elif out_prefix is None:
+        import tempfile
+
+        log_dir = Path(tempfile.mkdtemp(prefix="tritonmoe-gpu-tests-"))
+    else:
+        log_dir = shard_logs_dir(out_prefix)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir
+
+
+def _plan(opt: Options, ids: list[str], measured: dict[str, float], log_dir: Path,
+          log: Callable[[str], None]) -> list[Shard]:
+    """The shards to run, balanced by the measured (or estimated) durations."""
+    pending: list[Shard] = []
+    for i, s in enumerate(plan_shards(ids, opt.shards, measured, opt.heavy)):
+        pending.append(Shard(str(i), s, sum(estimate_of(t, measured) for t in s),
+                             log_dir / f"shard-{i}.log", log_dir / f"shard-{i}.events"))
+        log(f"  shard {i}: {len(s)} tests, estimated {pending[-1].estimate_s:.0f} s")
+    return pending
+
+
+def _new_summary(opt: Options, log_dir: Path) -> dict:
+    return dict(kind="tritonmoe gpu-tests", marker=opt.marker, paths=list(opt.paths),
+                pytest_args=list(opt.pytest_args), shards_planned=0, jobs=opt.shards, deadline_s=opt.deadline_s,
+                test_timeout_s=opt.test_timeout_s, logs=str(log_dir), collection="", tests=[], shards=[])
+
+
 def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[str], None] = print,
         measured: Optional[dict[str, float]] = None, clock: Callable[[], float] = time.monotonic,
         logs_dir: Optional[str | Path] = None) -> dict:
@@ -468,18 +500,8 @@ def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[st
     directory that is kept)."""
     t0 = clock()
     deadline = t0 + opt.deadline_s
-    if logs_dir is not None:
-        log_dir = Path(logs_dir).absolute()  # the shards' cwd is opt.root
-    elif out_prefix is None:
-        import tempfile
-
-        log_dir = Path(tempfile.mkdtemp(prefix="tritonmoe-gpu-tests-"))
-    else:
-        log_dir = shard_logs_dir(out_prefix)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    summary = dict(kind="tritonmoe gpu-tests", marker=opt.marker, paths=list(opt.paths),
-                   pytest_args=list(opt.pytest_args), shards_planned=0, jobs=opt.shards, deadline_s=opt.deadline_s,
-                   test_timeout_s=opt.test_timeout_s, logs=str(log_dir), collection="", tests=[], shards=[])
+    log_dir = _log_dir(out_prefix, logs_dir)
+    summary = _new_summary(opt, log_dir)
 
     ids, error = collect(opt, min(COLLECT_TIMEOUT_S, max(1.0, opt.deadline_s - 1.0)))
     log(f"gpu-tests: collected {len(ids)} tests (-m {opt.marker!r}) in {clock() - t0:.0f} s"
@@ -490,13 +512,8 @@ def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[st
         return _finish(summary, opt, t0, clock, out_prefix, log)
 
     measured = measured or {}
-    plan = plan_shards(ids, opt.shards, measured, opt.heavy)
-    summary["shards_planned"] = len(plan)
-    pending: list[Shard] = []
-    for i, s in enumerate(plan):
-        pending.append(Shard(str(i), s, sum(estimate_of(t, measured) for t in s),
-                             log_dir / f"shard-{i}.log", log_dir / f"shard-{i}.events"))
-        log(f"  shard {i}: {len(s)} tests, estimated {pending[-1].estimate_s:.0f} s")
+    pending = _plan(opt, ids, measured, log_dir, log)
+    summary["shards_planned"] = len(pending)
     running: list[Shard] = []
     done: list[Shard] = []
     results: dict[str, dict] = {}

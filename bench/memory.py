@@ -351,6 +351,20 @@ def _max_abs_diff(got: list, want: list) -> float:
     return worst
 
 
+def _diagnose_keep(layer, x: torch.Tensor, g: torch.Tensor, cuda: bool) -> dict:
+    """One more step under the profiler (and the sync debug mode on a GPU): where the time of a
+    deeper pipeline goes (launches, host syncs, device time)."""
+
+    def one_step():
+        xi = x.clone().requires_grad_()
+        (layer(xi) * g).sum().backward()
+
+    diag = diagnose_step(one_step, cuda)
+    for p in layer.parameters():
+        p.grad = None
+    return diag
+
+
 def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list[dict]:
     """The single-device memory check (module docstring) at ``shape`` (a key of :data:`SHAPES`):
     one dict per (degree, strategy, MI buffers), with ``max_abs_diff_vs_keep``: the largest
@@ -439,17 +453,7 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
                 if last:
                     copies = _copy_overlap(layer.timeline)
                     layer.timeline = None
-            diag = None
-            if strategy == "keep" and spec.get("diagnose", True):
-                # one more step under the profiler (and the sync debug mode on a GPU): where the
-                # time of a deeper pipeline goes (launches, host syncs, device time)
-                def one_step(layer=layer):
-                    xi = x.clone().requires_grad_()
-                    (layer(xi) * g).sum().backward()
-
-                diag = diagnose_step(one_step, cuda)
-                for p in layer.parameters():
-                    p.grad = None
+            diag = _diagnose_keep(layer, x, g, cuda) if strategy == "keep" and spec.get("diagnose", True) else None
             st = layer.expert_path.memory_stats
             model = expert_block_bytes(st["rows"], spec["d_model"], layer.config.n1, strategy,
                                        torch.empty((), dtype=dt).element_size(), mi)
@@ -468,6 +472,13 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
     finally:
         if created:
             dist.destroy_process_group()
+    _ratios_vs_keep(out)
+    return out
+
+
+def _ratios_vs_keep(out: list[dict]) -> None:
+    """Each run_single row's time over "keep"'s at the same degree, its measured saving over the
+    memory model's, and its saved bytes over the model's."""
     keep = {r["n"]: r for r in out if r["strategy"] == "keep"}
     for r in out:
         k = keep.get(r["n"])
@@ -480,7 +491,6 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
         else:
             r["saving_vs_model"] = None
         r["saved_vs_model"] = r["saved_bytes"] / r["model_bytes"] if r["model_bytes"] else None
-    return out
 
 
 def format_single(results: list[dict]) -> str:
