@@ -5,46 +5,54 @@
 1. the ``gpu``-marked tests (:mod:`bench.gpu_tests`: ``pytest -m gpu`` split into up to 8
    concurrent pytest processes balanced by an estimate, one deadline for all; the merged summary
    goes to ``<gpu>-<date>-gpu-tests.{json,md}`` and its outcome into the final table);
-2. the roofs (dense bf16 8192^3 matmul, 1 GiB device copy) and the harness's core set, section by
-   section (:data:`SECTIONS`): the router, permute / unpermute row movement, the grouped FFN and
-   ``moe_ffn`` forward and forward+backward, decode ``moe_ffn`` and the layer, each against the
-   roofs and baselines measured in the same run;
+2. the roofs (dense bf16 8192^3 matmul, 1 GiB device copy), a sentinel measurement
+   (:mod:`bench.stability`: the grouped FFN forward at Mixtral-like T = 4096, again after the
+   middle section and at the end; a drift over 5% marks the run unstable), and the harness's
+   core set, section by section (:data:`SECTIONS`): the router, permute / unpermute row movement,
+   the grouped FFN and ``moe_ffn`` forward and forward+backward beside ``torch._grouped_mm`` and
+   Liger-Kernel's fused MoE, decode ``moe_ffn`` and the layer;
 3. the targets (:mod:`bench.targets`, one table) judged on those rows;
 
 writes ``<results-dir>/<gpu>-<date>.{json,md}`` (``<gpu>-<date>-2``, ``-3``, ... when that day already
-has one; the harness's result schema plus a ``check`` object: tests, sections, targets, the commit
-measured) and prints the target table last.
+has one; the harness's result schema plus a ``check`` object: tests, sections, targets,
+stability, the commit measured) and prints the target table last.
 
-Time budget on one H100 or H200 (the whole command must stay under 9 minutes; a device call may
-run 10). Estimates per section, for a cold Triton cache (the tests compile most kernels first;
-the grouped GEMM autotunes its pipeline depth on first use):
+The method (docs/benchmarking.md): each comparison (one case, one mode) builds its inputs once,
+prepares every implementation (compile, >= 200 ms warm-up, ``N`` calls captured into a CUDA graph
+so one replay lasts >= 1 ms; eager event timing where capture fails, and the row says so), and
+times them in interleaved rounds with the roof GEMM and copy as pseudo-implementations
+(:mod:`bench.rounds`): >= 100 rounds for the microsecond sections (route, permute, decode, with
+the L2 flushed before each call and the flush subtracted), >= 30 rounds and 0.5 s of device time
+per implementation for the millisecond ones (ffn, layer). Ratios and roof fractions are medians of
+per-round ratios; rows carry the timing mode, rounds, min / median / p20 / p80, eager time, per-rep
+SM clocks and throttle reasons (NVML, read-only), per-clock efficiency and the noisy flag.
+
+Time budget on one H100 or H200 (a device call may run 10 minutes; the device script gives the
+check about 4.5 of part one's 8). Estimates per section, after the untimed warm-up
+(``--compile-only``) has compiled every kernel; they are estimates from the counts above until a
+run's ``check.sections`` record measures them:
 
 ==========  =======  ==========================================================================
 section     est. s   what dominates
 ==========  =======  ==========================================================================
-startup         20   imports, CUDA context, roofs (20 reps of a 1.1 TFLOP matmul, 1 GiB copies)
-tests          330   (cap) pytest -m gpu in 8 shards: Triton compiles, then small-to-realistic
-                     shapes (~900 s of serial estimates, so ~150 s on 16 cores)
-route           20   ~8 kernel compiles; 8 cases x 4 entries x 110 calls of 5 us - 2 ms
-permute         15   ~6 compiles; 2 cases x 2 ops x ~8 entries x 40 calls of 0.1 - 1 ms
-ffn             70   GEMM compiles and pipeline-depth autotuning; 12 calls per entry of 5 - 60 ms
-decode          45   decode kernels; 6 cases x 3 entries x 40 calls of 0.1 - 3 ms
-layer           20   2 cases x 4 entries x 12 calls of 10 - 300 ms
+startup         15   imports, CUDA context, roofs, the sentinel (3 x ~1 s)
+tests          330   (cap; the device script runs them in part two instead: --skip-tests)
+route           35   16 comparisons x (2 impls + 2 roofs) x 100 rounds of ~1 ms replays + flushes
+permute         30   12 comparisons x 2-3 impls x 100 rounds; permute's fwd is eager (host sync)
+ffn             70   8 comparisons x 2-4 impls, 30-50 rounds of 4-30 ms (0.5 s per impl)
+decode          40   6 comparisons x 5 impls x 100 rounds of ~1 ms replays + flushes
+layer           40   4 comparisons x 2 impls x 30 rounds of 10-300 ms
 ==========  =======  ==========================================================================
 
 ``--budget-s`` (default 530) bounds the whole command: a section whose estimate no longer fits
 in what is left is skipped and says so (its targets read "not measured"), and inside a section
 that overruns its estimate the cases that would start in the last 15 s are skipped, so the run
-ends with its table and files (one case can still overrun by its own length). The section estimates are the
-first H100 run's measured times (route 10 s, permute 6 s, ffn 42 s, decode 36 s, layer 8 s, after
-the tests had warmed the Triton cache) with a margin; that run's tests ran in one process and did
-not finish in a 210 s cap (23 of 87): they now run as concurrent shards, and the cap is what the
-sections leave of the budget. ``make gpu-tests`` runs the same tests alone (one device call), so
-a session can spend one call on the tests and one on ``make gpu-check CHECK_ARGS=--skip-tests``. The ``check.sections``
-record of a result file has each section's measured wall time to correct them with.
+ends with its table and files (one case can still overrun by its own length). ``make gpu-tests``
+runs the tests alone (one device call). The ``check.sections`` record of a result file has each
+section's measured wall time to correct the estimates with.
 
 Without a CUDA device it runs the same sections at CPU stand-in shapes on the reference path and
-the torch baselines (end to end in well under a minute), says that the GPU targets are skipped,
+the torch baselines, in 3 wall-clock rounds (end to end in well under a minute), says that the GPU targets are skipped,
 and writes result files only where ``--json`` / ``--markdown`` name them (``bench/results``
 holds GPU results).
 
