@@ -114,9 +114,10 @@ class CudaBackend:
     def capture(self, thunk: Callable[[], Any], n: int) -> Callable[[], None]:
         """A CUDA graph of ``n`` calls of ``thunk`` (warmed on a side stream first, as torch's
         docs ask); returns its ``replay``. Any failure is a :class:`CaptureError`."""
+        stream = torch.cuda.current_stream(self.device)
         try:
             side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
+            side.wait_stream(stream)
             with torch.cuda.stream(side):
                 for _ in range(2):
                     thunk()
@@ -127,6 +128,9 @@ class CudaBackend:
                     thunk()
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # a sync inside, OOM in the pool, an op graphs refuse: eager
+            # a capture that failed inside torch.cuda.graph may leave its side stream current
+            # (its __exit__ stops at the failing capture_end): put the timing stream back
+            torch.cuda.set_stream(stream)
             torch.cuda.synchronize(self.device)
             raise CaptureError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
         return graph.replay
