@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed repetitions per entry (default {DEFAULT_REPS}; fewer only for quick checks)")
     g.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed calls before timing (default 3)")
     g.add_argument("--no-flush", action="store_true", help="do not flush the GPU L2 between reps")
+    g.add_argument("--rounds", type=int_at_least(3), metavar="N",
+                   help="measure with the check's method (bench.rounds): each comparison's implementations and the "
+                   "roofs in at least N interleaved rounds of CUDA-graph replays (0.5 s of device time each), "
+                   "instead of --reps in turn")
     g.add_argument("--no-telemetry", action="store_true", help="do not sample NVML telemetry")
     g.add_argument("--seed", type=int, default=0, help="seed of inputs and routing (default 0)")
     g.add_argument("--threads", type=int_at_least(1), metavar="N",
@@ -372,6 +376,8 @@ def run(args, parser, argv: list[str]) -> int:
         ctx.roofs = measure_roofs(timer, ctx.dtype, log=log)
         for line in describe(ctx.roofs):
             log(line)
+    if args.rounds:
+        _use_rounds(args, ctx, telemetry, log)
     if not use_cuda:
         log("peak memory: not measured on CPU (reported as None)")
     doc = new_doc(env, _run_config(args, ctx, suites, timer, telemetry), ctx.roofs, notes)
@@ -379,6 +385,27 @@ def run(args, parser, argv: list[str]) -> int:
     telemetry.close()
     print_layer_fractions(doc["results"])
     return _write_outputs(args, doc, t0, log)
+
+
+def _use_rounds(args, ctx: Context, telemetry: Telemetry, log) -> None:
+    """--rounds N: the interleaved-rounds timer (bench.timing) and the roof pseudo-implementations
+    for every comparison of the run."""
+    from .roofs import GPU_COPY_BYTES, GPU_MATMUL_N
+    from .suites import prepare_roofs
+    from .timing import DeviceTimer, NvmlClock, backend_for, flop_per_clock_sm
+
+    ctx.rounds = DeviceTimer(backend_for(ctx.device), NvmlClock.from_telemetry(telemetry), min_rounds=args.rounds,
+                             min_device_s=0.5 if ctx.is_cuda else 0.0, max_rounds=max(args.rounds, 1000),
+                             warmup_s=0.2 if ctx.is_cuda else 0.0)
+    if ctx.is_cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        ctx.sms = int(props.multi_processor_count)
+        ctx.flop_per_clock = flop_per_clock_sm(f"{props.major}.{props.minor}", dtype_name(ctx.dtype))
+        nbytes = min(GPU_COPY_BYTES, max(torch.cuda.mem_get_info(ctx.device)[0] // 8, 2**20))
+        ctx.roof_preps = prepare_roofs(ctx, ctx.rounds, matmul_n=GPU_MATMUL_N, copy_bytes=nbytes, dtype=torch.bfloat16)
+    else:
+        ctx.roof_preps = prepare_roofs(ctx, ctx.rounds, matmul_n=256, copy_bytes=4 * 2**20, dtype=torch.float32)
+    log(f"method: interleaved rounds (>= {args.rounds}) with the roofs as pseudo-implementations")
 
 
 def _run_context(args, parser, device: torch.device, log) -> tuple[Context, list[str]]:
@@ -450,6 +477,7 @@ def _run_config(args, ctx: Context, suites: list[str], timer: Timer, telemetry: 
         "seed": args.seed,
         "device": str(ctx.device),
         "telemetry": telemetry.enabled,
+        "rounds": args.rounds,
     }
 
 

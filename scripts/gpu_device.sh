@@ -73,7 +73,7 @@ part1() {
   step warmup 100 "$PY" -m bench check --compile-only --skip-tests
   step check 270 "$PY" -m bench check --skip-tests --budget-s $(( $(left) > 285 ? 255 : $(left) - 30 )) \
       --results-dir "$OUT"
-  step gemm 60 "$PY" -m bench gemm --json "$OUT/gemm-variants-$day.json" --markdown "$OUT/gemm-variants-$day.md"
+  step gemm 60 "$PY" -m bench gemm --rounds 30 --json "$OUT/gemm-variants-$day.json" --markdown "$OUT/gemm-variants-$day.md"
   step profile 40 "$PY" -m bench profile --sections route,permute,decode --impls triton,triton-fused --reps 5
   step host 25 "$PY" -m bench host --json "$OUT/host-$day.json"
   if [ -e bench/tune.py ] || [ -d bench/tune ]; then

@@ -166,7 +166,10 @@ def fill_round_row(ctx: Context, row: dict, p: Prepared, work: Work, rounds: int
         q = RD.qstats(fracs)
         row["roof_frac"], row["roof_bound"], row["roof_frac_q"] = q["median"], bound, q
     row["clocks"] = RD.clock_record(p)
-    eff = RD.clock_efficiencies(p, work.flops, ctx.sms, ctx.flop_per_clock)
+    # per-clock efficiency of the tensor cores: for compute-bound rows only (a memory-bound row's
+    # FLOPs over the tensor-core peak would say nothing about it)
+    compute = row["roof_bound"] in ("compute", None)
+    eff = RD.clock_efficiencies(p, work.flops, ctx.sms, ctx.flop_per_clock) if compute else []
     row["per_clock_eff"] = RD.qstats(eff)
     peers = {}
     for impl, other in by_impl.items():
