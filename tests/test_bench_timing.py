@@ -300,3 +300,19 @@ def test_a_comparison_in_rounds_fills_rows_that_match_the_schema():
     for r in rows:
         schema.validate(r, row_schema)
 
+
+
+def test_the_harness_cli_measures_any_suite_in_rounds(tmp_path):
+    """python -m bench --rounds N: the same rounds as the check, rows with their timing record."""
+    import json
+
+    from bench import __main__ as cli
+
+    path = tmp_path / "r.json"
+    assert cli.main(["route", "--rounds", "3", "--tokens", "16", "--preset", "small", "--device", "cpu",
+                     "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    schema.validate(doc)
+    assert doc["config"]["rounds"] == 3
+    assert {r["timing"]["mode"] for r in doc["results"]} == {"cpu"}
+    assert all(r["timing"]["rounds"] == 3 and r["time_s"]["reps"] == 3 for r in doc["results"])
