@@ -108,6 +108,21 @@ def roof_fractions(p: Prepared, work: Work, roofs: dict[str, tuple[Prepared, flo
     return out, bound
 
 
+def fractions_by_roof(p: Prepared, work: Work, roofs: dict[str, tuple[Prepared, float]]) -> dict[str, list[float]]:
+    """Per-round fraction of each roof separately: ``{"matmul": [...], "copy": [...]}`` (the
+    time the work's FLOPs, or its bytes, take at round r's roof over the row's time at round r),
+    for the targets stated against one roof."""
+    out: dict[str, list[float]] = {}
+    for key, name, amount in ((ROOF_MATMUL, "matmul", work.flops), (ROOF_COPY, "copy", work.bytes)):
+        roof = roofs.get(key)
+        if not amount or roof is None:
+            continue
+        prep, roof_amount = roof
+        out[name] = [amount * prep.reps[r].device_s / roof_amount / rep.device_s
+                     for r, rep in enumerate(p.reps) if r < len(prep.reps) and rep.device_s > 0]
+    return out
+
+
 def clock_record(p: Prepared) -> Optional[dict]:
     """The SM clock of every rep (MHz, the mean of the readings before and after it), their
     median / min / max, and how many reps saw each throttle reason."""
@@ -152,6 +167,7 @@ def timing_record(p: Prepared, rounds: int) -> dict:
 
 
 __all__ = [
-    "NOISY_SPREAD", "ROOF_COPY", "ROOF_MATMUL", "clock_efficiencies", "clock_record", "per_round_ratios", "qstats",
+    "NOISY_SPREAD", "ROOF_COPY", "ROOF_MATMUL", "clock_efficiencies", "clock_record", "fractions_by_roof",
+    "per_round_ratios", "qstats",
     "roof_fractions", "rotation", "run_rounds", "spread", "timing_record",
 ]

@@ -32,7 +32,8 @@ Rows measured in interleaved rounds (``python -m bench check``, :mod:`bench.roun
 optional so older files still validate: ``timing`` (mode ``graph`` / ``graph-flush`` / ``eager``
 / ``cpu``, the fallback's reason, calls per replay, rounds, device-time and eager-time statistics,
 p80/p20 spread and the noisy flag), ``clocks`` (per-rep SM MHz and throttle reasons),
-``per_clock_eff`` and ``roof_frac_q`` (median, p20, p80 of per-rep values), ``peers`` (per-round
+``per_clock_eff`` and ``roof_frac_q`` (median, p20, p80 of per-rep values), ``roof_fracs``
+(the same per roof: ``matmul`` and ``copy``, which the targets read), ``peers`` (per-round
 ratio of every other implementation's time to this row's) and ``config``.
 """
 
@@ -319,6 +320,7 @@ SCHEMA: dict = {
                 "clocks": {"$ref": "#/$defs/clocks"},
                 "per_clock_eff": {"type": ["object", "null"], "$ref": "#/$defs/qstats"},
                 "roof_frac_q": {"type": ["object", "null"], "$ref": "#/$defs/qstats"},
+                "roof_fracs": {"type": "object", "additionalProperties": {"$ref": "#/$defs/qstats"}},
                 "peers": {"type": "object", "additionalProperties": {"$ref": "#/$defs/qstats"}},
                 "config": {"type": ["object", "string", "null"]},
             },

@@ -5,7 +5,9 @@ row's ``params``), a metric of that row and a goal. Metrics are ratios to roofs 
 measured in the same run, except the router's absolute time (the issue's goal is a time):
 
 * ``time_us``: median time per call in microseconds;
-* ``mm_roof``: TFLOP/s over the run's dense bf16 8192^3 matmul roof;
+* ``mm_roof``: TFLOP/s over the run's dense bf16 8192^3 matmul roof (for rows measured in
+  interleaved rounds, the median of per-round fractions of the roof timed in the same rounds,
+  ``row["roof_fracs"]``; likewise ``mem_roof``);
 * ``mem_roof``: GB/s (useful bytes read + written, :mod:`bench.work`) over the run's
   device-to-device copy roof;
 * ``x_torch`` / ``x_gmm``: speedup over the reference path / ``torch._grouped_mm`` on the same
@@ -118,6 +120,9 @@ def metric_value(row: dict, metric: str, roofs: dict) -> float | None:
         return None
     if metric == "time_us":
         return row["time_s"]["median"] * 1e6
+    per_round = (row.get("roof_fracs") or {}).get({"mm_roof": "matmul", "mem_roof": "copy"}.get(metric, ""))
+    if per_round:  # measured in interleaved rounds: the median of per-round fractions of that roof
+        return per_round["median"]
     if metric == "mm_roof":
         mm = roofs.get(f"matmul_{(row.get('params') or {}).get('dtype')}") or roofs.get("matmul_bfloat16")
         return row["tflops"] / mm["tflops"] if row.get("tflops") and mm and mm.get("tflops") else None

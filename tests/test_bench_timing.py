@@ -293,6 +293,11 @@ def test_a_comparison_in_rounds_fills_rows_that_match_the_schema():
     assert tri["peers"]["grouped_mm"]["p20"] == pytest.approx(1.5, rel=0.01)
     assert gmm["peers"]["triton"]["median"] == pytest.approx(1 / 1.5, rel=0.01)
     assert tri["roof_frac"] == pytest.approx(1.0, rel=0.01) and tri["roof_bound"] == "compute"
+    # the targets read the per-round fraction of the roof they name
+    from bench import targets as TG
+
+    assert TG.metric_value(tri, "mm_roof", {}) == tri["roof_fracs"]["matmul"]["median"]
+    assert TG.metric_value(tri, "x_gmm", {}) == tri["speedup"]["grouped_mm"]
     assert tri["timing"]["rounds"] == 30 and tri["timing"]["mode"] == "graph"
     assert len(tri["clocks"]["sm_mhz"]) == 30 and tri["per_clock_eff"]["median"] > 0
     assert tri["time_s"]["reps"] == 30 and tri["time_s"]["p20"] <= tri["time_s"]["median"] <= tri["time_s"]["p80"]

@@ -165,6 +165,7 @@ def fill_round_row(ctx: Context, row: dict, p: Prepared, work: Work, rounds: int
     if fracs:
         q = RD.qstats(fracs)
         row["roof_frac"], row["roof_bound"], row["roof_frac_q"] = q["median"], bound, q
+    row["roof_fracs"] = {k: RD.qstats(v) for k, v in RD.fractions_by_roof(p, work, roofs).items() if v}
     row["clocks"] = RD.clock_record(p)
     # per-clock efficiency of the tensor cores: for compute-bound rows only (a memory-bound row's
     # FLOPs over the tensor-core peak would say nothing about it)
