@@ -46,7 +46,8 @@ gpu-check: setup
 # split into up to 8 pytest processes balanced by estimated time and run at once on the one GPU
 # (Triton's JIT compiles on all cores; a crash or hang takes down only its shard, whose unstarted
 # tests rerun in a new one); one deadline (default 480 s); per-test status and shard, and the tail
-# of each failing shard, in bench/results/<gpu>-<date>-gpu-tests.{json,md} (shard logs beside).
+# of each failing shard, in bench/results/<gpu>-<date>-gpu-tests.{json,md} (shard logs in the ignored
+# bench/out/gpu-tests-logs/).
 # E.g. make gpu-tests GPU_TESTS_ARGS="--shards 12 --deadline-s 300 -- -k routing".
 gpu-tests: setup
 	$(PY) -m bench gpu-tests $(GPU_TESTS_ARGS)
