@@ -1,6 +1,6 @@
 """Executors: what a schedule's operations run on.
 
-A *schedule* (the micro-op pipeline of :mod:`tritonmoe.comm.pipeline`, and every scheduler built
+A *schedule* (the micro-op pipeline of :mod:`tritonmoe.comm.programs.pipeline`, and every scheduler built
 on it: memory strategies, Parm's schedules, Lina's priority communication) is plain Python that
 issues operations through an :class:`Executor`, in program order:
 

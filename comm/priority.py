@@ -71,6 +71,7 @@ import torch.distributed as dist
 from .compat import all_gather_single
 from .errors import LaneStartError, ScheduleError, backend_errors, lane_start
 from .timeline import Timeline
+from tritonmoe.comm.executor import VirtualTensor
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -602,7 +603,6 @@ def issue_gradient_sync(
     ``bucket_bytes`` as DDP does (one gradient per bucket when None), one all-reduce each. Every
     operation carries ``priority`` (:data:`PRIORITY_GRADIENT`: behind the exchanges under a
     priority policy) on ``lane``. Returns the handles in issue order."""
-    from .executor import VirtualTensor
 
     handles: list = []
 

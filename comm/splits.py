@@ -13,7 +13,7 @@ scrambling rows. Two ways to never get there:
   and a disagreement raises the same :class:`SplitMismatchError` (a ``ValueError``) on every rank,
   naming the offending ranks, before any data moves.
 
-Shapes use the letters of :mod:`tritonmoe.types`; ``N`` is the number of micro-ops.
+Shapes use the letters of :mod:`tritonmoe.core.types`; ``N`` is the number of micro-ops.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ _N_IN, _N_OUT, _ROWS_IN, _ROWS_OUT, _HEADER = 0, 1, 2, 3, 4
 _NOT_INTS = -1  # header value: the splits were not a sequence of integers
 
 
-def _as_int_list(splits) -> Optional[list[int]]:
+def as_int_list(splits) -> Optional[list[int]]:
     """The splits as a list of Python ints, or None when they are not integers."""
     if isinstance(splits, torch.Tensor):
         if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype == torch.bool:
@@ -96,7 +96,7 @@ def _as_int_list(splits) -> Optional[list[int]]:
 
 def _encode(splits, world_size: int) -> tuple[int, list[int]]:
     """(header length field, P entries) for one list of splits; bad lists get -1 entries."""
-    vals = _as_int_list(splits)
+    vals = as_int_list(splits)
     if vals is None:
         return _NOT_INTS, [-1] * world_size
     if len(vals) != world_size:

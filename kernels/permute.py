@@ -3,7 +3,7 @@
 :func:`permute` and :func:`unpermute` have exactly the signatures and results of
 :func:`tritonmoe.reference.permute` / :func:`tritonmoe.reference.unpermute` (metadata bit-exact,
 permuted rows bit-exact, the weighted combine accumulated per token in fp32, fp64 for fp64) and
-are registered in :data:`tritonmoe.dispatch.OPS`. They assume validated arguments (the
+are registered in :data:`tritonmoe.backends.OPS`. They assume validated arguments (the
 public :func:`tritonmoe.permute` / :func:`tritonmoe.unpermute` check them).
 
 Building blocks, usable on their own (meant for the expert-parallel and pipelining code):
@@ -13,7 +13,6 @@ Building blocks, usable on their own (meant for the expert-parallel and pipelini
   with ``num_rows`` given (e.g. the static bound :func:`max_permuted_rows`) permutation needs no
   host synchronization at all.
 * :func:`scatter_rows` / :func:`gather_rows` - the raw (not autograd) row movers, with ``out=``.
-* :func:`ep_split_metadata` - rows per destination rank when experts are split over P ranks.
 
 Host synchronization: :func:`permute` with ``num_rows=None`` must return x_perm with exactly
 R = ``expert_offsets[E]`` rows, and R depends on the ids (slots with id -1 and the padding), so it
@@ -45,11 +44,10 @@ from typing import Iterator
 import torch
 import triton.language as tl
 
-from tritonmoe import _validation as V
-from tritonmoe.reference import max_permuted_rows
-from tritonmoe.types import PermuteInfo
+from tritonmoe.core import validation as V
+from tritonmoe.core.types import PermuteInfo, max_permuted_rows
 
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, device_ctx, next_power_of_2
 from ._permute_kernels import (
     _block_hist_kernel,
     _block_rank_kernel,
@@ -67,7 +65,6 @@ __all__ = [
     "scatter_rows",
     "gather_rows",
     "max_permuted_rows",
-    "ep_split_metadata",
     "MetadataConfig",
     "RowsConfig",
     "metadata_config",
@@ -231,13 +228,6 @@ def _acc_tl(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _device_ctx(device: torch.device):
-    """Triton launches on the current CUDA device; make it the tensors' device."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
 def _read_num_rows(info: PermuteInfo) -> int:
     """R = expert_offsets[E], needed on the host to allocate x_perm with exactly R rows."""
     if info.slot_rows.numel() == 0:
@@ -278,7 +268,7 @@ def permute_metadata(topk_ids: torch.Tensor, num_experts: int, pad_to: int = 1) 
         return PermuteInfo(expert_offsets=offsets, slot_rows=rows, counts=counts, num_tokens=T, pad_to=pad_to)
     ids = topk_ids.contiguous()
     cfg = metadata_config(S, E, dev)
-    with _device_ctx(dev):
+    with device_ctx(dev):
         if cfg.fused:
             _metadata_fused_kernel[(1,)](
                 ids, counts, offsets, rows, S, E, pad_to,
@@ -299,41 +289,6 @@ def permute_metadata(topk_ids: torch.Tensor, num_experts: int, pad_to: int = 1) 
                 BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, SCAN_E=cfg.scan_e, num_warps=cfg.num_warps,
             )
     return PermuteInfo(expert_offsets=offsets, slot_rows=rows, counts=counts, num_tokens=T, pad_to=pad_to)
-
-
-def ep_split_metadata(expert_offsets, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a permuted buffer per destination rank, for expert parallelism over P ranks.
-
-    Experts are split evenly: rank r owns experts [r*E/P, (r+1)*E/P), so in the permuted buffer
-    (grouped by expert) rank r's rows are the contiguous range
-    ``[expert_offsets[r*E/P], expert_offsets[(r+1)*E/P])``, padding rows included.
-
-    Args:
-        expert_offsets: the int32/int64 [E+1] offsets of :class:`PermuteInfo` (or the
-            PermuteInfo itself), on any device.
-        num_ranks: P >= 1, a divisor of E.
-
-    Returns: ``(rank_counts, rank_offsets)``: int64 [P] rows to send to each rank (the
-    all-to-all's input split sizes) and int64 [P+1] their start rows in the buffer
-    (``rank_offsets[P] == R``). Both stay on the device: ``rank_offsets`` is a strided view of the
-    offsets for int64 offsets (no copy; do not modify it in place) and ``rank_counts`` one subtraction, so there is no host sync; call
-    ``.tolist()`` where a collective needs host split sizes. Matches
-    :func:`tritonmoe.reference.ep_splits`. The per-(rank, local expert) unpadded counts that a
-    receiver needs are ``info.counts.view(P, E // P)``.
-    """
-    offsets = expert_offsets.expert_offsets if isinstance(expert_offsets, PermuteInfo) else expert_offsets
-    V.offsets_args("expert_offsets", offsets)
-    P = V.positive_int("num_ranks", num_ranks)
-    E = offsets.shape[0] - 1
-    if E % P:
-        raise ValueError(
-            f"num_experts={E} is not divisible by num_ranks={P}; experts are split evenly over the "
-            f"ranks, so use a P that divides {E}"
-        )
-    rank_offsets = offsets[:: E // P]
-    if rank_offsets.dtype != torch.int64:
-        rank_offsets = rank_offsets.long()
-    return rank_offsets[1:] - rank_offsets[:-1], rank_offsets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +329,7 @@ def _scatter(
     w = weights_TK.contiguous() if weights_TK is not None else rows
     dw = torch.empty(cfg.nsplit, T, K, dtype=acc_torch, device=dev) if dot_RD is not None else None
     dummy = src_TD  # stands in for the pointers a constexpr flag switches off
-    with _device_ctx(dev):
+    with device_ctx(dev):
         _scatter_rows_kernel[grid](
             src_TD, src_TD.stride(0), src_TD.stride(1),
             rows, w, offsets, counts,
@@ -431,7 +386,7 @@ def _gather(
     dev = src_RD.device
     cfg = rows_config("gather", T, K, D, src_RD.element_size(), dev)
     w = weights_TK.contiguous() if weights_TK is not None else rows
-    with _device_ctx(dev):
+    with device_ctx(dev):
         _gather_rows_kernel[(T, cfg.nsplit)](
             src_RD, src_RD.stride(0), src_RD.stride(1), rows, w, out,
             T, K, D, src_RD.shape[0], cfg.nsplit,

@@ -29,9 +29,9 @@ from typing import Iterator, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from tritonmoe.types import Routing
+from tritonmoe.core.types import Routing
 
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, device_ctx, next_power_of_2
 from ._routing_kernels import (
     _capacity_keep_kernel,
     _capacity_scan_kernel,
@@ -178,10 +178,6 @@ def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str,
     )
 
 
-def _device_ctx(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
 def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor]):
     T, E, K = prob.T, prob.E, prob.K
     dev = logits_TE.device
@@ -207,7 +203,7 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
         part_BE = torch.empty(NB, E, dtype=torch.float32, device=dev)
         lse_T = torch.empty(T, dtype=torch.float32, device=dev)
     dummy_f32 = w_TK  # placeholder for pointers a specialization never reads
-    with _device_ctx(logits_TE):
+    with device_ctx(logits_TE.device):
         _route_fwd_kernel[(NB,)](
             logits_TE,
             bias_E if bias_E is not None else dummy_f32,
@@ -290,7 +286,7 @@ def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_
     dw = dw_TK.float() if dw_TK is not None else dummy
     dss = dss_E.float() if dss_E is not None else dummy
     dlse = dlse_T.float() if dlse_T is not None else dummy
-    with _device_ctx(logits_TE):
+    with device_ctx(logits_TE.device):
         _route_bwd_kernel[(cdiv(T, cfg.bwd_block_t),)](
             logits_TE,
             sel_ids_TK,
@@ -368,13 +364,13 @@ def route(
     :func:`tritonmoe.reference.selection_values` (see ``_routing_kernels``).
 
     fp16/bf16/fp32 logits only: the kernels compute in fp32, which would not meet the fp64
-    contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.dispatch` routes fp64 logits
+    contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.backends` routes fp64 logits
     to the reference.
     """
     if logits_TE.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(
             f"the Triton router computes in fp32 and takes fp16/bf16/fp32 logits, got {logits_TE.dtype}; "
-            "tritonmoe.dispatch sends fp64 to tritonmoe.reference.route"
+            "tritonmoe.backends sends fp64 to tritonmoe.reference.route"
         )
     T, E = logits_TE.shape
     prob = _problem(T, E, top_k, n_groups, topk_groups, score_func, renormalize, capacity, with_aux, group_score,

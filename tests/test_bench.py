@@ -320,7 +320,7 @@ def test_entry_failures_are_recorded_not_raised():
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_unavailable(monkeypatch):
-    from tritonmoe import _settings
+    from tritonmoe.core import settings as _settings
 
     monkeypatch.setattr(_settings, "TRITON_INTERPRET", False)
     ctx = _ctx(backends=("triton",), tokens=(16,), presets_chosen=True)
@@ -331,7 +331,7 @@ def test_triton_backend_on_cpu_without_interpreter_is_unavailable(monkeypatch):
 def test_permute_metadata_entry(monkeypatch):
     """The permute suite's metadata entries: Triton's permute_metadata (in the interpreter on CPU)
     beside the reference's, or one unavailable line without the interpreter."""
-    from tritonmoe import _settings
+    from tritonmoe.core import settings as _settings
 
     ctx = _ctx(backends=("triton", "torch"), tokens=(16,), presets_chosen=True)
     case = next(c for c in suites.plan(ctx, "permute") if c.params["op"] == "permute")
@@ -371,7 +371,8 @@ def test_metadata_fraction_of_the_layer(smoke_doc, capsys):
 def test_missing_kernel_is_unavailable(monkeypatch):
     """backend='triton' for an op without a kernel raises NotImplementedError in tritonmoe: one
     unavailable row per entry, the run goes on."""
-    from tritonmoe import _settings, dispatch
+    from tritonmoe.core import settings as _settings
+    from tritonmoe import backends as dispatch
 
     monkeypatch.setattr(_settings, "TRITON_INTERPRET", True)
     monkeypatch.setattr(dispatch, "kernel", lambda op: None)

@@ -1,4 +1,4 @@
-"""torch.compile / torch.export of the local layer through the custom ops (tritonmoe.ops):
+"""torch.compile / torch.export of the local layer through the custom ops (tritonmoe.custom_ops):
 zero graph breaks forward and backward, compiled equals eager, dynamic batch sizes (with a
 capacity), opcheck of every op."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tritonmoe as tm
-from tritonmoe import ops
+from tritonmoe import custom_ops as ops
 
 CFG = dict(d_model=16, d_ffn=12, num_experts=4, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
 

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import tritonmoe
 from tritonmoe import reference as ref
-from tritonmoe.exact import WeightGradStore
+from tritonmoe.core.exact import WeightGradStore
 from tritonmoe.kernels import _gemm_config as C
 from tritonmoe.kernels import _grouped_gemm_kernels as GK
 from tritonmoe.kernels import grouped_gemm as K
@@ -983,7 +983,7 @@ def test_gpu_grouped_ffn_configs(dtype, rows_per_expert):
 def test_weight_grad_store_flush_without_deferred_rows_reads_no_counts():
     """The W step of a pass whose GEMMs computed their own weight gradients (the kernels' path:
     nothing deferred) reads no counts back: on a GPU, reading them is a host sync per micro-op."""
-    from tritonmoe.exact import WeightGradStore
+    from tritonmoe.core.exact import WeightGradStore
 
     class NoRead:
         def tolist(self):

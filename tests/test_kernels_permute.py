@@ -19,7 +19,7 @@ import tritonmoe as tm
 from tritonmoe import reference as ref
 from tritonmoe.kernels import permute as kp
 from tritonmoe.kernels._permute_kernels import row_offset
-from tritonmoe.types import PermuteInfo
+from tritonmoe.core.types import PermuteInfo
 
 from strategies import permute_cases
 
@@ -119,7 +119,7 @@ def check_unpermute(y, info, w, config="default"):
 
 
 def test_registered():
-    from tritonmoe.dispatch import implementation as select_impl
+    from tritonmoe.backends import implementation as select_impl
 
     assert select_impl("permute", "triton", DEV) is kp.permute
     assert select_impl("unpermute", "triton", DEV) is kp.unpermute
@@ -489,33 +489,6 @@ def test_offsets_past_2_31(config):
 
 
 # --------------------------------------------------------------------------------------------
-# Expert-parallel split metadata
-# --------------------------------------------------------------------------------------------
-
-
-def test_ep_split_metadata():
-    ids = _ids([[0, 5], [2, 3], [5, 4], [1, -1], [0, 3]])
-    info = kp.permute_metadata(ids, 6, 4)
-    rinfo = ref.permute(_x(5, 1), ids, 6, pad_to=4)[1]
-    for P in (1, 2, 3, 6):
-        counts, offs = kp.ep_split_metadata(info, P)
-        rc, ro = ref.ep_splits(rinfo.expert_offsets, P)
-        assert counts.dtype == offs.dtype == torch.int64 and counts.shape == (P,) and offs.shape == (P + 1,)
-        assert torch.equal(counts, rc) and torch.equal(offs, ro)
-        o = info.expert_offsets
-        assert torch.equal(offs, torch.stack([o[r * 6 // P] for r in range(P + 1)]))
-        assert torch.equal(counts, offs[1:] - offs[:-1]) and int(offs[-1]) == int(o[-1])
-    c32, o32 = kp.ep_split_metadata(info.expert_offsets.int(), 2)  # int32 offsets accepted
-    assert o32.dtype == torch.int64 and torch.equal(o32, kp.ep_split_metadata(info, 2)[1])
-    with pytest.raises(ValueError, match="num_ranks=4"):
-        kp.ep_split_metadata(info, 4)
-    with pytest.raises(ValueError, match="num_ranks=0"):
-        kp.ep_split_metadata(info, 0)
-    with pytest.raises(TypeError, match="float32"):
-        kp.ep_split_metadata(info.expert_offsets.float(), 2)
-
-
-# --------------------------------------------------------------------------------------------
 # Config policy
 # --------------------------------------------------------------------------------------------
 
@@ -616,7 +589,6 @@ def test_gpu_sync_free_path():
         info = kp.permute_metadata(ids, E, 16)
         xp = kp.permute_rows(x, info, num_rows=bound)
         kp.unpermute(xp * 2, info, w).sum().backward()
-        kp.ep_split_metadata(info, 4)
         return xp
 
     step()  # compile every kernel outside the check

@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
-from tritonmoe import _settings, dispatch, kernels
+from tritonmoe.core import settings as _settings
+from tritonmoe import backends as dispatch, kernels
 from tritonmoe import reference as ref
 from tritonmoe.kernels import _routing_kernels as RK
 from tritonmoe.kernels import routing as kr

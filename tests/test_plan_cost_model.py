@@ -22,10 +22,10 @@ from tritonmoe.plan import (
     HostSample,
     InterferenceSample,
     fit_linear,
-    simulate,
 )
-from tritonmoe.plan import cost_model as CM
-from tritonmoe.plan.cost_model import VERSION
+from tritonmoe.sim.simulate import simulate
+from tritonmoe.sim import cost_model as CM
+from tritonmoe.sim.cost_model import VERSION
 
 SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as the profiler measures
 
@@ -69,7 +69,7 @@ def test_fit_exact_and_piecewise():
 
 
 # A point-to-point transfer profiled in place on the 2-core CPU machine (gloo, 2 ranks,
-# tritonmoe/plan/data/cpu_gloo.json): the small sizes are ~1 ms of noisy latency. Fitted as
+# tritonmoe/sim/data/cpu_gloo.json): the small sizes are ~1 ms of noisy latency. Fitted as
 # independent pieces it predicted 1.66 ms at 40 KiB and 0.55 ms at 41 KiB.
 SEND_RECV_2 = [(1024, 1.158e-3), (4096, 0.874e-3), (16384, 1.291e-3), (65536, 0.58e-3), (262144, 0.664e-3),
                (1048576, 1.162e-3), (4194304, 2.345e-3), (16777216, 11.238e-3), (67108864, 34.677e-3)]

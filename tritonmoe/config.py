@@ -10,15 +10,17 @@ from typing import Optional
 
 import torch
 
-from . import _validation as V
-from ._settings import BACKENDS
+from tritonmoe.core import validation as V
+from tritonmoe.core.settings import BACKENDS
+from tritonmoe.policy.memory_strategy import check_memory_strategy
+from tritonmoe.comm.programs.memory_reuse import check_mi_buffers
 
 #: Values of MoEConfig.ffn_path.
 FFN_PATHS = ("auto", "fused", "unfused")
 #: Values of MoEConfig.parm_schedule ("s1"/"s2" are Parm's names: pause model parallelism before /
-#: after the gate; see tritonmoe.parm_experts).
+#: after the gate; see tritonmoe.experts.model_parallel).
 PARM_SCHEDULES = ("auto", "baseline", "s1", "s2")
-#: Non-integer values of MoEConfig.pipeline_degree: chosen at run time (tritonmoe.plan.runtime).
+#: Non-integer values of MoEConfig.pipeline_degree: chosen at run time (tritonmoe.policy.degree).
 PIPELINE_DEGREE_MODES = ("auto", "search")
 
 
@@ -43,7 +45,7 @@ class MoEConfig:
         pipeline_degree: micro-batches for expert-parallel pipelining (1 = none), or chosen per
             forward by the expert-parallel path: "auto" (the planner simulates the candidates
             with a cost model, ``tritonmoe.plan.choose``; cached per token-count bucket) or
-            "search" (MPMoE's profile-based search over 2..8); see :mod:`tritonmoe.plan.runtime`.
+            "search" (MPMoE's profile-based search over 2..8); see :mod:`tritonmoe.policy.degree`.
             Both need ``ep_group``.
         cost_model: path of a cost-model file for ``pipeline_degree="auto"`` (default: the
             ``TRITONMOE_COST_MODEL`` environment variable, else a built-in default).
@@ -83,7 +85,7 @@ class MoEConfig:
             the gate, with the SAA collective) or "auto" (Parm's Algorithm 1 on fitted alpha-beta
             costs picks s1 or s2 per batch size). Ignored by other layouts.
         memory_strategy: MPMoE's memory reuse on the pipelined expert-parallel path
-            (:mod:`tritonmoe.memory`): None (unmanaged), "keep", "offload", "recomm",
+            (:mod:`tritonmoe.policy.memory_strategy`): None (unmanaged), "keep", "offload", "recomm",
             "recompute", "recomm_recompute" or "auto" (the planner's choice under
             ``memory_budget_bytes``; with ``pipeline_degree="search"``, MPMoE's profile-based
             search over degree and strategy). Needs ``ep_group``.
@@ -199,7 +201,6 @@ class MoEConfig:
         if self.shared_expert_gate and self.shared_d_ffn == 0:
             raise ValueError("shared_expert_gate=True needs a shared expert: set shared_d_ffn > 0")
         V.choice("parm_schedule", self.parm_schedule, PARM_SCHEDULES)
-        from .memory import check_memory_strategy
 
         check_memory_strategy(self.memory_strategy)
         if self.memory_budget_bytes is not None:
@@ -214,7 +215,6 @@ class MoEConfig:
                     f"got memory_strategy={self.memory_strategy!r}"
                 )
             object.__setattr__(self, "memory_budget_bytes", int(b))
-        from tritonmoe.comm.memory import check_mi_buffers
 
         object.__setattr__(self, "memory_mi_buffers", check_mi_buffers(self.memory_mi_buffers))
         if self.memory_mi_buffers != 1 and self.memory_strategy in (None, "keep"):

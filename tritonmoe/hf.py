@@ -54,6 +54,8 @@ from torch import nn
 
 from .config import MoEConfig
 from .layer import MoELayer
+from tritonmoe.functional import moe_ffn
+from tritonmoe.core.types import Routing
 
 __all__ = ["SUPPORTED", "UNSUPPORTED", "HFConversionError", "config_from_hf", "from_hf", "to_hf", "apply", "restore",
            "HFMoEBlock", "register_experts_implementation"]
@@ -465,8 +467,6 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts call ``(hidden_states [T, D], top_k_index [T, k], top_k_weights)``
     on tritonmoe's fused expert FFN (the block's routing; transformers' gate-up experts)."""
-    from .functional import moe_ffn
-    from .types import Routing
 
     if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False):
         raise NotImplementedError(f"the tritonmoe experts implementation runs gate-up SwiGLU experts without biases; "

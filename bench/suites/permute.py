@@ -52,7 +52,7 @@ def permute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
 def metadata_impl(ctx: Context, backend: str) -> Callable:
     """``permute_metadata(topk_ids, num_experts, pad_to)`` of a backend: the Triton kernels'
     (``triton``; ``auto`` on CUDA) or the reference's (``torch``; ``auto`` on CPU), as
-    :func:`tritonmoe.dispatch.implementation` chooses for the permute op."""
+    :func:`tritonmoe.backends.implementation` chooses for the permute op."""
     require_backend(ctx, backend)
     if backend == "torch" or (backend == "auto" and not ctx.is_cuda):
         return reference.permute_metadata

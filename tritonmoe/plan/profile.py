@@ -18,7 +18,7 @@ or the self-spawning :func:`profile_spawned` on CPU). It measures
 * the host time to issue one asynchronous collective;
 * the compute of the layer's ops at several shapes (grouped FFN forward and backward, router
   GEMM, re-layout copies, permute, unpermute, routing, gradient accumulation), with the same
-  work descriptions the simulator uses (:class:`~tritonmoe.plan.work.WorkModel`): by one rank
+  work descriptions the simulator uses (:class:`~tritonmoe.sim.work.WorkModel`): by one rank
   alone (the rates) and with **every rank computing at once**, as in a real step; on a CPU
   machine with fewer cores than ranks the slowdown between the two gives the cores the ranks
   share (``CostModel.host_cores``), so the engine slows ranks that compute at the same time;
@@ -45,14 +45,28 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._validation import GLU_ACTIVATIONS
+from tritonmoe.core.validation import GLU_ACTIVATIONS
 import torch.distributed as dist
 
 from tritonmoe.comm.splits import comm_device, new_group
 from tritonmoe.comm.compat import all_gather_single, reduce_scatter_single
 
-from .cost_model import COLLECTIVES, CommSample, ComputeSample, CostModel, HostSample, InterferenceSample
-from .work import HOST, WorkModel
+from tritonmoe.sim.cost_model import (
+    COLLECTIVES,
+    CommSample,
+    ComputeSample,
+    CostModel,
+    HostSample,
+    InterferenceSample,
+)
+from tritonmoe.sim.work import HOST, WorkModel
+from tritonmoe.comm.executor import RealExecutor, Work
+from tritonmoe.comm.timeline import Timeline
+from tritonmoe import reference
+from tritonmoe.comm.partition import transpose_chunks
+from tritonmoe.backends import implementation
+from tritonmoe.comm.rendezvous import init_local
+from tritonmoe.comm.rendezvous import local_store
 
 __all__ = ["ProfileSpec", "profile", "profile_spawned", "DEFAULT_SIZES"]
 
@@ -107,7 +121,7 @@ def _say(spec: ProfileSpec, msg: str) -> None:
 
 def _collective(kind: str, nbytes: int, group, g: int, device: torch.device, dtype=torch.float32):
     """A callable running one ``kind`` collective of ``nbytes`` per rank (module docstring of
-    :mod:`tritonmoe.plan.cost_model` for the convention), and its buffers."""
+    :mod:`tritonmoe.sim.cost_model` for the convention), and its buffers."""
     es = torch.empty((), dtype=dtype).element_size()
     n = max(g, (nbytes // es) // g * g)  # divisible by the group size
     x = torch.randn(n, device=device, dtype=dtype)
@@ -207,8 +221,6 @@ def _host_issue(device) -> list:
     """Host seconds per operation issued through the real executor with a timeline recording
     (as the layer runs it, e.g. under ``bench.ep``): an asynchronous 1-row all-to-all (the call
     alone, median of 30), and the executor's own cost of a compute (a no-op function)."""
-    from tritonmoe.comm.executor import RealExecutor, Work
-    from tritonmoe.comm.timeline import Timeline
 
     P = dist.get_world_size()
     x = torch.randn(P, 4, device=device)
@@ -249,9 +261,6 @@ def _timed(fn, device, reps: int, warmup: int) -> float:
 def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device, P: int):
     """(name, kind, Work, callable) of the layer's ops at one shape and token count, on the
     implementations the layer dispatches to here."""
-    from tritonmoe import reference
-    from tritonmoe.comm.partition import transpose_chunks
-    from tritonmoe.dispatch import implementation
 
     dt = spec.dtype
     g = torch.Generator(device="cpu").manual_seed(T * 131 + d)
@@ -332,7 +341,7 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
         torch.autograd.grad(rt.topk_weights, [logits], dw_, retain_graph=True)
 
     # the pipeline's expert op as it runs it: re-layout, FFN, re-layout with autograd recording,
-    # and its backward through torch.autograd.grad (tritonmoe.comm.pipeline / experts.py)
+    # and its backward through torch.autograd.grad (tritonmoe.comm.programs.pipeline / experts.py)
     def expert_forward():
         r = xr.detach().requires_grad_(True)
         y = transpose_chunks(ffn(transpose_chunks(r, counts_PL), offs, w1, w2, spec.activation), counts_PL.t())
@@ -670,7 +679,6 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
 
 
 def _spawned(rank: int, P: int, port: int, spec: ProfileSpec, out: str, err_dir: str, timeout_s: float) -> None:
-    from tritonmoe.comm.rendezvous import init_local
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     try:
@@ -693,7 +701,6 @@ def profile_spawned(nproc: int, spec: Optional[ProfileSpec] = None, *, out: str,
     if nproc < 2:
         raise ValueError(f"--nproc {nproc}: profiling collectives needs at least 2 ranks")
     spec = spec or ProfileSpec()
-    from tritonmoe.comm.rendezvous import local_store
 
     with tempfile.TemporaryDirectory() as err_dir:
         store = local_store(nproc, timeout_s)  # served until the ranks have ended (no free-port race)
