@@ -160,6 +160,8 @@ def columns(rows: list[dict]) -> list[Column]:
         Column("eager", _eager),
         Column("timing", _timing, right=False),
     ]
+    cols.append(Column("x best peer", lambda r: (f"{r['best_peer']['median']:.3g} {r['best_peer']['impl']}"
+                                                 if r.get("best_peer") else "")))
     seen = {b for r in rows for b in (r.get("speedup") or {})}
     for b, header in SPEEDUP_HEADERS.items():
         if b in seen:

@@ -34,7 +34,8 @@ optional so older files still validate: ``timing`` (mode ``graph`` / ``graph-flu
 p80/p20 spread and the noisy flag), ``clocks`` (per-rep SM MHz and throttle reasons),
 ``per_clock_eff`` and ``roof_frac_q`` (median, p20, p80 of per-rep values), ``roof_fracs``
 (the same per roof: ``matmul`` and ``copy``, which the targets read), ``peers`` (per-round
-ratio of every other implementation's time to this row's) and ``config``.
+ratio of every other implementation's time to this row's), ``best_peer`` (that ratio for the
+fastest peer, torch._grouped_mm or Liger, of the same rounds) and ``config``.
 """
 
 from __future__ import annotations
@@ -322,6 +323,13 @@ SCHEMA: dict = {
                 "roof_frac_q": {"type": ["object", "null"], "$ref": "#/$defs/qstats"},
                 "roof_fracs": {"type": "object", "additionalProperties": {"$ref": "#/$defs/qstats"}},
                 "peers": {"type": "object", "additionalProperties": {"$ref": "#/$defs/qstats"}},
+                "best_peer": {
+                    "type": "object",
+                    "required": ["impl", "median", "p20", "p80", "min", "max"],
+                    "properties": {"impl": {"type": "string"}, "median": _num, "p20": _num, "p80": _num,
+                                   "min": _num, "max": _num},
+                    "additionalProperties": False,
+                },
                 "config": {"type": ["object", "string", "null"]},
             },
             "additionalProperties": False,

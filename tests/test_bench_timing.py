@@ -291,6 +291,8 @@ def test_a_comparison_in_rounds_fills_rows_that_match_the_schema():
     assert tri["timing"]["noisy"] and gmm["timing"]["noisy"]
     assert tri["speedup"]["grouped_mm"] == pytest.approx(1.5, rel=0.01)
     assert tri["peers"]["grouped_mm"]["p20"] == pytest.approx(1.5, rel=0.01)
+    assert tri["best_peer"]["impl"] == "grouped_mm" and tri["best_peer"]["median"] == tri["speedup"]["grouped_mm"]
+    assert "best_peer" not in gmm
     assert gmm["peers"]["triton"]["median"] == pytest.approx(1 / 1.5, rel=0.01)
     assert tri["roof_frac"] == pytest.approx(1.0, rel=0.01) and tri["roof_bound"] == "compute"
     # the targets read the per-round fraction of the roof they name

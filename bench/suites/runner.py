@@ -180,6 +180,11 @@ def fill_round_row(ctx: Context, row: dict, p: Prepared, work: Work, rounds: int
                 peers[impl] = q
     row["peers"] = peers
     row["speedup"] = {b: q["median"] for b, q in peers.items() if b in SPEEDUP_IMPLS}
+    # the ratio every speed claim quotes: to the fastest peer of the same rounds
+    measured = {b: q for b, q in peers.items() if b in PEER_IMPLS}
+    if measured and row["impl"] not in PEER_IMPLS:
+        best = min(measured, key=lambda b: measured[b]["median"])
+        row["best_peer"] = {"impl": best, **measured[best]}
 
 
 def peak_memory(ctx: Context, p: Prepared, row: dict) -> None:
