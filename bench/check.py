@@ -365,7 +365,7 @@ def build_parser(prog: str = "python -m bench check") -> argparse.ArgumentParser
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help=f"wall-time budget of the whole command (default {DEFAULT_BUDGET_S:.0f} s): sections that "
                    "no longer fit are skipped")
-    p.add_argument("--reps-scale", type=float, default=1.0, help="multiply every section's reps (min 3)")
+    p.add_argument("--reps-scale", type=float, default=1.0, help="multiply every section's reps and, on a GPU, its minimum rounds (min 3)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is not met")
     p.add_argument("--list", action="store_true", help="print the planned entries and targets, then exit")
     p.add_argument("--compile-only", action="store_true",

@@ -68,8 +68,18 @@ gpu_slug() {
   "$PY" -c "import re, torch; n = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'; print(re.sub('[^a-z0-9]+', '-', n.lower()).strip('-'))"
 }
 
+# The peer wheel (make peer-wheels) into the venv with --no-deps when liger is not importable yet
+# (a carried venv skips make setup's own install).
+peers() {
+  if "$PY" -c "import liger_kernel" >/dev/null 2>&1; then echo "peers: liger-kernel importable"; return 0; fi
+  local whl; whl=$(ls .whl/liger_kernel-*.whl 2>/dev/null | tail -1)
+  if [ -z "$whl" ]; then echo "peers: no .whl/liger_kernel-*.whl (make peer-wheels, carry .whl): liger rows unavailable"; return 0; fi
+  "$PY" -m pip install -q --no-deps --no-index "$whl"
+}
+
 part1() {
   step setup 90 ${SETUP_CMD:-make setup}
+  peers
   step warmup 100 "$PY" -m bench check --compile-only --skip-tests
   step check 270 "$PY" -m bench check --skip-tests --budget-s $(( $(left) > 285 ? 255 : $(left) - 30 )) \
       --results-dir "$OUT"
