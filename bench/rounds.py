@@ -19,7 +19,7 @@ Counts: at least ``min_rounds`` rounds, and more until every implementation has 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .harness import Work, quantile, summarize
 from .timing import DeviceTimer, Prepared, per_clock_efficiency, throttle_names
@@ -66,7 +66,7 @@ def run_rounds(timer: DeviceTimer, preps: Sequence[Prepared]) -> int:
     return r
 
 
-def qstats(values: Sequence[float]) -> Optional[dict]:
+def qstats(values: Sequence[float]) -> dict | None:
     """median, p20, p80, min, max of a list (None when empty)."""
     xs = sorted(float(v) for v in values)
     if not xs:
@@ -85,7 +85,7 @@ def spread(stats: dict) -> float:
 
 
 def roof_fractions(p: Prepared, work: Work, roofs: dict[str, tuple[Prepared, float]],
-                   dtype_roof: Optional[str] = None) -> tuple[list[float], Optional[str]]:
+                   dtype_roof: str | None = None) -> tuple[list[float], str | None]:
     """Per-round roof fractions of ``p`` and the binding roof ("compute" / "memory").
 
     ``roofs`` maps :data:`ROOF_MATMUL` / :data:`ROOF_COPY` to (prepared, its work: FLOPs of one
@@ -123,7 +123,7 @@ def fractions_by_roof(p: Prepared, work: Work, roofs: dict[str, tuple[Prepared, 
     return out
 
 
-def clock_record(p: Prepared) -> Optional[dict]:
+def clock_record(p: Prepared) -> dict | None:
     """The SM clock of every rep (MHz, the mean of the readings before and after it), their
     median / min / max, and how many reps saw each throttle reason."""
     mhz = [rep.mhz for rep in p.reps]
@@ -138,8 +138,8 @@ def clock_record(p: Prepared) -> Optional[dict]:
             "min": min(vals), "max": max(vals), "throttle": throttle}
 
 
-def clock_efficiencies(p: Prepared, flops: Optional[float], sms: Optional[int],
-                       flop_per_clock: Optional[float]) -> list[float]:
+def clock_efficiencies(p: Prepared, flops: float | None, sms: int | None,
+                       flop_per_clock: float | None) -> list[float]:
     """Per-rep per-clock efficiency (FLOPs / time / (SMs x FLOP per clock x that rep's clock))."""
     if not (flops and sms and flop_per_clock):
         return []

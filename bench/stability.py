@@ -11,13 +11,13 @@ different comparisons).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 #: Relative drift of the sentinel above which a run is marked unstable.
 DRIFT_LIMIT = 0.05
 
 
-def drift(medians: list[float]) -> Optional[float]:
+def drift(medians: list[float]) -> float | None:
     """max_i |m_i / m_0 - 1| over the medians after the first (None with fewer than two)."""
     if len(medians) < 2 or medians[0] <= 0:
         return None
@@ -28,12 +28,12 @@ class Sentinel:
     """``measure()`` returns ``{"median_s", "p20_s", "p80_s", "mhz", "mode", "rounds"}`` of one
     measurement of the sentinel entry; :meth:`mark` takes one at a named point of the run."""
 
-    def __init__(self, name: str, measure: Optional[Callable[[], dict]]) -> None:
+    def __init__(self, name: str, measure: Callable[[], dict] | None) -> None:
         self.name = name
         self.measure = measure
         self.points: list[dict] = []
 
-    def mark(self, at: str) -> Optional[dict]:
+    def mark(self, at: str) -> dict | None:
         if self.measure is None:
             return None
         try:
@@ -43,7 +43,7 @@ class Sentinel:
         self.points.append(point)
         return point
 
-    def record(self) -> Optional[dict]:
+    def record(self) -> dict | None:
         """``check.stability``: the points, the drift and whether the run is unstable."""
         if self.measure is None:
             return None

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -174,7 +175,7 @@ class NullClock:
 
     enabled = False
 
-    def read(self) -> Optional[tuple[float, int]]:
+    def read(self) -> tuple[float, int] | None:
         return None
 
 
@@ -193,7 +194,7 @@ class NvmlClock:
         self._reasons = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
                          or getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
 
-    def read(self) -> Optional[tuple[float, int]]:
+    def read(self) -> tuple[float, int] | None:
         try:
             mhz = float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM))
         except Exception:  # NVML error mid-run: this rep has no clock
@@ -207,7 +208,7 @@ class NvmlClock:
         return mhz, mask
 
     @classmethod
-    def from_telemetry(cls, telemetry) -> "NvmlClock | NullClock":
+    def from_telemetry(cls, telemetry) -> NvmlClock | NullClock:
         """The clock of the GPU an enabled :class:`bench.telemetry.Telemetry` samples."""
         if telemetry is None or not getattr(telemetry, "enabled", False):
             return NullClock()
@@ -227,7 +228,7 @@ HOPPER_FLOP_PER_CLOCK_SM = {"bfloat16": 4096.0, "float16": 4096.0, "tf32": 2048.
                             "float32": 256.0}
 
 
-def flop_per_clock_sm(capability: Optional[str], dtype: Optional[str]) -> Optional[float]:
+def flop_per_clock_sm(capability: str | None, dtype: str | None) -> float | None:
     """Peak dense FLOP/clock/SM for a device capability ("9.0") and dtype; None where unknown
     (per-clock efficiency is then not reported rather than guessed)."""
     if capability != "9.0" or dtype is None:
@@ -251,13 +252,13 @@ class Rep:
     """One rep of one implementation in one round."""
 
     device_s: float
-    eager_s: Optional[float] = None
-    mhz_before: Optional[float] = None
-    mhz_after: Optional[float] = None
+    eager_s: float | None = None
+    mhz_before: float | None = None
+    mhz_after: float | None = None
     throttle: int = 0
 
     @property
-    def mhz(self) -> Optional[float]:
+    def mhz(self) -> float | None:
         vals = [v for v in (self.mhz_before, self.mhz_after) if v is not None]
         return sum(vals) / len(vals) if vals else None
 
@@ -271,9 +272,9 @@ class Prepared:
     mode: str
     calls: int
     cold_l2: bool
-    note: Optional[str] = None
-    replay: Optional[Callable[[], None]] = None
-    flush_replay: Optional[Callable[[], None]] = None
+    note: str | None = None
+    replay: Callable[[], None] | None = None
+    flush_replay: Callable[[], None] | None = None
     warmup_s: float = 0.0
     estimate_s: float = 0.0
     eager: bool = True
@@ -318,8 +319,8 @@ class DeviceTimer:
 
         return thunk
 
-    def prepare(self, name: str, fn: Callable[[], Any], *, cold_l2: Optional[bool] = None,
-                eager: Optional[bool] = None) -> Prepared:
+    def prepare(self, name: str, fn: Callable[[], Any], *, cold_l2: bool | None = None,
+                eager: bool | None = None) -> Prepared:
         """Compile (first call), warm up for ``warmup_s``, estimate one call, choose ``N`` and
         capture. ``eager=False``: no eager time (the roof pseudo-implementations). Exceptions of
         ``fn`` itself propagate (the row records them)."""
@@ -390,7 +391,19 @@ class DeviceTimer:
 
 
 __all__ = [
-    "CaptureError", "CpuBackend", "CudaBackend", "DeviceTimer", "HOPPER_FLOP_PER_CLOCK_SM", "MODES", "NullClock",
-    "NvmlClock", "Prepared", "Rep", "THROTTLE_REASONS", "backend_for", "flop_per_clock_sm", "per_clock_efficiency",
+    "HOPPER_FLOP_PER_CLOCK_SM",
+    "MODES",
+    "THROTTLE_REASONS",
+    "CaptureError",
+    "CpuBackend",
+    "CudaBackend",
+    "DeviceTimer",
+    "NullClock",
+    "NvmlClock",
+    "Prepared",
+    "Rep",
+    "backend_for",
+    "flop_per_clock_sm",
+    "per_clock_efficiency",
     "throttle_names",
 ]

@@ -17,8 +17,8 @@ import torch
 from bench import rounds as RD
 from bench import schema, stability, timing
 from bench.harness import Work, new_row
-from bench.suites import Context, Entry, measure_in_rounds
 from bench.presets import PRESETS
+from bench.suites import Context, Entry, measure_in_rounds
 
 
 class FakeGPU:

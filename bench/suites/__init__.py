@@ -33,8 +33,8 @@ the reason; a failure of any other kind is recorded as "error"; neither stops th
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .common import (
     METADATA,
@@ -81,7 +81,15 @@ from .processes import (
     run_lina_suite,
     run_memory_suite,
 )
-from .route import ROUTE_GRID_EXPERTS, ROUTE_GRID_TOKENS, ROUTE_GRID_TOPK, RouteShape, plan_route, route_case, route_shapes
+from .route import (
+    ROUTE_GRID_EXPERTS,
+    ROUTE_GRID_TOKENS,
+    ROUTE_GRID_TOPK,
+    RouteShape,
+    plan_route,
+    route_case,
+    route_shapes,
+)
 from .runner import fill_round_row, measure_in_rounds, prepare_roofs, run_case
 
 
@@ -170,13 +178,68 @@ def count_entries(cases: list[Case]) -> int:
 
 
 __all__ = [
-    "Case", "Context", "Entry", "Impl", "LAYER_FRACTION", "METADATA", "MODES", "MOVE", "ROUTE_GRID_EXPERTS",
-    "ROUTE_GRID_TOKENS", "ROUTE_GRID_TOPK", "RouteShape", "SUITES", "SUITE_ORDER", "Suite", "active_experts",
-    "attach_layer_fractions", "backend_impls", "case_params", "count_entries", "describe_ep", "describe_inference",
-    "describe_lina", "describe_memory", "ep_cases", "ep_rows", "ffn_weights", "fill_round_row", "gather_split_impls",
-    "grad_fn", "grouped_ffn_case", "grouped_mm_check", "layer_case", "leaf", "load_ep", "make_entries",
-    "make_routing", "measure_in_rounds", "metadata_entries", "metadata_impl", "moe_ffn_case", "move_entries",
-    "no_grad_fn", "parse_routing", "permute_case", "plan", "plan_ffn", "plan_gemm", "plan_layer", "plan_permute", "plan_route",
-    "prepare_roofs", "require_backend", "route_case", "route_shapes", "rows_impl", "run_case", "run_ep_suite",
-    "run_inference_suite", "run_lina_suite", "run_memory_suite", "run_suite", "skew_router", "unpermute_case",
+    "LAYER_FRACTION",
+    "METADATA",
+    "MODES",
+    "MOVE",
+    "ROUTE_GRID_EXPERTS",
+    "ROUTE_GRID_TOKENS",
+    "ROUTE_GRID_TOPK",
+    "SUITES",
+    "SUITE_ORDER",
+    "Case",
+    "Context",
+    "Entry",
+    "Impl",
+    "RouteShape",
+    "Suite",
+    "active_experts",
+    "attach_layer_fractions",
+    "backend_impls",
+    "case_params",
+    "count_entries",
+    "describe_ep",
+    "describe_inference",
+    "describe_lina",
+    "describe_memory",
+    "ep_cases",
+    "ep_rows",
+    "ffn_weights",
+    "fill_round_row",
+    "gather_split_impls",
+    "grad_fn",
+    "grouped_ffn_case",
+    "grouped_mm_check",
+    "layer_case",
+    "leaf",
+    "load_ep",
+    "make_entries",
+    "make_routing",
+    "measure_in_rounds",
+    "metadata_entries",
+    "metadata_impl",
+    "moe_ffn_case",
+    "move_entries",
+    "no_grad_fn",
+    "parse_routing",
+    "permute_case",
+    "plan",
+    "plan_ffn",
+    "plan_gemm",
+    "plan_layer",
+    "plan_permute",
+    "plan_route",
+    "prepare_roofs",
+    "require_backend",
+    "route_case",
+    "route_shapes",
+    "rows_impl",
+    "run_case",
+    "run_ep_suite",
+    "run_inference_suite",
+    "run_lina_suite",
+    "run_memory_suite",
+    "run_suite",
+    "skew_router",
+    "unpermute_case",
 ]

@@ -11,6 +11,7 @@ from ..presets import PRESETS, Preset
 from ..roofs import dtype_name
 from .common import Context
 
+
 def load_ep():
     """bench.ep, imported when the ep suite runs; raises ImportError while it does not exist."""
     return importlib.import_module("bench.ep")

@@ -14,9 +14,19 @@ from .. import work as W
 from ..harness import Unavailable
 from ..presets import Preset
 from .common import (
-    Case, Context, RoutingSpec, active_experts, backend_impls, case_params, ffn_weights, grouped_mm_check, leaf,
-    make_entries, make_routing,
+    Case,
+    Context,
+    RoutingSpec,
+    active_experts,
+    backend_impls,
+    case_params,
+    ffn_weights,
+    grouped_mm_check,
+    leaf,
+    make_entries,
+    make_routing,
 )
+
 
 def plan_ffn(ctx: Context) -> list[Case]:
     """grouped_ffn cases, and moe_ffn cases when a backend other than the reference is measured:

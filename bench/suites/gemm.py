@@ -26,14 +26,13 @@ pipeline depth (warm-up, untimed).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-
-import tritonmoe as tm
-
 from tritonmoe.kernels import gemm_config as C
 from tritonmoe.kernels import grouped_gemm as K
+
+import tritonmoe as tm
 
 from .. import baselines as B
 from ..harness import Work

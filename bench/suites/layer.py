@@ -14,8 +14,16 @@ from .. import baselines as B
 from .. import work as W
 from ..presets import Preset
 from .common import (
-    Case, Context, RoutingSpec, active_experts, backend_impls, case_params, leaf, make_entries,
+    Case,
+    Context,
+    RoutingSpec,
+    active_experts,
+    backend_impls,
+    case_params,
+    leaf,
+    make_entries,
 )
+
 
 def plan_layer(ctx: Context) -> list[Case]:
     return [
@@ -26,7 +34,7 @@ def plan_layer(ctx: Context) -> list[Case]:
     ]
 
 
-def skew_router(layer: "tm.MoELayer", x_TD: torch.Tensor, spec: RoutingSpec) -> None:
+def skew_router(layer: tm.MoELayer, x_TD: torch.Tensor, spec: RoutingSpec) -> None:
     """Make the layer's router prefer experts by ``spec``'s popularity: the last input feature
     is set to 1 and the router's last column to log(popularity), so every token's logits get
     log p_e added (a no-op for uniform routing)."""

@@ -3,7 +3,7 @@ metadata alone (``metadata``)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -14,9 +14,22 @@ from .. import work as W
 from ..harness import Unavailable, first_line
 from ..presets import Preset
 from .common import (
-    METADATA, MOVE, Case, Context, Entry, Impl, RoutingSpec, backend_impls, case_params, leaf, make_entries,
-    make_routing, no_grad_fn, require_backend,
+    METADATA,
+    MOVE,
+    Case,
+    Context,
+    Entry,
+    Impl,
+    RoutingSpec,
+    backend_impls,
+    case_params,
+    leaf,
+    make_entries,
+    make_routing,
+    no_grad_fn,
+    require_backend,
 )
+
 
 def plan_permute(ctx: Context) -> list[Case]:
     cases = []

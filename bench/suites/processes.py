@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..harness import Work, fill_timing, first_line, new_row
 from .common import Context
 
+
 def describe_lina(ctx: Context) -> list[str]:
     from .. import lina
 

@@ -10,7 +10,7 @@ import tritonmoe as tm
 
 from .. import work as W
 from ..presets import PRESETS
-from .common import Case, Context, RoutingSpec, leaf, backend_impls, make_entries
+from .common import Case, Context, RoutingSpec, backend_impls, leaf, make_entries
 
 #: The issue's router grid (GPU default of the route suite when no preset is chosen).
 ROUTE_GRID_TOKENS = (4096, 16384, 65536)

@@ -13,7 +13,7 @@ Two methods:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -44,7 +44,7 @@ def run_case(ctx: Context, case: Case, progress=None) -> list[dict]:
     attach speedups per mode."""
     rows: list[dict] = []
     state = None
-    build_error: Optional[str] = None
+    build_error: str | None = None
     try:
         with tm.validation(False):
             state = case.build()
@@ -110,7 +110,7 @@ def _one_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _prepare_entry(ctx: Context, e: Entry, state, row: dict) -> Optional[tuple[Prepared, Work]]:
+def _prepare_entry(ctx: Context, e: Entry, state, row: dict) -> tuple[Prepared, Work] | None:
     """make + prepare one entry; a failure is written on its row (None returned)."""
     try:
         with tm.validation(False):
