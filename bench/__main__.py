@@ -2,6 +2,7 @@
 
   python -m bench [SUITE ...] [options]     run suites (default: the default set for this machine)
   python -m bench compare A.json B.json     per-entry ratios of two result files
+  python -m bench agree A.json B.json       do two check runs agree within 5% on every median ratio?
   python -m bench faults [--world-sizes 2,4]   expert-parallel fault table (bench/faults.py)
   python -m bench report A.json [--markdown M] [--plot P]   re-render a result file
   python -m bench check [--sections S,...]  gpu-check: gpu tests, the core set, the target table
@@ -598,6 +599,10 @@ def _main(argv: list[str]) -> int:
         return faults.main(argv[1:])
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
+    if argv[:1] == ["agree"]:
+        from . import agreement
+
+        return agreement.main(argv[1:])
     if argv[:1] == ["report"]:
         return report_main(argv[1:])
     if argv[:1] == ["check"]:

@@ -323,3 +323,35 @@ def test_the_harness_cli_measures_any_suite_in_rounds(tmp_path):
     assert doc["config"]["rounds"] == 3
     assert {r["timing"]["mode"] for r in doc["results"]} == {"cpu"}
     assert all(r["timing"]["rounds"] == 3 and r["time_s"]["reps"] == 3 for r in doc["results"])
+
+
+def test_two_runs_agree_on_their_median_ratios(tmp_path, capsys):
+    """python -m bench agree: ratios (not times) of two runs within 5%, and both sentinels stable."""
+    import copy
+
+    from bench import __main__ as cli
+    from bench import agreement
+
+    def row(impl, x_gmm, frac):
+        r = new_row(suite="ffn", case="c", mode="fwd", impl=impl, params={})
+        q = lambda v: {"median": v, "p20": v, "p80": v, "min": v, "max": v}  # noqa: E731
+        r.update(peers={"grouped_mm": q(x_gmm)}, roof_fracs={"matmul": q(frac)})
+        return r
+
+    a = {"results": [row("triton", 1.5, 0.6)], "check": {"stability": {"drift": 0.01}}}
+    b = copy.deepcopy(a)
+    b["results"][0]["peers"]["grouped_mm"]["median"] = 1.53  # +2%: agrees
+    b["results"][0]["time_s"] = None
+    lines, s = agreement.compare(a, b)
+    assert s == {"compared": 2, "moved": 0, "drift": {"A": 0.01, "B": 0.01}, "agree": True} and lines[-1] == "AGREE"
+    b["results"][0]["roof_fracs"]["matmul"]["median"] = 0.66  # +10%
+    lines, s = agreement.compare(a, b)
+    assert s["moved"] == 1 and not s["agree"] and any("of matmul roof" in line and "+10.0%" in line for line in lines)
+    b = copy.deepcopy(a)
+    b["check"]["stability"]["drift"] = 0.07
+    assert agreement.compare(a, b)[1]["agree"] is False
+    fake = {"results": [], "check": {}}
+    assert agreement.compare(fake, fake)[1]["agree"] is False  # nothing compared: no verdict
+    # the command reads two check result files; an unreadable one is exit status 2
+    assert cli.main(["agree", str(tmp_path / "missing.json"), str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
