@@ -196,7 +196,7 @@ SCHEMA: dict = {
             "required": ["name", "metric", "op", "goal", "value", "status", "row", "note"],
             "properties": {
                 "name": {"type": "string"},
-                "metric": {"type": "string", "enum": ["time_us", "mm_roof", "mem_roof", "x_torch", "x_gmm"]},
+                "metric": {"type": "string", "enum": ["time_us", "eager_us", "mm_roof", "mem_roof", "x_torch", "x_gmm"]},
                 "op": {"type": "string", "enum": ["<=", ">="]},
                 "goal": _num,
                 "value": _num_or_null,

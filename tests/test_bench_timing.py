@@ -300,6 +300,9 @@ def test_a_comparison_in_rounds_fills_rows_that_match_the_schema():
 
     assert TG.metric_value(tri, "mm_roof", {}) == tri["roof_fracs"]["matmul"]["median"]
     assert TG.metric_value(tri, "x_gmm", {}) == tri["speedup"]["grouped_mm"]
+    # kernel-terms targets read device time, a user's-call target reads eager time
+    assert TG.metric_value(tri, "time_us", {}) == tri["time_s"]["median"] * 1e6
+    assert TG.metric_value(tri, "eager_us", {}) == tri["timing"]["eager_s"]["median"] * 1e6
     assert tri["timing"]["rounds"] == 30 and tri["timing"]["mode"] == "graph"
     assert len(tri["clocks"]["sm_mhz"]) == 30 and tri["per_clock_eff"]["median"] > 0
     assert tri["time_s"]["reps"] == 30 and tri["time_s"]["p20"] <= tri["time_s"]["median"] <= tri["time_s"]["p80"]
