@@ -13,7 +13,11 @@ CHECK_ARGS ?=
 MEMORY_ARGS ?=
 GPU_TESTS_ARGS ?=
 
-.PHONY: setup bench test fuzz clean gpu-check gpu-profile gpu-memory gpu-tests gpu-extras gpu-lease
+OUT ?= /tmp/gpu-out
+PEER_WHEELS ?= liger-kernel
+
+.PHONY: setup bench test fuzz clean gpu-check gpu-profile gpu-memory gpu-tests gpu-extras gpu-lease gpu-part1 gpu-part2 \
+	peer-wheels
 
 $(VENV)/.tritonmoe-setup: pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -42,7 +46,8 @@ gpu-check: setup
 # split into up to 8 pytest processes balanced by estimated time and run at once on the one GPU
 # (Triton's JIT compiles on all cores; a crash or hang takes down only its shard, whose unstarted
 # tests rerun in a new one); one deadline (default 480 s); per-test status and shard, and the tail
-# of each failing shard, in bench/results/<gpu>-<date>-gpu-tests.{json,md} (shard logs beside).
+# of each failing shard, in bench/results/<gpu>-<date>-gpu-tests.{json,md} (shard logs in the ignored
+# bench/out/gpu-tests-logs/).
 # E.g. make gpu-tests GPU_TESTS_ARGS="--shards 12 --deadline-s 300 -- -k routing".
 gpu-tests: setup
 	$(PY) -m bench gpu-tests $(GPU_TESTS_ARGS)
@@ -66,11 +71,26 @@ gpu-extras: setup
 		--markdown bench/results/gemm-variants-$$(date -u +%F).md
 	$(PY) -m bench.memory --single --json bench/results/gpu-memory-$$(date -u +%F).json $(MEMORY_ARGS)
 
-# Everything above in one device call of a 15-minute lease (scripts/gpu_lease.sh: each step capped,
-# the whole under BUDGET_S = 560 s; bench/results packed into $$OUT/results.tgz, OUT defaulting to
-# /tmp/gpu-lease-out).
-gpu-lease:
-	bash scripts/gpu_lease.sh
+# The prepared device script (scripts/gpu_device.sh, docs/benchmarking.md), two device calls of a
+# 15-minute lease; results in $(OUT) (commit them to bench/results/ with the commit they measured).
+# Part one (<= 8 min): untimed warm-up, the check with interleaved rounds, the GEMM variants, the
+# profile of the microsecond ops, the launchers' host cost, then tuning with what is left (when
+# bench/tune exists). Part two (<= 4 min): the gpu-marked tests, gpu-memory and its step diagnosis.
+# Run `make peer-wheels` first on a machine with network: the device command carries .whl/.
+gpu-part1:
+	bash scripts/gpu_device.sh part1 $(OUT)
+
+gpu-part2:
+	bash scripts/gpu_device.sh part2 $(OUT)
+
+# The old name of part one.
+gpu-lease: gpu-part1
+
+# The peers' wheels for the device machine (no network there): into the ignored .whl/, installed
+# there with --no-deps by scripts/setup_env.sh.
+peer-wheels: setup
+	mkdir -p .whl
+	$(PY) -m pip download --no-deps --only-binary=:all: -d .whl $(PEER_WHEELS)
 
 fuzz: setup
 	HYPOTHESIS_PROFILE=fuzz TRITONMOE_FUZZ_FACTOR=$(FUZZ_FACTOR) TRITONMOE_FUZZ_BUDGET_S=$(FUZZ_BUDGET_S) \

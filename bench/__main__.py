@@ -2,6 +2,7 @@
 
   python -m bench [SUITE ...] [options]     run suites (default: the default set for this machine)
   python -m bench compare A.json B.json     per-entry ratios of two result files
+  python -m bench agree A.json B.json       do two check runs agree within 5% on every median ratio?
   python -m bench faults [--world-sizes 2,4]   expert-parallel fault table (bench/faults.py)
   python -m bench report A.json [--markdown M] [--plot P]   re-render a result file
   python -m bench check [--sections S,...]  gpu-check: gpu tests, the core set, the target table
@@ -62,7 +63,10 @@ DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
 }
 BACKENDS = ("triton", "torch", "auto")
-BASELINES = ("loop", "grouped_mm")
+#: Baselines and peers a run may name; the default leaves out the peer liger (it needs its wheel,
+#: and runs only on a GPU or under Triton's interpreter).
+BASELINES = ("loop", "grouped_mm", "liger")
+DEFAULT_BASELINES = ("loop", "grouped_mm")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,14 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tritonmoe backends to measure: triton (the kernels), torch (the reference path, also a "
                    "baseline), auto. Default triton,torch on GPU and torch on CPU")
     g.add_argument("--baselines", type=choice_list(BASELINES, allow_none=True), metavar="B,...",
-                   help="extra baselines: loop (per-expert torch.matmul), grouped_mm (torch._grouped_mm) or none. "
-                   "Default: both")
+                   help="extra baselines: loop (per-expert torch.matmul), grouped_mm (torch._grouped_mm), liger "
+                   "(Liger-Kernel's fused MoE, routed-FFN cases) or none. Default: loop,grouped_mm")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run (default: cuda when available)")
     g.add_argument("--reps", type=int_at_least(MIN_REPS), default=DEFAULT_REPS,
                    help=f"timed repetitions per entry (default {DEFAULT_REPS}; fewer only for quick checks)")
     g.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed calls before timing (default 3)")
     g.add_argument("--no-flush", action="store_true", help="do not flush the GPU L2 between reps")
+    g.add_argument("--rounds", type=int_at_least(3), metavar="N",
+                   help="measure with the check's method (bench.rounds): each comparison's implementations and the "
+                   "roofs in at least N interleaved rounds of CUDA-graph replays (0.5 s of device time each), "
+                   "instead of --reps in turn")
     g.add_argument("--no-telemetry", action="store_true", help="do not sample NVML telemetry")
     g.add_argument("--seed", type=int, default=0, help="seed of inputs and routing (default 0)")
     g.add_argument("--threads", type=int_at_least(1), metavar="N",
@@ -337,6 +345,10 @@ def new_doc(env: dict, config: dict, roofs: dict, notes: list[str]) -> dict:
 
 
 def run(args, parser, argv: list[str]) -> int:
+    """``python -m bench [SUITE ...]``: resolve the device, shapes and suites; list them
+    (``--list``) or measure them suite by suite into one result document (rewritten after every
+    case when ``--json`` names a file) and print the tables. Exit status 1 when an entry failed or
+    the run was interrupted."""
     t0 = time.perf_counter()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
@@ -345,42 +357,98 @@ def run(args, parser, argv: list[str]) -> int:
     if threads:
         torch.set_num_threads(threads)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dtype = args.dtype or (torch.bfloat16 if use_cuda else torch.float32)
-    presets, chosen = resolve_presets(args, parser, device)
-    suites = ([s for s in SUITE_ORDER if SUITES[s].default] if not args.suites else
-              list(SUITE_ORDER) if "all" in args.suites else list(dict.fromkeys(args.suites)))
-    backends = args.backend or (("triton", "torch") if use_cuda else ("torch",))
-    baselines = BASELINES if args.baselines is None else args.baselines
-
     notes: list[str] = []
 
     def log(line: str) -> None:
         print(line, flush=True)
         notes.append(line)
 
+    ctx, suites = _run_context(args, parser, device, log)
+    plans = {s: plan(ctx, s) for s in suites}
+    if args.list:
+        _print_list(ctx, suites, plans)
+        return 0
+    env = environment(argv, device)
+    _resolve_outputs(args, env)
+    _log_run(args, argv, ctx, suites, env, log)
+    telemetry = Telemetry.disabled("--no-telemetry") if args.no_telemetry else Telemetry.create(device, log=log)
+    timer = Timer(device, reps=args.reps, warmup=args.warmup, flush=not args.no_flush, telemetry=telemetry)
+    ctx.timer = timer
+    if any(SUITES[s].plan is not None for s in suites):
+        ctx.roofs = measure_roofs(timer, ctx.dtype, log=log)
+        for line in describe(ctx.roofs):
+            log(line)
+    if args.rounds:
+        _use_rounds(args, ctx, telemetry, log)
+    if not use_cuda:
+        log("peak memory: not measured on CPU (reported as None)")
+    doc = new_doc(env, _run_config(args, ctx, suites, timer, telemetry), ctx.roofs, notes)
+    _run_suites(args, ctx, suites, plans, doc, t0, log)
+    telemetry.close()
+    print_layer_fractions(doc["results"])
+    return _write_outputs(args, doc, t0, log)
+
+
+def _use_rounds(args, ctx: Context, telemetry: Telemetry, log) -> None:
+    """--rounds N: the interleaved-rounds timer (bench.timing) and the roof pseudo-implementations
+    for every comparison of the run."""
+    from .roofs import GPU_COPY_BYTES, GPU_MATMUL_N
+    from .suites import prepare_roofs
+    from .timing import DeviceTimer, NvmlClock, backend_for, flop_per_clock_sm
+
+    ctx.rounds = DeviceTimer(backend_for(ctx.device), NvmlClock.from_telemetry(telemetry), min_rounds=args.rounds,
+                             min_device_s=0.5 if ctx.is_cuda else 0.0, max_rounds=max(args.rounds, 1000),
+                             warmup_s=0.2 if ctx.is_cuda else 0.0)
+    if ctx.is_cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        ctx.sms = int(props.multi_processor_count)
+        ctx.flop_per_clock = flop_per_clock_sm(f"{props.major}.{props.minor}", dtype_name(ctx.dtype))
+        nbytes = min(GPU_COPY_BYTES, max(torch.cuda.mem_get_info(ctx.device)[0] // 8, 2**20))
+        ctx.roof_preps = prepare_roofs(ctx, ctx.rounds, matmul_n=GPU_MATMUL_N, copy_bytes=nbytes, dtype=torch.bfloat16)
+    else:
+        ctx.roof_preps = prepare_roofs(ctx, ctx.rounds, matmul_n=256, copy_bytes=4 * 2**20, dtype=torch.float32)
+    log(f"method: interleaved rounds (>= {args.rounds}) with the roofs as pseudo-implementations")
+
+
+def _run_context(args, parser, device: torch.device, log) -> tuple[Context, list[str]]:
+    """The run's context (shapes, backends, baselines, options) and its suites, in order."""
+    use_cuda = device.type == "cuda"
+    dtype = args.dtype or (torch.bfloat16 if use_cuda else torch.float32)
+    presets, chosen = resolve_presets(args, parser, device)
+    suites = ([s for s in SUITE_ORDER if SUITES[s].default] if not args.suites else
+              list(SUITE_ORDER) if "all" in args.suites else list(dict.fromkeys(args.suites)))
+    backends = args.backend or (("triton", "torch") if use_cuda else ("torch",))
+    baselines = DEFAULT_BASELINES if args.baselines is None else args.baselines
     ctx = Context(
         device=device, dtype=dtype, presets=presets, presets_chosen=chosen, tokens=args.tokens,
         routings=args.routing, backends=tuple(backends), baselines=tuple(baselines), seed=args.seed, log=log,
         ep_world_sizes=args.ep_world_sizes, ep_degrees=args.ep_degrees, ep_timeout_s=args.ep_timeout,
     )
-    plans = {s: plan(ctx, s) for s in suites}
-    if args.list:
-        for s in suites:
-            for line in SUITES[s].describe(ctx) if SUITES[s].describe is not None else ():
-                print(f"{s}/{line}")
-            for c in plans[s]:
-                for e in c.entries:
-                    print(f"{s}/{c.label}/{e.mode} [{e.impl}]")
-        print(f"{sum(count_entries(c) for c in plans.values())} entries")
-        return 0
+    return ctx, suites
 
-    env = environment(argv, device)
+
+def _print_list(ctx: Context, suites: list[str], plans: dict) -> None:
+    for s in suites:
+        for line in SUITES[s].describe(ctx) if SUITES[s].describe is not None else ():
+            print(f"{s}/{line}")
+        for c in plans[s]:
+            for e in c.entries:
+                print(f"{s}/{c.label}/{e.mode} [{e.impl}]")
+    print(f"{sum(count_entries(c) for c in plans.values())} entries")
+
+
+def _resolve_outputs(args, env: dict) -> None:
+    """--results-dir: <dir>/<gpu>-<date>.{json,md,png} where not named explicitly."""
     if args.results_dir:
         stem = Path(args.results_dir) / f"{slug(env['gpu_name'] or 'cpu')}-{env['date_utc'][:10]}"
         args.json = args.json or f"{stem}.json"
         args.markdown = args.markdown or f"{stem}.md"
         args.plot = args.plot or f"{stem}.png"
-    if use_cuda:
+
+
+def _log_run(args, argv: list[str], ctx: Context, suites: list[str], env: dict, log) -> None:
+    """The run's opening lines: the mode, the machine, what is measured."""
+    if ctx.is_cuda:
         log(f"GPU MODE: {env['gpu_name']} (driver {env['driver']}, CUDA {env['cuda']}), torch {env['torch']}, "
             f"triton {env['triton']}")
     else:
@@ -389,37 +457,35 @@ def run(args, parser, argv: list[str]) -> int:
             log("default CPU set: tritonmoe's reference path (backend 'torch') and the plain-PyTorch baselines at "
                 "the small preset, and the ep suite over gloo")
         log(f"torch {env['torch']}, triton {env['triton']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch threads")
-    log(f"suites {','.join(suites)}; presets {','.join(p.name for p in presets)}; dtype {dtype_name(dtype)}; "
-        f"backends {','.join(backends)}; baselines {','.join(baselines) or 'none'}; reps {args.reps}, warm-up {args.warmup}")
+    log(f"suites {','.join(suites)}; presets {','.join(p.name for p in ctx.presets)}; dtype {dtype_name(ctx.dtype)}; "
+        f"backends {','.join(ctx.backends)}; baselines {','.join(ctx.baselines) or 'none'}; reps {args.reps}, "
+        f"warm-up {args.warmup}")
     if args.reps < DEFAULT_REPS:
         log(f"reps={args.reps} < {DEFAULT_REPS}: a quick run, the quantiles are rough")
 
-    telemetry = Telemetry.disabled("--no-telemetry") if args.no_telemetry else Telemetry.create(device, log=log)
-    timer = Timer(device, reps=args.reps, warmup=args.warmup, flush=not args.no_flush, telemetry=telemetry)
-    ctx.timer = timer
-    if any(SUITES[s].plan is not None for s in suites):
-        ctx.roofs = measure_roofs(timer, dtype, log=log)
-        for line in describe(ctx.roofs):
-            log(line)
-    if not use_cuda:
-        log("peak memory: not measured on CPU (reported as None)")
 
-    config = {
+def _run_config(args, ctx: Context, suites: list[str], timer: Timer, telemetry: Telemetry) -> dict:
+    return {
         "suites": suites,
-        "presets": [p.name for p in presets],
+        "presets": [p.name for p in ctx.presets],
         "tokens": list(args.tokens) if args.tokens else None,
         "routings": [r.label for r in args.routing] if args.routing else None,
-        "dtype": dtype_name(dtype),
-        "backends": list(backends),
-        "baselines": list(baselines),
+        "dtype": dtype_name(ctx.dtype),
+        "backends": list(ctx.backends),
+        "baselines": list(ctx.baselines),
         "reps": args.reps,
         "warmup": args.warmup,
         "l2_flush": timer.flushes,
         "seed": args.seed,
-        "device": str(device),
+        "device": str(ctx.device),
         "telemetry": telemetry.enabled,
+        "rounds": args.rounds,
     }
-    doc = new_doc(env, config, ctx.roofs, notes)
+
+
+def _run_suites(args, ctx: Context, suites: list[str], plans: dict, doc: dict, t0: float, log) -> None:
+    """Each suite in turn, its rows appended to ``doc`` (checkpointed after every case); the
+    document is complete unless interrupted."""
     total = sum(count_entries(c) for c in plans.values())
     total += sum(len(SUITES[s].describe(ctx)) for s in suites if SUITES[s].describe is not None)
     progress_on = args.progress if args.progress is not None else (sys.stdout.isatty() and sys.stderr.isatty())
@@ -446,9 +512,10 @@ def run(args, parser, argv: list[str]) -> int:
         checkpoint()
     else:
         doc["complete"] = True
-    telemetry.close()
-    print_layer_fractions(doc["results"])
 
+
+def _write_outputs(args, doc: dict, t0: float, log) -> int:
+    """The closing count, the files asked for; the exit status."""
     doc["wall_time_s"] = time.perf_counter() - t0
     rows = doc["results"]
     n_ok = sum(r["status"] == "ok" for r in rows)
@@ -533,6 +600,10 @@ def _main(argv: list[str]) -> int:
         return faults.main(argv[1:])
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
+    if argv[:1] == ["agree"]:
+        from . import agreement
+
+        return agreement.main(argv[1:])
     if argv[:1] == ["report"]:
         return report_main(argv[1:])
     if argv[:1] == ["check"]:

@@ -5,46 +5,54 @@
 1. the ``gpu``-marked tests (:mod:`bench.gpu_tests`: ``pytest -m gpu`` split into up to 8
    concurrent pytest processes balanced by an estimate, one deadline for all; the merged summary
    goes to ``<gpu>-<date>-gpu-tests.{json,md}`` and its outcome into the final table);
-2. the roofs (dense bf16 8192^3 matmul, 1 GiB device copy) and the harness's core set, section by
-   section (:data:`SECTIONS`): the router, permute / unpermute row movement, the grouped FFN and
-   ``moe_ffn`` forward and forward+backward, decode ``moe_ffn`` and the layer, each against the
-   roofs and baselines measured in the same run;
+2. the roofs (dense bf16 8192^3 matmul, 1 GiB device copy), a sentinel measurement
+   (:mod:`bench.stability`: the grouped FFN forward at Mixtral-like T = 4096, again after the
+   middle section and at the end; a drift over 5% marks the run unstable), and the harness's
+   core set, section by section (:data:`SECTIONS`): the router, permute / unpermute row movement,
+   the grouped FFN and ``moe_ffn`` forward and forward+backward beside ``torch._grouped_mm`` and
+   Liger-Kernel's fused MoE, decode ``moe_ffn`` and the layer;
 3. the targets (:mod:`bench.targets`, one table) judged on those rows;
 
 writes ``<results-dir>/<gpu>-<date>.{json,md}`` (``<gpu>-<date>-2``, ``-3``, ... when that day already
-has one; the harness's result schema plus a ``check`` object: tests, sections, targets, the commit
-measured) and prints the target table last.
+has one; the harness's result schema plus a ``check`` object: tests, sections, targets,
+stability, the commit measured) and prints the target table last.
 
-Time budget on one H100 or H200 (the whole command must stay under 9 minutes; a device call may
-run 10). Estimates per section, for a cold Triton cache (the tests compile most kernels first;
-the grouped GEMM autotunes its pipeline depth on first use):
+The method (docs/benchmarking.md): each comparison (one case, one mode) builds its inputs once,
+prepares every implementation (compile, >= 200 ms warm-up, ``N`` calls captured into a CUDA graph
+so one replay lasts >= 1 ms; eager event timing where capture fails, and the row says so), and
+times them in interleaved rounds with the roof GEMM and copy as pseudo-implementations
+(:mod:`bench.rounds`): >= 100 rounds for the microsecond sections (route, permute, decode, with
+the L2 flushed before each call and the flush subtracted), >= 30 rounds and 0.5 s of device time
+per implementation for the millisecond ones (ffn, layer). Ratios and roof fractions are medians of
+per-round ratios; rows carry the timing mode, rounds, min / median / p20 / p80, eager time, per-rep
+SM clocks and throttle reasons (NVML, read-only), per-clock efficiency and the noisy flag.
+
+Time budget on one H100 or H200 (a device call may run 10 minutes; the device script gives the
+check about 4.5 of part one's 8). Estimates per section, after the untimed warm-up
+(``--compile-only``) has compiled every kernel; they are estimates from the counts above until a
+run's ``check.sections`` record measures them:
 
 ==========  =======  ==========================================================================
 section     est. s   what dominates
 ==========  =======  ==========================================================================
-startup         20   imports, CUDA context, roofs (20 reps of a 1.1 TFLOP matmul, 1 GiB copies)
-tests          330   (cap) pytest -m gpu in 8 shards: Triton compiles, then small-to-realistic
-                     shapes (~900 s of serial estimates, so ~150 s on 16 cores)
-route           20   ~8 kernel compiles; 8 cases x 4 entries x 110 calls of 5 us - 2 ms
-permute         15   ~6 compiles; 2 cases x 2 ops x ~8 entries x 40 calls of 0.1 - 1 ms
-ffn             70   GEMM compiles and pipeline-depth autotuning; 12 calls per entry of 5 - 60 ms
-decode          45   decode kernels; 6 cases x 3 entries x 40 calls of 0.1 - 3 ms
-layer           20   2 cases x 4 entries x 12 calls of 10 - 300 ms
+startup         15   imports, CUDA context, roofs, the sentinel (3 x ~1 s)
+tests          330   (cap; the device script runs them in part two instead: --skip-tests)
+route           35   16 comparisons x (2 impls + 2 roofs) x 100 rounds of ~1 ms replays + flushes
+permute         30   12 comparisons x 2-3 impls x 100 rounds; permute's fwd is eager (host sync)
+ffn             70   8 comparisons x 2-4 impls, 30-50 rounds of 4-30 ms (0.5 s per impl)
+decode          40   6 comparisons x 5 impls x 100 rounds of ~1 ms replays + flushes
+layer           40   4 comparisons x 2 impls x 30 rounds of 10-300 ms
 ==========  =======  ==========================================================================
 
 ``--budget-s`` (default 530) bounds the whole command: a section whose estimate no longer fits
 in what is left is skipped and says so (its targets read "not measured"), and inside a section
 that overruns its estimate the cases that would start in the last 15 s are skipped, so the run
-ends with its table and files (one case can still overrun by its own length). The section estimates are the
-first H100 run's measured times (route 10 s, permute 6 s, ffn 42 s, decode 36 s, layer 8 s, after
-the tests had warmed the Triton cache) with a margin; that run's tests ran in one process and did
-not finish in a 210 s cap (23 of 87): they now run as concurrent shards, and the cap is what the
-sections leave of the budget. ``make gpu-tests`` runs the same tests alone (one device call), so
-a session can spend one call on the tests and one on ``make gpu-check CHECK_ARGS=--skip-tests``. The ``check.sections``
-record of a result file has each section's measured wall time to correct them with.
+ends with its table and files (one case can still overrun by its own length). ``make gpu-tests``
+runs the tests alone (one device call). The ``check.sections`` record of a result file has each
+section's measured wall time to correct the estimates with.
 
 Without a CUDA device it runs the same sections at CPU stand-in shapes on the reference path and
-the torch baselines (end to end in well under a minute), says that the GPU targets are skipped,
+the torch baselines, in 3 wall-clock rounds (end to end in well under a minute), says that the GPU targets are skipped,
 and writes result files only where ``--json`` / ``--markdown`` name them (``bench/results``
 holds GPU results).
 
@@ -71,10 +79,13 @@ import torch
 from . import report, schema
 from . import suites as S
 from . import targets as TG
-from .harness import Timer, environment, first_line, free_memory, new_row
+from .harness import Timer, environment, first_line, free_memory, new_row, quantile
 from .presets import PRESETS, parse_routing
-from .roofs import describe, dtype_name, measure_roofs
+from .rounds import NOISY_SPREAD, run_rounds
+from .roofs import GPU_COPY_BYTES, GPU_MATMUL_N, describe, dtype_name, measure_roofs
+from .stability import Sentinel
 from .telemetry import Telemetry
+from .timing import CpuBackend, CudaBackend, DeviceTimer, NullClock, NvmlClock, flop_per_clock_sm
 
 #: Seconds the whole ``check`` command may take by default (9 minutes minus a margin).
 DEFAULT_BUDGET_S = 530.0
@@ -85,6 +96,9 @@ DEFAULT_TESTS_TIMEOUT_S = 330.0
 CASE_RESERVE_S = 15.0
 
 UNIFORM = parse_routing("uniform")
+
+#: The sentinel entry re-measured at the start, middle and end of the run (bench.stability).
+SENTINEL_NAME = "ffn/grouped_ffn mixtral-8x7b-like T=4096 uniform/fwd [triton] (CPU: small T=64 [torch])"
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,15 @@ class Section:
     plan: Callable[[S.Context, bool], list[S.Case]]
     modes: tuple[str, ...] | None = None
     impls: tuple[str, ...] | None = None
+    #: Interleaved rounds on a GPU (bench.timing / bench.rounds): the L2 flushed before every
+    #: call and the flush subtracted (microsecond ops whose inputs fit in the L2), at least
+    #: ``min_rounds`` rounds and ``min_device_s`` of device time per implementation.
+    cold_l2: bool = False
+    min_rounds: int = 30
+    min_device_s: float = 0.5
+    #: Reps that also time one eager call (10 for millisecond entries, whose eager call costs
+    #: as much as their replay).
+    eager_reps: int = 30
 
     def cases(self, ctx: S.Context, gpu: bool) -> list[S.Case]:
         out = []
@@ -150,7 +173,7 @@ def plan_ffn(ctx: S.Context, gpu: bool) -> list[S.Case]:
     """grouped_ffn and moe_ffn at Mixtral-like T = 16384 and Qwen3-30B-A3B-like T = 32768, against
     torch._grouped_mm (the reference path's fp32 GEMMs would take minutes here and are left out)."""
     if gpu:
-        c = _with(ctx, backends=("triton",), baselines=("grouped_mm",))
+        c = _with(ctx, backends=("triton",), baselines=("grouped_mm", "liger"))
         runs = [(PRESETS["mixtral-8x7b-like"], 16384), (PRESETS["qwen3-30b-a3b-like"], 32768)]
         return [case for p, T in runs for case in (S.grouped_ffn_case(c, p, T, UNIFORM), S.moe_ffn_case(c, p, T, UNIFORM))]
     c = _with(ctx, backends=("torch",), baselines=("grouped_mm", "loop"))
@@ -162,7 +185,8 @@ def plan_decode(ctx: S.Context, gpu: bool) -> list[S.Case]:
     torch._grouped_mm and the per-expert loop; bound by reading the active experts' weights."""
     presets = [PRESETS["mixtral-8x7b-like"], PRESETS["qwen3-30b-a3b-like"]] if gpu else [PRESETS["small"]]
     # on CPU the routed-FFN cases need a non-reference backend; "auto" is the reference there
-    c = _with(ctx, backends=("triton",) if gpu else ("auto",), baselines=("grouped_mm", "loop"))
+    c = _with(ctx, backends=("triton",) if gpu else ("auto",),
+              baselines=("grouped_mm", "loop", "liger") if gpu else ("grouped_mm", "loop"))
     return [S.moe_ffn_case(c, p, T, UNIFORM) for p in presets for T in (1, 8, 64)]
 
 
@@ -177,14 +201,15 @@ def plan_layer(ctx: S.Context, gpu: bool) -> list[S.Case]:
 
 #: The core set, in run order.
 SECTIONS: tuple[Section, ...] = (
-    Section("route", "router forward and forward+backward", 20, reps=100, warmup=10, plan=plan_route,
-            modes=("fwd", "fwd+bwd")),
-    Section("permute", "permute / unpermute: the op, the row movement alone, the metadata", 15, reps=30, warmup=5,
-            plan=plan_permute),
-    Section("ffn", "grouped FFN and moe_ffn forward and forward+backward", 70, reps=10, warmup=2, plan=plan_ffn),
-    Section("decode", "moe_ffn decode forward at T = 1, 8, 64", 45, reps=30, warmup=5, plan=plan_decode,
-            modes=("fwd",)),
-    Section("layer", "MoELayer forward and forward+backward", 20, reps=10, warmup=2, plan=plan_layer),
+    Section("route", "router forward and forward+backward", 35, reps=100, warmup=10, plan=plan_route,
+            modes=("fwd", "fwd+bwd"), cold_l2=True, min_rounds=100, min_device_s=0.0),
+    Section("permute", "permute / unpermute: the op, the row movement alone, the metadata", 30, reps=30, warmup=5,
+            plan=plan_permute, cold_l2=True, min_rounds=100, min_device_s=0.0),
+    Section("ffn", "grouped FFN and moe_ffn forward and forward+backward, beside torch._grouped_mm and Liger", 70,
+            reps=10, warmup=2, plan=plan_ffn, eager_reps=10),
+    Section("decode", "moe_ffn decode forward at T = 1, 8, 64", 40, reps=30, warmup=5, plan=plan_decode,
+            modes=("fwd",), cold_l2=True, min_rounds=100, min_device_s=0.0),
+    Section("layer", "MoELayer forward and forward+backward", 40, reps=10, warmup=2, plan=plan_layer, eager_reps=10),
 )
 SECTION_NAMES = tuple(s.name for s in SECTIONS)
 
@@ -207,7 +232,7 @@ class Runner:
     def run_tests(self, timeout_s: float, log: Callable[[str], None], out_prefix: str | None = None) -> dict:
         """The gpu-marked tests as concurrent pytest shards (:mod:`bench.gpu_tests`), all done
         within ``timeout_s``; the merged summary goes to ``<out_prefix>.{json,md}`` (shard logs in
-        ``<out_prefix>-logs/``). Returns :func:`tests_record` of it."""
+        :func:`bench.gpu_tests.shard_logs_dir`: an ignored folder for bench/results). Returns :func:`tests_record` of it."""
         from . import gpu_tests as GT
 
         opt = GT.Options(python=sys.executable, deadline_s=timeout_s)
@@ -234,6 +259,61 @@ class Runner:
 
     def run_case(self, ctx: S.Context, case: S.Case) -> list[dict]:
         return S.run_case(ctx, case)
+
+    def device_timer(self, ctx: S.Context, telemetry: Telemetry, *, cold_l2: bool = False, min_rounds: int = 30,
+                     min_device_s: float = 0.5, eager_reps: int = 30) -> DeviceTimer:
+        """The interleaved-rounds timer: CUDA graphs, events and NVML clocks on a GPU; on CPU
+        wall-clock rounds without warm-up (the stand-in shapes check the pipeline, not speed)."""
+        if self.device.type == "cuda":
+            return DeviceTimer(CudaBackend(self.device), NvmlClock.from_telemetry(telemetry), cold_l2=cold_l2,
+                               min_rounds=min_rounds, min_device_s=min_device_s, max_rounds=max(min_rounds, 1000),
+                               eager_reps=eager_reps)
+        return DeviceTimer(CpuBackend(), NullClock(), warmup_s=0.0, min_rounds=min_rounds, min_device_s=0.0,
+                           max_rounds=min_rounds)
+
+    def round_roofs(self, ctx: S.Context, timer: DeviceTimer) -> dict:
+        """The roof pseudo-implementations joining every comparison (8192^3 bf16 matmul and a
+        1 GiB copy on a GPU; a 256^3 fp32 matmul and a 4 MiB copy on CPU)."""
+        if self.device.type == "cuda":
+            nbytes = min(GPU_COPY_BYTES, max(torch.cuda.mem_get_info(self.device)[0] // 8, 2**20))
+            return S.prepare_roofs(ctx, timer, matmul_n=GPU_MATMUL_N, copy_bytes=nbytes, dtype=torch.bfloat16)
+        return S.prepare_roofs(ctx, timer, matmul_n=256, copy_bytes=4 * 2**20, dtype=torch.float32)
+
+    def device_info(self, ctx: S.Context) -> tuple[int | None, float | None]:
+        """(SMs, peak dense FLOP per clock per SM in the run's dtype) for per-clock efficiency;
+        (None, None) on CPU or an unknown architecture."""
+        if self.device.type != "cuda":
+            return None, None
+        props = torch.cuda.get_device_properties(self.device)
+        return int(props.multi_processor_count), flop_per_clock_sm(f"{props.major}.{props.minor}",
+                                                                     dtype_name(ctx.dtype))
+
+    def sentinel(self, ctx: S.Context, telemetry: Telemetry) -> Callable[[], dict] | None:
+        """The sentinel's measurement (bench.stability): the grouped FFN forward, built afresh from
+        the same seed each time, 30 rounds of the device timer."""
+        gpu = self.device.type == "cuda"
+        preset, T = (PRESETS["mixtral-8x7b-like"], 4096) if gpu else (PRESETS["small"], 64)
+        c = _with(ctx, backends=("triton",) if gpu else ("torch",), baselines=())
+
+        def measure() -> dict:
+            case = S.grouped_ffn_case(c, preset, T, UNIFORM)
+            entry = next(e for e in case.entries if e.mode == "fwd")
+            timer = self.device_timer(ctx, telemetry, min_rounds=30 if gpu else 3, min_device_s=0.0)
+            import tritonmoe as tm
+
+            with tm.validation(False):
+                state = case.build()
+                fn, _ = entry.make(state)
+                prep = timer.prepare("sentinel", fn)
+                run_rounds(timer, [prep])
+            times = sorted(r.device_s for r in prep.reps)
+            mhz = [r.mhz for r in prep.reps if r.mhz]
+            del state, fn, prep
+            free_memory()
+            return {"median_s": quantile(times, 0.5), "p20_s": quantile(times, 0.2), "p80_s": quantile(times, 0.8),
+                    "mhz": quantile(sorted(mhz), 0.5) if mhz else None, "rounds": len(times)}
+
+        return measure
 
 
 def tests_record(summary: dict, max_failing: int = 60) -> dict:
@@ -285,9 +365,12 @@ def build_parser(prog: str = "python -m bench check") -> argparse.ArgumentParser
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help=f"wall-time budget of the whole command (default {DEFAULT_BUDGET_S:.0f} s): sections that "
                    "no longer fit are skipped")
-    p.add_argument("--reps-scale", type=float, default=1.0, help="multiply every section's reps (min 3)")
+    p.add_argument("--reps-scale", type=float, default=1.0, help="multiply every section's reps and, on a GPU, its minimum rounds (min 3)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is not met")
     p.add_argument("--list", action="store_true", help="print the planned entries and targets, then exit")
+    p.add_argument("--compile-only", action="store_true",
+                   help="the untimed warm-up: build every case and call every entry once (Triton compiles and "
+                   "autotunes), time nothing, write nothing")
     return p
 
 
@@ -337,128 +420,246 @@ def _cpu_threads(gpu: bool):
 
 
 def run_check(argv: list[str], runner: Runner | None = None) -> int:
+    """``python -m bench check``: parse ``argv``, then run on ``runner`` (the real device unless
+    a test passes a fake one); the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
     device = _resolve_device(args.device) if runner is None else runner.device
     with _cpu_threads(device.type == "cuda"):
         return _run_check(args, argv, device, runner or Runner(device))
 
 
+@dataclass
+class _Run:
+    """The state of one check run shared by its steps: the arguments, the device runner, the
+    context, the result document and where it is written, the log."""
+
+    args: argparse.Namespace
+    runner: Runner
+    ctx: S.Context
+    gpu: bool
+    t0: float
+    notes: list[str]
+    doc: dict = dataclasses.field(default_factory=dict)
+    paths: dict = dataclasses.field(default_factory=dict)
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        self.notes.append(line)
+
+    def elapsed(self) -> float:
+        return self.runner.clock() - self.t0
+
+    def checkpoint(self) -> None:
+        """Rewrite the results file (after every case: an interrupted run keeps what it measured)."""
+        self.doc["wall_time_s"] = self.elapsed()
+        if self.paths.get("json"):
+            report.write_json(self.doc, self.paths["json"])
+
+
 def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> int:
-    t0 = runner.clock()
+    """The check's steps in order: list (``--list``) or compile only (``--compile-only``); else the
+    environment, the tests, the roofs, the sentinel, the sections, the targets and the files."""
     gpu = device.type == "cuda"
     sections = _sections(args.sections)
-    notes: list[str] = []
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        notes.append(line)
-
-    ctx = _context(device, log)
+    run = _Run(args, runner, None, gpu, runner.clock(), [])  # type: ignore[arg-type]
+    run.ctx = _context(device, run.log)
     if args.list:
-        for sec in sections:
-            cases = sec.cases(ctx, gpu)
-            print(f"[{sec.name}] {sec.about}: {sum(len(c.entries) for c in cases)} entries, reps {sec.reps}, "
-                  f"est. {sec.est_gpu_s:.0f} s on a GPU")
-            for c in cases:
-                for e in c.entries:
-                    print(f"  {c.suite}/{c.label}/{e.mode} [{e.impl}]")
-        for t in TG.TARGETS:
-            print(f"target: {t.name} {t.op} {t.goal:g}")
+        _print_plan(run.ctx, sections, gpu)
         return 0
-
+    if args.compile_only:
+        return _compile_only(run, sections)
     env = runner.environment(argv)
-    if gpu:
-        log(f"GPU MODE: {env['gpu_name']} (driver {env['driver']}, CUDA {env['cuda']}), torch {env['torch']}, "
-            f"triton {env['triton']}; commit {env['git_commit'] or 'unknown (set TRITONMOE_BENCH_COMMIT)'}"
-            + (" (dirty)" if env.get("git_dirty") else ""))
+    _log_mode(run, env)
+    run.paths = _output_paths(args, env, gpu, run.log)
+    tests = _run_tests(run)
+    telemetry = runner.telemetry(run.log)
+    run.ctx.roofs = runner.roofs(run.ctx)
+    for line in describe(run.ctx.roofs):
+        run.log(line)
+    run.ctx.sms, run.ctx.flop_per_clock = runner.device_info(run.ctx)
+    run.doc = {"schema_version": schema.SCHEMA_VERSION, "complete": False, "env": env,
+               "config": _config(run, sections, telemetry), "roofs": run.ctx.roofs, "results": [],
+               "notes": run.notes, "wall_time_s": 0.0}
+    sentinel = Sentinel(SENTINEL_NAME, runner.sentinel(run.ctx, telemetry))
+    _mark(run, sentinel, "start")
+    run.ctx.roof_preps = runner.round_roofs(run.ctx, runner.device_timer(run.ctx, telemetry))
+    section_log = []
+    for i, sec in enumerate(sections):
+        section_log.append(_run_section(run, sec, telemetry))
+        if i == (len(sections) - 1) // 2:
+            _mark(run, sentinel, "middle")
+    run.ctx.roof_preps = {}
+    free_memory()
+    _mark(run, sentinel, "end")
+    telemetry.close()
+    free_memory()
+    return _finish(run, env, tests, section_log, sentinel)
+
+
+def _print_plan(ctx: S.Context, sections: list[Section], gpu: bool) -> None:
+    """``--list``: every section's entries and the targets."""
+    for sec in sections:
+        cases = sec.cases(ctx, gpu)
+        print(f"[{sec.name}] {sec.about}: {sum(len(c.entries) for c in cases)} entries, rounds >= {sec.min_rounds}"
+              f"{' (cold L2)' if sec.cold_l2 else ''}, est. {sec.est_gpu_s:.0f} s on a GPU")
+        for c in cases:
+            for e in c.entries:
+                print(f"  {c.suite}/{c.label}/{e.mode} [{e.impl}]")
+    for t in TG.TARGETS:
+        print(f"target: {t.name} {t.op} {t.goal:g}")
+
+
+def _compile_only(run: _Run, sections: list[Section]) -> int:
+    """``--compile-only``: the untimed warm-up of the device script. Builds every case and calls
+    every entry once (Triton compiles and autotunes, caches fill); nothing is timed or written.
+    Exit status 0 (a failing entry is printed: the check proper records it)."""
+    for sec in sections:
+        t = run.runner.clock()
+        n = 0
+        for case in sec.cases(run.ctx, run.gpu):
+            n += compile_case(run.ctx, case, run.log)
+        run.log(f"compile-only: {sec.name}: {n} entries called once in {run.runner.clock() - t:.1f} s")
+    return 0
+
+
+def compile_case(ctx: S.Context, case: S.Case, log: Callable[[str], None]) -> int:
+    """Build a case and call each entry once; the number of entries that ran."""
+    import tritonmoe as tm
+
+    ran = 0
+    try:
+        with tm.validation(False):
+            state = case.build()
+    except Exception as exc:  # the check proper records it on the rows
+        log(f"  {case.label}: inputs not built ({first_line(exc)})")
+        return 0
+    for e in case.entries:
+        try:
+            with tm.validation(False):
+                fn, _ = e.make(state)
+                fn()
+            ran += 1
+        except Exception as exc:  # unavailable baselines and failures: one line, go on
+            log(f"  {case.suite}/{case.label}/{e.mode} [{e.impl}]: {first_line(exc)}")
+    del state
+    free_memory()
+    return ran
+
+
+def _log_mode(run: _Run, env: dict) -> None:
+    if run.gpu:
+        run.log(f"GPU MODE: {env['gpu_name']} (driver {env['driver']}, CUDA {env['cuda']}), torch {env['torch']}, "
+                f"triton {env['triton']}; commit {env['git_commit'] or 'unknown (set TRITONMOE_BENCH_COMMIT)'}"
+                + (" (dirty)" if env.get("git_dirty") else ""))
     else:
-        log("CPU MODE: no CUDA device. The gpu-marked tests are skipped and the GPU targets are not evaluated; "
-            "the sections run at small CPU stand-in shapes on the reference path and the torch baselines, "
-            "to check the pipeline end to end (times say nothing about GPU kernels).")
+        run.log("CPU MODE: no CUDA device. The gpu-marked tests are skipped and the GPU targets are not evaluated; "
+                "the sections run at small CPU stand-in shapes on the reference path and the torch baselines, "
+                "to check the pipeline end to end (times say nothing about GPU kernels).")
 
-    paths = _output_paths(args, env, gpu, log)
-    tests = dict(status="skipped", summary="no CUDA device" if not gpu else "--skip-tests", wall_s=0.0)
-    if gpu and not args.skip_tests:
-        prefix = str(Path(paths["json"]).with_suffix("")) + "-gpu-tests" if paths["json"] else None
-        tests = runner.run_tests(min(args.tests_timeout_s, max(30.0, args.budget_s - 120.0)), log, prefix)
-        log(f"tests: {tests['status']} ({tests['summary']}) in {tests['wall_s']:.0f} s")
 
-    telemetry = runner.telemetry(log)
-    ctx.roofs = runner.roofs(ctx)
-    for line in describe(ctx.roofs):
-        log(line)
-    config = {
-        "suites": sorted({c.suite for s in sections for c in s.cases(ctx, gpu)}),
-        "presets": sorted({c.params.get("preset") or "" for s in sections for c in s.cases(ctx, gpu)} - {""}),
+def _run_tests(run: _Run) -> dict:
+    """The gpu-marked tests (GPU, unless --skip-tests), capped by what the budget leaves."""
+    args = run.args
+    if not run.gpu or args.skip_tests:
+        return dict(status="skipped", summary="no CUDA device" if not run.gpu else "--skip-tests", wall_s=0.0)
+    prefix = str(Path(run.paths["json"]).with_suffix("")) + "-gpu-tests" if run.paths["json"] else None
+    tests = run.runner.run_tests(min(args.tests_timeout_s, max(30.0, args.budget_s - 120.0)), run.log, prefix)
+    run.log(f"tests: {tests['status']} ({tests['summary']}) in {tests['wall_s']:.0f} s")
+    return tests
+
+
+def _config(run: _Run, sections: list[Section], telemetry: Telemetry) -> dict:
+    ctx, gpu, args = run.ctx, run.gpu, run.args
+    cases = [c for s in sections for c in s.cases(ctx, gpu)]
+    return {
+        "suites": sorted({c.suite for c in cases}),
+        "presets": sorted({c.params.get("preset") or "" for c in cases} - {""}),
         "tokens": None,
         "routings": ["uniform"],
         "dtype": dtype_name(ctx.dtype),
         "backends": ["triton", "torch"] if gpu else ["torch"],
-        "baselines": ["grouped_mm", "loop"],
+        "baselines": ["grouped_mm", "loop", "liger"] if gpu else ["grouped_mm", "loop"],
         "reps": max(s.reps for s in sections) if sections else 0,
         "warmup": max(s.warmup for s in sections) if sections else 0,
         "l2_flush": gpu,
         "seed": ctx.seed,
-        "device": str(device),
+        "device": str(ctx.device),
         "telemetry": telemetry.enabled,
         "sections": [s.name for s in sections],
         "reps_per_section": {s.name: max(3, round(s.reps * args.reps_scale)) for s in sections},
+        "method": "interleaved rounds" if gpu else "interleaved rounds (CPU wall clock)",
+        "rounds_per_section": {s.name: _min_rounds(s, args, gpu) for s in sections},
+        "cold_l2_sections": [s.name for s in sections if s.cold_l2],
     }
-    doc = {"schema_version": schema.SCHEMA_VERSION, "complete": False, "env": env, "config": config,
-           "roofs": ctx.roofs, "results": [], "notes": notes, "wall_time_s": 0.0}
 
-    def checkpoint() -> None:
-        doc["wall_time_s"] = runner.clock() - t0
-        if paths["json"]:
-            report.write_json(doc, paths["json"])
 
-    section_log = []
-    for sec in sections:
-        elapsed = runner.clock() - t0
-        left = args.budget_s - elapsed
-        cases = sec.cases(ctx, gpu)
-        rec = dict(name=sec.name, estimate_s=sec.est_gpu_s, wall_s=0.0, entries=sum(len(c.entries) for c in cases))
-        if gpu and left < sec.est_gpu_s:
-            note = (f"skipped: time budget ({left:.0f} s left of --budget-s {args.budget_s:.0f}, section estimated "
-                    f"at {sec.est_gpu_s:.0f} s)")
-            log(f"{sec.name}: {note}")
-            for c in cases:
-                doc["results"].extend(_skipped_rows(c, note))
-            section_log.append(dict(rec, status="skipped"))
+def _min_rounds(sec: Section, args, gpu: bool) -> int:
+    return max(3, round(sec.min_rounds * args.reps_scale)) if gpu else 3
+
+
+def _mark(run: _Run, sentinel: Sentinel, at: str) -> None:
+    point = sentinel.mark(at)
+    if point is not None:
+        run.log(f"sentinel {at}: " + (f"{point['median_s'] * 1e6:.1f} us" if "median_s" in point else point["error"]))
+
+
+def _run_section(run: _Run, sec: Section, telemetry: Telemetry) -> dict:
+    """One section: skipped when its estimate no longer fits the budget; else its cases in
+    interleaved rounds, each case skipped once the budget's reserve is reached. Its record."""
+    args, ctx, gpu = run.args, run.ctx, run.gpu
+    left = args.budget_s - run.elapsed()
+    cases = sec.cases(ctx, gpu)
+    rec = dict(name=sec.name, estimate_s=sec.est_gpu_s, wall_s=0.0, entries=sum(len(c.entries) for c in cases))
+    if gpu and left < sec.est_gpu_s:
+        note = (f"skipped: time budget ({left:.0f} s left of --budget-s {args.budget_s:.0f}, section estimated "
+                f"at {sec.est_gpu_s:.0f} s)")
+        run.log(f"{sec.name}: {note}")
+        for c in cases:
+            run.doc["results"].extend(_skipped_rows(c, note))
+        return dict(rec, status="skipped")
+    reps = max(3, round(sec.reps * args.reps_scale))
+    ctx.timer = run.runner.timer(reps if gpu else 3, sec.warmup if gpu else 1, telemetry)
+    ctx.rounds = run.runner.device_timer(ctx, telemetry, cold_l2=sec.cold_l2, min_rounds=_min_rounds(sec, args, gpu),
+                                         min_device_s=sec.min_device_s if gpu else 0.0, eager_reps=sec.eager_reps)
+    ts = run.runner.clock()
+    first = len(run.doc["results"])
+    for case in cases:
+        if gpu and run.elapsed() > args.budget_s - CASE_RESERVE_S:
+            # a section that overruns its estimate must not take the final table with it
+            note = f"skipped: time budget (--budget-s {args.budget_s:.0f} reached inside section {sec.name})"
+            run.doc["results"].extend(_skipped_rows(case, note))
             continue
-        reps = max(3, round(sec.reps * args.reps_scale))
-        ctx.timer = runner.timer(reps if gpu else 3, sec.warmup if gpu else 1, telemetry)
-        ts = runner.clock()
-        first = len(doc["results"])
-        for case in cases:
-            if gpu and runner.clock() - t0 > args.budget_s - CASE_RESERVE_S:
-                # a section that overruns its estimate must not take the final table with it
-                note = f"skipped: time budget (--budget-s {args.budget_s:.0f} reached inside section {sec.name})"
-                doc["results"].extend(_skipped_rows(case, note))
-                continue
-            doc["results"].extend(runner.run_case(ctx, case))
-            checkpoint()
-        rows = doc["results"][first:]
-        rec.update(wall_s=runner.clock() - ts, status="ran")
-        section_log.append(rec)
-        report.print_suite(rows, f"{sec.name}: {sec.about}  [{rec['wall_s']:.1f} s, est. {sec.est_gpu_s:.0f} s on a GPU]")
-    telemetry.close()
-    free_memory()
+        run.doc["results"].extend(run.runner.run_case(ctx, case))
+        run.checkpoint()
+    ctx.rounds = None
+    rows = run.doc["results"][first:]
+    rec.update(wall_s=run.runner.clock() - ts, status="ran")
+    report.print_suite(rows, f"{sec.name}: {sec.about}  [{rec['wall_s']:.1f} s, est. {sec.est_gpu_s:.0f} s on a GPU]")
+    noisy = [r["name"] + f" [{r['impl']}]" for r in rows if (r.get("timing") or {}).get("noisy")]
+    if noisy:
+        run.log(f"{sec.name}: noisy (p80/p20 > {NOISY_SPREAD:.2f}): {', '.join(noisy)}")
+    return rec
 
-    results = TG.evaluate(doc["results"], ctx.roofs,
+
+def _finish(run: _Run, env: dict, tests: dict, section_log: list[dict], sentinel: Sentinel) -> int:
+    """Judge the targets, write the files, print the final table; the exit status."""
+    doc, gpu = run.doc, run.gpu
+    results = TG.evaluate(doc["results"], run.ctx.roofs,
                           skipped_reason=None if gpu else "CPU mode: GPU targets need an H100/H200")
     n_err = sum(r["status"] == "error" for r in doc["results"])
     doc["check"] = {"commit": env.get("git_commit"), "dirty": env.get("git_dirty"), "tests": tests,
                     "sections": section_log, "targets": results, "summary": TG.summary(results)}
+    stability = sentinel.record()
+    if stability is not None:
+        doc["check"]["stability"] = stability
     doc["complete"] = True
-    doc["wall_time_s"] = runner.clock() - t0
-    if paths["json"]:
-        report.write_json(doc, paths["json"])
-        print(f"results: {paths['json']}")
-    if paths["markdown"]:
-        report.write_text_atomic(paths["markdown"], render_markdown(doc))
-        print(f"markdown: {paths['markdown']}")
-
+    doc["wall_time_s"] = run.elapsed()
+    if run.paths["json"]:
+        report.write_json(doc, run.paths["json"])
+        print(f"results: {run.paths['json']}")
+    if run.paths["markdown"]:
+        report.write_text_atomic(run.paths["markdown"], render_markdown(doc))
+        print(f"markdown: {run.paths['markdown']}")
     counts = TG.summary(results)
     print()
     print(f"== targets ({env.get('gpu_name') or 'CPU'}, commit {env.get('git_commit') or 'unknown'}"
@@ -468,10 +669,11 @@ def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> i
     print(", ".join(f"{n} {k}" for k, n in counts.items()))
     for line in tests_lines(tests):
         print(line)
+    print(sentinel.line())
     if not gpu:
         print("CPU MODE: GPU targets skipped (run `make gpu-check` on an H100/H200).")
     failed = tests["status"] in ("failed", "timed out") or n_err > 0
-    if args.strict and counts.get("not met", 0) + counts.get("not measured", 0):
+    if run.args.strict and counts.get("not met", 0) + counts.get("not measured", 0):
         failed = True
     return 1 if failed else 0
 

@@ -200,7 +200,7 @@ def _spawned_rank(rank: int, P: int, port: int, spec: dict, outdir: str, timeout
     os._exit(1)
 
 
-def _run_spawned(P: int, spec: dict, timeout_s: float, measure=None, what: str = "bench.ep") -> list:
+def run_spawned(P: int, spec: dict, timeout_s: float, measure=None, what: str = "bench.ep") -> list:
     """Spawn P gloo ranks running ``measure`` (default: this module's); kill them if none makes
     progress for timeout_s seconds. Every rank's result, in rank order."""
     ctx = mp.get_context("spawn")
@@ -305,7 +305,7 @@ def run_ep(
     for P in world_sizes:
         if num_experts % P:
             raise ValueError(f"num_experts={num_experts} is not divisible by world size {P}")
-        results += _aggregate(_run_spawned(P, spec, timeout_s), spec, P, "gloo")
+        results += _aggregate(run_spawned(P, spec, timeout_s), spec, P, "gloo")
     return results
 
 
@@ -360,3 +360,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+_run_spawned = run_spawned  # the old private name

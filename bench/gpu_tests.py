@@ -29,7 +29,8 @@ Every shard writes one JSON line per test event through :mod:`bench._shard_plugi
 it happens, so even a killed shard says which tests passed, failed or were running. The merged
 summary (per test: status, shard, duration, message; per shard: its tests, wall time, exit
 status, the tail of its output when it failed) is written as ``<prefix>.json`` and
-``<prefix>.md`` (each shard's whole output in ``<prefix>-logs/``), and printed.
+``<prefix>.md`` (each shard's whole output in ``<prefix>-logs/``, or under the ignored
+``bench/out/gpu-tests-logs/`` for a summary in ``bench/results/``), and printed.
 
 Balancing estimates: measured durations from an earlier summary (``--estimates FILE``, or the
 newest ``*-gpu-tests.json`` in the results directory, else in ``bench/results``), else
@@ -443,23 +444,64 @@ def _results_of(shard: Shard, events: list[dict]) -> tuple[dict[str, dict], list
     return results, unstarted
 
 
-def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[str], None] = print,
-        measured: Optional[dict[str, float]] = None, clock: Callable[[], float] = time.monotonic) -> dict:
-    """Collect, shard, run and merge (see the module docstring). Returns the summary dict;
-    writes ``<out_prefix>.json`` / ``.md`` and ``<out_prefix>-logs/`` when ``out_prefix`` is
-    given (else the logs go to a temporary directory that is kept)."""
-    t0 = clock()
-    deadline = t0 + opt.deadline_s
-    if out_prefix is None:
+#: Where shard logs go when the summary is written into the committed ``bench/results/``: an
+#: ignored folder (results and their write-ups are committed, the shards' raw logs are not).
+SHARD_LOGS_ROOT = REPO_ROOT / "bench" / "out" / "gpu-tests-logs"
+
+
+def shard_logs_dir(out_prefix: str | Path) -> Path:
+    """The shard logs' folder of a summary written to ``<out_prefix>.{json,md}``:
+    ``<out_prefix>-logs/`` beside it, except for a summary in the repository's ``bench/results/``,
+    whose logs go to ``bench/out/gpu-tests-logs/<name>-logs/`` (ignored by git)."""
+    prefix = Path(out_prefix).absolute()
+    if prefix.parent.resolve() == (REPO_ROOT / "bench" / "results").resolve():
+        return SHARD_LOGS_ROOT / f"{prefix.name}-logs"
+    return Path(f"{prefix}-logs")
+
+
+def _log_dir(out_prefix: Optional[str | Path], logs_dir: Optional[str | Path]) -> Path:
+    """The shard logs' folder, created: ``logs_dir``, else :func:`shard_logs_dir` of the prefix,
+    else (no prefix) a temporary directory that is kept. Absolute: the shards' cwd is opt.root."""
+    if logs_dir is not None:
+        log_dir = Path(logs_dir).absolute()
+    elif out_prefix is None:
         import tempfile
 
         log_dir = Path(tempfile.mkdtemp(prefix="tritonmoe-gpu-tests-"))
     else:
-        log_dir = Path(f"{out_prefix}-logs").absolute()  # the shards' cwd is opt.root
-        log_dir.mkdir(parents=True, exist_ok=True)
-    summary = dict(kind="tritonmoe gpu-tests", marker=opt.marker, paths=list(opt.paths),
-                   pytest_args=list(opt.pytest_args), shards_planned=0, jobs=opt.shards, deadline_s=opt.deadline_s,
-                   test_timeout_s=opt.test_timeout_s, logs=str(log_dir), collection="", tests=[], shards=[])
+        log_dir = shard_logs_dir(out_prefix)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir
+
+
+def _plan(opt: Options, ids: list[str], measured: dict[str, float], log_dir: Path,
+          log: Callable[[str], None]) -> list[Shard]:
+    """The shards to run, balanced by the measured (or estimated) durations."""
+    pending: list[Shard] = []
+    for i, s in enumerate(plan_shards(ids, opt.shards, measured, opt.heavy)):
+        pending.append(Shard(str(i), s, sum(estimate_of(t, measured) for t in s),
+                             log_dir / f"shard-{i}.log", log_dir / f"shard-{i}.events"))
+        log(f"  shard {i}: {len(s)} tests, estimated {pending[-1].estimate_s:.0f} s")
+    return pending
+
+
+def _new_summary(opt: Options, log_dir: Path) -> dict:
+    return dict(kind="tritonmoe gpu-tests", marker=opt.marker, paths=list(opt.paths),
+                pytest_args=list(opt.pytest_args), shards_planned=0, jobs=opt.shards, deadline_s=opt.deadline_s,
+                test_timeout_s=opt.test_timeout_s, logs=str(log_dir), collection="", tests=[], shards=[])
+
+
+def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[str], None] = print,
+        measured: Optional[dict[str, float]] = None, clock: Callable[[], float] = time.monotonic,
+        logs_dir: Optional[str | Path] = None) -> dict:
+    """Collect, shard, run and merge (see the module docstring). Returns the summary dict;
+    writes ``<out_prefix>.json`` / ``.md`` when ``out_prefix`` is given, and the shard logs to
+    ``logs_dir``, by default :func:`shard_logs_dir` of the prefix (without a prefix, a temporary
+    directory that is kept)."""
+    t0 = clock()
+    deadline = t0 + opt.deadline_s
+    log_dir = _log_dir(out_prefix, logs_dir)
+    summary = _new_summary(opt, log_dir)
 
     ids, error = collect(opt, min(COLLECT_TIMEOUT_S, max(1.0, opt.deadline_s - 1.0)))
     log(f"gpu-tests: collected {len(ids)} tests (-m {opt.marker!r}) in {clock() - t0:.0f} s"
@@ -470,13 +512,8 @@ def run(opt: Options, out_prefix: Optional[str | Path] = None, log: Callable[[st
         return _finish(summary, opt, t0, clock, out_prefix, log)
 
     measured = measured or {}
-    plan = plan_shards(ids, opt.shards, measured, opt.heavy)
-    summary["shards_planned"] = len(plan)
-    pending: list[Shard] = []
-    for i, s in enumerate(plan):
-        pending.append(Shard(str(i), s, sum(estimate_of(t, measured) for t in s),
-                             log_dir / f"shard-{i}.log", log_dir / f"shard-{i}.events"))
-        log(f"  shard {i}: {len(s)} tests, estimated {pending[-1].estimate_s:.0f} s")
+    pending = _plan(opt, ids, measured, log_dir, log)
+    summary["shards_planned"] = len(pending)
     running: list[Shard] = []
     done: list[Shard] = []
     results: dict[str, dict] = {}
@@ -682,6 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default="bench/results", metavar="DIR",
                    help="write <gpu>-<date>-gpu-tests.{json,md} and the shard logs here")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json, PREFIX.md, PREFIX-logs/ instead")
+    p.add_argument("--logs-dir", metavar="DIR", help="write the shard logs here (default: PREFIX-logs/ beside the "
+                   "summary, or bench/out/gpu-tests-logs/ for a summary in bench/results, which keeps no logs)")
     p.add_argument("--estimates", metavar="FILE", help="an earlier summary whose durations balance the shards "
                    "(default: the newest *-gpu-tests.json in --results-dir, else in bench/results)")
     p.add_argument("--without-cuda", action="store_true",
@@ -738,7 +777,7 @@ def main(argv: list[str]) -> int:
     measured = load_measured(est)
     if measured:
         print(f"gpu-tests: balancing with the durations measured in {est}")
-    summary = run(opt, out_prefix=prefix, measured=measured)
+    summary = run(opt, out_prefix=prefix, measured=measured, logs_dir=args.logs_dir)
     print(f"gpu-tests: {prefix}.json, {prefix}.md, logs in {summary['logs']}")
     return 0 if summary["status"] == "passed" else 1
 

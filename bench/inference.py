@@ -298,10 +298,10 @@ class _CountCopies:
 
 
 def run_gloo_latency(spec: dict, timeout_s: float = 300.0) -> list[dict]:
-    from .ep import _run_spawned
+    from .ep import run_spawned
 
     P = spec["gloo_world"]
-    per_rank = _run_spawned(P, spec, timeout_s, measure=_measure_gloo, what="bench.inference")
+    per_rank = run_spawned(P, spec, timeout_s, measure=_measure_gloo, what="bench.inference")
     r0 = per_rank[0]
     base = statistics.median(r0["times"]["contiguous"])
     base95 = _pctl(r0["times"]["contiguous"], 0.95)

@@ -258,7 +258,7 @@ def _aggregate_steps(per_rank: list[dict], spec: dict, P: int) -> list[dict]:
 def run_lina(*, world_size: int = 2, timeout_s: float = 120.0, **overrides) -> list[dict]:
     """Measure every variant on ``world_size`` spawned gloo ranks; one dict per variant (see the
     module docstring). ``overrides`` replace :data:`DEFAULTS` entries."""
-    from .ep import _run_spawned
+    from .ep import run_spawned
 
     unknown = set(overrides) - set(DEFAULTS)
     if unknown:
@@ -267,7 +267,7 @@ def run_lina(*, world_size: int = 2, timeout_s: float = 120.0, **overrides) -> l
     spec["chunk_mb"] = [float(c) for c in spec["chunk_mb"]]
     if spec["num_experts"] % world_size:
         raise ValueError(f"num_experts={spec['num_experts']} is not divisible by world_size={world_size}")
-    per_rank = _run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.lina")
+    per_rank = run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.lina")
     out = _aggregate_priority([r["priority"] for r in per_rank], spec, world_size)
     if spec["steps"]:
         out += _aggregate_steps([r["steps"] for r in per_rank], spec, world_size)

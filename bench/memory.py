@@ -83,7 +83,7 @@ def _counting(fn, params: set, sink: dict):
 def _copy_overlap(timeline) -> tuple[float, "float | None"]:
     """(seconds on the copy lane, fraction of them during which the compute lane was busy too)
     of a recorded or simulated timeline."""
-    from tritonmoe.comm.timeline import _intersection_length, _union
+    from tritonmoe.comm.timeline import intersection_length as _intersection_length, union as _union
 
     spans = timeline.spans()
     cp = _union((sp.start, sp.end) for sp in spans if sp.lane == "copy")
@@ -94,7 +94,7 @@ def _copy_overlap(timeline) -> tuple[float, "float | None"]:
 
 def _lane_busy(timeline, lane: str) -> float:
     """Seconds during which ``lane`` of the timeline was busy."""
-    from tritonmoe.comm.timeline import _union
+    from tritonmoe.comm.timeline import union as _union
 
     return sum(b - a for a, b in _union((sp.start, sp.end) for sp in timeline.spans() if sp.lane == lane))
 
@@ -179,13 +179,13 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
 def run_memory(*, world_size: int = 2, timeout_s: float = 180.0, **overrides) -> list[dict]:
     """Every (degree, strategy) on ``world_size`` spawned gloo ranks; one dict each (see the module
     docstring), with the spec's shapes."""
-    from .ep import _run_spawned
+    from .ep import run_spawned
 
     spec = dict(DEFAULTS)
     spec.update(overrides)
     spec["degrees"], spec["strategies"] = tuple(spec["degrees"]), tuple(spec["strategies"])
     spec["mi_buffers"] = tuple(spec["mi_buffers"])
-    per_rank = _run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.memory")
+    per_rank = run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.memory")
     results = []
     for j, first in enumerate(per_rank[0]):
         ranks = [pr[j] for pr in per_rank]
@@ -363,6 +363,20 @@ def _max_abs_diff(got: list, want: list) -> float:
     return worst
 
 
+def _diagnose_keep(layer, x: torch.Tensor, g: torch.Tensor, cuda: bool) -> dict:
+    """One more step under the profiler (and the sync debug mode on a GPU): where the time of a
+    deeper pipeline goes (launches, host syncs, device time)."""
+
+    def one_step():
+        xi = x.clone().requires_grad_()
+        (layer(xi) * g).sum().backward()
+
+    diag = diagnose_step(one_step, cuda)
+    for p in layer.parameters():
+        p.grad = None
+    return diag
+
+
 def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list[dict]:
     """The single-device memory check (module docstring) at ``shape`` (a key of :data:`SHAPES`):
     one dict per (degree, strategy, MI buffers), with ``max_abs_diff_vs_keep``: the largest
@@ -451,17 +465,7 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
                 if last:
                     copies = _copy_overlap(layer.timeline)
                     layer.timeline = None
-            diag = None
-            if strategy == "keep" and spec.get("diagnose", True):
-                # one more step under the profiler (and the sync debug mode on a GPU): where the
-                # time of a deeper pipeline goes (launches, host syncs, device time)
-                def one_step(layer=layer):
-                    xi = x.clone().requires_grad_()
-                    (layer(xi) * g).sum().backward()
-
-                diag = diagnose_step(one_step, cuda)
-                for p in layer.parameters():
-                    p.grad = None
+            diag = _diagnose_keep(layer, x, g, cuda) if strategy == "keep" and spec.get("diagnose", True) else None
             st = layer.expert_path.memory_stats
             model = expert_block_bytes(st["rows"], spec["d_model"], layer.config.n1, strategy,
                                        torch.empty((), dtype=dt).element_size(), mi)
@@ -480,6 +484,13 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
     finally:
         if created:
             dist.destroy_process_group()
+    _ratios_vs_keep(out)
+    return out
+
+
+def _ratios_vs_keep(out: list[dict]) -> None:
+    """Each run_single row's time over "keep"'s at the same degree, its measured saving over the
+    memory model's, and its saved bytes over the model's."""
     keep = {r["n"]: r for r in out if r["strategy"] == "keep"}
     for r in out:
         k = keep.get(r["n"])
@@ -492,7 +503,6 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
         else:
             r["saving_vs_model"] = None
         r["saved_vs_model"] = r["saved_bytes"] / r["model_bytes"] if r["model_bytes"] else None
-    return out
 
 
 def format_single(results: list[dict]) -> str:

@@ -33,7 +33,10 @@ from typing import Callable, TextIO
 from . import schema
 from .roofs import describe
 
-SPEEDUP_HEADERS = {"torch": "x torch", "loop": "x loop", "grouped_mm": "x gmm"}
+SPEEDUP_HEADERS = {"torch": "x torch", "loop": "x loop", "grouped_mm": "x gmm", "liger": "x liger"}
+
+#: Short labels of the timing modes of rows measured in interleaved rounds (bench.timing).
+TIMING_LABELS = {"graph": "graph", "graph-flush": "graph-L2", "eager": "EAGER", "cpu": "cpu"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +120,31 @@ def _note(r: dict) -> str:
     return fmt_extra(r.get("extra") or {})
 
 
+def _timing(r: dict) -> str:
+    """``graph x30`` (timing mode and rounds), ``!`` when the row is noisy (p80/p20 > 1.10)."""
+    t = r.get("timing")
+    if not t:
+        return ""
+    return f"{TIMING_LABELS.get(t['mode'], t['mode'])} x{t['rounds']}" + (" !" if t.get("noisy") else "")
+
+
+def _eager(r: dict) -> str:
+    t = (r.get("timing") or {}).get("eager_s")
+    return fmt_time(t["median"]) if t else ""
+
+
+def _clock(r: dict) -> str:
+    c = r.get("clocks")
+    if not c:
+        return ""
+    return f"{c['median']:.0f}" if c["max"] - c["min"] < 15 else f"{c['min']:.0f}-{c['max']:.0f}"
+
+
+def _per_clock(r: dict) -> str:
+    e = r.get("per_clock_eff")
+    return f"{100 * e['median']:.0f}%" if e else ""
+
+
 def columns(rows: list[dict]) -> list[Column]:
     """The table's columns for these rows, without the ones that would be empty."""
     cols = [
@@ -128,7 +156,12 @@ def columns(rows: list[dict]) -> list[Column]:
         Column("TFLOP/s", lambda r: fmt_num(r.get("tflops"))),
         Column("GB/s", lambda r: fmt_num(r.get("gbps"))),
         Column("roof", _roof),
+        Column("/clock", _per_clock),
+        Column("eager", _eager),
+        Column("timing", _timing, right=False),
     ]
+    cols.append(Column("x best peer", lambda r: (f"{r['best_peer']['median']:.3g} {r['best_peer']['impl']}"
+                                                 if r.get("best_peer") else "")))
     seen = {b for r in rows for b in (r.get("speedup") or {})}
     for b, header in SPEEDUP_HEADERS.items():
         if b in seen:
@@ -138,7 +171,7 @@ def columns(rows: list[dict]) -> list[Column]:
         Column("/min", lambda r: fmt_num(r["memory"]["ratio"])),
         Column("util%", _tel("gpu_util_pct", digits=2)),
         Column("W", _tel("power_w")),
-        Column("SM MHz", _tel("sm_clock_mhz", digits=4)),
+        Column("SM MHz", lambda r: _clock(r) or _tel("sm_clock_mhz", digits=4)(r)),
         Column("note", _note, right=False),
     ]
     return [c for c in cols if any(c.get(r) for r in rows)]

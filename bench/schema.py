@@ -24,8 +24,18 @@ A results file holds:
   clock MHz), and suite-specific ``extra`` figures;
 * ``notes`` (lines the run printed about itself) and ``wall_time_s``;
 * optionally ``check`` (written by ``python -m bench check``, see :mod:`bench.check`): the commit
-  measured, the gpu-marked tests' outcome, each section's estimated and measured wall time, and
-  one record per target (``$defs.target``: value, goal, met or not).
+  measured, the gpu-marked tests' outcome, each section's estimated and measured wall time,
+  one record per target (``$defs.target``: value, goal, met or not), and ``stability`` (the
+  sentinel's medians at the start, middle and end, its drift, and whether the run is unstable).
+
+Rows measured in interleaved rounds (``python -m bench check``, :mod:`bench.rounds`) add, each
+optional so older files still validate: ``timing`` (mode ``graph`` / ``graph-flush`` / ``eager``
+/ ``cpu``, the fallback's reason, calls per replay, rounds, device-time and eager-time statistics,
+p80/p20 spread and the noisy flag), ``clocks`` (per-rep SM MHz and throttle reasons),
+``per_clock_eff`` and ``roof_frac_q`` (median, p20, p80 of per-rep values), ``roof_fracs``
+(the same per roof: ``matmul`` and ``copy``, which the targets read), ``peers`` (per-round
+ratio of every other implementation's time to this row's), ``best_peer`` (that ratio for the
+fastest peer, torch._grouped_mm or Liger, of the same rounds) and ``config``.
 """
 
 from __future__ import annotations
@@ -153,6 +163,29 @@ SCHEMA: dict = {
                 },
                 "targets": {"type": "array", "items": {"$ref": "#/$defs/target"}},
                 "summary": {"type": "object", "additionalProperties": {"type": "integer"}},
+                # bench.stability: the sentinel re-measured at the start, middle and end
+                "stability": {
+                    "type": "object",
+                    "required": ["sentinel", "points", "drift", "limit", "unstable"],
+                    "properties": {
+                        "sentinel": {"type": "string"},
+                        "points": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["at"],
+                                "properties": {"at": {"type": "string"}, "median_s": _num, "p20_s": _num,
+                                               "p80_s": _num, "mhz": _num_or_null, "rounds": {"type": "integer"},
+                                               "error": {"type": "string"}},
+                                "additionalProperties": False,
+                            },
+                        },
+                        "drift": _num_or_null,
+                        "limit": _num,
+                        "unstable": {"type": "boolean"},
+                    },
+                    "additionalProperties": False,
+                },
             },
             "additionalProperties": False,
         },
@@ -163,13 +196,48 @@ SCHEMA: dict = {
             "required": ["name", "metric", "op", "goal", "value", "status", "row", "note"],
             "properties": {
                 "name": {"type": "string"},
-                "metric": {"type": "string", "enum": ["time_us", "mm_roof", "mem_roof", "x_torch", "x_gmm"]},
+                "metric": {"type": "string", "enum": ["time_us", "eager_us", "mm_roof", "mem_roof", "x_torch", "x_gmm"]},
                 "op": {"type": "string", "enum": ["<=", ">="]},
                 "goal": _num,
                 "value": _num_or_null,
                 "status": {"type": "string", "enum": ["met", "not met", "not measured", "skipped"]},
                 "row": _str_or_null,
                 "note": _str_or_null,
+            },
+            "additionalProperties": False,
+        },
+        "qstats": {
+            "type": "object",
+            "required": ["median", "p20", "p80", "min", "max"],
+            "properties": {"median": _num, "p20": _num, "p80": _num, "min": _num, "max": _num},
+            "additionalProperties": False,
+        },
+        "timing": {
+            "type": "object",
+            "required": ["mode", "note", "calls_per_replay", "cold_l2", "rounds", "device_s", "eager_s", "spread",
+                         "noisy"],
+            "properties": {
+                "mode": {"type": "string", "enum": ["graph", "graph-flush", "eager", "cpu"]},
+                "note": _str_or_null,
+                "calls_per_replay": {"type": "integer", "minimum": 1},
+                "cold_l2": {"type": "boolean"},
+                "rounds": {"type": "integer", "minimum": 0},
+                "warmup_s": _num,
+                "estimate_s": _num,
+                "device_s": {"$ref": "#/$defs/stats"},
+                "eager_s": {"type": ["object", "null"], "$ref": "#/$defs/stats"},
+                "spread": _num,
+                "noisy": {"type": "boolean"},
+            },
+            "additionalProperties": False,
+        },
+        "clocks": {
+            "type": ["object", "null"],
+            "required": ["sm_mhz", "median", "min", "max", "throttle"],
+            "properties": {
+                "sm_mhz": {"type": "array", "items": _num_or_null},
+                "median": _num, "min": _num, "max": _num,
+                "throttle": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
             },
             "additionalProperties": False,
         },
@@ -245,6 +313,24 @@ SCHEMA: dict = {
                     "additionalProperties": False,
                 },
                 "extra": {"type": "object"},
+                # interleaved rounds (python -m bench check, bench.rounds): how the times were
+                # taken, per-rep SM clocks, per-clock efficiency, the roof fraction's p20-p80, the
+                # per-round ratios to every other implementation of the same rounds (peers), and
+                # the kernel configuration that ran (filled by the tuned-table work)
+                "timing": {"$ref": "#/$defs/timing"},
+                "clocks": {"$ref": "#/$defs/clocks"},
+                "per_clock_eff": {"type": ["object", "null"], "$ref": "#/$defs/qstats"},
+                "roof_frac_q": {"type": ["object", "null"], "$ref": "#/$defs/qstats"},
+                "roof_fracs": {"type": "object", "additionalProperties": {"$ref": "#/$defs/qstats"}},
+                "peers": {"type": "object", "additionalProperties": {"$ref": "#/$defs/qstats"}},
+                "best_peer": {
+                    "type": "object",
+                    "required": ["impl", "median", "p20", "p80", "min", "max"],
+                    "properties": {"impl": {"type": "string"}, "median": _num, "p20": _num, "p80": _num,
+                                   "min": _num, "max": _num},
+                    "additionalProperties": False,
+                },
+                "config": {"type": ["object", "string", "null"]},
             },
             "additionalProperties": False,
         },

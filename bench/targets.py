@@ -4,8 +4,14 @@ Every target names the result row it reads (suite, mode, implementation and a su
 row's ``params``), a metric of that row and a goal. Metrics are ratios to roofs and baselines
 measured in the same run, except the router's absolute time (the issue's goal is a time):
 
-* ``time_us``: median time per call in microseconds;
-* ``mm_roof``: TFLOP/s over the run's dense bf16 8192^3 matmul roof;
+* ``time_us``: median time per call in microseconds (device time for rows measured in
+  interleaved rounds: targets stated in kernel terms);
+* ``eager_us``: median *eager* time per call in microseconds (``row["timing"]["eager_s"]``: the
+  event interval of one ordinary call, launch gaps included), for targets about what a user's
+  eager call costs;
+* ``mm_roof``: TFLOP/s over the run's dense bf16 8192^3 matmul roof (for rows measured in
+  interleaved rounds, the median of per-round fractions of the roof timed in the same rounds,
+  ``row["roof_fracs"]``; likewise ``mem_roof``);
 * ``mem_roof``: GB/s (useful bytes read + written, :mod:`bench.work`) over the run's
   device-to-device copy roof;
 * ``x_torch`` / ``x_gmm``: speedup over the reference path / ``torch._grouped_mm`` on the same
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 MIXTRAL = "mixtral-8x7b-like"
 QWEN3 = "qwen3-30b-a3b-like"
 
-METRICS = ("time_us", "mm_roof", "mem_roof", "x_torch", "x_gmm")
+METRICS = ("time_us", "eager_us", "mm_roof", "mem_roof", "x_torch", "x_gmm")
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,12 @@ def metric_value(row: dict, metric: str, roofs: dict) -> float | None:
         return None
     if metric == "time_us":
         return row["time_s"]["median"] * 1e6
+    if metric == "eager_us":
+        eager = (row.get("timing") or {}).get("eager_s")
+        return eager["median"] * 1e6 if eager else None
+    per_round = (row.get("roof_fracs") or {}).get({"mm_roof": "matmul", "mem_roof": "copy"}.get(metric, ""))
+    if per_round:  # measured in interleaved rounds: the median of per-round fractions of that roof
+        return per_round["median"]
     if metric == "mm_roof":
         mm = roofs.get(f"matmul_{(row.get('params') or {}).get('dtype')}") or roofs.get("matmul_bfloat16")
         return row["tflops"] / mm["tflops"] if row.get("tflops") and mm and mm.get("tflops") else None
@@ -166,7 +178,7 @@ def evaluate(rows: list[dict], roofs: dict, *, targets: tuple[Target, ...] = TAR
 def fmt_value(metric: str, v: float | None) -> str:
     if v is None:
         return "-"
-    if metric == "time_us":
+    if metric in ("time_us", "eager_us"):
         return f"{v:.3g} us"
     if metric in ("x_torch", "x_gmm"):
         return f"{v:.3g}x"

@@ -7,6 +7,8 @@
 # * torch and triton already importable by $PYTHON (e.g. the GPU machine, which has no network):
 #   the venv sees them through --system-site-packages and nothing is downloaded for them.
 # * an NVIDIA GPU (nvidia-smi answers): the default CUDA build of torch from the package index.
+# * Liger-Kernel (a benchmark peer) with --no-deps: from .whl/ (make peer-wheels) or, on CPU
+#   machines, from the index.
 # * otherwise: a CPU build of torch (pinned, never the multi-GB CUDA wheels) and triton, whose
 #   interpreter runs the kernels' tests on CPU. Override with TRITONMOE_TORCH_SPEC /
 #   TRITONMOE_TRITON_SPEC; a CPU torch may need PIP_EXTRA_INDEX_URL pointing at a CPU wheel index.
@@ -58,6 +60,16 @@ else
     quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch==2.13.0+cpu}" "${TRITONMOE_TRITON_SPEC:-triton==3.9.0}"
   fi
   quiet_pip install -q -e ".[test,bench,hf]"
+fi
+# The benchmark peer Liger-Kernel (pure Python + Triton, its fused MoE): from a wheel in .whl/ when
+# `make peer-wheels` put one there (the GPU machine has no network), else from the index on CPU
+# machines so CI runs the peer-adapter tests; always --no-deps (it must not replace torch/triton).
+# Best effort: without it the peer's rows are "unavailable" and its tests skip.
+liger_whl=$(ls .whl/liger_kernel-*.whl 2>/dev/null | tail -1 || true)
+if [ -n "$liger_whl" ]; then
+  quiet_pip install -q --no-deps "$liger_whl" || echo "setup: could not install $liger_whl (peer rows unavailable)"
+elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  quiet_pip install -q --no-deps liger-kernel || echo "setup: liger-kernel not installed (its tests skip)"
 fi
 "$VENV/bin/python" -c "import torch, tritonmoe; print(f'setup: tritonmoe {tritonmoe.__version__}, torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
 touch "$VENV/.tritonmoe-setup"

@@ -67,6 +67,7 @@ class FakeH100(check.Runner):
         self.now = 0.0
         self.planned: list[tuple] = []
         self.test_timeout = None
+        self.sentinel_medians = [1.0e-3, 1.01e-3, 1.02e-3]  # start, middle, end: 2% drift
 
     def clock(self):
         return self.now
@@ -98,6 +99,19 @@ class FakeH100(check.Runner):
     def roofs(self, ctx):
         return H100_ROOFS
 
+    def device_timer(self, ctx, telemetry, **kw):
+        return None  # the fake answers whole cases (run_case below)
+
+    def round_roofs(self, ctx, timer):
+        return {}
+
+    def device_info(self, ctx):
+        return 132, 4096.0
+
+    def sentinel(self, ctx, telemetry):
+        medians = iter(self.sentinel_medians)
+        return lambda: {"median_s": next(medians), "p20_s": 0.0, "p80_s": 0.0, "mhz": 1755.0, "rounds": 30}
+
     def run_case(self, ctx, case):
         self.now += self.case_seconds.get(case.suite, 0.0)
         rows = []
@@ -119,7 +133,8 @@ class FakeH100(check.Runner):
         return rows
 
 
-EFFICIENCY = {"triton": 0.9, "triton-fused": 0.9, "triton-split": 0.9, "torch": 0.1, "grouped_mm": 0.6, "loop": 0.3}
+EFFICIENCY = {"triton": 0.9, "triton-fused": 0.9, "triton-split": 0.9, "torch": 0.1, "grouped_mm": 0.6, "loop": 0.3,
+              "liger": 0.5}
 
 
 def _by_name(results):
@@ -275,6 +290,11 @@ def test_cpu_mode_runs_end_to_end(tmp_path, capsys):
     assert {r["status"] for r in doc["check"]["targets"]} == {"skipped"}
     assert {r["suite"] for r in doc["results"]} == {"route", "permute"}
     assert all(r["status"] == "ok" for r in doc["results"]), [r["note"] for r in doc["results"] if r["status"] != "ok"]
+    # measured in interleaved (wall-clock) rounds, with the CPU roofs as pseudo-implementations
+    assert all(r["timing"]["mode"] == "cpu" and r["timing"]["rounds"] == 3 for r in doc["results"])
+    assert all(r["roof_frac_q"] is not None for r in doc["results"] if r["roof_frac"] is not None)
+    stab = doc["check"]["stability"]
+    assert [p["at"] for p in stab["points"]] == ["start", "middle", "end"] and stab["drift"] is not None
 
 
 def test_profile_lists_kernels_per_entry(capsys):
@@ -316,3 +336,33 @@ def test_permute_move_entries_time_the_rows_alone():
     R = 16 * p.top_k
     assert torch.equal(permute_rows(state["x"].detach(), state["info"], num_rows=R),
                        reference.permute_rows(state["x"].detach(), state["info"], R))
+
+
+def test_the_sentinel_drift_is_recorded_and_an_unstable_run_says_so(tmp_path, capsys):
+    runner = FakeH100(EFFICIENCY)
+    runner.sentinel_medians = [1.0e-3, 1.0e-3, 1.08e-3]
+    assert check.run_check(["--skip-tests", "--results-dir", str(tmp_path), "--sections", "route,layer"],
+                           runner=runner) == 0
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    schema.validate(doc)
+    stab = doc["check"]["stability"]
+    assert [p["at"] for p in stab["points"]] == ["start", "middle", "end"]
+    assert stab["drift"] == pytest.approx(0.08) and stab["unstable"] is True and stab["limit"] == 0.05
+    assert "drift 8.0% (limit 5%): UNSTABLE" in capsys.readouterr().out
+
+
+def test_compile_only_calls_every_entry_once_and_writes_nothing(tmp_path, capsys):
+    """--compile-only (the device script's untimed warm-up) builds each case and calls each entry
+    once; nothing is timed or written."""
+    calls = []
+
+    def make(st, impl):
+        return (lambda: calls.append(impl)), Work()
+
+    case = suites.Case("route", "fake", {}, build=dict,
+                       entries=[suites.Entry("fwd", i, lambda st, i=i: make(st, i)) for i in ("a", "b")])
+    ctx = suites.Context(device=torch.device("cpu"), dtype=torch.float32, presets=[])
+    assert check.compile_case(ctx, case, print) == 2 and calls == ["a", "b"]
+    assert check.run_check(["--compile-only", "--device", "cpu", "--sections", "route",
+                            "--results-dir", str(tmp_path / "r")]) == 0
+    assert "compile-only: route:" in capsys.readouterr().out and not (tmp_path / "r").exists()

@@ -372,3 +372,17 @@ def test_free_stem_never_overwrites_an_earlier_run(tmp_path):
     assert GT.free_stem(base, both) == GT.free_stem(base) == f"{base}-3"
     with_prefix = GT._default_prefix(str(tmp_path))
     assert with_prefix.endswith("-gpu-tests") and not with_prefix.endswith("-2-gpu-tests")
+
+
+def test_shard_logs_of_a_summary_in_bench_results_go_to_an_ignored_folder(tmp_path):
+    """bench/results keeps results and write-ups, not the shards' raw logs (issue 27): a summary
+    written there gets its logs under bench/out/gpu-tests-logs/, which git ignores; anywhere else
+    they stay beside the summary."""
+    import subprocess
+
+    results = GT.REPO_ROOT / "bench" / "results"
+    got = GT.shard_logs_dir(results / "nvidia-h100-2026-11-27-gpu-tests")
+    assert got == GT.REPO_ROOT / "bench" / "out" / "gpu-tests-logs" / "nvidia-h100-2026-11-27-gpu-tests-logs"
+    assert GT.shard_logs_dir(tmp_path / "x" / "sum") == tmp_path / "x" / "sum-logs"
+    ignored = subprocess.run(["git", "-C", str(GT.REPO_ROOT), "check-ignore", "-q", str(got / "shard-0.events")])
+    assert ignored.returncode == 0

@@ -8,6 +8,7 @@ torch.distributed (:mod:`tritonmoe.comm`), plain-PyTorch references of every op
 
 from tritonmoe.core.settings import (
     get_backend,
+    interpreter_enabled,
     set_backend,
     set_validation,
     use_backend,
@@ -38,6 +39,7 @@ __all__ = [
     "check_expert_bias",
     "comm",
     "expert_bias_finite",
+    "interpreter_enabled",
     "update_expert_bias",
     "ExpertBiasError",
     "MoEConfig",

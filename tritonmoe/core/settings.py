@@ -38,6 +38,12 @@ BACKENDS = ("auto", "triton", "torch")
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def interpreter_enabled() -> bool:
+    """Whether Triton's interpreter was switched on (``TRITON_INTERPRET=1``) when tritonmoe was
+    imported: backend ``"triton"`` then runs on CPU tensors (slowly, for tests)."""
+    return TRITON_INTERPRET
+
+
 def _parse_backend(value: str, source: str) -> str:
     v = value.strip().lower()
     if v not in BACKENDS:
