@@ -12,6 +12,7 @@ import torch
 
 from . import _validation as V
 from ._settings import BACKENDS
+from .suggest import suggest_unknown_kwargs
 
 #: Values of MoEConfig.ffn_path.
 FFN_PATHS = ("auto", "fused", "unfused")
@@ -22,6 +23,7 @@ PARM_SCHEDULES = ("auto", "baseline", "s1", "s2")
 PIPELINE_DEGREE_MODES = ("auto", "search")
 
 
+@suggest_unknown_kwargs
 @dataclass(frozen=True)
 class MoEConfig:
     """Configuration of a :class:`tritonmoe.MoELayer`.

@@ -26,6 +26,7 @@ from .experts import (
 from .parallel.guard import check_ddp
 from .parallel.init import draw_seed, init_experts_
 from .types import Routing
+from .suggest import suggest_unknown_kwargs
 
 __all__ = ["MoELayer", "Router", "SharedExperts", "router_logits"]
 
@@ -116,6 +117,7 @@ class SharedExperts(nn.Module):
         return y
 
 
+@suggest_unknown_kwargs
 class MoELayer(nn.Module):
     """Mixture-of-Experts FFN: ``forward(x[..., d_model]) -> [..., d_model]``.
 

@@ -38,6 +38,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .suggest import suggest_unknown_kwargs
+
 __all__ = ["PLACEMENTS", "ParmLayout", "ParmGroups", "groups_from_process_groups", "LayoutError"]
 
 #: Canonical placements of the (ep, esp) grid.
@@ -55,6 +57,7 @@ def _positive(name: str, v: Any) -> int:
     return int(v)
 
 
+@suggest_unknown_kwargs
 @dataclass(frozen=True)
 class ParmLayout:
     """Rank -> (mp group, mp rank, ep, esp) over the P ranks of a Parm MoE layer.

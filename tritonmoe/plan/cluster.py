@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 from .cost_model import ComputeRate, CostModel, LinearFit
+from ..suggest import suggest_unknown_kwargs
 
 __all__ = ["GPU", "Link", "Cluster", "PRESETS", "GPUS", "LINKS", "EFFICIENCY"]
 
@@ -107,6 +108,7 @@ LINKS = {
 }
 
 
+@suggest_unknown_kwargs
 @dataclass(frozen=True)
 class Cluster:
     """A cluster of ``nodes`` x ``gpus_per_node`` GPUs (see the module docstring).

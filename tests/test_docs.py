@@ -1,0 +1,166 @@
+"""The front door works as written: the README stays a short front page, its links and the docs'
+links resolve, and every ```python block of README.md and docs/*.md runs on CPU.
+
+Fences: ```python blocks are executed; ```python-gpu marks the few blocks that need a CUDA device
+or several processes (they are parsed as Python here, so they cannot rot into syntax errors, and
+each names a test or example that runs the same thing); ```text / ```bash / ```console / plain
+fences are not run. A page's ```python blocks run in order in one fresh interpreter (later blocks
+may use what earlier ones defined), on CPU with CUDA hidden and Triton's interpreter on, in a
+temporary working directory. New pages under docs/ are picked up without editing this file.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = sorted([README, *(ROOT / "docs").glob("*.md")])
+LINKED = sorted({*PAGES, *(ROOT / "bench" / "results").glob("*.md"), *(ROOT / "examples").glob("*.md")})
+RUN_TAGS = {"python", "py"}
+SKIP_TAGS = {"python-gpu", "text", "bash", "sh", "console", "", "toml", "json", "markdown"}
+README_MAX_LINES = 200
+
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<tag>[^\s`]*)\s*$")
+
+
+def blocks(path: pathlib.Path) -> list[tuple[str, int, str]]:
+    """(tag, first line, code) of every fenced block of a markdown file."""
+    out, tag, start, buf = [], None, 0, []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        m = _FENCE.match(line)
+        if tag is None and m:
+            tag, start, buf = m["tag"], i + 1, []
+        elif tag is not None and line.strip() == "```":
+            out.append((tag, start, "\n".join(buf) + "\n"))
+            tag = None
+        elif tag is not None:
+            buf.append(line)
+    assert tag is None, f"{path.name}: a ``` fence opened at line {start - 1} is never closed"
+    return out
+
+
+def _rel(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_readme_is_a_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) < README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+    text = README.read_text()
+    # The Quickstart has exactly the two commands CI and a newcomer run.
+    quick = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    (fence,) = [code for tag, _, code in blocks_from_text(quick)]
+    commands = [ln.split("#")[0].strip() for ln in fence.splitlines() if ln.split("#")[0].strip()]
+    assert commands == ["make bench", "make test"], commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in ci, "CI must run the README's test command"
+
+
+def blocks_from_text(text: str) -> list[tuple[str, int, str]]:
+    tmp = []
+    tag, buf = None, []
+    for line in text.splitlines():
+        m = _FENCE.match(line)
+        if tag is None and m:
+            tag, buf = m["tag"], []
+        elif tag is not None and line.strip() == "```":
+            tmp.append((tag, 0, "\n".join(buf) + "\n"))
+            tag = None
+        elif tag is not None:
+            buf.append(line)
+    return tmp
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_fences_are_known_and_gpu_blocks_parse(page):
+    for tag, line, code in blocks(page):
+        assert tag in RUN_TAGS | SKIP_TAGS, (
+            f"{_rel(page)}:{line}: unknown fence ```{tag}; use ```python (run on CPU by this test), "
+            "```python-gpu (needs CUDA or several processes) or ```text"
+        )
+        if tag in RUN_TAGS | {"python-gpu"}:
+            try:
+                ast.parse(code)
+            except SyntaxError as e:
+                pytest.fail(f"{_rel(page)}:{line + (e.lineno or 1) - 1}: not valid Python: {e.msg}")
+        if tag in RUN_TAGS:
+            assert 'device="cuda"' not in code and ".cuda()" not in code, (
+                f"{_rel(page)}:{line}: a ```python block runs on CPU here; pick the device "
+                "(`'cuda' if torch.cuda.is_available() else 'cpu'`) or mark it ```python-gpu"
+            )
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    s = heading.strip().lower()
+    s = re.sub(r"[^\w\- ]", "", s)
+    return s.replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    fence = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        if fence or not line.startswith("#"):
+            continue
+        slug = _slug(line.lstrip("#"))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", LINKED, ids=_rel)
+def test_links_resolve(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)   # links inside code are code
+    bad = []
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-z]+:", target):     # http(s):, mailto: -- not fetched (no network in CI)
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        if not dest.exists():
+            bad.append(f"{target} (no file {dest})")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{target} (no heading #{anchor} in {dest.name})")
+    assert not bad, f"{_rel(page)}: broken links: " + "; ".join(bad)
+
+
+def _cpu_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["TRITON_INTERPRET"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+_RUNNABLE = [p for p in PAGES if any(tag in RUN_TAGS for tag, _, _ in blocks(p))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", _RUNNABLE, ids=_rel)
+def test_python_blocks_run_on_cpu(page, tmp_path):
+    parts = []
+    for tag, line, code in blocks(page):
+        if tag in RUN_TAGS:
+            # Each block is compiled under its page and line, so a failure points at the docs.
+            parts.append(f"exec(compile({code!r}, {f'{_rel(page)}:{line}'!r}, 'exec'), _ns)\n")
+    script = "_ns = {'__name__': '__main__'}\n" + "".join(parts)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_cpu_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{_rel(page)}: a ```python block failed on CPU:\n{proc.stderr[-4000:]}"
