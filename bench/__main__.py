@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: when stdout is a terminal)")
     g.add_argument("--print-schema", action="store_true", help="print the JSON schema of result files and exit")
+    g.add_argument("--legend", action="store_true", help="print what every table column means and exit "
+                   "(a run prints the legend of its own columns after its tables)")
     return p
 
 
@@ -447,6 +449,7 @@ def run(args, parser, argv: list[str]) -> int:
         doc["complete"] = True
     telemetry.close()
     print_layer_fractions(doc["results"])
+    report.print_legend([r for r in doc["results"] if r["status"] == "ok"])
 
     doc["wall_time_s"] = time.perf_counter() - t0
     rows = doc["results"]
@@ -556,6 +559,10 @@ def _main(argv: list[str]) -> int:
         import json
 
         print(json.dumps(schema.SCHEMA, indent=1))
+        return 0
+    if args.legend:
+        print("Columns of the tables of python -m bench (a column with nothing to show is left out):")
+        print("\n".join(report.legend_lines()))
         return 0
     return run(args, parser, argv)
 

@@ -144,6 +144,47 @@ def columns(rows: list[dict]) -> list[Column]:
     return [c for c in cols if any(c.get(r) for r in rows)]
 
 
+#: One line per column header (the module docstring says the same at length; ``python -m bench
+#: --legend`` prints it, and every run prints the lines of the columns its tables showed).
+LEGEND = {
+    "case": "the problem: op, preset-like shape, T = tokens (per rank in the ep suite), routing",
+    "mode": "fwd (inference forward), fwd+bwd (training step), move / metadata (parts of permute)",
+    "impl": "triton = tritonmoe's kernels, *-fused = tritonmoe.moe_ffn, torch = tritonmoe's reference "
+            "path; baselines: loop = per-expert torch.matmul, grouped_mm = torch._grouped_mm",
+    "median": "time per call, median over the timed reps (warm-up first; on GPU: CUDA events, L2 flushed)",
+    "p20-p80": "the 20th-80th percentile of the time per call (the spread; wide = noisy or host-bound)",
+    "TFLOP/s": "useful FLOPs (bench/work.py) / median",
+    "GB/s": "minimum bytes moved (bench/work.py) / median",
+    "roof": "fraction of the roofline measured in this run: C = of the matmul roof (compute-bound), "
+            "M = of the device copy roof (memory-bound); 100% = the hardware's measured best",
+    "x torch": "speedup over tritonmoe's reference path (its median / this median; > 1 = this is faster)",
+    "x loop": "speedup over the per-expert torch.matmul loop (> 1 = this is faster)",
+    "x gmm": "speedup over torch._grouped_mm (> 1 = this is faster)",
+    "peak": "peak device memory allocated during one call (inputs and weights included)",
+    "/min": "peak over the layer's analytic minimum memory (1.0 = nothing extra)",
+    "util%": "mean GPU utilization sampled by NVML during the entry",
+    "W": "mean GPU power (NVML)",
+    "SM MHz": "mean SM clock (NVML)",
+    "note": "why an entry is unavailable or failed, or suite-specific figures",
+}
+
+
+def legend_lines(headers=None) -> list[str]:
+    """The legend of ``headers`` (default: every column), one ``header: meaning`` line each."""
+    keys = [h for h in LEGEND if headers is None or h in set(headers)]
+    width = max((len(k) for k in keys), default=0)
+    return [f"  {k.rjust(width)}  {LEGEND[k]}" for k in keys]
+
+
+def print_legend(rows: list[dict], file: TextIO | None = None) -> None:
+    """Print the legend of the columns that ``rows``' tables show (nothing without rows)."""
+    if not rows:
+        return
+    file = file or sys.stdout
+    print("\nColumns (python -m bench --legend; docs/bench-columns.md):", file=file)
+    print("\n".join(legend_lines([c.header for c in columns(rows)])), file=file)
+
+
 def _cells(rows: list[dict], cols: list[Column]) -> list[list[str]]:
     return [[c.get(r) for c in cols] for r in rows]
 

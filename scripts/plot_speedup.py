@@ -18,7 +18,8 @@ import pathlib
 import sys
 
 OURS = ("triton", "triton-fused")
-PEERS = {"grouped_mm": "torch._grouped_mm", "loop": "per-expert loop", "torch": "tritonmoe reference (torch)"}
+#: The peers a speedup is charted against (the plain-PyTorch reference, "torch", is not a peer).
+PEERS = {"grouped_mm": "torch._grouped_mm", "loop": "per-expert torch.matmul loop"}
 SUITES = ("ffn", "layer", "permute", "route")
 
 
@@ -30,7 +31,7 @@ def load_rows(doc: dict) -> list[dict]:
             continue
         rows.append({
             "suite": r["suite"],
-            "label": f"{r['case'].replace(' uniform', '')} {r['mode']} [{r['impl']}]",
+            "label": ("MoELayer " if r["suite"] == "layer" else "") + f"{r['case'].replace(' uniform', '')} {r['mode']} [{r['impl']}]",
             "speedup": {k: v for k, v in (r.get("speedup") or {}).items() if k in PEERS and v},
             "roof": r.get("roof_frac"),
             "bound": r.get("roof_bound"),
@@ -59,11 +60,15 @@ def _plt():
 def plot_speedup(doc: dict, path: pathlib.Path) -> None:
     plt = _plt()
     rows = [r for r in load_rows(doc) if r["speedup"]]
+    if not rows:
+        sys.exit("plot_speedup: no entry with a speedup over torch._grouped_mm or the per-expert loop")
     suites = [s for s in SUITES if any(r["suite"] == s for r in rows)]
     heights = [sum(r["suite"] == s for r in rows) for s in suites]
-    fig, axes = plt.subplots(len(suites), 1, figsize=(11, 1.2 + 0.33 * sum(heights) + 0.6 * len(suites)),
+    fig, axes = plt.subplots(len(suites), 1, figsize=(12, 1.2 + 0.33 * sum(heights) + 0.6 * len(suites)),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
-    colors = {"grouped_mm": "tab:blue", "loop": "tab:orange", "torch": "tab:green"}
+    colors = {"grouped_mm": "tab:blue", "loop": "tab:orange"}
+    hi = max(v for r in rows for v in r["speedup"].values())
+    lo = min(v for r in rows for v in r["speedup"].values())
     for ax, suite in zip(axes[:, 0], suites):
         sub = [r for r in rows if r["suite"] == suite][::-1]
         peers = [p for p in PEERS if any(p in r["speedup"] for r in sub)]
@@ -77,13 +82,14 @@ def plot_speedup(doc: dict, path: pathlib.Path) -> None:
                     ax.text(v * 1.03, bar.get_y() + bar.get_height() / 2, f"{v:.2f}x", va="center", fontsize=7)
         ax.axvline(1.0, color="black", lw=1)
         ax.set_xscale("log")
+        ax.set_xlim(min(0.5, lo / 1.3), hi * 2.0)
         ax.set_yticks(range(len(sub)))
         ax.set_yticklabels([r["label"] for r in sub], fontsize=7)
-        ax.set_title(f"{suite}: speedup of tritonmoe (> 1 = faster; 1 = the black line)", fontsize=9, loc="left")
+        ax.set_title(f"{suite} suite: tritonmoe's speedup (> 1: tritonmoe faster; black line: 1)", fontsize=9, loc="left")
         ax.legend(fontsize=7, loc="lower right")
         ax.grid(axis="x", which="both", alpha=0.3)
     fig.suptitle(f"tritonmoe speedup per shape: {title(doc)}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -92,7 +98,7 @@ def plot_speedup(doc: dict, path: pathlib.Path) -> None:
 def plot_roofline(doc: dict, path: pathlib.Path) -> None:
     plt = _plt()
     rows = [r for r in load_rows(doc) if r["roof"] is not None and r["suite"] in ("ffn", "layer", "permute")][::-1]
-    fig, ax = plt.subplots(figsize=(11, 1.5 + 0.3 * len(rows)))
+    fig, ax = plt.subplots(figsize=(12, 1.5 + 0.3 * len(rows)))
     colors = ["tab:red" if r["bound"] == "compute" else "tab:purple" for r in rows]
     bars = ax.barh(range(len(rows)), [r["roof"] for r in rows], color=colors)
     for bar, r in zip(bars, rows):
