@@ -21,13 +21,14 @@ def init_distributed(timeout_s: float = 120.0) -> tuple[int, int, str]:
     runs as a plain ``python examples/<name>.py``.
     """
     device = pick_device()
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
-                          RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = f"cuda:{torch.cuda.current_device()}"
     # Every wait is bounded: a rank that dies makes the others raise instead of hanging.
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)        # torchrun's rendezvous
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
