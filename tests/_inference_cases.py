@@ -177,9 +177,9 @@ def _replan_cases(rank: int, P: int, layer) -> dict:
     small = ReplicatedMoELayer(layer, placement=seq[1][1] if seq[1][1].max_hosted <= 3 else seq[4][1], expert_slots=3)
     before = (small.placement, list(small.slot_experts))
     out["over_capacity"] = _expect_error(lambda: small.set_placement(seq[2][1]), ValueError,
-                                         "hosts 4 experts on device 2, more than its slots=3")
+                                         "hosts 4 experts on device 2, more than its expert_slots=3")
     out["over_capacity_ctor"] = _expect_error(lambda: ReplicatedMoELayer(layer, placement=seq[2][1], expert_slots=2),
-                                              ValueError, "more than its slots=2")
+                                              ValueError, "more than its expert_slots=2")
     out["unchanged_after_error"] = before == (small.placement, list(small.slot_experts))
     out["bad_slots"] = [_expect_error(lambda: ReplicatedMoELayer(layer, expert_slots=0), ValueError, "expert_slots=0"),
                         _expect_error(lambda: ReplicatedMoELayer(layer, expert_slots="4"), TypeError, "slots must be an int")]
