@@ -4,9 +4,10 @@ links resolve, and every ```python block of README.md and docs/*.md runs on CPU.
 Fences: ```python blocks are executed; ```python-gpu marks the few blocks that need a CUDA device
 or several processes (they are parsed as Python here, so they cannot rot into syntax errors, and
 each names a test or example that runs the same thing); ```text / ```bash / ```console / plain
-fences are not run. A page's ```python blocks run in order in one fresh interpreter (later blocks
-may use what earlier ones defined), on CPU with CUDA hidden and Triton's interpreter on, in a
-temporary working directory. New pages under docs/ are picked up without editing this file.
+fences are not run. A page's ```python blocks run in order in one namespace of their own (later
+blocks may use what earlier ones defined), in a working directory of their own, on CPU with CUDA
+hidden and Triton's interpreter on; one child interpreter runs all pages (torch is imported once).
+New pages under docs/ are picked up without editing this file.
 """
 
 from __future__ import annotations
@@ -151,16 +152,44 @@ def _cpu_env() -> dict[str, str]:
 
 _RUNNABLE = [p for p in PAGES if any(tag in RUN_TAGS for tag, _, _ in blocks(p))]
 
+# One interpreter runs every page (importing torch and tritonmoe once instead of once per page):
+# each page gets a fresh namespace and working directory; its blocks run in order and the first
+# failure's traceback is recorded for that page's test.
+_RUNNER = """
+import json, os, sys, traceback
+pages = json.loads(sys.argv[1])
+out = {}
+for name, work, parts in pages:
+    os.makedirs(work, exist_ok=True)
+    os.chdir(work)
+    ns = {"__name__": "__main__"}
+    try:
+        for where, code in parts:
+            exec(compile(code, where, "exec"), ns)
+        out[name] = None
+    except BaseException:
+        out[name] = traceback.format_exc()[-4000:]
+    sys.stdout.flush()
+print("@@RESULTS@@" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def page_results(tmp_path_factory):
+    work = tmp_path_factory.mktemp("docs")
+    pages = [[_rel(p), str(work / _rel(p).replace("/", "_")),
+              [[f"{_rel(p)}:{line}", code] for tag, line, code in blocks(p) if tag in RUN_TAGS]] for p in _RUNNABLE]
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(pages)], cwd=work, env=_cpu_env(),
+                          capture_output=True, text=True, timeout=900)
+    marker = proc.stdout.rfind("@@RESULTS@@")
+    assert marker >= 0, f"the docs runner died (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout[marker + len("@@RESULTS@@"):])
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", _RUNNABLE, ids=_rel)
-def test_python_blocks_run_on_cpu(page, tmp_path):
-    parts = []
-    for tag, line, code in blocks(page):
-        if tag in RUN_TAGS:
-            # Each block is compiled under its page and line, so a failure points at the docs.
-            parts.append(f"exec(compile({code!r}, {f'{_rel(page)}:{line}'!r}, 'exec'), _ns)\n")
-    script = "_ns = {'__name__': '__main__'}\n" + "".join(parts)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_cpu_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{_rel(page)}: a ```python block failed on CPU:\n{proc.stderr[-4000:]}"
+def test_python_blocks_run_on_cpu(page, page_results):
+    err = page_results[_rel(page)]
+    assert err is None, f"{_rel(page)}: a ```python block failed on CPU:\n{err}"
