@@ -13,6 +13,7 @@ New pages under docs/ are picked up without editing this file.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import pathlib
 import re
@@ -32,10 +33,10 @@ README_MAX_LINES = 200
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<tag>[^\s`]*)\s*$")
 
 
-def blocks(path: pathlib.Path) -> list[tuple[str, int, str]]:
-    """(tag, first line, code) of every fenced block of a markdown file."""
+def blocks_from_text(text: str, name: str = "text") -> list[tuple[str, int, str]]:
+    """(tag, first line, code) of every fenced block of a markdown text."""
     out, tag, start, buf = [], None, 0, []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         m = _FENCE.match(line)
         if tag is None and m:
             tag, start, buf = m["tag"], i + 1, []
@@ -44,8 +45,12 @@ def blocks(path: pathlib.Path) -> list[tuple[str, int, str]]:
             tag = None
         elif tag is not None:
             buf.append(line)
-    assert tag is None, f"{path.name}: a ``` fence opened at line {start - 1} is never closed"
+    assert tag is None, f"{name}: a ``` fence opened at line {start - 1} is never closed"
     return out
+
+
+def blocks(path: pathlib.Path) -> list[tuple[str, int, str]]:
+    return blocks_from_text(path.read_text(), path.name)
 
 
 def _rel(path: pathlib.Path) -> str:
@@ -63,21 +68,6 @@ def test_readme_is_a_front_page():
     assert commands == ["make bench", "make test"], commands
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci, "CI must run the README's test command"
-
-
-def blocks_from_text(text: str) -> list[tuple[str, int, str]]:
-    tmp = []
-    tag, buf = None, []
-    for line in text.splitlines():
-        m = _FENCE.match(line)
-        if tag is None and m:
-            tag, buf = m["tag"], []
-        elif tag is not None and line.strip() == "```":
-            tmp.append((tag, 0, "\n".join(buf) + "\n"))
-            tag = None
-        elif tag is not None:
-            buf.append(line)
-    return tmp
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
@@ -179,8 +169,6 @@ def page_results(tmp_path_factory):
     work = tmp_path_factory.mktemp("docs")
     pages = [[_rel(p), str(work / _rel(p).replace("/", "_")),
               [[f"{_rel(p)}:{line}", code] for tag, line, code in blocks(p) if tag in RUN_TAGS]] for p in _RUNNABLE]
-    import json
-
     proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(pages)], cwd=work, env=_cpu_env(),
                           capture_output=True, text=True, timeout=900)
     marker = proc.stdout.rfind("@@RESULTS@@")
