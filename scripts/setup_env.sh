@@ -67,7 +67,7 @@ else
     step "NVIDIA GPU found: installing the CUDA build of torch (several GB, a few minutes)"
     quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch==2.13.0}"
   else
-    step "no NVIDIA GPU: installing the CPU build of torch (~200 MB, no CUDA wheels) and triton (its interpreter runs the kernels on CPU); about 2 minutes"
+    step "no NVIDIA GPU: installing the CPU build of torch (~200 MB, no CUDA wheels) and triton (its interpreter runs the kernels on CPU); a few minutes"
     quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch==2.13.0+cpu}" "${TRITONMOE_TRITON_SPEC:-triton==3.9.0}"
   fi
   step "installing tritonmoe in editable mode with its dev extra (pytest, hypothesis, numpy, nvidia-ml-py, transformers, matplotlib)"
