@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the results (schema: bench/schema.py) to PATH, "
                    "rewritten after each suite so an interrupted run keeps what it measured")
-    g.add_argument("--markdown", metavar="PATH", help="write the results as markdown tables (for the README)")
+    g.add_argument("--markdown", metavar="PATH", help="write the results as markdown tables (as in bench/results)")
     g.add_argument("--plot", metavar="PATH", help="write a PNG of throughput vs tokens per suite (needs matplotlib)")
     g.add_argument("--results-dir", metavar="DIR",
                    help="write <gpu>-<date>.json, .md and .png (plot if matplotlib is installed) into DIR, e.g. "
