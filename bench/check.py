@@ -444,6 +444,7 @@ def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> i
         report.print_suite(rows, f"{sec.name}: {sec.about}  [{rec['wall_s']:.1f} s, est. {sec.est_gpu_s:.0f} s on a GPU]")
     telemetry.close()
     free_memory()
+    report.print_legend([r for r in doc["results"] if r["status"] == "ok"])
 
     results = TG.evaluate(doc["results"], ctx.roofs,
                           skipped_reason=None if gpu else "CPU mode: GPU targets need an H100/H200")
