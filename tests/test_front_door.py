@@ -194,3 +194,36 @@ def test_tested_versions_are_pinned_and_inside_the_declared_ranges():
     assert set(pins) - {"torch", "triton"} <= dev
     setup = (ROOT / "scripts" / "setup_env.sh").read_text()
     assert ".[dev]" in setup and "constraints-tested.txt" in setup and "matplotlib" in setup
+
+
+# The README's headline rows: (label in the first cell, suite, case, mode, impl, peer).
+HEADLINE = [
+    ("`MoELayer` training step, Qwen3-30B-A3B-like T=32k", "layer", "qwen3-30b-a3b-like T=32768 uniform", "fwd+bwd", "triton", "loop"),
+    ("`MoELayer` training step, Mixtral-8x7B-like T=16k", "layer", "mixtral-8x7b-like T=16384 uniform", "fwd+bwd", "triton", "loop"),
+    ("`moe_ffn` fwd+bwd, Qwen3-30B-A3B-like T=32k", "ffn", "moe_ffn qwen3-30b-a3b-like T=32768 uniform", "fwd+bwd", "triton", "grouped_mm"),
+    ("`moe_ffn` fwd (fused), Qwen3-30B-A3B-like T=32k", "ffn", "moe_ffn qwen3-30b-a3b-like T=32768 uniform", "fwd", "triton-fused", "grouped_mm"),
+    ("`moe_ffn` fwd+bwd, Mixtral-like T=16k", "ffn", "moe_ffn mixtral-8x7b-like T=16384 uniform", "fwd+bwd", "triton", "grouped_mm"),
+    ("`grouped_ffn` fwd, Mixtral-like T=16k", "ffn", "grouped_ffn mixtral-8x7b-like T=16384 uniform", "fwd", "triton", "grouped_mm"),
+    ("decode `moe_ffn` (fused), Mixtral-like T=64", "ffn", "moe_ffn mixtral-8x7b-like T=64 uniform", "fwd", "triton-fused", "grouped_mm"),
+    ("router fwd+bwd, DeepSeek-V3-like E=128 T=16k", "route", "E=128 k=8 sigmoid+bias groups=8/4 T=16384 uniform", "fwd+bwd", "triton", "torch"),
+]
+
+
+def test_readme_headline_numbers_are_the_committed_results():
+    """Every ratio and time of the README's speed table is read from the results file it cites."""
+    import json
+
+    from bench.report import fmt_time
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Is it faster?")[1].split("\n## ")[0]
+    (cited,) = {m for m in re.findall(r"\(bench/results/([\w.-]+)\.md\)", section) if not m.endswith("-notes")}
+    doc = json.loads((ROOT / "bench" / "results" / f"{cited}.json").read_text())
+    assert doc["env"]["git_commit"][:7] in readme and doc["env"]["date_utc"][:10] in readme
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in readme.splitlines() if line.startswith("| ")}
+    for label, suite, case, mode, impl, peer in HEADLINE:
+        (r,) = [r for r in doc["results"] if (r["suite"], r["case"], r["mode"], r["impl"]) == (suite, case, mode, impl)]
+        median, _, ratio = rows[label]
+        assert ratio.strip("*").split("x")[0] in (f"{r['speedup'][peer]:.2f}", f"{r['speedup'][peer]:.1f}"), (label, ratio, r["speedup"])
+        assert median == fmt_time(r["time_s"]["median"]), (label, median, fmt_time(r["time_s"]["median"]))
