@@ -433,6 +433,37 @@ def compare_docs(a: dict, b: dict, *, threshold: float = 0.05) -> tuple[str, dic
 _LINESTYLE = {"torch": ":", "loop": "-.", "grouped_mm": "--"}
 
 
+def _roof_line(doc: dict, roofs: dict, metric: str):
+    """(value, label) of the roof a panel of ``metric`` is drawn against, or None."""
+    if metric == "tflops":
+        mm = roofs.get(f"matmul_{doc['config']['dtype']}") or roofs.get("matmul_bfloat16") or roofs.get("matmul_float32")
+        return (mm["tflops"], f"matmul roof {mm['tflops']:.3g} TFLOP/s") if mm else None
+    cp = roofs.get("copy")
+    return (cp["gbps"], f"copy roof {cp['gbps']:.3g} GB/s") if cp else None
+
+
+def _bar_panel(ax, suite: str, mode: str, panel: dict, roof) -> None:
+    """A panel whose lines each have one point: one horizontal bar per (case, T, impl)."""
+    items = [(f"{family} T={pts[0][0]} [{impl}]", pts[0][1]) for (family, impl), pts in panel["lines"].items()][::-1]
+    impls = [impl for (_, impl) in panel["lines"]][::-1]
+    from matplotlib.patches import Patch   # only reached from plot(), which imported matplotlib
+
+    fixed = {"triton": "tab:green", "triton-fused": "tab:purple", "triton-split": "tab:olive", "torch": "tab:orange",
+             "grouped_mm": "tab:blue", "loop": "tab:red"}
+    color = {i: fixed.get(i, "tab:gray") for i in impls}
+    ax.barh(range(len(items)), [v for _, v in items], color=[color[i] for i in impls])
+    ax.set_yticks(range(len(items)))
+    ax.set_yticklabels([k for k, _ in items], fontsize=6)
+    handles = [Patch(color=c, label=i) for i, c in reversed(list(color.items()))]
+    if roof:
+        handles.append(ax.axvline(roof[0], ls="--", c="k", lw=2, label=roof[1]))
+    ax.legend(handles=handles, fontsize=6, loc="lower right")
+    ax.set_xscale("log")
+    ax.set_xlabel("TFLOP/s" if panel["metric"] == "tflops" else "GB/s")
+    ax.set_title(f"{suite} {mode}")
+    ax.grid(True, axis="x", alpha=0.3)
+
+
 def plot(doc: dict, path: str | os.PathLike) -> str | None:
     """Throughput against tokens, one panel per (suite, mode): one line per case family and
     implementation, the roof as a dashed line. Returns a note instead when matplotlib is not
@@ -465,18 +496,19 @@ def plot(doc: dict, path: str | os.PathLike) -> str | None:
     roofs = doc.get("roofs") or {}
     for ax, ((suite, mode), panel) in zip(axes.flat, panels.items()):
         metric = panel["metric"]
+        if all(len(pts) == 1 for pts in panel["lines"].values()):
+            # One token count per line (e.g. gpu-check's shapes): bars, not lines of single dots.
+            _bar_panel(ax, suite, mode, panel, _roof_line(doc, roofs, metric))
+            continue
         families = list(dict.fromkeys(f for f, _ in panel["lines"]))
         colors = plt.get_cmap("tab10" if len(families) <= 10 else "tab20")
         for (family, impl), pts in panel["lines"].items():
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls=_LINESTYLE.get(impl, "-"),
                     color=colors(families.index(family) % colors.N), label=f"{family} [{impl}]")
-        if metric == "tflops":
-            mm = roofs.get(f"matmul_{doc['config']['dtype']}") or roofs.get("matmul_bfloat16") or roofs.get("matmul_float32")
-            if mm:
-                ax.axhline(mm["tflops"], ls="--", c="k", lw=2, label=f"matmul roof {mm['tflops']:.3g} TFLOP/s")
-        elif roofs.get("copy"):
-            ax.axhline(roofs["copy"]["gbps"], ls="--", c="k", lw=2, label=f"copy roof {roofs['copy']['gbps']:.3g} GB/s")
+        roof = _roof_line(doc, roofs, metric)
+        if roof:
+            ax.axhline(roof[0], ls="--", c="k", lw=2, label=roof[1])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens")

@@ -227,3 +227,21 @@ def test_readme_headline_numbers_are_the_committed_results():
         median, _, ratio = rows[label]
         assert ratio.strip("*").split("x")[0] in (f"{r['speedup'][peer]:.2f}", f"{r['speedup'][peer]:.1f}"), (label, ratio, r["speedup"])
         assert median == fmt_time(r["time_s"]["median"]), (label, median, fmt_time(r["time_s"]["median"]))
+
+
+def test_plot_draws_bars_where_every_line_would_be_one_dot(tmp_path, monkeypatch):
+    """gpu-check measures each shape at one token count: its panels are bars, not single dots."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    from bench import report
+
+    doc = json.loads((ROOT / "bench" / "results" / "nvidia-h100-80gb-hbm3-2026-11-26-2.json").read_text())
+    drawn = []
+    real = report._bar_panel
+    monkeypatch.setattr(report, "_bar_panel", lambda ax, suite, mode, *a: (drawn.append((suite, mode)), real(ax, suite, mode, *a)))
+    assert report.plot(doc, tmp_path / "p.png") is None
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    # layer and permute have one T per case there; route has two (lines); ffn fwd has decode T's (lines).
+    assert ("layer", "fwd+bwd") in drawn and ("permute", "move") in drawn
+    assert ("route", "fwd") not in drawn and ("ffn", "fwd") not in drawn
