@@ -1,8 +1,8 @@
 """The front door works as written: the README stays a short front page, its links and the docs'
 links resolve, and every ```python block of README.md and docs/*.md runs on CPU.
 
-Fences: ```python blocks are executed; ```python-gpu marks the few blocks that need a CUDA device
-or several processes (they are parsed as Python here, so they cannot rot into syntax errors, and
+Fences: ```python blocks are executed; ```python-gpu marks the few blocks that need a CUDA device,
+several processes or a model the page does not build (they are parsed as Python here, so they cannot rot into syntax errors, and
 each names a test or example that runs the same thing); ```text / ```bash / ```console / plain
 fences are not run. A page's ```python blocks run in order in one namespace of their own (later
 blocks may use what earlier ones defined), in a working directory of their own, on CPU with CUDA
