@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the results (schema: bench/schema.py) to PATH, "
                    "rewritten after each suite so an interrupted run keeps what it measured")
-    g.add_argument("--markdown", metavar="PATH", help="write the results as markdown tables (for the README)")
+    g.add_argument("--markdown", metavar="PATH", help="write the results as markdown tables (as in bench/results)")
     g.add_argument("--plot", metavar="PATH", help="write a PNG of throughput vs tokens per suite (needs matplotlib)")
     g.add_argument("--results-dir", metavar="DIR",
                    help="write <gpu>-<date>.json, .md and .png (plot if matplotlib is installed) into DIR, e.g. "
@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: when stdout is a terminal)")
     g.add_argument("--print-schema", action="store_true", help="print the JSON schema of result files and exit")
+    g.add_argument("--legend", action="store_true", help="print what every table column means and exit "
+                   "(a run prints the legend of its own columns after its tables)")
     return p
 
 
@@ -386,6 +388,7 @@ def run(args, parser, argv: list[str]) -> int:
     _run_suites(args, ctx, suites, plans, doc, t0, log)
     telemetry.close()
     print_layer_fractions(doc["results"])
+    report.print_legend([r for r in doc["results"] if r["status"] == "ok"])
     return _write_outputs(args, doc, t0, log)
 
 
@@ -632,6 +635,10 @@ def _main(argv: list[str]) -> int:
         import json
 
         print(json.dumps(schema.SCHEMA, indent=1))
+        return 0
+    if args.legend:
+        print("Columns of the tables of python -m bench (a column with nothing to show is left out):")
+        print("\n".join(report.legend_lines()))
         return 0
     return run(args, parser, argv)
 

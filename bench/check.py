@@ -493,6 +493,7 @@ def _run_check(args, argv: list[str], device: torch.device, runner: Runner) -> i
     _mark(run, sentinel, "end")
     telemetry.close()
     free_memory()
+    report.print_legend([r for r in run.doc["results"] if r["status"] == "ok"])
     return _finish(run, env, tests, section_log, sentinel)
 
 

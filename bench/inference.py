@@ -486,8 +486,8 @@ def run_offload(spec: dict) -> list[dict]:
         want = forward(resident)
     with tempfile.TemporaryDirectory() as tmp:
         models = {"resident": resident, "host": model(), "disk": model()}
-        stacks = {"host": OffloadedExperts(list(models["host"]), slots=K),
-                  "disk": OffloadedExperts(list(models["disk"]), slots=K, disk_path=os.path.join(tmp, "experts.bin"))}
+        stacks = {"host": OffloadedExperts(list(models["host"]), layer_slots=K),
+                  "disk": OffloadedExperts(list(models["disk"]), layer_slots=K, disk_path=os.path.join(tmp, "experts.bin"))}
         try:
             times: dict[str, list[float]] = {k: [] for k in models}
             with torch.no_grad():

@@ -177,6 +177,47 @@ def columns(rows: list[dict]) -> list[Column]:
     return [c for c in cols if any(c.get(r) for r in rows)]
 
 
+#: One line per column header (the module docstring says the same at length; ``python -m bench
+#: --legend`` prints it, and every run prints the lines of the columns its tables showed).
+LEGEND = {
+    "case": "the problem: op, preset-like shape, T = tokens (per rank in the ep suite), routing",
+    "mode": "fwd (inference forward), fwd+bwd (training step), move / metadata (parts of permute)",
+    "impl": "triton = tritonmoe's kernels, *-fused = tritonmoe.moe_ffn, torch = tritonmoe's reference "
+            "path; baselines: loop = per-expert torch.matmul, grouped_mm = torch._grouped_mm",
+    "median": "time per call, median over the timed reps (warm-up first; on GPU: CUDA events, L2 flushed)",
+    "p20-p80": "the 20th-80th percentile of the time per call (the spread; wide = noisy or host-bound)",
+    "TFLOP/s": "useful FLOPs (bench/work.py) / median",
+    "GB/s": "minimum bytes moved (bench/work.py) / median",
+    "roof": "fraction of the roofline measured in this run: C = of the matmul roof (compute-bound), "
+            "M = of the device copy roof (memory-bound); 100% = the hardware's measured best",
+    "x torch": "speedup over tritonmoe's reference path (its median / this median; > 1 = this is faster)",
+    "x loop": "speedup over the per-expert torch.matmul loop (> 1 = this is faster)",
+    "x gmm": "speedup over torch._grouped_mm (> 1 = this is faster)",
+    "peak": "peak device memory allocated during one call (inputs and weights included)",
+    "/min": "peak over the layer's analytic minimum memory (1.0 = nothing extra)",
+    "util%": "mean GPU utilization sampled by NVML during the entry",
+    "W": "mean GPU power (NVML)",
+    "SM MHz": "mean SM clock (NVML)",
+    "note": "why an entry is unavailable or failed, or suite-specific figures",
+}
+
+
+def legend_lines(headers=None) -> list[str]:
+    """The legend of ``headers`` (default: every column), one ``header: meaning`` line each."""
+    keys = [h for h in LEGEND if headers is None or h in set(headers)]
+    width = max((len(k) for k in keys), default=0)
+    return [f"  {k.rjust(width)}  {LEGEND[k]}" for k in keys]
+
+
+def print_legend(rows: list[dict], file: TextIO | None = None) -> None:
+    """Print the legend of the columns that ``rows``' tables show (nothing without rows)."""
+    if not rows:
+        return
+    file = file or sys.stdout
+    print("\nColumns (python -m bench --legend; docs/bench-columns.md):", file=file)
+    print("\n".join(legend_lines([c.header for c in columns(rows)])), file=file)
+
+
 def _cells(rows: list[dict], cols: list[Column]) -> list[list[str]]:
     return [[c.get(r) for c in cols] for r in rows]
 
@@ -425,6 +466,37 @@ def compare_docs(a: dict, b: dict, *, threshold: float = 0.05) -> tuple[str, dic
 _LINESTYLE = {"torch": ":", "loop": "-.", "grouped_mm": "--"}
 
 
+def _roof_line(doc: dict, roofs: dict, metric: str):
+    """(value, label) of the roof a panel of ``metric`` is drawn against, or None."""
+    if metric == "tflops":
+        mm = roofs.get(f"matmul_{doc['config']['dtype']}") or roofs.get("matmul_bfloat16") or roofs.get("matmul_float32")
+        return (mm["tflops"], f"matmul roof {mm['tflops']:.3g} TFLOP/s") if mm else None
+    cp = roofs.get("copy")
+    return (cp["gbps"], f"copy roof {cp['gbps']:.3g} GB/s") if cp else None
+
+
+def _bar_panel(ax, suite: str, mode: str, panel: dict, roof) -> None:
+    """A panel whose lines each have one point: one horizontal bar per (case, T, impl)."""
+    items = [(f"{family} T={pts[0][0]} [{impl}]", pts[0][1]) for (family, impl), pts in panel["lines"].items()][::-1]
+    impls = [impl for (_, impl) in panel["lines"]][::-1]
+    from matplotlib.patches import Patch   # only reached from plot(), which imported matplotlib
+
+    fixed = {"triton": "tab:green", "triton-fused": "tab:purple", "triton-split": "tab:olive", "torch": "tab:orange",
+             "grouped_mm": "tab:blue", "loop": "tab:red"}
+    color = {i: fixed.get(i, "tab:gray") for i in impls}
+    ax.barh(range(len(items)), [v for _, v in items], color=[color[i] for i in impls])
+    ax.set_yticks(range(len(items)))
+    ax.set_yticklabels([k for k, _ in items], fontsize=6)
+    handles = [Patch(color=c, label=i) for i, c in reversed(list(color.items()))]
+    if roof:
+        handles.append(ax.axvline(roof[0], ls="--", c="k", lw=2, label=roof[1]))
+    ax.legend(handles=handles, fontsize=6, loc="lower right")
+    ax.set_xscale("log")
+    ax.set_xlabel("TFLOP/s" if panel["metric"] == "tflops" else "GB/s")
+    ax.set_title(f"{suite} {mode}")
+    ax.grid(True, axis="x", alpha=0.3)
+
+
 def plot(doc: dict, path: str | os.PathLike) -> str | None:
     """Throughput against tokens, one panel per (suite, mode): one line per case family and
     implementation, the roof as a dashed line. Returns a note instead when matplotlib is not
@@ -457,18 +529,19 @@ def plot(doc: dict, path: str | os.PathLike) -> str | None:
     roofs = doc.get("roofs") or {}
     for ax, ((suite, mode), panel) in zip(axes.flat, panels.items()):
         metric = panel["metric"]
+        if all(len(pts) == 1 for pts in panel["lines"].values()):
+            # One token count per line (e.g. gpu-check's shapes): bars, not lines of single dots.
+            _bar_panel(ax, suite, mode, panel, _roof_line(doc, roofs, metric))
+            continue
         families = list(dict.fromkeys(f for f, _ in panel["lines"]))
         colors = plt.get_cmap("tab10" if len(families) <= 10 else "tab20")
         for (family, impl), pts in panel["lines"].items():
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls=_LINESTYLE.get(impl, "-"),
                     color=colors(families.index(family) % colors.N), label=f"{family} [{impl}]")
-        if metric == "tflops":
-            mm = roofs.get(f"matmul_{doc['config']['dtype']}") or roofs.get("matmul_bfloat16") or roofs.get("matmul_float32")
-            if mm:
-                ax.axhline(mm["tflops"], ls="--", c="k", lw=2, label=f"matmul roof {mm['tflops']:.3g} TFLOP/s")
-        elif roofs.get("copy"):
-            ax.axhline(roofs["copy"]["gbps"], ls="--", c="k", lw=2, label=f"copy roof {roofs['copy']['gbps']:.3g} GB/s")
+        roof = _roof_line(doc, roofs, metric)
+        if roof:
+            ax.axhline(roof[0], ls="--", c="k", lw=2, label=roof[1])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Creates the project's virtual environment (default .venv) on a fresh machine and installs
-# tritonmoe into it in editable mode with what `make test` and `make bench` need (the extras
-# "test", "bench" and "hf": pytest, hypothesis, numpy, nvidia-ml-py, transformers; offline
-# machines skip what they lack, and the Hugging Face tests skip without transformers).
+# tritonmoe into it in editable mode with what `make test` and `make bench` need (the "dev" extra:
+# pytest, hypothesis, numpy, nvidia-ml-py, transformers, matplotlib; offline machines skip what
+# they lack, the Hugging Face tests skip without transformers and `--plot` says matplotlib is
+# missing). Where it downloads, it installs the versions the suite was tested with
+# (constraints-tested.txt). Each step says what it does and how long it took.
 #
 # * torch and triton already importable by $PYTHON (e.g. the GPU machine, which has no network):
 #   the venv sees them through --system-site-packages and nothing is downloaded for them.
@@ -16,6 +18,9 @@ set -euo pipefail
 VENV=${1:-.venv}
 PYTHON=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
+START=$SECONDS
+step() { echo "setup [$((SECONDS - START))s]: $*"; }
+step "creating $VENV for $(pwd) (one time; later make calls reuse it)"
 
 quiet_pip() {
   # pip warns once per package about unreadable extra indexes configured on some machines.
@@ -23,7 +28,7 @@ quiet_pip() {
 }
 
 if "$PYTHON" -c "import torch, triton" >/dev/null 2>&1; then
-  echo "setup: using the torch and triton already installed for $PYTHON"
+  step "torch and triton found for $PYTHON: virtual environment $VENV reusing them (nothing downloaded for them)"
   "$PYTHON" -m venv --system-site-packages "$VENV"
   # $PYTHON may itself run in a virtual environment (the GPU image's python3 does): a venv made
   # from it sees the base interpreter's site-packages, not that environment's, so list those in
@@ -33,6 +38,7 @@ if "$PYTHON" -c "import torch, triton" >/dev/null 2>&1; then
     child_site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     printf '%s\n' "$parent_sites" > "$child_site/_tritonmoe_parent_env.pth"
   fi
+  step "installing tritonmoe from this folder in editable mode (no dependencies downloaded)"
   if "$VENV/bin/python" -c "import setuptools" >/dev/null 2>&1; then
     quiet_pip install -q --no-deps --no-build-isolation -e .
   else
@@ -47,19 +53,29 @@ print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mo
 PY
 )
   if [ -n "$missing" ]; then
-    quiet_pip install -q $missing
+    step "installing the test and bench tools that are missing: $missing"
+    quiet_pip install -q -c constraints-tested.txt $missing
+  fi
+  if ! "$VENV/bin/python" -c "import matplotlib" >/dev/null 2>&1; then
+    step "installing matplotlib (bench --plot, scripts/plot_speedup.py)"
+    quiet_pip install -q -c constraints-tested.txt matplotlib \
+      || step "matplotlib could not be installed (offline?): --plot will say so; everything else works"
   fi
 else
+  step "virtual environment $VENV; upgrading pip, setuptools and wheel"
   "$PYTHON" -m venv "$VENV"
   quiet_pip install -q --upgrade "pip>=23" setuptools wheel
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "setup: NVIDIA GPU found, installing the CUDA build of torch"
-    quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch}"
+    step "NVIDIA GPU found: installing the CUDA build of torch (several GB, a few minutes)"
+    quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch==2.13.0}"
   else
-    echo "setup: no NVIDIA GPU, installing a CPU build of torch and triton (for its interpreter)"
+    step "no NVIDIA GPU: installing the CPU build of torch (~200 MB, no CUDA wheels) and triton (its interpreter runs the kernels on CPU); a few minutes"
     quiet_pip install -q "${TRITONMOE_TORCH_SPEC:-torch==2.13.0+cpu}" "${TRITONMOE_TRITON_SPEC:-triton==3.9.0}"
   fi
-  quiet_pip install -q -e ".[test,bench,hf]"
+  step "installing tritonmoe in editable mode with its dev extra (pytest, hypothesis, numpy, nvidia-ml-py, transformers, matplotlib)"
+  # The tested versions (constraints-tested.txt) except torch and triton, installed just above.
+  grep -v -E '^(torch|triton)==' constraints-tested.txt > "$VENV/constraints.txt"
+  quiet_pip install -q -c "$VENV/constraints.txt" -e ".[dev]"
 fi
 # The benchmark peer Liger-Kernel (pure Python + Triton, its fused MoE): from a wheel in .whl/ when
 # `make peer-wheels` put one there (the GPU machine has no network), else from the index on CPU
@@ -72,4 +88,5 @@ elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1;
   quiet_pip install -q --no-deps liger-kernel || echo "setup: liger-kernel not installed (its tests skip)"
 fi
 "$VENV/bin/python" -c "import torch, tritonmoe; print(f'setup: tritonmoe {tritonmoe.__version__}, torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
+step "done in $((SECONDS - START)) s"
 touch "$VENV/.tritonmoe-setup"

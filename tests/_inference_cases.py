@@ -139,7 +139,7 @@ def _replan_cases(rank: int, P: int, layer) -> dict:
             for name, pl in seq:
                 try:
                     if rep is None:
-                        rep = ReplicatedMoELayer(layer, placement=pl, slots=slots)
+                        rep = ReplicatedMoELayer(layer, placement=pl, expert_slots=slots)
                     else:
                         rep.set_placement(pl)
                     calls = cc.take()
@@ -174,15 +174,15 @@ def _replan_cases(rank: int, P: int, layer) -> dict:
     # bad input: typed errors on every rank before any collective, the layer left as it was
     out["bad_expert_id"] = _expect_error(lambda: rep.set_placement(Placement.contiguous(16, P)), ValueError,
                                          "hosts expert 8 on device 2")
-    small = ReplicatedMoELayer(layer, placement=seq[1][1] if seq[1][1].max_hosted <= 3 else seq[4][1], slots=3)
+    small = ReplicatedMoELayer(layer, placement=seq[1][1] if seq[1][1].max_hosted <= 3 else seq[4][1], expert_slots=3)
     before = (small.placement, list(small.slot_experts))
     out["over_capacity"] = _expect_error(lambda: small.set_placement(seq[2][1]), ValueError,
-                                         "hosts 4 experts on device 2, more than its slots=3")
-    out["over_capacity_ctor"] = _expect_error(lambda: ReplicatedMoELayer(layer, placement=seq[2][1], slots=2),
-                                              ValueError, "more than its slots=2")
+                                         "hosts 4 experts on device 2, more than its expert_slots=3")
+    out["over_capacity_ctor"] = _expect_error(lambda: ReplicatedMoELayer(layer, placement=seq[2][1], expert_slots=2),
+                                              ValueError, "more than its expert_slots=2")
     out["unchanged_after_error"] = before == (small.placement, list(small.slot_experts))
-    out["bad_slots"] = [_expect_error(lambda: ReplicatedMoELayer(layer, slots=0), ValueError, "slots=0"),
-                        _expect_error(lambda: ReplicatedMoELayer(layer, slots="4"), TypeError, "slots must be an int")]
+    out["bad_slots"] = [_expect_error(lambda: ReplicatedMoELayer(layer, expert_slots=0), ValueError, "expert_slots=0"),
+                        _expect_error(lambda: ReplicatedMoELayer(layer, expert_slots="4"), TypeError, "slots must be an int")]
     bad_sd = dict(sd, w1=sd["w1"][:, :, :2])
     out["bad_host"] = _expect_error(lambda: ReplicatedMoELayer(layer, host_experts=bad_sd), ValueError, "host_experts['w1']")
     with torch.no_grad():  # the group is still in step: a forward (collectives) after the errors
@@ -206,7 +206,7 @@ def _scheduler_loads(rank: int, P: int) -> dict:
     host = [t for lay in layers for t in _layer_experts(lay)]
     ok, loaded, expected, changes = True, [], [], 0
     with _CopyCounter(host) as cc:
-        reps = [ReplicatedMoELayer(lay, scheduler=sch, layer_index=i, slots=4) for i, lay in enumerate(layers)]
+        reps = [ReplicatedMoELayer(lay, scheduler=sch, layer_index=i, expert_slots=4) for i, lay in enumerate(layers)]
         prev = [rp.placement.hosted[rank] for rp in reps]
         cc.take()
         for b in range(4):
@@ -259,7 +259,7 @@ def single_device_case(rank: int, P: int, device: str = "cpu", group=None) -> di
             out["loaded"] = sorted(e for e, _, _ in cc.take())
             out["slot_order"] = list(rep.slot_experts)
             out["equal_resized"] = bool(torch.equal(rep(x), first))
-            rep2 = ReplicatedMoELayer(layer, group=group, slots=E)
+            rep2 = ReplicatedMoELayer(layer, group=group, expert_slots=E)
             out["shared_host"] = rep2.host["w1"].data_ptr() == rep.host["w1"].data_ptr()
             rep2._load((0, 1, 2, 3))  # fixed slots: 4..7 leave, then come back into the freed slots 0..3
             rep2._load((4, 5, 6, 7))

@@ -1,5 +1,5 @@
 """``python -m bench inference`` on tiny shapes: every figure is produced, and the claims the
-README makes from it hold on the small run (Lina and EPLB balance skewed routing better than the
+docs/inference.md makes from it hold on the small run (Lina and EPLB balance skewed routing better than the
 contiguous layout; the conditional estimate beats the marginal on the correlated stack only)."""
 
 from __future__ import annotations

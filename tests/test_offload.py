@@ -32,7 +32,7 @@ def test_offloaded_stack_equals_resident(N, K):
     resident = copy.deepcopy(model)
     layers = [m for m in model if isinstance(m, tm.MoELayer)]
     one_layer = sum(getattr(layers[0], n).numel() * 8 for n in ("w1", "w2", "b1", "b2"))
-    stack = OffloadedExperts(layers, slots=K)
+    stack = OffloadedExperts(layers, layer_slots=K)
     try:
         assert stack.slot_bytes == one_layer
         assert stack.resident_bytes() == K * one_layer  # the N layers' own copies are freed
@@ -50,18 +50,18 @@ def test_layers_out_of_order_and_bad_input():
     model = _model(3)
     layers = [m for m in model if isinstance(m, tm.MoELayer)]
     with pytest.raises(ValueError, match="slots=3 for 3 layers"):
-        OffloadedExperts(layers, slots=3)
+        OffloadedExperts(layers, layer_slots=3)
     with pytest.raises(ValueError, match="slots=0"):
-        OffloadedExperts(layers, slots=0)
+        OffloadedExperts(layers, layer_slots=0)
     with pytest.raises(ValueError, match="layers is empty"):
-        OffloadedExperts([], slots=1)
+        OffloadedExperts([], layer_slots=1)
     with pytest.raises(TypeError, match="not a tritonmoe.MoELayer"):
-        OffloadedExperts([torch.nn.Linear(2, 2)], slots=1)
+        OffloadedExperts([torch.nn.Linear(2, 2)], layer_slots=1)
     other = tm.MoELayer(tm.MoEConfig(8, 10, 4, 2), dtype=torch.float64)
     with pytest.raises(ValueError, match="the slots hold one shape"):
-        OffloadedExperts(layers[:2] + [other], slots=1)
+        OffloadedExperts(layers[:2] + [other], layer_slots=1)
     resident = copy.deepcopy(model)
-    stack = OffloadedExperts(layers, slots=2)
+    stack = OffloadedExperts(layers, layer_slots=2)
     x = torch.randn(5, 8, dtype=torch.float64)
     try:
         with torch.no_grad():
@@ -113,7 +113,7 @@ def test_disk_tier_equals_resident(tmp_path, monkeypatch, cache_layers):
     layers = [m for m in model if isinstance(m, tm.MoELayer)]
     layer_bytes = sum(getattr(layers[0], n).numel() * 8 for n in ("w1", "w2", "b1", "b2"))
     reads = _counting_reads(monkeypatch)
-    stack = OffloadedExperts(layers, slots=K, disk_path=tmp_path / "experts.bin", cache_bytes=cache_layers * layer_bytes)
+    stack = OffloadedExperts(layers, layer_slots=K, disk_path=tmp_path / "experts.bin", cache_bytes=cache_layers * layer_bytes)
     try:
         assert stack.host is None and (tmp_path / "experts.bin").stat().st_size == N * layer_bytes
         assert stack.resident_bytes() == K * layer_bytes
@@ -141,11 +141,11 @@ def test_disk_tier_bad_input(tmp_path):
     layers = [m for m in _model(3) if isinstance(m, tm.MoELayer)]
     layer_bytes = sum(getattr(layers[0], n).numel() * 8 for n in ("w1", "w2"))
     with pytest.raises(ValueError, match=f"smaller than one layer's experts \\({layer_bytes} bytes"):
-        OffloadedExperts(layers, slots=1, disk_path=tmp_path / "x.bin", cache_bytes=layer_bytes - 1)
+        OffloadedExperts(layers, layer_slots=1, disk_path=tmp_path / "x.bin", cache_bytes=layer_bytes - 1)
     with pytest.raises(ValueError, match="pass disk_path"):
-        OffloadedExperts(layers, slots=1, cache_bytes=10**6)
+        OffloadedExperts(layers, layer_slots=1, cache_bytes=10**6)
     with pytest.raises(TypeError, match="cache_bytes must be an int"):
-        OffloadedExperts(layers, slots=1, disk_path=tmp_path / "x.bin", cache_bytes=1e9)
+        OffloadedExperts(layers, layer_slots=1, disk_path=tmp_path / "x.bin", cache_bytes=1e9)
 
 
 def test_host_lfu_cache_algorithm_1():
@@ -190,7 +190,7 @@ def test_cuda_ring_equals_resident(tmp_path, tier):
                                   for _ in range(N)])
     resident = copy.deepcopy(model)
     kw = {"disk_path": tmp_path / "e.bin"} if tier == "disk" else {}
-    stack = OffloadedExperts(list(model), slots=K, **kw)
+    stack = OffloadedExperts(list(model), layer_slots=K, **kw)
     try:
         with torch.no_grad():
             for T in (32, 0, 5):
@@ -215,7 +215,7 @@ def test_offloaded_layers_state_dict_direct_call_and_restore(tmp_path, tier):
     resident = copy.deepcopy(model)
     layers = [m for m in model if isinstance(m, tm.MoELayer)]
     kw = {"disk_path": tmp_path / "e.bin"} if tier == "disk" else {}
-    stack = OffloadedExperts(layers, slots=K, **kw)
+    stack = OffloadedExperts(layers, layer_slots=K, **kw)
     x = torch.randn(6, 8, dtype=torch.float64)
     want = resident(x)
     try:
@@ -242,7 +242,7 @@ def test_offloaded_layers_state_dict_direct_call_and_restore(tmp_path, tier):
         model(x)
     assert torch.equal(model.state_dict()[f"{2 * N - 1}.w2"], resident.state_dict()[f"{2 * N - 1}.w2"])
     with pytest.raises(ValueError, match="already moved to host memory"):
-        OffloadedExperts(layers, slots=K)
+        OffloadedExperts(layers, layer_slots=K)
     for layer in layers:
         restore_experts(layer)
         assert not is_released(layer)
@@ -264,7 +264,7 @@ def test_load_state_dict_into_offloaded_layers(tmp_path):
         for p in new.parameters():
             p.normal_()
     x = torch.randn(5, 8, dtype=torch.float64)
-    stack = OffloadedExperts(layers, slots=K)
+    stack = OffloadedExperts(layers, layer_slots=K)
     try:
         with torch.no_grad():
             model(x)  # mid-ring: the slots hold layers 0 and 1 again, the next pass starts at 0
@@ -279,7 +279,7 @@ def test_load_state_dict_into_offloaded_layers(tmp_path):
         stack.close()
     disk_model = _model(N)
     before = copy.deepcopy(disk_model.state_dict())
-    disk = OffloadedExperts([m for m in disk_model if isinstance(m, tm.MoELayer)], slots=K, disk_path=tmp_path / "d.bin")
+    disk = OffloadedExperts([m for m in disk_model if isinstance(m, tm.MoELayer)], layer_slots=K, disk_path=tmp_path / "d.bin")
     try:
         with pytest.raises(RuntimeError, match="held read-only by an OffloadedExperts stack"):
             disk_model.load_state_dict(new.state_dict())

@@ -1,6 +1,6 @@
 """What the ops do with out-of-range metadata when value checks are off, on both backends.
 
-The decision (README, "Semantics decided here"): with ``set_validation(False)`` an expert id
+The decision (docs/functional.md, "Semantics decided here"): with ``set_validation(False)`` an expert id
 outside [-1, E) and a slot row outside [-1, R) mean "not routed", exactly like -1, and offsets
 are clamped into [0, R]; both backends agree, nothing is read or written out of bounds, and no
 internal error escapes. It costs nothing on the hot path: the kernels compare every id or row

@@ -17,6 +17,7 @@ from tritonmoe.core import validation as V
 from tritonmoe.core.settings import BACKENDS
 from tritonmoe.policy.memory_strategy import check_memory_strategy
 from tritonmoe.comm.programs.memory_reuse import check_mi_buffers
+from tritonmoe.core.suggest import suggest_unknown_kwargs
 
 #: Values of MoEConfig.ffn_path.
 FFN_PATHS = ("auto", "fused", "unfused")
@@ -27,6 +28,7 @@ PARM_SCHEDULES = ("auto", "baseline", "s1", "s2")
 PIPELINE_DEGREE_MODES = ("auto", "search")
 
 
+@suggest_unknown_kwargs
 @dataclass(frozen=True)
 class MoEConfig:
     """Configuration of a :class:`tritonmoe.MoELayer`.

@@ -226,7 +226,7 @@ def unpermute(
     ``pad_to``; slot rows in [-1, R), each routed slot on its own unpadded row of an expert's
     segment, ``counts[e]`` slots per expert), before any launch. With validation off, a slot row
     outside [0, R) contributes nothing to the output, on every backend (see "Semantics decided
-    here" in the README)."""
+    here" in docs/functional.md)."""
     V.float_tensor("y_perm", y_perm, 2)
     V.permute_info_args(info)
     V.float_tensor("topk_weights", topk_weights, 2)

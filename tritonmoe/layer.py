@@ -27,6 +27,7 @@ from tritonmoe.parallel.mesh import as_moe_mesh
 from tritonmoe.comm import check_agreement
 from tritonmoe.parallel.checkpoint import expert_load_pre_hook, expert_state_dict_hook
 from tritonmoe.parallel.guard import check_sharded_expert
+from tritonmoe.core.suggest import suggest_unknown_kwargs
 
 __all__ = ["MoELayer", "Router", "RouteStep", "SharedExperts", "router_logits"]
 
@@ -89,6 +90,7 @@ class SharedExperts(nn.Module):
         return y
 
 
+@suggest_unknown_kwargs
 class MoELayer(nn.Module):
     """Mixture-of-Experts FFN: ``forward(x[..., d_model]) -> [..., d_model]``.
 

@@ -42,6 +42,8 @@ from tritonmoe.comm.compat import all_gather_single
 from tritonmoe.comm.errors import backend_errors, new_group
 from tritonmoe.comm.splits import comm_device
 
+from tritonmoe.core.suggest import suggest_unknown_kwargs
+
 __all__ = ["PLACEMENTS", "ParmLayout", "ParmGroups", "groups_from_process_groups", "LayoutError"]
 
 #: Canonical placements of the (ep, esp) grid.
@@ -59,6 +61,7 @@ def _positive(name: str, v: Any) -> int:
     return int(v)
 
 
+@suggest_unknown_kwargs
 @dataclass(frozen=True)
 class ParmLayout:
     """Rank -> (mp group, mp rank, ep, esp) over the P ranks of a Parm MoE layer.

@@ -8,7 +8,7 @@ layer (i + K) mod N, so K consecutive layers (cyclically: the next forward start
 layer 0) are resident or in flight at any time, and a layer waits only if its copy is longer
 than the compute of the K - 1 layers before it.
 
-    stack = OffloadedExperts(model_layers, slots=2)   # layers: MoELayers, called by the model as usual
+    stack = OffloadedExperts(model_layers, layer_slots=2)   # layers: MoELayers, called by the model as usual
     with torch.no_grad():
         y = model(x)                                   # forward hooks swap the experts in and out
     stack.close()
@@ -38,6 +38,7 @@ import torch
 
 from ._released import _Released, is_released, mark_released
 from tritonmoe.layer import MoELayer
+from tritonmoe.core.suggest import UNSET, renamed_argument
 
 __all__ = ["OffloadedExperts", "HostLFUCache"]
 
@@ -119,11 +120,13 @@ class HostLFUCache:
 
 class OffloadedExperts:
     """Serve ``layers`` (local :class:`~tritonmoe.MoELayer`\\ s of one shape, called in this
-    order) from ``slots`` device slots; see the module docstring.
+    order) from ``layer_slots`` device slots, each holding one layer's experts; see the module docstring.
 
     Args:
         layers: the MoE layers, in execution order.
-        slots: K, device slots (1 <= K < N).
+        layer_slots: K, device slots of one layer's experts each (1 <= K < N). ``slots=`` is its
+            deprecated name (a :class:`DeprecationWarning`; ReplicatedMoELayer's slots hold experts).
+            ``self.slots`` is the list of the K slot buffers.
         disk_path: a file to keep the experts in (written here, overwritten if present); then
             host memory holds only the LFU cache (module docstring).
         cache_bytes: the host cache's size with ``disk_path`` (default: two layers); at least
@@ -143,9 +146,13 @@ class OffloadedExperts:
         copy_s: per copy on the worker thread, its seconds (disk reads, cache and slot copies).
     """
 
-    def __init__(self, layers: Sequence[torch.nn.Module], slots: int, *, timeout_s: float = 300.0,
-                 disk_path: Optional[str | os.PathLike] = None, cache_bytes: Optional[int] = None,
-                 cache_options: Optional[dict] = None) -> None:
+    def __init__(self, layers: Sequence[torch.nn.Module], layer_slots: Optional[int] = None, *,
+                 timeout_s: float = 300.0, disk_path: Optional[str | os.PathLike] = None,
+                 cache_bytes: Optional[int] = None, cache_options: Optional[dict] = None, slots=UNSET) -> None:
+
+        slots = renamed_argument("OffloadedExperts", "layer_slots", layer_slots, "slots", slots)
+        if slots is None:
+            raise TypeError("OffloadedExperts() needs layer_slots=K: the device slots, one layer's experts each")
 
         layers = list(layers)
         if not layers:
@@ -160,10 +167,10 @@ class OffloadedExperts:
                                  "tritonmoe.inference.restore_experts(layer) (after closing that wrapper) first")
         N = len(layers)
         if not isinstance(slots, int) or isinstance(slots, bool):
-            raise TypeError(f"slots must be an int, got {type(slots).__name__}")
+            raise TypeError(f"layer_slots must be an int, got {type(slots).__name__}")
         if slots < 1 or slots >= N:
             raise ValueError(
-                f"slots={slots} for {N} layers: use 1 <= slots < {N} (slots >= the number of layers offloads "
+                f"layer_slots={slots} for {N} layers: use 1 <= layer_slots < {N} (as many slots as layers offloads "
                 "nothing: keep the layers resident)"
             )
         self.names = [n for n in ("w1", "w2", "b1", "b2") if getattr(layers[0], n) is not None]

@@ -39,6 +39,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from tritonmoe.core.suggest import suggest_unknown_kwargs
+
 __all__ = ["Placement", "lina_placement", "eplb_placement", "MAX_PACKED_PER_DEVICE"]
 
 #: Lina's cap on experts per device (001 §7.1).
@@ -71,6 +73,7 @@ def _load_vector(load, num_experts: Optional[int] = None) -> torch.Tensor:
     return v
 
 
+@suggest_unknown_kwargs
 @dataclass(frozen=True)
 class Placement:
     """Experts on devices.

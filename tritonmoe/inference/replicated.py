@@ -61,6 +61,7 @@ from tritonmoe.comm.splits import comm_device
 from tritonmoe.comm.all_to_all import all_to_all_raw
 from tritonmoe.backends import implementation
 from tritonmoe.core.specs import ffn_options
+from tritonmoe.core.suggest import UNSET, renamed_argument
 
 __all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments", "release_to_host"]
 
@@ -273,7 +274,8 @@ class ReplicatedMoELayer(nn.Module):
             :class:`~tritonmoe.inference.ExpertsReleasedError`, its ``state_dict`` reports the
             host copy and ``load_state_dict`` writes into it; another wrapper of the same layer
             shares the host copy; :func:`~tritonmoe.inference.restore_experts` undoes it).
-        slots: device slots for hosted experts. None: exactly as many as the placement hosts on
+        expert_slots: device slots, one expert each, for the hosted experts (``slots=`` is its
+            deprecated name: a :class:`DeprecationWarning`; OffloadedExperts' slots hold layers). None: exactly as many as the placement hosts on
             this rank (the buffers are reallocated when that number changes, kept experts copied
             over on the device); an int: a fixed buffer of that many slots, and a placement
             hosting more experts on any device raises ValueError.
@@ -296,10 +298,20 @@ class ReplicatedMoELayer(nn.Module):
     no auxiliary loss is computed. Every rank of the group must call it, in the same order.
     """
 
+    @property
+    def slots(self) -> Optional[int]:
+        """Deprecated name of :attr:`expert_slots` (OffloadedExperts' ``slots`` are layer buffers)."""
+        import warnings
+
+        warnings.warn("ReplicatedMoELayer.slots is deprecated: use expert_slots", DeprecationWarning, stacklevel=2)
+        return self.expert_slots
+
     def __init__(self, layer: nn.Module, group=None, *, placement: Optional[Placement] = None,
                  scheduler: Optional[LinaScheduler] = None, layer_index: Optional[int] = None,
-                 host_experts: Optional[Mapping[str, torch.Tensor]] = None, slots: Optional[int] = None) -> None:
+                 host_experts: Optional[Mapping[str, torch.Tensor]] = None, expert_slots: Optional[int] = None,
+                 slots=UNSET) -> None:
         super().__init__()
+        slots = renamed_argument("ReplicatedMoELayer", "expert_slots", expert_slots, "slots", slots)
 
         if not isinstance(layer, MoELayer):
             raise TypeError(f"layer must be a tritonmoe.MoELayer, got {type(layer).__name__}")
@@ -313,10 +325,10 @@ class ReplicatedMoELayer(nn.Module):
         E = layer.config.num_experts
         if slots is not None:
             if isinstance(slots, bool) or not isinstance(slots, int):
-                raise TypeError(f"slots must be an int or None, got {type(slots).__name__}")
+                raise TypeError(f"expert_slots must be an int or None, got {type(slots).__name__}")
             if slots < 1:
-                raise ValueError(f"slots={slots} must be >= 1 (or None: as many as the placement hosts)")
-        self.slots = slots
+                raise ValueError(f"expert_slots={slots} must be >= 1 (or None: as many as the placement hosts)")
+        self.expert_slots = slots
         if scheduler is not None:
             if not isinstance(scheduler, LinaScheduler):
                 raise TypeError(f"scheduler must be a LinaScheduler, got {type(scheduler).__name__}")
@@ -329,9 +341,9 @@ class ReplicatedMoELayer(nn.Module):
                 raise ValueError(f"layer_index={layer_index!r}: give this layer's position in the stack, "
                                  f"0 <= layer_index < {scheduler.estimator.num_layers}")
             if slots is not None and scheduler.max_per_device > slots:
-                raise ValueError(f"slots={slots} is below the scheduler's max_per_device={scheduler.max_per_device}: "
+                raise ValueError(f"expert_slots={slots} is below the scheduler's max_per_device={scheduler.max_per_device}: "
                                  f"its placements may host {scheduler.max_per_device} experts on a device; use "
-                                 f"slots >= {scheduler.max_per_device}")
+                                 f"expert_slots >= {scheduler.max_per_device}")
         self.scheduler = scheduler
         self.layer_index = layer_index
         self.device = layer.router.weight.device
@@ -451,11 +463,11 @@ class ReplicatedMoELayer(nn.Module):
         if placement.num_experts != E or placement.num_devices != self.world_size:
             raise ValueError(f"placement is for {placement.num_experts} experts on {placement.num_devices} devices; "
                              f"the layer has {E} experts on a group of {self.world_size}")
-        if self.slots is not None:
+        if self.expert_slots is not None:
             for d, h in enumerate(placement.hosted):
-                if len(h) > self.slots:
-                    raise ValueError(f"the placement hosts {len(h)} experts on device {d}, more than its slots={self.slots}; "
-                                     f"use a placement with at most {self.slots} experts per device or more slots")
+                if len(h) > self.expert_slots:
+                    raise ValueError(f"the placement hosts {len(h)} experts on device {d}, more than its expert_slots={self.expert_slots}; "
+                                     f"use a placement with at most {self.expert_slots} experts per device or more expert_slots")
         if check and self.world_size > 1:
 
             check_agreement({"placement": hash((placement.hosted, placement.weights)) % (2**61)}, group=self.group,
@@ -469,7 +481,7 @@ class ReplicatedMoELayer(nn.Module):
         the device when the buffers are resized), newly hosted ones are copied from the host."""
         t0 = time.perf_counter()
         cur = self.slot_experts
-        S = len(hosted) if self.slots is None else self.slots
+        S = len(hosted) if self.expert_slots is None else self.expert_slots
         slot_experts, moves, loads = plan_slots(cur, hosted, S)
         self.last_load_experts = [e for e, _ in loads]
         if S == len(cur) and not loads:  # nothing to copy: the experts no longer hosted just leave

@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from tritonmoe.comm.executor import Work
 
+from tritonmoe.core.suggest import suggest_unknown_kwargs
+
 from .fits import *  # noqa: F401,F403 - the fits are part of the model's face
 from .fits import (
     COLLECTIVES, COPIES, LINK_CLASSES, OP_CLASSES, CommSample, ComputeRate, ComputeSample, CostModelError, HostSample,
@@ -764,6 +766,7 @@ LINKS = {
 }
 
 
+@suggest_unknown_kwargs
 @dataclass(frozen=True)
 class Cluster:
     """A cluster of ``nodes`` x ``gpus_per_node`` GPUs (see the module docstring).
