@@ -53,6 +53,11 @@ KNOWN_GAPS = {
 }
 
 
+#: Tokens of the router probe: enough that group-limited routing, its group score (top-2 sum or
+#: max) and plain top-k routing all differ on some token of a random batch.
+PROBE_TOKENS = 2048
+
+
 class HFConversionError(TypeError):
     """A transformers block or option tritonmoe.hf cannot convert (names what is missing)."""
 
@@ -296,7 +301,7 @@ def _probe_routing(block: nn.Module, rname: str, router: nn.Module, spec: BlockS
         for p in list(probe.parameters()) + list(probe.buffers()):
             if p.is_floating_point():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * (0.1 if p.dim() == 1 or p.shape[0] == 1 else 1))
-        x = torch.randn(96, D, generator=g, dtype=torch.float64)
+        x = torch.randn(PROBE_TOKENS, D, generator=g, dtype=torch.float64)
         out = probe(x)
         logits, weights, ids = _split_router_output(out)
         via_block = ids is None and logits is not None and hasattr(block, "route_tokens_to_experts")
@@ -305,14 +310,9 @@ def _probe_routing(block: nn.Module, rname: str, router: nn.Module, spec: BlockS
             proxy = copy.copy(block)
             proxy._modules = dict(block._modules, **{rname: probe})
             _, weights, ids = _split_router_output(type(block).route_tokens_to_experts(proxy, logits))
-        bias_mod = probe
-        for n, b in probe.named_buffers():
+        for n, b in list(probe.named_buffers()) + list(probe.named_parameters()):
             if n.endswith("e_score_correction_bias"):
                 sel, spec.selection_bias = b.reshape(-1), f"{rname}.{n}"
-        for n, b in probe.named_parameters():
-            if n.endswith("e_score_correction_bias"):
-                sel, spec.selection_bias = b.reshape(-1), f"{rname}.{n}"
-        del bias_mod
     if ids is None or weights is None or logits is None or logits.shape != (x.shape[0], E):
         shapes = [tuple(t.shape) for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
         problems.append(f"its router {type(router).__name__} does not return top-k (weights, ids) but tensors of shapes "
