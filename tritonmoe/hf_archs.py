@@ -121,3 +121,7 @@ def architecture_table(cases: Optional[tuple[ArchCase, ...]] = None) -> str:
         reg = "runs on tritonmoe" if c.registry else "no (its experts do not go through the registry)"
         rows.append(f"| {c.label} | `{c.name}` | {swap} | {reg} |")
     return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m tritonmoe.hf_archs: the table for docs/hf.md
+    print(architecture_table(), end="")
