@@ -170,15 +170,6 @@ def eager_experts(module: nn.Module) -> Iterator[nn.Module]:
             c._experts_implementation = v
 
 
-def _jitter(block: nn.Module) -> float:
-    """Mixtral's ``router_jitter_noise`` / DBRX's ``moe_jitter_eps``: in training the block
-    multiplies its input by U(1 - j, 1 + j) noise before routing and the experts."""
-    try:
-        return inspect_block(block).jitter
-    except HFConversionError:
-        return 0.0
-
-
 @contextlib.contextmanager
 def _evaluating(block: nn.Module):
     modes = [(m, m.training) for m in block.modules()]

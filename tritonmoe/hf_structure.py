@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import reference
+
 __all__ = ["HFConversionError", "BlockSpec", "ExpertsLayout", "inspect_block", "experts_layout", "is_moe_block",
            "KNOWN_GAPS", "REGISTRY_HINT"]
 
@@ -168,14 +170,9 @@ def experts_layout(experts: nn.Module, problems: list[str]) -> Optional[ExpertsL
     bias = bool(getattr(experts, "has_bias", isinstance(getattr(experts, "down_proj_bias", None), torch.Tensor)))
     lay = ExpertsLayout("fused", int(E), int(D), int(F), "swiglu", gated=gated, transposed=transposed,
                         interleaved=interleaved, bias=bias)
-    custom_gate = None
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-
-        fn = getattr(type(experts), "_apply_gate", _default_apply_gate)
-        custom_gate = None if fn is _default_apply_gate else fn
-    except ImportError:  # pragma: no cover - transformers without the experts integration
-        pass
+    default_gate = _default_gate()
+    fn = getattr(type(experts), "_apply_gate", default_gate)
+    custom_gate = None if fn is default_gate else fn
     if custom_gate is not None and gated:
         if hasattr(experts, "limit") and hasattr(experts, "alpha"):
             lay.activation, lay.swiglu_limit, lay.swiglu_alpha = "swiglu_oai", float(experts.limit), float(experts.alpha)
@@ -192,6 +189,15 @@ def experts_layout(experts: nn.Module, problems: list[str]) -> Optional[ExpertsL
     else:
         problems.append(f"{name}'s ungated experts use the activation {act} (tritonmoe: gelu or relu)")
     return lay
+
+
+def _default_gate():
+    """transformers' default gate of fused gate-up experts (``act_fn(gate) * up``), if it has one."""
+    try:
+        import transformers.integrations.moe as hf_moe
+    except ImportError:  # pragma: no cover - transformers without the experts integration
+        return None
+    return getattr(hf_moe, "_default_apply_gate", None)
 
 
 @dataclass
@@ -292,8 +298,6 @@ def _candidates(block, router, has_bias: bool):
 
 def _probe_routing(block: nn.Module, rname: str, router: nn.Module, spec: BlockSpec, problems: list[str]) -> None:
     """Find the routing function by running a float64 copy of the router with random weights."""
-    from . import reference
-
     E, D = spec.experts.num_experts, spec.experts.d_model
     g = torch.Generator().manual_seed(1234)
     probe = copy.deepcopy(router).to(device="cpu", dtype=torch.float64).eval()
