@@ -184,3 +184,82 @@ def test_registry_covers_the_named_architectures():
              "granitemoeshared", "phimoe", "llama4_text", "glm4_moe", "qwen3_next", "ernie4_5_moe", "dots1",
              "flex_olmo", "dbrx", "jamba", "minimax", "hunyuan_v1_moe"}
     assert named <= set(BY_NAME)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every other MoE block of the installed transformers, block by block
+# ---------------------------------------------------------------------------------------------
+
+_TINY = dict(hidden_size=16, intermediate_size=20, moe_intermediate_size=8, num_experts=8, n_routed_experts=8,
+             num_local_experts=8, moe_num_experts=8, num_experts_per_tok=2, moe_topk=2, moe_k=2,
+             shared_expert_intermediate_size=12, n_shared_experts=1, num_shared_experts=1,
+             moe_shared_expert_intermediate_size=12, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+             vocab_size=64, num_hidden_layers=2, shared_intermediate_size=12, n_group=2, topk_group=1,
+             max_position_embeddings=64)
+
+
+def _installed_blocks():
+    """(model type, block class, tiny config) of every module class of transformers whose
+    __init__ builds `self.experts`, with a config built from the tiny values its config class
+    takes; blocks this generic recipe cannot build are left out (the registry covers the named ones)."""
+    import importlib
+    import inspect
+    import os
+
+    root = os.path.dirname(transformers.__file__)
+    found = []
+    for d in sorted(os.listdir(f"{root}/models")):
+        path = f"{root}/models/{d}/modeling_{d}.py"
+        if d in BY_NAME or not os.path.exists(path) or "self.experts = " not in open(path).read():
+            continue
+        try:
+            mod = importlib.import_module(f"transformers.models.{d}.modeling_{d}")
+        except Exception:  # noqa: BLE001 - a model needing an optional package
+            continue
+        configs = [c for n, c in vars(mod).items() if n.endswith("Config") and inspect.isclass(c)]
+        for cls in vars(mod).values():
+            if not (inspect.isclass(cls) and issubclass(cls, torch.nn.Module) and cls.__module__ == mod.__name__
+                    and "__init__" in cls.__dict__ and "self.experts = " in inspect.getsource(cls.__init__)):
+                continue
+            for ccls in configs:
+                try:
+                    keys = inspect.signature(ccls.__init__).parameters
+                    cfg = ccls(**{k: v for k, v in _TINY.items() if k in keys})
+                    kw = {"layer_idx": 1} if "layer_idx" in inspect.signature(cls.__init__).parameters else {}
+                    block = cls(cfg, **kw).double()
+                except Exception:  # noqa: BLE001 - not this config class / not buildable generically
+                    continue
+                found.append((d, block))
+                break
+    return found
+
+
+def test_every_installed_moe_block_swaps_exactly_or_is_refused():
+    swapped, refused, failures = [], [], []
+    for d, block in _installed_blocks():
+        _randomize(block, 1)
+        try:
+            layer = hf.from_hf(block, ignore_router_jitter=True)
+        except hf.HFConversionError as e:
+            refused.append(d)
+            assert type(block).__name__ in str(e), str(e)  # the refusal names the block
+            continue
+        except Exception as e:  # noqa: BLE001 - collected: any other exception is a failure
+            failures.append(f"{d}.{type(block).__name__}: {type(e).__name__}: {e}")
+            continue
+        x = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with hf.eager_experts(block):
+            want = block(xa)
+        want = want[0] if isinstance(want, tuple) else want
+        want.square().sum().backward()
+        got = layer(xb)
+        got.square().sum().backward()
+        try:
+            torch.testing.assert_close(got, want, **TOL)
+            torch.testing.assert_close(xb.grad, xa.grad, **TOL)
+        except AssertionError as e:
+            failures.append(f"{d}.{type(block).__name__}: {e}")
+        swapped.append(d)
+    assert not failures, failures
+    assert len(swapped) >= 10 and len(refused) >= 3, (swapped, refused)

@@ -192,7 +192,12 @@ def _probe(block: nn.Module, layer: MoELayer) -> bool:
     g = torch.Generator().manual_seed(4321)
     x = torch.randn(1, 8, D, generator=g, dtype=torch.float64).to(device=w.device, dtype=w.dtype)
     with torch.no_grad(), _evaluating(block), eager_experts(block):
-        out = block(x.clone())
+        try:
+            out = block(x.clone())
+        except Exception as e:  # noqa: BLE001 - a block whose forward needs more than the hidden states
+            raise HFConversionError(
+                f"{type(block).__name__}'s forward does not run on hidden states alone ({type(e).__name__}: "
+                f"{str(e)[:160]}); a MoELayer takes only them. Alternative: {REGISTRY_HINT}") from e
         got = layer(x)
     tup = isinstance(out, tuple)
     want = out[0] if tup else out

@@ -170,6 +170,12 @@ def experts_layout(experts: nn.Module, problems: list[str]) -> Optional[ExpertsL
     bias = bool(getattr(experts, "has_bias", isinstance(getattr(experts, "down_proj_bias", None), torch.Tensor)))
     lay = ExpertsLayout("fused", int(E), int(D), int(F), "swiglu", gated=gated, transposed=transposed,
                         interleaved=interleaved, bias=bias)
+    n1 = up.shape[2] if transposed else up.shape[1]
+    want_down = (E, F, D) if transposed else (E, D, F)
+    if tuple(down.shape) != want_down or n1 != (2 * F if gated else F):
+        problems.append(f"{name}'s weights disagree: {'gate_up_proj' if gated else 'up_proj'} {tuple(up.shape)} and "
+                        f"down_proj {tuple(down.shape)} are not the two projections of the same {E} experts")
+        return None
     default_gate = _default_gate()
     fn = getattr(type(experts), "_apply_gate", default_gate)
     custom_gate = None if fn is default_gate else fn
@@ -306,14 +312,19 @@ def _probe_routing(block: nn.Module, rname: str, router: nn.Module, spec: BlockS
             if p.is_floating_point():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * (0.1 if p.dim() == 1 or p.shape[0] == 1 else 1))
         x = torch.randn(PROBE_TOKENS, D, generator=g, dtype=torch.float64)
-        out = probe(x)
-        logits, weights, ids = _split_router_output(out)
-        via_block = ids is None and logits is not None and hasattr(block, "route_tokens_to_experts")
+        try:
+            out = probe(x)
+            logits, weights, ids = _split_router_output(out)
+            via_block = ids is None and logits is not None and hasattr(block, "route_tokens_to_experts")
+            if via_block:  # the block routes the router's logits (DBRX's route_tokens_to_experts)
+                proxy = copy.copy(block)
+                proxy._modules = dict(block._modules, **{rname: probe})
+                _, weights, ids = _split_router_output(type(block).route_tokens_to_experts(proxy, logits))
+        except Exception as e:  # noqa: BLE001 - e.g. a hash router that needs input_ids
+            problems.append(f"its router {type(router).__name__} does not route hidden states alone "
+                            f"({type(e).__name__}: {str(e)[:160]}); tritonmoe's router sees only the hidden states")
+            return
         sel = None
-        if via_block:  # the block routes the router's logits (DBRX's route_tokens_to_experts)
-            proxy = copy.copy(block)
-            proxy._modules = dict(block._modules, **{rname: probe})
-            _, weights, ids = _split_router_output(type(block).route_tokens_to_experts(proxy, logits))
         for n, b in list(probe.named_buffers()) + list(probe.named_parameters()):
             if n.endswith("e_score_correction_bias"):
                 sel, spec.selection_bias = b.reshape(-1), f"{rname}.{n}"
