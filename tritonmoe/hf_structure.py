@@ -23,6 +23,7 @@ every feature that blocks the conversion.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,7 +68,8 @@ class HFConversionError(TypeError):
 def _act_name(fn) -> str:
     if fn is None:
         return "none"
-    name = type(fn).__name__
+    name = getattr(fn, "__name__", None) if callable(fn) and not isinstance(fn, nn.Module) else None
+    name = {"silu": "SiLU", "gelu": "GELU", "relu": "ReLU"}.get(name, name) if name else type(fn).__name__
     return {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "GELU": "gelu", "ReLU": "relu",
             "ReLUActivation": "relu"}.get(name, name)
 
@@ -312,8 +314,9 @@ def _probe_routing(block: nn.Module, rname: str, router: nn.Module, spec: BlockS
             if p.is_floating_point():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * (0.1 if p.dim() == 1 or p.shape[0] == 1 else 1))
         x = torch.randn(PROBE_TOKENS, D, generator=g, dtype=torch.float64)
+        extra = _router_extra_args(block, probe, g)
         try:
-            out = probe(x)
+            out = probe(x, *[t for _, t in extra])
             logits, weights, ids = _split_router_output(out)
             via_block = ids is None and logits is not None and hasattr(block, "route_tokens_to_experts")
             if via_block:  # the block routes the router's logits (DBRX's route_tokens_to_experts)
@@ -328,6 +331,8 @@ def _probe_routing(block: nn.Module, rname: str, router: nn.Module, spec: BlockS
         for n, b in list(probe.named_buffers()) + list(probe.named_parameters()):
             if n.endswith("e_score_correction_bias"):
                 sel, spec.selection_bias = b.reshape(-1), f"{rname}.{n}"
+        for n, t in extra:  # a selection bias the block holds and hands to its router (MiniMax-M2, AFMoE)
+            sel, spec.selection_bias = t.reshape(-1), n
     if ids is None or weights is None or logits is None or logits.shape != (x.shape[0], E):
         shapes = [tuple(t.shape) for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
         problems.append(f"its router {type(router).__name__} does not return top-k (weights, ids) but tensors of shapes "
@@ -357,11 +362,28 @@ def _probe_routing(block: nn.Module, rname: str, router: nn.Module, spec: BlockS
                     "group scores, a scaling factor)")
 
 
-def _router_computes_in_fp32(router: nn.Module, D: int) -> bool:
+def _router_extra_args(block: nn.Module, router: nn.Module, g: torch.Generator) -> list[tuple[str, torch.Tensor]]:
+    """Tensors a router's forward takes beside the hidden states that the block holds under the
+    same name (MiniMax-M2's ``gate(x, self.e_score_correction_bias)``): random float64 copies, in order."""
+    try:
+        params = list(inspect.signature(router.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for p in params:
+        t = getattr(block, p.name, None)
+        if p.default is not inspect.Parameter.empty or not isinstance(t, torch.Tensor) or t.dim() > 2:
+            break
+        out.append((p.name, torch.randn(t.shape, generator=g, dtype=torch.float64) * 0.1))
+    return out
+
+
+def _router_computes_in_fp32(block: nn.Module, router: nn.Module, D: int) -> bool:
     try:
         probe = copy.deepcopy(router).to(device="cpu", dtype=torch.bfloat16).eval()
+        extra = [t.to(torch.bfloat16) for _, t in _router_extra_args(block, probe, torch.Generator().manual_seed(0))]
         with torch.no_grad():
-            logits, _, _ = _split_router_output(probe(torch.zeros(2, D, dtype=torch.bfloat16)))
+            logits, _, _ = _split_router_output(probe(torch.zeros(2, D, dtype=torch.bfloat16), *extra))
         return logits is not None and logits.dtype == torch.float32
     except Exception:  # noqa: BLE001 - a router that cannot run in bf16: keep the block's dtype
         return False
@@ -419,7 +441,7 @@ def inspect_block(block: nn.Module) -> BlockSpec:
         raise refusal(block, problems)
     spec.router_weight, spec.router_bias = w, b
     _probe_routing(block, rname, router, spec, problems)
-    spec.router_fp32 = _router_computes_in_fp32(router, lay.d_model)
+    spec.router_fp32 = _router_computes_in_fp32(block, router, lay.d_model)
     _shared(block, spec, problems)
     spec.jitter = float(getattr(block, "jitter_noise", 0.0) or getattr(router, "moe_jitter_eps", 0.0) or 0.0)
     if getattr(block, "input_jitter_noise", 0.0) or getattr(router, "input_jitter_noise", 0.0):
