@@ -8,6 +8,7 @@
   python -m bench profile [--sections S,...]  the core set's kernels under the PyTorch profiler
   python -m bench gpu-tests [--shards N]    the gpu-marked tests as concurrent pytest shards
   python -m bench host                      host CPU time of the launchers' Python (kernels stubbed)
+  python -m bench tune [--budget-s S] [--resume]   tuned kernel configs -> kernels/configs/<device>.json
 
 Each suite (listed below) measures tritonmoe through its public API
 (backend "triton": the kernels; "torch": the reference path) beside baselines run in the same
@@ -550,6 +551,10 @@ def _main(argv: list[str]) -> int:
         from . import gpu_tests
 
         return gpu_tests.main(argv[1:])
+    if argv[:1] == ["tune"]:
+        from . import tune
+
+        return tune.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.print_schema:

@@ -13,7 +13,7 @@ rows of one routing draw (uniform unless ``--routing``):
 * ``ffn``: the whole forward ``grouped_ffn`` (both GEMMs).
 
 Implementations: ``tile`` and ``persistent`` (the config policy's configs for these shapes,
-with ``TileConfig.variant`` set to each, through ``_gemm_config.override``, so the comparison
+with ``TileConfig.variant`` set to each, through ``tritonmoe.kernels.config.override``, so the comparison
 does not depend on ``TRITONMOE_GEMM_VARIANT``), and ``grouped_mm``. Each row's ``roof_frac`` is
 the fraction of the dense bf16 matmul roof measured at the start of the same run (these GEMMs are
 compute-bound: the work is 2*R*K*N FLOPs per GEMM), and ``speedup["grouped_mm"]`` (``x gmm``) its
@@ -25,6 +25,7 @@ pipeline depth (warm-up, untimed).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -52,8 +53,8 @@ def gemm_work(R: int, K: int, N: int, Ea: int, s: int) -> Work:
 def policy_configs(variant: str, *, R: int, E: int, d: int, f: int, activation: str, dtype: torch.dtype,
                    device: torch.device) -> dict:
     """The config policy's per-kind configs at this shape with ``variant`` (for
-    ``_gemm_config.override(**configs)``)."""
-    from tritonmoe.kernels import _gemm_config as C
+    ``tritonmoe.kernels.config.override("gemm.<kind>", config)``)."""
+    from tritonmoe.kernels import gemm_kinds as C
 
     tf32 = dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
     kind1 = {"swiglu": "swiglu", "gelu": "mm_act", "relu": "mm_act"}[activation]
@@ -107,7 +108,7 @@ def _builder(ctx, p: Preset, T: int, spec: RoutingSpec) -> Callable[[], dict]:
 
 def _make(ctx, p: Preset, op: str, impl: str):
     """Entry.make for one op and implementation: (timed callable, work)."""
-    from tritonmoe.kernels import _gemm_config as C
+    from tritonmoe.kernels import config as KC
     from tritonmoe.kernels import grouped_gemm as K
 
     d, f, n1, act = p.d_model, p.d_ffn, p.n1, p.activation
@@ -139,7 +140,9 @@ def _make(ctx, p: Preset, op: str, impl: str):
             }[op]
 
             def fn():
-                with C.override(**cfgs):
+                with contextlib.ExitStack() as stack:
+                    for kind, cfg in cfgs.items():
+                        stack.enter_context(KC.override(f"gemm.{kind}", cfg))
                     return inner()
 
         def timed():

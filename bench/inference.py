@@ -35,7 +35,7 @@ Figures (each a dict with ``figure``):
   ``lina`` variant (re-planned by the scheduler every batch: loads, bytes and seconds per
   forward, against its forward's p50).
 * ``latency-sim``: the same placements' forward time in the simulator
-  (:func:`tritonmoe.plan.simulate`, Lina's testbed preset ``lina_cluster()``, 16 GPUs, fp16,
+  (:func:`tritonmoe.sim.simulate`, Lina's testbed preset ``lina_cluster()``, 16 GPUs, fp16,
   BERT-Large-like widths): a placement becomes an expert-parallel layer of P*M "physical
   experts" (M the most experts a device hosts) with the rows each rank sends to each replica.
 * ``estimation``: mean L1 error (normalized loads) of the conditional estimate (path length 3)
@@ -364,7 +364,7 @@ def _sim_counts(pl, per_rank_counts: torch.Tensor) -> tuple[torch.Tensor, int]:
 def run_sim_latency(spec: dict) -> list[dict]:
     import tritonmoe as tm
     from tritonmoe.inference import Placement, eplb_placement, lina_placement
-    from tritonmoe.plan import simulate
+    from tritonmoe.sim.simulate import simulate
     from tritonmoe.plan.lina import lina_cluster
 
     E, P, T = spec["experts"], spec["sim_world"], spec["sim_tokens"]

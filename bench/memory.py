@@ -8,7 +8,7 @@ memory strategy) on P spawned gloo ranks (CPU) and measures, round-robin per rep
 * ``saved_bytes``: the bytes the pipelined expert block keeps for backward, counted with
   ``torch.autograd.graph.saved_tensors_hooks`` around the block (distinct storages of the saved
   tensors that are not parameters), max over ranks; ``model_bytes``: what
-  :func:`tritonmoe.plan.memory.expert_block_bytes` predicts for the rows each micro-op received;
+  :func:`tritonmoe.sim.memory_model.expert_block_bytes` predicts for the rows each micro-op received;
 * ``host_bytes``: bytes copied to host memory in the forward (the offloading strategies);
   ``copy_s``: time on the copy lane (forward copies out, backward copies back; last rep) and
   ``copy_hidden_frac``: the fraction of it during which the compute lane was busy too (min over
@@ -101,7 +101,7 @@ def _lane_busy(timeline, lane: str) -> float:
 
 def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]:
     import tritonmoe as tm
-    from tritonmoe.comm import memory as memory_mod
+    from tritonmoe.comm.programs import memory_reuse as memory_mod
 
     dt = getattr(torch, spec["dtype"])
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def _measure_rank(rank: int, P: int, spec: dict, device, progress) -> list[dict]
                 p.grad = None
         progress()
     out = []
-    from tritonmoe.plan.memory import expert_block_bytes
+    from tritonmoe.sim.memory_model import expert_block_bytes
 
     for (n, s, mi), layer in layers.items():
         st = layer.expert_path.memory_stats
@@ -234,7 +234,8 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
     ``cluster``'s preset cost model): step seconds, copy-lane seconds and the fraction of them
     beside compute (the same measure as ``copy_hidden_frac``)."""
     import tritonmoe as tm
-    from tritonmoe.plan import Cluster, simulate
+    from tritonmoe.plan import Cluster
+    from tritonmoe.sim.simulate import simulate
 
     cfg = tm.MoEConfig(spec["d_model"], spec["d_ffn"], spec["num_experts"], spec["top_k"], activation=spec["activation"],
                        pipeline_degree=n, memory_strategy=strategy, memory_mi_buffers=mi_buffers)
@@ -248,8 +249,20 @@ def predict_single(spec: dict, n: int, strategy: str, mi_buffers: int, cluster: 
 #: Prefixes of the CUDA runtime/driver calls that launch work (the profiler may give them a version
 #: suffix, e.g. ``cudaLaunchKernelExC_v11060``; Triton launches through ``cuLaunchKernel*``)
 _LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
-#: The source roots whose frames a sync is attributed to
-_PROJECT_DIRS = ("tritonmoe", "kernels", "comm", "bench")
+#: The packages whose frames a sync is attributed to (by module name, not by path: a checkout
+#: cloned into a folder named ``tritonmoe`` must not make every file under it a project site)
+_PROJECT_PACKAGES = ("tritonmoe", "bench")
+
+
+def _project_label(module: str) -> str | None:
+    """``dir/file.py`` of a project module (``tritonmoe.kernels.x`` -> ``kernels/x.py``), None for
+    a module of anything else (and for this module itself)."""
+    if module == __name__ or module.split(".")[0] not in _PROJECT_PACKAGES:
+        return None
+    parts = module.split(".")
+    if parts[:2] in (["tritonmoe", "kernels"], ["tritonmoe", "comm"]):
+        parts = parts[1:]
+    return "/".join(parts) + ".py"
 
 
 def _project_site() -> str:
@@ -262,12 +275,11 @@ def _project_site() -> str:
     fallback = None
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     while f is not None:
+        label = _project_label(str(f.f_globals.get("__name__", "")))
+        if label is not None:
+            return f"{label}:{f.f_lineno}"
         fn = os.path.abspath(f.f_code.co_filename)
         parts = fn.split(os.sep)
-        for d in _PROJECT_DIRS:
-            if d in parts[:-1] and "site-packages" not in parts and fn != os.path.abspath(__file__):
-                i = len(parts) - 1 - parts[::-1].index(d)
-                return f"{'/'.join(parts[i:])}:{f.f_lineno}"
         if fallback is None and not fn.startswith(torch_dir) and "warnings" not in parts[-1]:
             fallback = f"{parts[-1]}:{f.f_lineno}"
         f = f.f_back
@@ -359,9 +371,9 @@ def run_single(device: str = "auto", shape: str = "gpt-xl", **overrides) -> list
     On CUDA each row also carries the simulator's prediction for it (``sim``: :func:`predict_single`). Initializes (and destroys) a process
     group of one rank in this process."""
     import tritonmoe as tm
-    from tritonmoe.comm import memory as memory_mod
+    from tritonmoe.comm.programs import memory_reuse as memory_mod
     from tritonmoe.comm.timeline import Timeline
-    from tritonmoe.plan.memory import expert_block_bytes
+    from tritonmoe.sim.memory_model import expert_block_bytes
 
     if shape not in SHAPES:
         raise ValueError(f"shape={shape!r}: use one of {', '.join(SHAPES)}")

@@ -2,10 +2,10 @@
 ``parm_schedule="auto"`` picks.
 
 ``run_parm(...)`` spawns P local ranks on gloo (CPU), and for every layout (N_MP, N_ESP) of the
-grid fits the collectives once over the message sizes of every shape (:func:`tritonmoe.plan.parm.
+grid fits the collectives once over the message sizes of every shape (:func:`tritonmoe.policy.parm_schedule.
 measure_collectives`, collective), then for every layer shape runs the first forward + backward of
 an ``auto`` layer (which fits the rest of its model as any auto layer does:
-:meth:`tritonmoe.parm_experts.ParmExperts.fit_cost_model`), then times the forward + backward of
+:meth:`tritonmoe.experts.model_parallel.ParmExperts.fit_cost_model`), then times the forward + backward of
 the baseline, S1 and S2 (round-robin inside each rep; a rep's time is the maximum over ranks;
 the median over reps is reported) and records the schedule ``auto`` picks and the one Parm's
 Algorithm 1 (communication only, forward only) picks. One dict per (layout, shape).
@@ -75,8 +75,13 @@ def _rank_body(rank: int, P: int, port: int, layouts, shapes, reps: int, warmup:
 def _measure(rank: int, P: int, layouts, shapes, reps: int, warmup: int, dtype) -> list[dict]:
     import tritonmoe as tm
     from tritonmoe.parm_layout import ParmLayout
-    from tritonmoe.plan.parm import (
-        COLLECTIVE_WIDTH, algorithm1, choose_schedule, collective_rows, measure_collectives, step_times,
+    from tritonmoe.policy.parm_schedule import (
+        COLLECTIVE_WIDTH,
+        algorithm1,
+        choose_schedule,
+        collective_rows,
+        measure_collectives,
+        step_times,
     )
 
     def configs(shape):
@@ -235,7 +240,7 @@ def run_parm_suite(ctx, progress=None) -> list[dict]:
 
     reps = max(3, min(ctx.timer.reps, 5))
     ctx.log(f"parm: 4 ranks over gloo, {len(default_grid(4)[0]) * len(default_grid(4)[1])} configurations, "
-            f"{reps} reps; auto = the step model fitted on the groups (tritonmoe.plan.parm)")
+            f"{reps} reps; auto = the step model fitted on the groups (tritonmoe.policy.parm_schedule)")
     if progress is not None:
         progress.step("parm")
     try:

@@ -7,7 +7,7 @@ For each world size (2 and 4 ranks, gloo on CPU processes):
 2. measure the expert-parallel MoELayer's forward+backward (``bench.ep.run_ep``: degrees
    measured round-robin, the slowest rank per repetition, the median kept) at two model widths
    and two token counts for pipeline degrees 1, 2, 4, 8;
-3. simulate the same configurations (``tritonmoe.plan.simulate``) with the routing counts the
+3. simulate the same configurations (``tritonmoe.sim.simulate``) with the routing counts the
    measured run had (recomputed here from the same seeds), and ask the planner
    (``tritonmoe.plan.choose``) for a degree.
 
@@ -75,8 +75,8 @@ def run_plan_suite(ctx, progress=None) -> list[dict]:
     """Fit, measure, simulate, choose (see the module docstring); rows for the harness."""
     import bench.ep as ep
     import tritonmoe as tm
-    from tritonmoe.plan import simulate
-    from tritonmoe.plan.planner import choose
+    from tritonmoe.sim.simulate import simulate
+    from tritonmoe.sim.planner import choose
     from tritonmoe.plan.profile import ProfileSpec, profile_spawned
 
     reps = max(5, min(ctx.timer.reps if ctx.timer else 8, 8))

@@ -150,7 +150,7 @@ def require_backend(ctx: Context, backend: str) -> None:
     """Triton on CPU tensors runs in Triton's interpreter: only when it was switched on before
     tritonmoe was imported, and it is no performance path; say so instead of failing."""
     if backend == "triton" and not ctx.is_cuda:
-        from tritonmoe import _settings
+        from tritonmoe.core import settings as _settings
 
         if not _settings.TRITON_INTERPRET:
             raise Unavailable("backend='triton' on CPU needs TRITON_INTERPRET=1 set before import (interpreter)")
@@ -386,7 +386,7 @@ def permute_case(ctx: Context, p: Preset, T: int, spec: RoutingSpec) -> Case:
 def metadata_impl(ctx: Context, backend: str) -> Callable:
     """``permute_metadata(topk_ids, num_experts, pad_to)`` of a backend: the Triton kernels'
     (``triton``; ``auto`` on CUDA) or the reference's (``torch``; ``auto`` on CPU), as
-    :func:`tritonmoe.dispatch.implementation` chooses for the permute op."""
+    :func:`tritonmoe.backends.implementation` chooses for the permute op."""
     require_backend(ctx, backend)
     if backend == "torch" or (backend == "auto" and not ctx.is_cuda):
         return reference.permute_metadata

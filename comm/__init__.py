@@ -31,7 +31,7 @@ package never imports the layer.
 from .all_to_all import all_to_all
 from .dispatcher import AllToAllDispatcher
 from .partition import chunk_transpose_segments, copy_segments, transpose_chunks
-from .pipeline import ExpertFn, pipeline_pass, run_pipelined
+from tritonmoe.comm.programs.pipeline import ExpertFn, pipeline_pass, run_pipelined
 from .splits import (
     DispatchPlan,
     SplitMismatchError,
@@ -54,8 +54,12 @@ from .priority import (
     scheduled_allreduce_hook,
 )
 from .timeline import Span, Timeline
-from .saa import saa
-from .hierarchical import HierarchicalGroups, hierarchical_all_to_all, hierarchical_groups
+from tritonmoe.comm.programs.saa import saa
+from tritonmoe.comm.programs.hierarchical import (
+    HierarchicalGroups,
+    hierarchical_all_to_all,
+    hierarchical_groups,
+)
 
 __all__ = [
     "AllToAllDispatcher",

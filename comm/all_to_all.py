@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import backend_errors
-from .splits import _as_int_list, check_splits, exchange_splits, group_rank_size
+from .splits import as_int_list, check_splits, exchange_splits, group_rank_size
 
 __all__ = ["all_to_all", "all_to_all_raw"]
 
@@ -43,7 +43,7 @@ def all_to_all_raw(
     return out, work
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAllFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, input_split_sizes, output_split_sizes, group):
         ctx.splits = (list(input_split_sizes), list(output_split_sizes))
@@ -95,7 +95,7 @@ def all_to_all(
         output_split_sizes = exchange_splits(input_split_sizes, group=group, input_rows=x.shape[0])
     elif check:
         check_splits(input_split_sizes, output_split_sizes, group=group, input_rows=x.shape[0])
-    ins, outs = _as_int_list(input_split_sizes), _as_int_list(output_split_sizes)
+    ins, outs = as_int_list(input_split_sizes), as_int_list(output_split_sizes)
     if ins is None or outs is None:
         raise TypeError("input_split_sizes and output_split_sizes must be sequences of ints (or 1-D int tensors)")
-    return _AllToAll.apply(x, ins, outs, group)
+    return AllToAllFunction.apply(x, ins, outs, group)

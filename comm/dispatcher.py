@@ -14,7 +14,7 @@ scheduler can split, reorder or overlap::
     unpermute
 
 ``dispatch`` and ``combine`` are the blocking, differentiable single steps; ``run_pipelined``
-runs all micro-ops' dispatch / expert / combine overlapped (:mod:`tritonmoe.comm.pipeline`).
+runs all micro-ops' dispatch / expert / combine overlapped (:mod:`tritonmoe.comm.programs.pipeline`).
 
 Rank r of P owns the experts [r*L, (r+1)*L), L = E/P. A received buffer is source-major (source
 rank, then local expert, then the source's permuted order); the expert FFN runs on the
@@ -27,9 +27,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .all_to_all import _AllToAll
-from .partition import _transpose_chunks
-from .pipeline import ExpertFn, run_pipelined
+from .all_to_all import AllToAllFunction
+from .partition import transpose_chunks_unchecked
+from tritonmoe.comm.programs.pipeline import ExpertFn, run_pipelined
 from .splits import DispatchPlan, exchange_counts, group_rank_size
 from .timeline import Timeline
 
@@ -102,25 +102,29 @@ class AllToAllDispatcher:
             raise ValueError(f"{kind}: the buffer has {x.shape[0]} rows but the plan sends {sum(send)}")
         stream = _stream_of(x)
         rec = self.timeline.start(kind, i, "fwd", stream=stream) if self.timeline is not None else None
-        out = _AllToAll.apply(x, send, recv, self.group)
+        out = AllToAllFunction.apply(x, send, recv, self.group)
         if rec is not None:
             self.timeline.stop(rec, stream=stream)
         return out
 
     # -- local re-layout around the expert compute --------------------------------------------
 
-    def to_expert_major(self, recv: torch.Tensor, plan: DispatchPlan, i: int = 0) -> torch.Tensor:
-        """Received rows (source, local expert) -> (local expert, source): one segment copy."""
-        return self._relayout(recv, plan.recv_counts[i], i)
+    def to_expert_major(self, recv: torch.Tensor, plan: DispatchPlan, i: int = 0, *, span: bool = True) -> torch.Tensor:
+        """Received rows (source, local expert) -> (local expert, source): one segment copy.
+        ``span=False``: no timeline span of its own (it runs inside the caller's, e.g. the
+        expert op's in forward and backward)."""
+        return self._relayout(recv, plan.recv_counts[i], i, span)
 
-    def to_source_major(self, y: torch.Tensor, plan: DispatchPlan, i: int = 0) -> torch.Tensor:
+    def to_source_major(self, y: torch.Tensor, plan: DispatchPlan, i: int = 0, *, span: bool = True) -> torch.Tensor:
         """Expert-major rows back to the received (source, local expert) order for the combine."""
-        return self._relayout(y, plan.recv_counts[i].t(), i)
+        return self._relayout(y, plan.recv_counts[i].t(), i, span)
 
-    def _relayout(self, x: torch.Tensor, counts_AB: torch.Tensor, i: int) -> torch.Tensor:
+    def _relayout(self, x: torch.Tensor, counts_AB: torch.Tensor, i: int, span: bool = True) -> torch.Tensor:
+        if not span:
+            return transpose_chunks_unchecked(x, counts_AB, self.backend)
         stream = _stream_of(x)
         rec = self.timeline.start("partition", i, "fwd", stream=stream) if self.timeline is not None else None
-        out = _transpose_chunks(x, counts_AB, self.backend)
+        out = transpose_chunks_unchecked(x, counts_AB, self.backend)
         if rec is not None:
             self.timeline.stop(rec, stream=stream)
         return out

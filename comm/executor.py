@@ -1,6 +1,6 @@
 """Executors: what a schedule's operations run on.
 
-A *schedule* (the micro-op pipeline of :mod:`tritonmoe.comm.pipeline`, and every scheduler built
+A *schedule* (the micro-op pipeline of :mod:`tritonmoe.comm.programs.pipeline`, and every scheduler built
 on it: memory strategies, Parm's schedules, Lina's priority communication) is plain Python that
 issues operations through an :class:`Executor`, in program order:
 
@@ -337,6 +337,53 @@ def _check_device(device: Any) -> torch.device:
     return device
 
 
+# The backend calls of the real executor's collectives: each starts one asynchronous
+# torch.distributed operation on its (contiguous) input and returns ``(output, work)``.
+
+
+def _start_all_to_all(t: torch.Tensor, send_splits, recv_splits, group):
+    out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
+    work = dist.all_to_all_single(out, t, list(recv_splits), list(send_splits), group=group, async_op=True)
+    return out, work
+
+
+def _start_all_gather(t: torch.Tensor, group):
+    P = dist.get_world_size(group)
+    out = t.new_empty((P * t.shape[0],) + tuple(t.shape[1:]))
+    work = all_gather_single(out, t, group=group, async_op=True)
+    return out, work
+
+
+def _start_all_reduce(x: torch.Tensor, group):
+    """In place on a contiguous copy of ``x`` (the caller's tensor is left alone)."""
+    t = x.clone(memory_format=torch.contiguous_format)
+    work = dist.all_reduce(t, group=group, async_op=True)
+    return t, work
+
+
+def _start_reduce_scatter(t: torch.Tensor, group):
+    P = dist.get_world_size(group)
+    if t.shape[0] % P:
+        raise ValueError(f"reduce_scatter of {t.shape[0]} rows over {P} ranks: rows must divide evenly")
+    out = t.new_empty((t.shape[0] // P,) + tuple(t.shape[1:]))
+    work = reduce_scatter_single(out, t, group=group, async_op=True)
+    return out, work
+
+
+def _start_send_recv(sends, recvs, group):
+    """``sends``: (tensor, group rank) pairs to send; ``recvs``: (tensor like the one to receive,
+    group rank) pairs. The output: the received tensors, in ``recvs`` order."""
+    ops, outs = [], []
+    for t, peer in sends:
+        ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer) if group is not None else peer, group))
+    for like, peer in recvs:
+        buf = torch.empty_like(like)
+        outs.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer) if group is not None else peer, group))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return outs, _Works(works)
+
+
 class RealExecutor(Executor):
     """Runs a schedule on ``torch.distributed`` and the device of ``device``.
 
@@ -501,59 +548,35 @@ class RealExecutor(Executor):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(s)
 
+    def _input(self, x, lane: str) -> torch.Tensor:
+        """The tensor of ``x`` (a handle's value or a tensor), contiguous, recorded for ``lane``'s
+        stream (:meth:`_record_inputs`)."""
+        t = (x.value if isinstance(x, Handle) else x).contiguous()
+        self._record_inputs(lane, t)
+        return t
+
     def all_to_all(self, x, send_splits, recv_splits, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "all_to_all", kind, micro_op)
         deps = ([x] if isinstance(x, Handle) else []) + list(after)
-
-        def run():
-            t = x.value if isinstance(x, Handle) else x
-            t = t.contiguous()
-            self._record_inputs(lane, t)
-            out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
-            work = dist.all_to_all_single(out, t, list(recv_splits), list(send_splits), group=group, async_op=True)
-            return out, work
-
+        run = lambda: _start_all_to_all(self._input(x, lane), send_splits, recv_splits, group)  # noqa: E731
         return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     def all_gather(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "all_gather", kind, micro_op)
         deps = ([x] if isinstance(x, Handle) else []) + list(after)
-
-        def run():
-            t = (x.value if isinstance(x, Handle) else x).contiguous()
-            self._record_inputs(lane, t)
-            P = dist.get_world_size(group)
-            out = t.new_empty((P * t.shape[0],) + tuple(t.shape[1:]))
-            work = all_gather_single(out, t, group=group, async_op=True)
-            return out, work
-
+        run = lambda: _start_all_gather(self._input(x, lane), group)  # noqa: E731
         return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     def all_reduce(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "all_reduce", kind, micro_op)
         deps = ([x] if isinstance(x, Handle) else []) + list(after)
-
-        def run():
-            t = (x.value if isinstance(x, Handle) else x).clone(memory_format=torch.contiguous_format)
-            work = dist.all_reduce(t, group=group, async_op=True)
-            return t, work
-
+        run = lambda: _start_all_reduce(x.value if isinstance(x, Handle) else x, group)  # noqa: E731
         return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     def reduce_scatter(self, x, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
         entry = self._entry(lane, "reduce_scatter", kind, micro_op)
         deps = ([x] if isinstance(x, Handle) else []) + list(after)
-
-        def run():
-            t = (x.value if isinstance(x, Handle) else x).contiguous()
-            self._record_inputs(lane, t)
-            P = dist.get_world_size(group)
-            if t.shape[0] % P:
-                raise ValueError(f"reduce_scatter of {t.shape[0]} rows over {P} ranks: rows must divide evenly")
-            out = t.new_empty((t.shape[0] // P,) + tuple(t.shape[1:]))
-            work = reduce_scatter_single(out, t, group=group, async_op=True)
-            return out, work
-
+        run = lambda: _start_reduce_scatter(self._input(x, lane), group)  # noqa: E731
         return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 
     def send_recv(self, sends, recvs, *, group=None, kind, micro_op=0, lane=COMM, priority=0, after=()):
@@ -561,17 +584,9 @@ class RealExecutor(Executor):
         deps = [t for t, _ in sends if isinstance(t, Handle)] + list(after)
 
         def run():
-            ops, outs = [], []
-            for t, peer in sends:
-                t = (t.value if isinstance(t, Handle) else t).contiguous()
-                self._record_inputs(lane, t)
-                ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer) if group is not None else peer, group))
-            for like, peer in recvs:
-                buf = torch.empty_like(like.value if isinstance(like, Handle) else like)
-                outs.append(buf)
-                ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer) if group is not None else peer, group))
-            works = dist.batch_isend_irecv(ops) if ops else []
-            return outs, _Works(works)
+            ins = [(self._input(t, lane), peer) for t, peer in sends]
+            outs = [(like.value if isinstance(like, Handle) else like, peer) for like, peer in recvs]
+            return _start_send_recv(ins, outs, group)
 
         return self._collective(lane, entry, deps, run, kind, micro_op, priority, group)
 

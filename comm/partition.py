@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from tritonmoe import _validation as V
-from tritonmoe import validation_enabled
-from tritonmoe.dispatch import implementation
+from tritonmoe.core import validation as V
+from tritonmoe.core.settings import validation_enabled
+from tritonmoe.backends import implementation
 
 __all__ = ["copy_segments", "transpose_chunks", "chunk_transpose_segments"]
 
@@ -110,10 +110,10 @@ def transpose_chunks(x: torch.Tensor, counts_AB: torch.Tensor, *, backend: str |
             raise ValueError(
                 f"counts must be >= 0 and sum to the {x.shape[0]} rows of x, got sum {total}"
             )
-    return _transpose_chunks(x, counts_AB, backend)
+    return transpose_chunks_unchecked(x, counts_AB, backend)
 
 
-def _transpose_chunks(x: torch.Tensor, counts_AB: torch.Tensor, backend: str | None) -> torch.Tensor:
+def transpose_chunks_unchecked(x: torch.Tensor, counts_AB: torch.Tensor, backend: str | None) -> torch.Tensor:
     """:func:`transpose_chunks` without the checks (the dispatcher's counts are valid by
     construction)."""
     A, B = counts_AB.shape

@@ -71,6 +71,7 @@ import torch.distributed as dist
 from .compat import all_gather_single
 from .errors import LaneStartError, ScheduleError, backend_errors, lane_start
 from .timeline import Timeline
+from tritonmoe.comm.executor import VirtualTensor
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -192,6 +193,66 @@ class _Exchanges:
     events: list = field(default_factory=list)
 
 
+class _BackwardFailures:
+    """How a failed reduction reaches the program. Inside a backward pass (a DDP comm hook) a
+    failed hook future would surface as DDP's untyped RuntimeError, so a failure there completes
+    the future with the unreduced buffer and the typed error is raised by a final autograd
+    callback (:meth:`check`, queued once per pass; it runs after DDP's own, which waits for the
+    reductions); outside one, the future raises it. Shares the scheduler's lock ``cv``."""
+
+    def __init__(self, cv: threading.Condition, timeout_s: float) -> None:
+        self._cv = cv
+        self.timeout_s = timeout_s
+        self._queued = False
+        self._buckets: list[_Bucket] = []  # this pass's reductions
+        self._error: Optional[tuple[str, type]] = None
+
+    def enter(self) -> bool:
+        """Inside a backward pass, queue :meth:`check` as a final autograd callback (once per
+        pass) and return True; outside one, return False."""
+        if self._queued:
+            return True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.check)
+        except RuntimeError:  # not inside a backward pass: failures go through the futures
+            return False
+        self._queued = True
+        return True
+
+    def track(self, bucket: _Bucket) -> None:
+        """A reduction of this backward pass (:meth:`check` waits for it)."""
+        self._buckets.append(bucket)
+
+    def check(self) -> None:
+        """Final autograd callback: wait for this backward pass's reductions, then raise the
+        typed error of one that failed (every rank whose lane failed raises it; the gradients
+        were not reduced)."""
+        self._queued = False
+        buckets, self._buckets = self._buckets, []
+        deadline = time.monotonic() + self.timeout_s
+        for b in buckets:  # the pass's reductions (each bounded by its group's timeout)
+            while not b.future.done() and time.monotonic() < deadline:
+                time.sleep(_GATE_POLL_S)
+        with self._cv:
+            failed, self._error = self._error, None
+        if failed is not None:
+            msg, cls = failed
+            raise cls(f"{msg}; the gradients of this step were not reduced (do not step the optimizer)")
+
+    def deliver(self, bucket: _Bucket, msg: str, cls: type = ScheduleError) -> None:
+        """Deliver a failed reduction as ``cls(msg)``: in a backward pass through :meth:`check`,
+        else as the future's exception."""
+        if bucket.future.done():
+            return
+        if bucket.in_backward:
+            with self._cv:
+                if self._error is None:
+                    self._error = (msg, cls)
+            bucket.future.set_result(bucket.flat)
+        else:
+            bucket.future.set_exception(cls(msg))
+
+
 class CommScheduler:
     """A rank's communication scheduler (see the module docstring).
 
@@ -240,9 +301,7 @@ class CommScheduler:
         self._thread: Optional[threading.Thread] = None
         self._micro_op = 0
         self._held_since: Optional[float] = None
-        self._check_queued = False
-        self._backward_error: Optional[tuple[str, type]] = None
-        self._pass_buckets: list[_Bucket] = []
+        self._backward = _BackwardFailures(self._cv, self.gate_timeout_s)
 
     @classmethod
     def fifo(cls, **kwargs) -> "CommScheduler":
@@ -340,9 +399,9 @@ class CommScheduler:
         if not flat.is_contiguous():
             raise ValueError("reduce needs a contiguous buffer (reduce a contiguous copy and copy it back)")
         fut: torch.futures.Future = torch.futures.Future()
-        in_backward = self._queue_backward_check()
+        in_backward = self._backward.enter()
         if self._error is not None:
-            self._fail_bucket(_Bucket(flat, 1, fut, in_backward), f"the gradient lane failed earlier: {self._error}",
+            self._backward.deliver(_Bucket(flat, 1, fut, in_backward), f"the gradient lane failed earlier: {self._error}",
                               type(self._error) if isinstance(self._error, LaneStartError) else ScheduleError)
             return fut
         if flat.numel() == 0 or group_size(group) == 1:
@@ -353,7 +412,7 @@ class CommScheduler:
         pieces = [base[a:b] for _, a, b in partition(ranges, base.element_size(), self.chunk_bytes)]
         bucket = _Bucket(flat, len(pieces), fut, in_backward)
         if in_backward:
-            self._pass_buckets.append(bucket)
+            self._backward.track(bucket)
         ready = None
         if flat.is_cuda:
             ready = torch.cuda.Event()
@@ -368,50 +427,8 @@ class CommScheduler:
                     self._queue.append(_Item(p, group, bucket, ready))
                 self._cv.notify_all()
         if isinstance(self._error, LaneStartError):  # delivered like a failed reduction, typed
-            self._fail_bucket(bucket, str(self._error), LaneStartError)
+            self._backward.deliver(bucket, str(self._error), LaneStartError)
         return fut
-
-    def _queue_backward_check(self) -> bool:
-        """Inside a backward pass (a DDP comm hook), queue :meth:`_check_backward` as a final
-        autograd callback (once per pass; it runs after DDP's own, which waits for the
-        reductions) and return True; outside one, return False."""
-        if self._check_queued:
-            return True
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._check_backward)
-        except RuntimeError:  # not inside a backward pass: failures go through the futures
-            return False
-        self._check_queued = True
-        return True
-
-    def _check_backward(self) -> None:
-        """Final autograd callback: wait for this backward pass's reductions, then raise the
-        typed error of one that failed (every rank whose lane failed raises it; the gradients
-        were not reduced)."""
-        self._check_queued = False
-        buckets, self._pass_buckets = self._pass_buckets, []
-        deadline = time.monotonic() + self.gate_timeout_s
-        for b in buckets:  # the pass's reductions (each bounded by its group's timeout)
-            while not b.future.done() and time.monotonic() < deadline:
-                time.sleep(_GATE_POLL_S)
-        with self._cv:
-            failed, self._backward_error = self._backward_error, None
-        if failed is not None:
-            msg, cls = failed
-            raise cls(f"{msg}; the gradients of this step were not reduced (do not step the optimizer)")
-
-    def _fail_bucket(self, bucket: "_Bucket", msg: str, cls: type = ScheduleError) -> None:
-        """Deliver a failed reduction as ``cls(msg)``: in a backward pass through
-        :meth:`_check_backward`, else as the future's exception."""
-        if bucket.future.done():
-            return
-        if bucket.in_backward:
-            with self._cv:
-                if self._backward_error is None:
-                    self._backward_error = (msg, cls)
-            bucket.future.set_result(bucket.flat)
-        else:
-            bucket.future.set_exception(cls(msg))
 
     def _ensure_worker(self) -> None:
         """Start the gradient lane's thread if it is not running; a thread that cannot start
@@ -497,7 +514,7 @@ class CommScheduler:
             dropped = list(self._queue)
             self._queue.clear()
         for it in list(items) + dropped:
-            self._fail_bucket(it.bucket, msg)
+            self._backward.deliver(it.bucket, msg)
 
     def close(self) -> None:
         """Stop the worker thread (queued micro-ops are dropped)."""
@@ -602,7 +619,6 @@ def issue_gradient_sync(
     ``bucket_bytes`` as DDP does (one gradient per bucket when None), one all-reduce each. Every
     operation carries ``priority`` (:data:`PRIORITY_GRADIENT`: behind the exchanges under a
     priority policy) on ``lane``. Returns the handles in issue order."""
-    from .executor import VirtualTensor
 
     handles: list = []
 

@@ -13,7 +13,7 @@ scrambling rows. Two ways to never get there:
   and a disagreement raises the same :class:`SplitMismatchError` (a ``ValueError``) on every rank,
   naming the offending ranks, before any data moves.
 
-Shapes use the letters of :mod:`tritonmoe.types`; ``N`` is the number of micro-ops.
+Shapes use the letters of :mod:`tritonmoe.core.types`; ``N`` is the number of micro-ops.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ _N_IN, _N_OUT, _ROWS_IN, _ROWS_OUT, _HEADER = 0, 1, 2, 3, 4
 _NOT_INTS = -1  # header value: the splits were not a sequence of integers
 
 
-def _as_int_list(splits) -> Optional[list[int]]:
+def as_int_list(splits) -> Optional[list[int]]:
     """The splits as a list of Python ints, or None when they are not integers."""
     if isinstance(splits, torch.Tensor):
         if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype == torch.bool:
@@ -96,7 +96,7 @@ def _as_int_list(splits) -> Optional[list[int]]:
 
 def _encode(splits, world_size: int) -> tuple[int, list[int]]:
     """(header length field, P entries) for one list of splits; bad lists get -1 entries."""
-    vals = _as_int_list(splits)
+    vals = as_int_list(splits)
     if vals is None:
         return _NOT_INTS, [-1] * world_size
     if len(vals) != world_size:
@@ -210,22 +210,32 @@ def exchange_splits(input_split_sizes: Sequence[int], *, group=None, input_rows:
     return [table[s][1 + rank] for s in range(P)]
 
 
-def check_agreement(values: dict[str, int], *, group=None, what: str = "settings") -> None:
+def check_agreement(values: dict[str, int], *, group=None, what: str = "settings",
+                    labels: Optional[dict[str, str]] = None) -> None:
     """Check that every rank passes the same integer ``values``; raise the same ValueError on
     every rank otherwise, naming each differing setting and the ranks' values. Collective (one
     small all-to-all and a host sync): use it once at construction, e.g. for the settings that
-    fix the sizes of later collectives (a disagreement there would abort gloo)."""
+    fix the sizes of later collectives (a disagreement there would abort gloo).
+
+    ``labels``: readable values of the settings (e.g. hashes' originals); on a disagreement the
+    ranks exchange the labels of the differing settings (one more collective, on the failure path
+    only, every rank taking it) so that the error shows each rank's value as written."""
     _, P = group_rank_size(group)
     names = list(values)
     vec = torch.tensor([int(values[k]) for k in names], dtype=torch.int64, device=comm_device(group))
     table = _exchange_rows(vec, group, f"the agreement check on {what}").tolist()  # host sync: a host verdict
-    diffs = [
-        f"{name}: " + ", ".join(f"rank {r}={table[r][j]}" for r in range(P))
-        for j, name in enumerate(names)
-        if len({table[r][j] for r in range(P)}) > 1
-    ]
-    if diffs:
-        raise ValueError(f"the ranks of the group disagree on {what}: " + "; ".join(diffs) + "; use the same on every rank")
+    differing = [j for j, _ in enumerate(names) if len({table[r][j] for r in range(P)}) > 1]
+    if not differing:
+        return
+    shown = [[str(table[r][j]) for j in differing] for r in range(P)]
+    if labels is not None:
+        mine = [labels.get(names[j], str(table[0][j])) for j in differing]
+        gathered: list = [None] * P
+        with backend_errors(f"the exchange of the disagreeing {what}", group):
+            dist.all_gather_object(gathered, mine, group=group)
+        shown = gathered
+    diffs = [f"{names[j]}: " + ", ".join(f"rank {r}={shown[r][i]}" for r in range(P)) for i, j in enumerate(differing)]
+    raise ValueError(f"the ranks of the group disagree on {what}: " + "; ".join(diffs) + "; use the same on every rank")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,25 +77,31 @@ writes each output element exactly once (no read-modify-write, no atomics), so t
 accumulate into outputs and no ``reset_to_zero`` is needed. ``TRITONMOE_AUTOTUNE=0`` launches the
 policy's config directly (no benchmarking on a shape's first call).
 
-Tests override the policy with :func:`override`, a context manager scoped with ``contextvars``
-(no module-level state flipped by tests); an override's configs carry their own ``variant``.
+Tuned tables and overrides (:mod:`tritonmoe.kernels.config`, the one mechanism of all kernels):
+each choice is the running device's tuned table entry for the shape's bucket when there is one
+(targets ``gemm.<kind>`` keyed by precision, E, N, K and rows per expert; ``decode.<kind>`` by
+precision, E, N, K, top-k and tokens), else the policy above; ``config.override("gemm.<kind>",
+...)`` replaces it or changes fields of it (an override's configs carry their own ``variant``).
+Tile sizes are clamped to the problem whatever the source. :func:`override`,
+:func:`force_decode` and :func:`preact_mode` below are the old spellings, kept as aliases of it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import os
-from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from dataclasses import dataclass, field, replace
+from typing import Iterator
 
 import torch
 import triton
 
+from . import config as CF
 from ._host import cdiv, next_power_of_2
 
 __all__ = [
+    "DECODE_KINDS",
     "DECODE_MAX_TOKENS",
     "KINDS",
     "PERSISTENT_KINDS",
@@ -106,12 +112,15 @@ __all__ = [
     "colsum_config",
     "combine_config",
     "decode_path",
+    "decode_key",
     "ffn_preact_mode",
     "force_decode",
+    "gemm_key",
     "launch",
     "max_programs",
     "override",
     "preact_mode",
+    "precision_name",
     "rows_hint",
     "select",
     "select_decode",
@@ -135,7 +144,12 @@ class TileConfig:
     ordering width ``GROUP_M`` (in M tiles), warps, software-pipelining stages, ``SPLIT_K`` (K
     splits whose fp32 partials a fixed-order reduction sums; only the decode path's second GEMM,
     whose combine does that reduction, uses more than 1) and the kernel ``variant`` (see
-    :data:`VARIANTS`; ``"persistent"`` only with ``SPLIT_K == 1``)."""
+    :data:`VARIANTS`; ``"persistent"`` only with ``SPLIT_K == 1``), and for the persistent
+    variant ``EPI_SPLIT``, the column slices its epilogue stores a tile in (1 or 2; 0: the
+    launcher's rule, :func:`tritonmoe.kernels._grouped_gemm_persistent.epilogue_split`).
+
+    ``source`` (not part of equality or hashing) says where the config came from: "heuristic",
+    "table" or "override" (:data:`tritonmoe.kernels.config.SOURCES`)."""
 
     BM: int
     BN: int
@@ -145,10 +159,16 @@ class TileConfig:
     num_stages: int = 3
     SPLIT_K: int = 1
     variant: str = "tile"
+    EPI_SPLIT: int = 0
+    source: str = field(default="heuristic", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"TileConfig.variant={self.variant!r}; use one of {VARIANTS}")
+        if self.EPI_SPLIT not in (0, 1, 2):
+            raise ValueError(f"TileConfig.EPI_SPLIT={self.EPI_SPLIT!r}; use 0 (automatic), 1 or 2")
+        if self.source not in CF.SOURCES:
+            raise ValueError(f"TileConfig.source={self.source!r}; use one of {CF.SOURCES}")
         for name in ("BM", "BN", "BK"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -163,40 +183,42 @@ INTERPRETER_CONFIG = TileConfig(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=1, num
 #: interpreter runs programs one at a time): 32 x 32 output tiles still split the tests' d <= 40.
 INTERPRETER_WGRAD_CONFIG = TileConfig(BM=32, BN=32, BK=16, GROUP_M=2, num_warps=1, num_stages=1)
 
-_override: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("tritonmoe_gemm_config", default=None)
+#: The GEMM kinds of the decode path (target ``decode.<kind>``).
+DECODE_KINDS = ("swiglu", "mm_act", "mm")
+
+for _k in KINDS:
+    CF.register(f"gemm.{_k}", TileConfig, probe=INTERPRETER_CONFIG, doc=f"grouped GEMM kind {_k!r} (select)")
+for _k in DECODE_KINDS:
+    CF.register(f"decode.{_k}", TileConfig, probe=INTERPRETER_CONFIG, doc=f"decode-path GEMM kind {_k!r} (select_decode)")
 
 
 @contextlib.contextmanager
 def override(config: TileConfig | None = None, **per_kind: TileConfig) -> Iterator[None]:
     """Use ``config`` for every kind (or ``per_kind`` configs, e.g. ``wgrad=TileConfig(...)``)
-    inside the block. Tile sizes are still clamped to the problem like the policy's."""
+    inside the block, on both paths (``gemm.<kind>`` and ``decode.<kind>``). Tile sizes are
+    still clamped to the problem like the policy's.
+
+    Deprecated spelling of ``tritonmoe.kernels.config.override(("gemm", "decode"), cfg)`` (or
+    ``override(("gemm.<kind>", "decode.<kind>"), cfg)``)."""
+    CF.deprecated("_gemm_config.override(cfg, **per_kind)", 'override(("gemm", "decode"), cfg)')
     for kind in per_kind:
         if kind not in KINDS:
             raise ValueError(f"unknown GEMM kind {kind!r}; use one of {KINDS}")
     table = {k: config for k in KINDS} if config is not None else {}
     table.update(per_kind)
-    token = _override.set(table)
-    try:
+    with contextlib.ExitStack() as stack:
+        for kind, cfg in table.items():
+            stack.enter_context(CF.override(f"gemm.{kind}", cfg))
+            if kind in DECODE_KINDS:
+                stack.enter_context(CF.override(f"decode.{kind}", cfg))
         yield
-    finally:
-        _override.reset(token)
 
 
 def _interpreting(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def autotune_enabled(device: torch.device) -> bool:
-    """Autotune schedule variations on CUDA unless TRITONMOE_AUTOTUNE=0 (never in the interpreter,
-    whose launcher cannot benchmark)."""
-    if _interpreting(device):
-        return False
-    v = os.environ.get("TRITONMOE_AUTOTUNE", "1").strip().lower()
-    if v in ("0", "false", "off", "no"):
-        return False
-    if v in ("1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"TRITONMOE_AUTOTUNE={v!r} is not a boolean; use 1 or 0")
+autotune_enabled = CF.autotune_enabled  # the one switch (TRITONMOE_AUTOTUNE); kept under its old name
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
@@ -310,20 +332,54 @@ def select(
     if kind not in KINDS:
         raise ValueError(f"unknown GEMM kind {kind!r}; use one of {KINDS}")
     avg_rows = rows / max(1, num_experts)
-    table = _override.get()
-    cfg = table.get(kind) if table else None
-    if cfg is None:
+    target = f"gemm.{kind}"
+    exact = gemm_key(dtype, tf32, num_experts, n, k)
+    cfg, source = _tabled(target, device, exact, avg_rows)
+    if cfg is None and not CF.replaced(target):  # (an override's whole config needs no policy)
         cfg = _policy(kind, avg_rows, dtype, tf32, _arch(device))
         if kind in PERSISTENT_KINDS and gemm_variant() == "persistent":
             cfg = replace(cfg, variant="persistent")  # same tiles: their smem fits (module docstring)
+    cfg, forced = CF.resolve(target, cfg)
+    if forced:
+        source = "override"
     if kind not in PERSISTENT_KINDS and cfg.variant != "tile":  # no persistent kernel for this kind
         cfg = replace(cfg, variant="tile")
     if kind == "wgrad":
         # BM tiles the output rows (k here), BN its columns, BK the expert's rows.
-        return replace(cfg, BM=min(cfg.BM, _pow2_at_least(k)), BN=min(cfg.BN, _pow2_at_least(n)),
-                       BK=min(cfg.BK, _pow2_at_least(int(avg_rows))))
-    return replace(cfg, BM=min(cfg.BM, _pow2_at_least(int(avg_rows))), BN=min(cfg.BN, _pow2_at_least(n)),
-                   BK=min(cfg.BK, _pow2_at_least(k)))
+        cfg = replace(cfg, BM=min(cfg.BM, _pow2_at_least(k)), BN=min(cfg.BN, _pow2_at_least(n)),
+                      BK=min(cfg.BK, _pow2_at_least(int(avg_rows))), source=source)
+    else:
+        cfg = replace(cfg, BM=min(cfg.BM, _pow2_at_least(int(avg_rows))), BN=min(cfg.BN, _pow2_at_least(n)),
+                      BK=min(cfg.BK, _pow2_at_least(k)), source=source)
+    CF.note(target, exact, cfg, source, M=avg_rows)
+    return cfg
+
+
+def precision_name(dtype: torch.dtype, tf32: bool) -> str:
+    """The precision part of a table key: bf16, fp16, tf32 (fp32 operands on TF32 tensor cores)
+    or fp32 (IEEE)."""
+    if dtype == torch.float32:
+        return "tf32" if tf32 else "fp32"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def gemm_key(dtype: torch.dtype, tf32: bool, num_experts: int, n: int, k: int) -> dict:
+    """Exact fields of a ``gemm.<kind>`` table key (the bucket is ``M``, rows per expert):
+    ``n``, ``k`` as :func:`select` takes them."""
+    return {"dtype": precision_name(dtype, tf32), "E": int(num_experts), "N": int(n), "K": int(k)}
+
+
+def decode_key(dtype: torch.dtype, tf32: bool, num_experts: int, n: int, k: int, top_k: int) -> dict:
+    """Exact fields of a ``decode.<kind>`` table key (the bucket is ``T``, tokens)."""
+    return {**gemm_key(dtype, tf32, num_experts, n, k), "topk": int(top_k)}
+
+
+def _tabled(target: str, device: torch.device, exact: dict, bucket: float) -> tuple[TileConfig | None, str]:
+    """The tuned table's config for ``target`` at this key (source "table"), or (None,
+    "heuristic")."""
+    tbl = CF.table_for(device)
+    cfg = tbl.lookup(target, exact, bucket) if tbl is not None else None
+    return (cfg, "table") if cfg is not None else (None, "heuristic")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,21 +392,23 @@ DECODE_MAX_TOKENS = 64
 #: ... and at most this many slots (T * k): the decode metadata program sorts them in registers.
 DECODE_MAX_SLOTS = 4096
 
-_force_decode: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("tritonmoe_force_decode", default=None)
+def _check_decode(v) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"force_decode expects a bool, got {type(v).__name__}")
+
+
+CF.register("ffn.decode", check=_check_decode, doc="force (True) or avoid (False) the fused FFN's decode path")
 
 
 @contextlib.contextmanager
 def force_decode(enabled: bool) -> Iterator[None]:
     """Inside the block, fused calls take (True) or avoid (False) the decode path whatever their
     token count (tests run both paths on small shapes). Calls with more than
-    :data:`DECODE_MAX_SLOTS` slots never take it."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"force_decode expects a bool, got {type(enabled).__name__}")
-    token = _force_decode.set(enabled)
-    try:
+    :data:`DECODE_MAX_SLOTS` slots never take it. Deprecated spelling of
+    ``config.override("ffn.decode", enabled)``."""
+    CF.deprecated("_gemm_config.force_decode(b)", 'override("ffn.decode", b)')
+    with CF.override("ffn.decode", enabled):
         yield
-    finally:
-        _force_decode.reset(token)
 
 
 def decode_path(tokens: int, top_k: int) -> bool:
@@ -359,7 +417,7 @@ def decode_path(tokens: int, top_k: int) -> bool:
     T * k <= :data:`DECODE_MAX_SLOTS`."""
     if tokens <= 0 or tokens * top_k > DECODE_MAX_SLOTS:
         return False
-    forced = _force_decode.get()
+    forced = CF.value("ffn.decode")
     if forced is not None:
         return forced
     return tokens <= DECODE_MAX_TOKENS
@@ -399,20 +457,36 @@ def select_decode(
     The interpreter gets 16-wide N and K tiles and 2 K splits when K > 16 (so tests exercise
     the split-K reduction). Speed NOT measured (no GPU yet).
     """
-    if kind not in ("swiglu", "mm_act", "mm"):
+    if kind not in DECODE_KINDS:
         raise ValueError(f"decode GEMM kind {kind!r}; use 'swiglu', 'mm_act' or 'mm'")
-    override_cfg = (_override.get() or {}).get(kind)
+    target = f"decode.{kind}"
+    exact = decode_key(dtype, tf32, num_experts, n, k, top_k)
     bm = _pow2_at_least(min(max(tokens, 1), 64))
-    if override_cfg is not None:
-        return replace(override_cfg, BM=bm, BN=min(override_cfg.BN, _pow2_at_least(n)),
-                       BK=min(override_cfg.BK, _pow2_at_least(k)))
+    cfg, source = _tabled(target, device, exact, tokens)
+    if cfg is None and not CF.replaced(target):
+        cfg = _decode_policy(kind, tokens, top_k, n, k, num_experts, dtype, device, bm)
+    elif cfg is not None:
+        cfg = replace(cfg, BM=bm, BN=min(cfg.BN, _pow2_at_least(n)), BK=min(cfg.BK, _pow2_at_least(k)))
+    forced_cfg, forced = CF.resolve(target, cfg)
+    if forced:
+        source = "override"
+        cfg = replace(forced_cfg, BM=bm, BN=min(forced_cfg.BN, _pow2_at_least(n)),
+                      BK=min(forced_cfg.BK, _pow2_at_least(k)))
+    cfg = replace(cfg, source=source)
+    CF.note(target, exact, cfg, source, T=tokens)
+    return cfg
+
+
+def _decode_policy(kind: str, tokens: int, top_k: int, n: int, k: int, num_experts: int, dtype: torch.dtype,
+                   device: torch.device, bm: int) -> TileConfig:
+    """The decode tiles of :func:`select_decode`'s docstring (no table, no override)."""
     if _interpreting(device):
         split = 2 if kind == "mm" and k > 16 else 1  # two K steps of 16 or more: split them
         return TileConfig(BM=bm, BN=16, BK=16, GROUP_M=1, num_warps=1, num_stages=1, SPLIT_K=split)
     dual = kind == "swiglu"
     elem = 4 if dtype == torch.float32 else 2
     active = max(1, min(num_experts, tokens * top_k))
-    target = 2 * _sms(device)
+    want = 2 * _sms(device)
     bk = min(128 if elem == 2 else 64, _pow2_at_least(k))
     # The second GEMM reaches its item count by splitting K and keeps 64-column (128-byte) rows;
     # the first (whose activation needs whole sums) narrows N instead; two-accumulator tiles at
@@ -420,13 +494,13 @@ def select_decode(
     widths = (128, 64) if kind == "mm" else ((64, 32) if dual else (128, 64, 32))
     bn = widths[-1]
     for cand in widths:
-        if active * cdiv(n, cand) >= target:
+        if active * cdiv(n, cand) >= want:
             bn = cand
             break
     bn = min(bn, _pow2_at_least(n))
     split = 1
     if kind == "mm":
-        while split < 8 and active * cdiv(n, bn) * split < target and cdiv(k, bk) >= 8 * split:
+        while split < 8 and active * cdiv(n, bn) * split < want and cdiv(k, bk) >= 8 * split:
             split *= 2
     cfg = TileConfig(BM=bm, BN=bn, BK=bk, GROUP_M=1, num_warps=4, num_stages=2, SPLIT_K=split)
     for stages in (4, 3, 2):
@@ -523,9 +597,10 @@ def launch(kernel, grid: tuple[int, ...], cfg: TileConfig, key: tuple[str, ...],
     """Launch ``kernel[grid](*args, BM=.., BN=.., BK=.., GROUP_M=.., **kwargs)`` with ``cfg``'s
     warps and stages, or through an autotuner over its pipeline depth (see the module
     docstring); ``key`` names the kernel arguments the tuning is cached by (the autotuner adds
-    the tensor dtypes)."""
+    the tensor dtypes). A tuned table's config (``cfg.source == "table"``) was measured as it
+    is and launches directly."""
     tiles = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M)
-    if autotune_enabled(device):
+    if cfg.source != "table" and autotune_enabled(device):
         _tuner(kernel, key, cfg, elem_size, dual)[grid](*args, **tiles, **kwargs)
     else:
         kernel[grid](*args, **tiles, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -545,20 +620,24 @@ def combine_config(device: torch.device) -> tuple[int, int, int]:
 
 
 PREACT_MODES = ("save", "recompute")
-_preact: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tritonmoe_ffn_preact", default=None)
+
+
+def _check_preact(mode) -> None:
+    if mode not in PREACT_MODES:
+        raise ValueError(f"preact mode {mode!r}; use one of {PREACT_MODES}")
+
+
+CF.register("ffn.preact", check=_check_preact, doc="the FFN backward's pre-activation: 'save' or 'recompute'")
 
 
 @contextlib.contextmanager
 def preact_mode(mode: str) -> Iterator[None]:
     """Inside the block, the FFN forward either saves its pre-activation for backward ("save")
-    or the backward recomputes it with the first GEMM ("recompute")."""
-    if mode not in PREACT_MODES:
-        raise ValueError(f"preact mode {mode!r}; use one of {PREACT_MODES}")
-    token = _preact.set(mode)
-    try:
+    or the backward recomputes it with the first GEMM ("recompute"). Deprecated spelling of
+    ``config.override("ffn.preact", mode)``."""
+    CF.deprecated("_gemm_config.preact_mode(m)", 'override("ffn.preact", m)')
+    with CF.override("ffn.preact", mode):
         yield
-    finally:
-        _preact.reset(token)
 
 
 def ffn_preact_mode() -> str:
@@ -573,7 +652,7 @@ def ffn_preact_mode() -> str:
     bitwise-identical gradients (the recompute uses the forward's kernel and config). This is a
     reasoned default, not yet a measured one.
     """
-    mode = _preact.get()
+    mode = CF.value("ffn.preact")
     if mode is not None:
         return mode
     v = os.environ.get("TRITONMOE_FFN_PREACT", "save").strip().lower()

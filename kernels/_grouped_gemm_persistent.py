@@ -2,8 +2,8 @@
 
 :func:`tritonmoe.kernels.grouped_gemm._mm` calls :func:`mm` instead of the one-tile-per-program
 kernel when the config policy's :class:`~tritonmoe.kernels._gemm_config.TileConfig` says
-``variant="persistent"`` (``TRITONMOE_GEMM_VARIANT=persistent``, or a config given to
-``_gemm_config.override``). It takes the same arguments and writes the same outputs (same
+``variant="persistent"`` (``TRITONMOE_GEMM_VARIANT=persistent``, a tuned table's entry, or a
+config given to ``tritonmoe.kernels.config.override("gemm.<kind>", ...)``). It takes the same arguments and writes the same outputs (same
 epilogues, same flags: activation, pre-activation store, token gather, slot scatter, gate
 scaling; K-contiguous weights, which is how the dX GEMM sees ``w^T``).
 
@@ -33,7 +33,6 @@ the pointer path.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -41,6 +40,7 @@ from typing import Iterator, Optional
 import torch
 
 from . import _gemm_config as C
+from . import config as CF
 from ._host import cdiv, next_power_of_2
 from ._grouped_gemm_kernels import ACT_SWIGLU
 from ._grouped_gemm_persistent_kernels import RAGGED_ROWS, _grouped_mm_persistent_kernel
@@ -78,7 +78,8 @@ class PersistentOptions:
     overlap the current tile's epilogue). tma_store: write C and H through ragged TMA
     descriptors where possible (else masked pointer stores; triton_kernels stores with pointers
     on Hopper, TMA on Blackwell). epilogue_split: column slices of the epilogue's stores (1 or
-    2; None: :func:`epilogue_split`'s rule). The defaults are reasoned, not measured.
+    2; None: the config's ``TileConfig.EPI_SPLIT`` (a tuned table's), else
+    :func:`epilogue_split`'s rule). The defaults are reasoned, not measured.
     """
 
     flatten: bool = True
@@ -90,25 +91,21 @@ class PersistentOptions:
             raise ValueError(f"epilogue_split={self.epilogue_split!r}; use 1, 2 or None (automatic)")
 
 
-_options: contextvars.ContextVar[PersistentOptions] = contextvars.ContextVar(
-    "tritonmoe_persistent_options", default=PersistentOptions()
-)
+_DEFAULT_OPTIONS = PersistentOptions()
+CF.register("persistent", PersistentOptions, probe=_DEFAULT_OPTIONS, doc="schedule options of the persistent GEMM")
 
 
 @contextlib.contextmanager
 def options(**changes) -> Iterator[PersistentOptions]:
-    """Use :class:`PersistentOptions` with ``changes`` inside the block (scoped with contextvars,
-    like ``_gemm_config.override``)."""
-    new = PersistentOptions(**{**current_options().__dict__, **changes})
-    token = _options.set(new)
-    try:
-        yield new
-    finally:
-        _options.reset(token)
+    """Use :class:`PersistentOptions` with ``changes`` inside the block. Deprecated spelling of
+    ``tritonmoe.kernels.config.override("persistent", **changes)``."""
+    CF.deprecated("_grouped_gemm_persistent.options(**kw)", 'override("persistent", **kw)')
+    with CF.override("persistent", **changes):
+        yield current_options()
 
 
 def current_options() -> PersistentOptions:
-    return _options.get()
+    return CF.resolve("persistent", _DEFAULT_OPTIONS)[0]
 
 
 @functools.lru_cache(maxsize=16)
@@ -258,7 +255,7 @@ def mm(
         b_desc = _weight_desc(b_EKN, 0, N, acc.b_kmajor, BK, BN)
         if dual:
             bu_desc = _weight_desc(b_EKN, N, N, acc.b_kmajor, BK, BN)
-    split = opts.epilogue_split or epilogue_split(BN)
+    split = opts.epilogue_split or cfg.EPI_SPLIT or epilogue_split(BN)  # an override, the config's, the rule
     c_desc = _ragged_desc(out, 0, N, BM, BN // split) if acc.c else None
     h_desc = hu_desc = None
     if acc.h:

@@ -1,4 +1,4 @@
-"""Host-side integer helpers for the launchers, in plain Python.
+"""Host-side helpers for the launchers, in plain Python: integer arithmetic and the launch device.
 
 ``triton.cdiv`` is a ``constexpr_function`` in recent Triton (3.5+): called from host code it
 unwraps its arguments through Triton's JIT machinery, about 6 us per call on a 2-core CPU, and
@@ -9,7 +9,11 @@ non-negative ints the launchers pass, at the cost of a Python expression. Use th
 
 from __future__ import annotations
 
-__all__ = ["cdiv", "next_power_of_2"]
+import contextlib
+
+import torch
+
+__all__ = ["cdiv", "next_power_of_2", "device_ctx"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,3 +24,9 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n, as ``triton.next_power_of_2`` (which gives 0 for n <= 0)."""
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def device_ctx(device: torch.device):
+    """Triton launches on the current CUDA device: make it ``device`` (the tensors'; autograd runs
+    a backward on its forward's device) for the launches inside; nothing on other devices."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -1,6 +1,6 @@
 """Triton kernels for token permutation (private; the launchers are in :mod:`.permute`).
 
-Names follow :mod:`tritonmoe.types`: T tokens, K slots per token (top_k), E experts, D = d_model,
+Names follow :mod:`tritonmoe.core.types`: T tokens, K slots per token (top_k), E experts, D = d_model,
 R rows of the permuted buffer. A *slot* is one (token t, slot j) pair, flattened token-major as
 ``s = t * K + j``, so ascending s is exactly the contract's order inside an expert (token, then
 slot). ``S = T * K`` slots in all.

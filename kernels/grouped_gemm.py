@@ -1,7 +1,7 @@
 """Grouped expert FFN on Triton: ``grouped_gemm``, ``grouped_ffn`` and the fused ``moe_ffn``.
 
 Launchers with the signatures of :mod:`tritonmoe.reference` (registered in
-:data:`tritonmoe.dispatch.OPS`); the kernels are in ``_grouped_gemm_kernels.py`` and the
+:data:`tritonmoe.backends.OPS`); the kernels are in ``_grouped_gemm_kernels.py`` and the
 launch parameters in ``_gemm_config.py``.
 
 Shape letters: T tokens, k slots per token, E experts, D d_model, F d_ffn, N1 the first GEMM's
@@ -43,7 +43,7 @@ deterministic run to run.
 Precision: fp32 accumulation everywhere; fp16/bf16 operands use the tensor cores; fp32 operands
 use IEEE fp32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set, then TF32 (read at each
 call, like torch's own matmuls). fp64 inputs have no tensor-core path: the launchers refuse them
-and :mod:`tritonmoe.dispatch` sends them to :mod:`tritonmoe.reference`. Biases are added to the
+and :mod:`tritonmoe.backends` sends them to :mod:`tritonmoe.reference`. Biases are added to the
 fp32 accumulator; bias gradients are fp32 sums rounded once to the bias dtype.
 
 Backward and the pre-activation: saved by default (one extra [rows, N1] write in forward),
@@ -55,15 +55,13 @@ written by the forward anyway (GEMM2 reads it) and is kept for dw2 in "save" mod
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._host import cdiv, next_power_of_2
-from .._settings import validation_enabled
-from ..types import Routing
+from ._host import cdiv, device_ctx, next_power_of_2
+from tritonmoe.core.types import Routing
 from . import _gemm_config as C
 from . import _grouped_gemm_persistent as P
 from ._grouped_gemm_kernels import (
@@ -193,11 +191,12 @@ def route_rows(topk_ids_TK: torch.Tensor, counts_E: torch.Tensor, num_experts: i
     dev = topk_ids_TK.device
     offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
     ids_S = topk_ids_TK.reshape(-1)
-    if not decode and not validation_enabled():
+    if not decode:
         # Ids outside [-1, E) are "not routed" (the validation-off contract; with validation on
-        # the public API has refused them): map them to -1 so that the stable sort puts them in
-        # the unrouted head that offsets[0] = T*k - sum(counts) assumes. The decode kernel does
-        # this in registers.
+        # the public API has refused them and this is the identity): map them to -1 so that the
+        # stable sort puts them in the unrouted head that offsets[0] = T*k - sum(counts) assumes.
+        # Always applied (one elementwise op over T*k ids), so the launcher never reads the
+        # process-wide validation flag. The decode kernel does this in registers.
         ids_S = torch.where((ids_S >= 0) & (ids_S < E), ids_S, torch.full_like(ids_S, -1))
     if decode and S > 0:
         row_map = torch.empty(S, device=dev, dtype=torch.int64)
@@ -698,14 +697,8 @@ def _check_dtype(x: torch.Tensor) -> None:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(
             f"the Triton grouped GEMMs run on tensor cores in fp16/bf16/fp32 (tf32), got {x.dtype}; "
-            "tritonmoe.dispatch sends fp64 to tritonmoe.reference"
+            "tritonmoe.backends sends fp64 to tritonmoe.reference"
         )
-
-
-def _on(device: torch.device):
-    """Triton launches on the current CUDA device: make it the tensors' (autograd runs backward
-    on the forward's device)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _act(activation: str, swiglu_limit: float, swiglu_alpha: float) -> _Act:
@@ -718,7 +711,7 @@ def grouped_gemm(
     """Rows in [offsets[e], offsets[e+1]) times w[e], plus bias[e]; rows outside the segments are
     zero."""
     _check_dtype(x_RK)
-    with _on(x_RK.device):
+    with device_ctx(x_RK.device):
         return _GroupedGemmFn.apply(x_RK, expert_offsets.contiguous(), w_EKN, bias)
 
 
@@ -739,7 +732,7 @@ def grouped_ffn(
     _check_dtype(x_RD)
     needs_grad = _needs_grad(x_RD, w1_EDN, w2_EFD, b1, b2)
     act = _act(activation, swiglu_limit, swiglu_alpha)
-    with _on(x_RD.device):
+    with device_ctx(x_RD.device):
         return _GroupedFFNFn.apply(x_RD, expert_offsets.contiguous(), w1_EDN, w2_EFD, b1, b2, act, needs_grad)
 
 
@@ -762,7 +755,7 @@ def moe_ffn(
     w_TK = routing.topk_weights
     needs_grad = _needs_grad(x_TD, w_TK, w1_EDN, w2_EFD, b1, b2)
     act = _act(activation, swiglu_limit, swiglu_alpha)
-    with _on(x_TD.device):
+    with device_ctx(x_TD.device):
         return _MoEFFNFn.apply(x_TD, w_TK, routing.topk_ids, routing.counts, w1_EDN, w2_EFD, b1, b2, act,
                                needs_grad)
 
@@ -778,7 +771,7 @@ def grouped_ffn_train(x_RD, expert_offsets, w1_EDN, w2_EFD, activation="swiglu",
     """(y [R, D], A [R, F], H [R, N1]); not differentiable."""
     _check_dtype(x_RD)
     act = _act(activation, swiglu_limit, swiglu_alpha)
-    with _on(x_RD.device), torch.no_grad():
+    with device_ctx(x_RD.device), torch.no_grad():
         y, a, h, _ = ffn_forward(x_RD, expert_offsets.contiguous(), w1_EDN, w2_EFD, b1, b2, act, True)
     return y, a, h
 
@@ -789,7 +782,7 @@ def grouped_ffn_train_backward(dy_RD, x_RD, expert_offsets, w1_EDN, w2_EFD, b1, 
     _check_dtype(x_RD)
     act = _act(activation, swiglu_limit, swiglu_alpha)
     needs = (needs[0], needs[1], needs[2], needs[3] and b1 is not None, needs[4] and b2 is not None)
-    with _on(x_RD.device), torch.no_grad():
+    with device_ctx(x_RD.device), torch.no_grad():
         space = RowSpace(expert_offsets.contiguous(), x_RD.shape[0], w1_EDN.shape[0])
         return ffn_backward(dy_RD, x_RD, space, w1_EDN, w2_EFD, b1, a_RF, h_RN, act, needs, _bias_dtypes(b1, b2))
 
@@ -800,7 +793,7 @@ def moe_ffn_train(x_TD, routing: Routing, w1_EDN, w2_EFD, activation="swiglu", b
     differentiable."""
     _check_dtype(x_TD)
     act = _act(activation, swiglu_limit, swiglu_alpha)
-    with _on(x_TD.device), torch.no_grad():
+    with device_ctx(x_TD.device), torch.no_grad():
         plan = moe_plan(x_TD, routing.topk_ids, routing.counts, w1_EDN, w2_EFD, act)
         return moe_forward(x_TD, routing.topk_weights, routing.topk_ids, plan, w1_EDN, w2_EFD, b1, b2, act, True)
 
@@ -812,7 +805,7 @@ def moe_ffn_train_backward(dout_TD, x_TD, routing: Routing, w1_EDN, w2_EFD, b1, 
     _check_dtype(x_TD)
     act = _act(activation, swiglu_limit, swiglu_alpha)
     needs = (*needs[:4], needs[4] and b1 is not None, needs[5] and b2 is not None)
-    with _on(x_TD.device), torch.no_grad():
+    with device_ctx(x_TD.device), torch.no_grad():
         plan = moe_plan(x_TD, routing.topk_ids, routing.counts, w1_EDN, w2_EFD, act)
         return moe_backward(dout_TD, x_TD, routing.topk_weights, routing.topk_ids, plan.space, w1_EDN, w2_EFD, b1, b2,
                             a_RF, h_RN, act, needs, _bias_dtypes(b1, b2))

@@ -7,18 +7,19 @@ chunk. The kernel is in ``_partition_kernels.py``.
 
 Config policy: a segment copy is bandwidth-bound and has no reduction, so one heuristic tile
 (:func:`select_config`) is used everywhere; nothing is autotuned (``TRITONMOE_AUTOTUNE`` has
-nothing to switch off here). Tests pin a tile with :func:`override_config`.
+nothing to switch off here). Tests pin a tile with
+``tritonmoe.kernels.config.override("partition", cfg)`` (old spelling: :func:`override_config`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
+from . import config as CF
 from ._host import cdiv, next_power_of_2
 from ._partition_kernels import _copy_segments_kernel
 
@@ -34,30 +35,27 @@ class PartitionConfig:
     num_warps: int = 4
 
 
-_override: contextvars.ContextVar[Optional[PartitionConfig]] = contextvars.ContextVar(
-    "tritonmoe_partition_config", default=None
-)
+CF.register("partition", PartitionConfig, probe=PartitionConfig(1, 16), doc="copy_segments' tile (select_config)")
 
 
 def select_config(d: int, element_size: int) -> PartitionConfig:
     """The tile for rows of ``d`` elements of ``element_size`` bytes: up to 512 bytes of a row per
-    program (coalesced 16-byte vectors across a warp) and about 16 KiB per tile."""
-    override = _override.get()
-    if override is not None:
-        return override
+    program (coalesced 16-byte vectors across a warp) and about 16 KiB per tile; a
+    ``tritonmoe.kernels.config.override("partition", ...)`` replaces it."""
     block_d = min(next_power_of_2(max(d, 1)), max(16, 512 // element_size))
     block_r = max(1, min(64, (16384 // element_size) // block_d))
-    return PartitionConfig(block_r=block_r, block_d=block_d, num_warps=4)
+    cfg, forced = CF.resolve("partition", PartitionConfig(block_r=block_r, block_d=block_d, num_warps=4))
+    CF.note("partition", {"D": int(d), "elem": int(element_size)}, cfg, "override" if forced else "heuristic")
+    return cfg
 
 
 @contextlib.contextmanager
 def override_config(config: PartitionConfig) -> Iterator[None]:
-    """Use ``config`` for every :func:`copy_segments` launch in the block (tests)."""
-    token = _override.set(config)
-    try:
+    """Use ``config`` for every :func:`copy_segments` launch in the block (tests). Deprecated
+    spelling of ``tritonmoe.kernels.config.override("partition", config)``."""
+    CF.deprecated("partition.override_config(cfg)", 'override("partition", cfg)')
+    with CF.override("partition", config):
         yield
-    finally:
-        _override.reset(token)
 
 
 def _launch(

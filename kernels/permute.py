@@ -3,7 +3,7 @@
 :func:`permute` and :func:`unpermute` have exactly the signatures and results of
 :func:`tritonmoe.reference.permute` / :func:`tritonmoe.reference.unpermute` (metadata bit-exact,
 permuted rows bit-exact, the weighted combine accumulated per token in fp32, fp64 for fp64) and
-are registered in :data:`tritonmoe.dispatch.OPS`. They assume validated arguments (the
+are registered in :data:`tritonmoe.backends.OPS`. They assume validated arguments (the
 public :func:`tritonmoe.permute` / :func:`tritonmoe.unpermute` check them).
 
 Building blocks, usable on their own (meant for the expert-parallel and pipelining code):
@@ -13,7 +13,6 @@ Building blocks, usable on their own (meant for the expert-parallel and pipelini
   with ``num_rows`` given (e.g. the static bound :func:`max_permuted_rows`) permutation needs no
   host synchronization at all.
 * :func:`scatter_rows` / :func:`gather_rows` - the raw (not autograd) row movers, with ``out=``.
-* :func:`ep_split_metadata` - rows per destination rank when experts are split over P ranks.
 
 Host synchronization: :func:`permute` with ``num_rows=None`` must return x_perm with exactly
 R = ``expert_offsets[E]`` rows, and R depends on the ids (slots with id -1 and the padding), so it
@@ -29,7 +28,9 @@ exactly R rows), and with ``pad_to == 1`` and no id -1 the bound is exactly R = 
 (``permute_metadata`` + ``permute_rows(x, info, num_rows=...)`` are the same two steps.)
 
 Config: every tile size, warp count and grid split is chosen in :func:`metadata_config` and
-:func:`rows_config` below; tests override them with :func:`config_override`. These kernels are
+:func:`rows_config` below (a tuned table's entry for the shape first, targets ``permute.metadata``
+/ ``permute.scatter`` / ``permute.gather``); tests override them with
+``tritonmoe.kernels.config.override`` (old spelling: :func:`config_override`). These kernels are
 memory bound and their configs are computed, not autotuned, so ``TRITONMOE_AUTOTUNE`` does not
 affect them.
 """
@@ -37,7 +38,6 @@ affect them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from typing import Iterator
@@ -45,11 +45,11 @@ from typing import Iterator
 import torch
 import triton.language as tl
 
-from tritonmoe import _validation as V
-from tritonmoe.reference import max_permuted_rows
-from tritonmoe.types import PermuteInfo
+from tritonmoe.core import validation as V
+from tritonmoe.core.types import PermuteInfo, max_permuted_rows
 
-from ._host import cdiv, next_power_of_2
+from . import config as CF
+from ._host import cdiv, device_ctx, next_power_of_2
 from ._permute_kernels import (
     _block_hist_kernel,
     _block_rank_kernel,
@@ -67,11 +67,11 @@ __all__ = [
     "scatter_rows",
     "gather_rows",
     "max_permuted_rows",
-    "ep_split_metadata",
     "MetadataConfig",
     "RowsConfig",
     "metadata_config",
     "rows_config",
+    "rows_key",
     "config_override",
 ]
 
@@ -119,28 +119,38 @@ class RowsConfig:
     tail_rows: int = 256
 
 
-_OVERRIDE: contextvars.ContextVar[dict] = contextvars.ContextVar("tritonmoe_permute_config", default={})
+CF.register("permute.metadata", MetadataConfig, probe=MetadataConfig(True, 16, 16, 16, 1),
+            doc="permute metadata kernels (metadata_config)")
+CF.register("permute.scatter", RowsConfig, probe=RowsConfig(16, 1, 1), doc="permute's row scatter (rows_config)")
+CF.register("permute.gather", RowsConfig, probe=RowsConfig(16, 1, 1), doc="unpermute's row gather (rows_config)")
 
 
 @contextlib.contextmanager
 def config_override(*, metadata: dict | None = None, scatter: dict | None = None, gather: dict | None = None) -> Iterator[None]:
     """Override fields of the chosen configs inside a block (for tests), e.g.
     ``config_override(metadata={"fused": False, "block_s": 16})``. Scoped to the block and the
-    current context; nothing global is modified."""
-    new = dict(_OVERRIDE.get())
-    for kind, fields in (("metadata", metadata), ("scatter", scatter), ("gather", gather)):
-        if fields:
-            cls = MetadataConfig if kind == "metadata" else RowsConfig
-            bad = set(fields) - {f.name for f in dataclasses.fields(cls)}
-            if bad:
-                raise ValueError(f"config_override({kind}=...) has unknown fields {sorted(bad)}; {cls.__name__} has "
-                                 f"{[f.name for f in dataclasses.fields(cls)]}")
-            new[kind] = {**new.get(kind, {}), **fields}
-    token = _OVERRIDE.set(new)
-    try:
+    current context; nothing global is modified. Old spelling of
+    ``tritonmoe.kernels.config.override("permute.metadata", fused=False, block_s=16)`` (and
+    ``"permute.scatter"`` / ``"permute.gather"``). Deprecated."""
+    CF.deprecated("permute.config_override(metadata=..., ...)", 'override("permute.metadata", **fields)')
+    with contextlib.ExitStack() as stack:
+        for kind, fields in (("metadata", metadata), ("scatter", scatter), ("gather", gather)):
+            if fields:
+                stack.enter_context(CF.override(f"permute.{kind}", **fields))
         yield
-    finally:
-        _OVERRIDE.reset(token)
+
+
+def _choose(target: str, device: torch.device, exact: dict, bucket: int, heuristic):
+    """Table entry (else ``heuristic``), then an override; the choice is noted for recordings."""
+    tbl = CF.table_for(device)
+    cfg = tbl.lookup(target, exact, bucket) if tbl is not None else None
+    source = "table" if cfg is not None else "heuristic"
+    if cfg is None:
+        cfg = heuristic
+    cfg, forced = CF.resolve(target, cfg)
+    source = "override" if forced else source
+    CF.note(target, exact, cfg, source, bucket=bucket)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,8 +188,7 @@ def metadata_config(num_slots: int, num_experts: int, device: torch.device) -> M
     else:
         block_s = min(256, next_power_of_2(max(num_slots, 1)))
         cfg = MetadataConfig(True, block_s, min(64, E_pow2), min(256, nb_pow2), 4)
-    over = _OVERRIDE.get().get("metadata")
-    return dataclasses.replace(cfg, **over) if over else cfg
+    return _choose("permute.metadata", device, {"E": int(num_experts)}, int(num_slots), cfg)
 
 
 def gather_block_d(top_k: int, d: int, elem_size: int) -> int:
@@ -217,8 +226,12 @@ def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, 
     chunks = cdiv(max(d, 1), block_d)
     nsplit = min(chunks, max(1, cdiv(4 * _sms(device), max(num_tokens, 1))))
     cfg = RowsConfig(block_d, nsplit, num_warps)
-    over = _OVERRIDE.get().get(kind)
-    return dataclasses.replace(cfg, **over) if over else cfg
+    return _choose(f"permute.{kind}", device, rows_key(top_k, d, elem_size), int(num_tokens), cfg)
+
+
+def rows_key(top_k: int, d: int, elem_size: int) -> dict:
+    """Exact fields of a ``permute.scatter`` / ``permute.gather`` table key (the bucket is T)."""
+    return {"k": int(top_k), "D": int(d), "elem": int(elem_size)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,13 +242,6 @@ def rows_config(kind: str, num_tokens: int, top_k: int, d: int, elem_size: int, 
 def _acc_tl(dtype: torch.dtype):
     """Accumulation dtype of the kernels: fp64 for fp64 data, fp32 otherwise."""
     return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _device_ctx(device: torch.device):
-    """Triton launches on the current CUDA device; make it the tensors' device."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
 
 
 def _read_num_rows(info: PermuteInfo) -> int:
@@ -278,7 +284,7 @@ def permute_metadata(topk_ids: torch.Tensor, num_experts: int, pad_to: int = 1) 
         return PermuteInfo(expert_offsets=offsets, slot_rows=rows, counts=counts, num_tokens=T, pad_to=pad_to)
     ids = topk_ids.contiguous()
     cfg = metadata_config(S, E, dev)
-    with _device_ctx(dev):
+    with device_ctx(dev):
         if cfg.fused:
             _metadata_fused_kernel[(1,)](
                 ids, counts, offsets, rows, S, E, pad_to,
@@ -299,41 +305,6 @@ def permute_metadata(topk_ids: torch.Tensor, num_experts: int, pad_to: int = 1) 
                 BLOCK_S=cfg.block_s, BLOCK_E=cfg.block_e, SCAN_E=cfg.scan_e, num_warps=cfg.num_warps,
             )
     return PermuteInfo(expert_offsets=offsets, slot_rows=rows, counts=counts, num_tokens=T, pad_to=pad_to)
-
-
-def ep_split_metadata(expert_offsets, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a permuted buffer per destination rank, for expert parallelism over P ranks.
-
-    Experts are split evenly: rank r owns experts [r*E/P, (r+1)*E/P), so in the permuted buffer
-    (grouped by expert) rank r's rows are the contiguous range
-    ``[expert_offsets[r*E/P], expert_offsets[(r+1)*E/P])``, padding rows included.
-
-    Args:
-        expert_offsets: the int32/int64 [E+1] offsets of :class:`PermuteInfo` (or the
-            PermuteInfo itself), on any device.
-        num_ranks: P >= 1, a divisor of E.
-
-    Returns: ``(rank_counts, rank_offsets)``: int64 [P] rows to send to each rank (the
-    all-to-all's input split sizes) and int64 [P+1] their start rows in the buffer
-    (``rank_offsets[P] == R``). Both stay on the device: ``rank_offsets`` is a strided view of the
-    offsets for int64 offsets (no copy; do not modify it in place) and ``rank_counts`` one subtraction, so there is no host sync; call
-    ``.tolist()`` where a collective needs host split sizes. Matches
-    :func:`tritonmoe.reference.ep_splits`. The per-(rank, local expert) unpadded counts that a
-    receiver needs are ``info.counts.view(P, E // P)``.
-    """
-    offsets = expert_offsets.expert_offsets if isinstance(expert_offsets, PermuteInfo) else expert_offsets
-    V.offsets_args("expert_offsets", offsets)
-    P = V.positive_int("num_ranks", num_ranks)
-    E = offsets.shape[0] - 1
-    if E % P:
-        raise ValueError(
-            f"num_experts={E} is not divisible by num_ranks={P}; experts are split evenly over the "
-            f"ranks, so use a P that divides {E}"
-        )
-    rank_offsets = offsets[:: E // P]
-    if rank_offsets.dtype != torch.int64:
-        rank_offsets = rank_offsets.long()
-    return rank_offsets[1:] - rank_offsets[:-1], rank_offsets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +345,7 @@ def _scatter(
     w = weights_TK.contiguous() if weights_TK is not None else rows
     dw = torch.empty(cfg.nsplit, T, K, dtype=acc_torch, device=dev) if dot_RD is not None else None
     dummy = src_TD  # stands in for the pointers a constexpr flag switches off
-    with _device_ctx(dev):
+    with device_ctx(dev):
         _scatter_rows_kernel[grid](
             src_TD, src_TD.stride(0), src_TD.stride(1),
             rows, w, offsets, counts,
@@ -431,7 +402,7 @@ def _gather(
     dev = src_RD.device
     cfg = rows_config("gather", T, K, D, src_RD.element_size(), dev)
     w = weights_TK.contiguous() if weights_TK is not None else rows
-    with _device_ctx(dev):
+    with device_ctx(dev):
         _gather_rows_kernel[(T, cfg.nsplit)](
             src_RD, src_RD.stride(0), src_RD.stride(1), rows, w, out,
             T, K, D, src_RD.shape[0], cfg.nsplit,

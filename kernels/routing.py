@@ -12,15 +12,16 @@ Forward (no host synchronization; launches in stream order):
 Backward: ``_route_bwd_kernel`` maps d(topk_weights), d(score_sum) and d(logsumexp) to
 d(logits) in one pass (it re-reads the logits instead of saving the [T, E] scores).
 
-Tile and warp choices live in :func:`route_config` (keyed by the padded expert tile); tests
-override them with :func:`config_override`. There is no autotuning, so ``TRITONMOE_AUTOTUNE``
+Tile and warp choices live in :func:`route_config` (keyed by the padded expert tile), unless the
+running device's tuned table has an entry for the shape (target ``route``, keyed by E, groups and
+tokens); tests override them with ``tritonmoe.kernels.config.override("route", cfg)`` (old
+spelling: :func:`config_override`). There is no autotuning, so ``TRITONMOE_AUTOTUNE``
 does not apply here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ from typing import Iterator, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from tritonmoe.types import Routing
+from tritonmoe.core.types import Routing
 
-from ._host import cdiv, next_power_of_2
+from . import config as CF
+from ._host import cdiv, device_ctx, next_power_of_2
 from ._routing_kernels import (
     _capacity_keep_kernel,
     _capacity_scan_kernel,
@@ -39,7 +41,8 @@ from ._routing_kernels import (
     _route_fwd_kernel,
 )
 
-__all__ = ["route", "RouteConfig", "route_config", "config_override", "MAX_TILE_LANES", "FWD_COMPILE_OPTIONS"]
+__all__ = ["route", "RouteConfig", "route_config", "route_key", "config_override", "MAX_TILE_LANES",
+           "FWD_COMPILE_OPTIONS"]
 
 #: Compile options of the forward kernel. No FMA contraction: the canonical selection values
 #: (see ``_routing_kernels``) must round every multiply and every add on its own, as the
@@ -83,22 +86,40 @@ class RouteConfig:
             raise TypeError(f"RouteConfig.scan_split_slots={self.scan_split_slots!r} must be a bool")
 
 
-_override: contextvars.ContextVar[Optional[RouteConfig]] = contextvars.ContextVar(
-    "tritonmoe_route_config_override", default=None
-)
+CF.register("route", RouteConfig, probe=RouteConfig(1, 1, 1, 1), doc="the routing kernels (route_config)")
 
 
 @contextlib.contextmanager
 def config_override(config: RouteConfig) -> Iterator[None]:
     """Use ``config`` for every route launch in this block (tests use it to force several token
-    blocks, so the capacity scan crosses blocks, on small inputs)."""
+    blocks, so the capacity scan crosses blocks, on small inputs). Deprecated spelling of
+    ``tritonmoe.kernels.config.override("route", config)``."""
+    CF.deprecated("routing.config_override(cfg)", 'override("route", cfg)')
     if not isinstance(config, RouteConfig):
         raise TypeError(f"config must be a RouteConfig, got {type(config).__name__}")
-    token = _override.set(config)
-    try:
+    with CF.override("route", config):
         yield
-    finally:
-        _override.reset(token)
+
+
+def route_key(num_experts: int, n_groups: int) -> dict:
+    """Exact fields of a ``route`` table key (the bucket is T, tokens)."""
+    return {"E": int(num_experts), "G": int(n_groups)}
+
+
+def _choose(prob: "_Problem", device: torch.device) -> "_Problem":
+    """The tuned table's config for this problem (else the cached heuristic one), then an
+    override; noted for recordings. Host cost without a table or override: two lookups."""
+    tbl = CF.table_for(device)
+    cfg, source = prob.config, "heuristic"
+    if tbl is not None:
+        hit = tbl.lookup("route", route_key(prob.E, prob.G), prob.T)
+        if hit is not None:
+            cfg, source = hit, "table"
+    cfg, forced = CF.resolve("route", cfg)
+    if forced:
+        source = "override"
+    CF.note("route", route_key(prob.E, prob.G), cfg, source, bucket=prob.T)
+    return prob if cfg is prob.config else dataclasses.replace(prob, config=cfg)
 
 
 @functools.lru_cache(maxsize=None)  # a few (lanes, interpret) pairs; the config is immutable
@@ -178,10 +199,6 @@ def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str,
     )
 
 
-def _device_ctx(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
 def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor]):
     T, E, K = prob.T, prob.E, prob.K
     dev = logits_TE.device
@@ -207,7 +224,7 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
         part_BE = torch.empty(NB, E, dtype=torch.float32, device=dev)
         lse_T = torch.empty(T, dtype=torch.float32, device=dev)
     dummy_f32 = w_TK  # placeholder for pointers a specialization never reads
-    with _device_ctx(logits_TE):
+    with device_ctx(logits_TE.device):
         _route_fwd_kernel[(NB,)](
             logits_TE,
             bias_E if bias_E is not None else dummy_f32,
@@ -290,7 +307,7 @@ def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_
     dw = dw_TK.float() if dw_TK is not None else dummy
     dss = dss_E.float() if dss_E is not None else dummy
     dlse = dlse_T.float() if dlse_T is not None else dummy
-    with _device_ctx(logits_TE):
+    with device_ctx(logits_TE.device):
         _route_bwd_kernel[(cdiv(T, cfg.bwd_block_t),)](
             logits_TE,
             sel_ids_TK,
@@ -368,20 +385,18 @@ def route(
     :func:`tritonmoe.reference.selection_values` (see ``_routing_kernels``).
 
     fp16/bf16/fp32 logits only: the kernels compute in fp32, which would not meet the fp64
-    contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.dispatch` routes fp64 logits
+    contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.backends` routes fp64 logits
     to the reference.
     """
     if logits_TE.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(
             f"the Triton router computes in fp32 and takes fp16/bf16/fp32 logits, got {logits_TE.dtype}; "
-            "tritonmoe.dispatch sends fp64 to tritonmoe.reference.route"
+            "tritonmoe.backends sends fp64 to tritonmoe.reference.route"
         )
     T, E = logits_TE.shape
     prob = _problem(T, E, top_k, n_groups, topk_groups, score_func, renormalize, capacity, with_aux, group_score,
                     float(routed_scaling_factor), logits_TE.device.type != "cuda")
-    override = _override.get()
-    if override is not None:
-        prob = dataclasses.replace(prob, config=override)
+    prob = _choose(prob, logits_TE.device)
     bias_E = expert_bias.detach().float().contiguous() if expert_bias is not None else None
     ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob)
     return Routing(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import tritonmoe as tm
-from tritonmoe.parm_experts import shard_expert_biases, shard_expert_weights
+from tritonmoe.experts.model_parallel import shard_expert_biases, shard_expert_weights
 from tritonmoe.parm_layout import ParmLayout
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 8, 4

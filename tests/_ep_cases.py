@@ -360,3 +360,41 @@ def static_table(rank: int, P: int) -> dict:
         tm.permute(x3.detach(), routing.topk_ids, NUM_EXPERTS)
     syncs["control"] = list(counter.syncs)
     return {"failures": failures, "syncs": syncs}
+
+
+#: Config fields that change what a rank computes, each with a value per rank (rank r takes
+#: entry r % 2), for the agreement check (issue 35 item 1): every one refused at construction.
+DISAGREEING_FIELDS = {
+    "top_k": (1, 2),
+    "d_ffn": (D_FFN, D_FFN + 4),
+    "activation": ("relu", "gelu"),
+    "score_func": ("softmax", "sigmoid"),
+    "capacity_factor": (None, 1.5),
+    "expert_ffn_bias": (False, True),
+    "routed_scaling_factor": (1.0, 2.5),
+    "aux_loss_coef": (0.0, 0.01),
+}
+
+
+def config_disagreements(rank: int, P: int) -> dict:
+    """For each field of DISAGREEING_FIELDS, every rank builds an EP layer whose config differs
+    from rank 0's in that field alone (odd ranks take the second value); the message each rank
+    got (or "built" when it built), and whether rank-local fields (backend, ffn_path) are
+    accepted when they differ."""
+    out = {}
+    for name, values in DISAGREEING_FIELDS.items():
+        kw = {name: values[rank % 2]}
+        d_ffn = kw.pop("d_ffn", D_FFN)
+        top_k = kw.pop("top_k", 1)
+        try:
+            tm.MoELayer(tm.MoEConfig(D_MODEL, d_ffn, NUM_EXPERTS, top_k, **kw), ep_group=dist.group.WORLD,
+                        dtype=torch.float64)
+            out[name] = "built"
+        except ValueError as e:
+            out[name] = str(e)
+    torch.manual_seed(0)  # the refused builds drew different amounts of randomness per rank
+    local = tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, 1, backend=("torch", "auto")[rank % 2],
+                         ffn_path=("auto", "unfused")[rank % 2])
+    tm.MoELayer(local, ep_group=dist.group.WORLD, dtype=torch.float64)
+    out["rank_local_ok"] = True
+    return out

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import tritonmoe as tm
-from tritonmoe.comm import memory as memory_mod
-from tritonmoe.plan.memory import MemoryBudgetError, expert_block_bytes
+from tritonmoe.comm.programs import memory_reuse as memory_mod
+from tritonmoe.sim.memory_model import MemoryBudgetError, expert_block_bytes
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 6, 8
 STRATEGIES = ("keep", "offload", "recomm", "recompute", "recomm_recompute")
@@ -237,8 +237,8 @@ def auto_and_errors(rank: int, P: int) -> dict:
     x = xs[rank].clone().requires_grad_()
     ref(x).sum().backward()
     want = (x.grad.clone(), ref.w1.grad.clone())
-    from tritonmoe.plan.memory import choose_memory
-    from tritonmoe.plan.runtime import runtime_cost_model, token_bucket
+    from tritonmoe.sim.memory_model import choose_memory
+    from tritonmoe.policy.degree import runtime_cost_model, token_bucket
 
     cost = runtime_cost_model(ref.config, P, torch.device("cpu"))
     rep = token_bucket(max(tokens))[1]
@@ -364,7 +364,7 @@ def missing_cost_model(rank: int, P: int) -> str:
     """memory_strategy="auto" with an integer degree and a cost-model file that is missing on
     rank 1 only: every rank raises a ValueError at construction (none waits in a forward's
     collective); rank 1's names the missing file."""
-    from tritonmoe.plan.runtime import DEFAULT_CPU_MODEL
+    from tritonmoe.policy.degree import DEFAULT_CPU_MODEL
 
     path = DEFAULT_CPU_MODEL if rank != 1 else DEFAULT_CPU_MODEL + ".missing"
     c = CASES[P][0]
@@ -463,7 +463,7 @@ def sim_vs_real(rank: int, P: int) -> list[str]:
     simulator's program for the same layer, for every reuse strategy, n = 2..5 and both MI buffer
     counts (the simulator's restores are the runtime's, in number and place)."""
     from tritonmoe.plan import Cluster
-    from tritonmoe.plan.simulate import build_programs, resolve_cost
+    from tritonmoe.sim.simulate import build_programs, resolve_cost
 
     cost = resolve_cost(Cluster.preset("dgx-h100", nodes=1), "float32")
     kinds = ("expert", "dispatch", "combine", "offload", "restore", "recomm")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import tritonmoe as tm
 from tritonmoe import reference
 from tritonmoe.layer import router_logits
-from tritonmoe.parm_experts import shard_expert_weights
+from tritonmoe.experts.model_parallel import shard_expert_weights
 from tritonmoe.parm_layout import ParmLayout
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 24, 8
@@ -152,7 +152,7 @@ class Counter:
 
     @contextmanager
     def installed(self):
-        from tritonmoe import dispatch
+        from tritonmoe import backends as dispatch
 
         # (all_gather_single exists from torch 2.12; tritonmoe.comm.compat calls it where it does)
         saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
@@ -496,7 +496,8 @@ def _split_table(P: int, seed: int, zero_rate: float = 0.3) -> list[list[int]]:
 def saa_checks(rank: int, P: int, cache: dict) -> list[str]:
     """SAA == all_gather(all_to_all(x)) for MP groups of 2 and P/2 consecutive ranks, uneven and
     zero splits; forward bitwise, backward bitwise against the composition's autograd."""
-    from tritonmoe.comm import all_to_all, saa
+    from tritonmoe.comm import all_to_all
+    from tritonmoe.comm.programs.saa import saa
 
     failures = []
     world = dist.group.WORLD
@@ -671,7 +672,7 @@ def error_checks(rank: int, P: int, cache: dict) -> list[tuple[str, str, str]]:
 
 
 def auto_and_trace(rank: int, P: int, cache: dict) -> dict:
-    from tritonmoe.plan.parm import step_times
+    from tritonmoe.policy.parm_schedule import step_times
 
     lay = ParmLayout.make(2, P // 2, 2)
     groups = lay.process_groups(cache=cache)
@@ -710,7 +711,7 @@ def auto_and_trace(rank: int, P: int, cache: dict) -> dict:
 def sim_trace_mismatches(values: list[dict], P: int) -> list[str]:
     """Compare each rank's measured communication trace with the simulator's program of the
     same schedule (parent side: the simulator needs every rank's counts)."""
-    from tritonmoe.plan.parm import parm_step_programs
+    from tritonmoe.sim.parm_model import parm_step_programs
 
     lay = ParmLayout.make(2, P // 2, 2)
     toks = [10 + 3 * q for q in range(lay.num_batches)]

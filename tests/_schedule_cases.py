@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import tritonmoe as tm
 from tritonmoe.comm import VirtualTensor, plan_from_counts
-from tritonmoe.comm.pipeline import backward_pass, forward_pass
+from tritonmoe.comm.programs.pipeline import backward_pass, forward_pass
 from tritonmoe.experts import micro_batch_bounds
 from tritonmoe.plan import SimExecutor, VirtualGroup
 

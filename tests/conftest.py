@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 INTERPRETER_ON = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-_NEEDS_INTERPRETER = "needs Triton's interpreter"  # tritonmoe.dispatch's error for backend='triton' on CPU tensors
+_NEEDS_INTERPRETER = "needs Triton's interpreter"  # tritonmoe.backends's error for backend='triton' on CPU tensors
 
 
 @pytest.hookimpl(hookwrapper=True)

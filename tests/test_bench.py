@@ -320,7 +320,7 @@ def test_entry_failures_are_recorded_not_raised():
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_unavailable(monkeypatch):
-    from tritonmoe import _settings
+    from tritonmoe.core import settings as _settings
 
     monkeypatch.setattr(_settings, "TRITON_INTERPRET", False)
     ctx = _ctx(backends=("triton",), tokens=(16,), presets_chosen=True)
@@ -331,7 +331,7 @@ def test_triton_backend_on_cpu_without_interpreter_is_unavailable(monkeypatch):
 def test_permute_metadata_entry(monkeypatch):
     """The permute suite's metadata entries: Triton's permute_metadata (in the interpreter on CPU)
     beside the reference's, or one unavailable line without the interpreter."""
-    from tritonmoe import _settings
+    from tritonmoe.core import settings as _settings
 
     ctx = _ctx(backends=("triton", "torch"), tokens=(16,), presets_chosen=True)
     case = next(c for c in suites.plan(ctx, "permute") if c.params["op"] == "permute")
@@ -371,7 +371,8 @@ def test_metadata_fraction_of_the_layer(smoke_doc, capsys):
 def test_missing_kernel_is_unavailable(monkeypatch):
     """backend='triton' for an op without a kernel raises NotImplementedError in tritonmoe: one
     unavailable row per entry, the run goes on."""
-    from tritonmoe import _settings, dispatch
+    from tritonmoe.core import settings as _settings
+    from tritonmoe import backends as dispatch
 
     monkeypatch.setattr(_settings, "TRITON_INTERPRET", True)
     monkeypatch.setattr(dispatch, "kernel", lambda op: None)
@@ -664,3 +665,29 @@ def test_step_diagnosis_counts_what_it_reports():
 
     d = diagnose_step(syncing, cuda=False)
     assert [s for s, _ in d["sync_sites"]] and d["sync_sites"][0][0].startswith("test_bench.py:"), d  # not the warnings module
+
+
+def test_step_diagnosis_labels_by_module_not_by_folder_name(tmp_path):
+    """A checkout cloned into a folder named ``tritonmoe`` (``git clone``'s default) or ``bench``:
+    a file under it that is no project module is not a project site (issue 35 item 7)."""
+    import importlib.util
+    import warnings
+
+    from bench.memory import diagnose_step
+
+    for folder in ("tritonmoe", "bench", "comm"):
+        src = tmp_path / folder / "tests" / f"probe_{folder}.py"
+        src.parent.mkdir(parents=True)
+        src.write_text("import warnings\n\ndef syncing():\n    warnings.warn('called a synchronizing CUDA operation')\n")
+        spec = importlib.util.spec_from_file_location(f"probe_{folder}", src)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        with warnings.catch_warnings():
+            d = diagnose_step(mod.syncing, cuda=False)
+        assert d["sync_sites"][0][0] == f"probe_{folder}.py:4", d
+    # and a project module is labelled by its place in the package
+    from bench.memory import _project_label
+
+    assert _project_label("tritonmoe.kernels.permute") == "kernels/permute.py"
+    assert _project_label("tritonmoe.experts.local") == "tritonmoe/experts/local.py"
+    assert _project_label("bench.memory") is None and _project_label("torch.nn") is None

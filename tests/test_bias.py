@@ -88,7 +88,7 @@ def test_route_nan_weights_with_validation_off(value, backend):
     y = torch.randn(5, 2, requires_grad=True)
     (r.topk_weights * y).sum().backward()
     assert y.grad.isnan().all() and logits.grad is not None
-    impl = tm.dispatch.implementation("route", backend, logits.device, logits.dtype)
+    impl = tm.backends.implementation("route", backend, logits.device, logits.dtype)
     assert torch.equal(ok.topk_weights, impl(logits, 2, expert_bias=_bias(at=None)).topk_weights)
 
 

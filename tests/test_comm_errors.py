@@ -36,11 +36,15 @@ COLLECTIVES = {
     "broadcast_object_list", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "reduce_scatter",
     "reduce_scatter_tensor", "scatter", "gather", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv",
 }
-#: Functions whose collectives are wrapped by their caller: the real executor's ``run`` closures
-#: (issued inside ``_collective``'s ``backend_errors``, waited for in ``_host_wait``), the Parm
-#: cost model's timed lambdas (timed inside one), and the profiler (a measurement tool of its own).
-WRAPPED_BY_CALLER = {("comm/executor.py", "run"), ("tritonmoe/plan/parm.py", "<lambda>"),
-                     ("tritonmoe/plan/parm.py", "fn")}
+#: Functions whose collectives are wrapped by their caller: the real executor's backend calls
+#: (``_start_*``, called by the ``run`` closures that ``_collective`` issues inside its
+#: ``backend_errors``, waited for in ``_host_wait``), the Parm cost model's timed lambdas (timed
+#: inside one), and the profiler (a measurement tool of its own).
+WRAPPED_BY_CALLER = {
+    *(("comm/executor.py", f"_start_{op}") for op in ("all_to_all", "all_gather", "all_reduce", "reduce_scatter",
+                                                      "send_recv")),
+    ("tritonmoe/policy/parm_schedule.py", "<lambda>"), ("tritonmoe/policy/parm_schedule.py", "fn"),
+}
 UNCHECKED_FILES = {"tritonmoe/plan/profile.py"}
 
 

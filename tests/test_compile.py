@@ -1,4 +1,4 @@
-"""torch.compile / torch.export of the local layer through the custom ops (tritonmoe.ops):
+"""torch.compile / torch.export of the local layer through the custom ops (tritonmoe.custom_ops):
 zero graph breaks forward and backward, compiled equals eager, dynamic batch sizes (with a
 capacity), opcheck of every op."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tritonmoe as tm
-from tritonmoe import ops
+from tritonmoe import custom_ops as ops
 
 CFG = dict(d_model=16, d_ffn=12, num_experts=4, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
 
@@ -126,11 +126,11 @@ def test_compiled_auto_path_follows_backward(monkeypatch):
 def test_compiled_ffn_op_forms(ffn_path):
     """Which expert-FFN op a compiled layer traces: the ``*_train`` form (activations saved, no
     GEMM rerun in backward) when training in the default "save" mode; the recomputing form under
-    ``preact_mode("recompute")`` (memory) and for inference (no grad: nothing to save). Every
+    ``override("ffn.preact", "recompute")`` (memory) and for inference (no grad: nothing to save). Every
     form gives the eager gradients (reference, fp64)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from tritonmoe.kernels._gemm_config import preact_mode
+    from tritonmoe.kernels.config import override
 
     ffn = "tritonmoe::moe_ffn" if ffn_path == "fused" else "tritonmoe::grouped_ffn"
     eager, layer = _layers("torch", torch.float64, ffn_path=ffn_path)
@@ -141,7 +141,7 @@ def test_compiled_ffn_op_forms(ffn_path):
         counter = CompileCounterWithBackend("eager")
         compiled = torch.compile(layer, backend=counter, fullgraph=True)
         layer.zero_grad(set_to_none=True)
-        with preact_mode(mode), torch.set_grad_enabled(grad):
+        with override("ffn.preact", mode), torch.set_grad_enabled(grad):
             if grad:
                 got = _step(compiled, layer, x, g)
                 for n, gw in want[2].items():

@@ -33,6 +33,23 @@ def test_ep_layer_matches_single_process(world_size):
     assert len({v["errors"][1] for v in values}) == 1
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_that_disagree_on_any_config_field_are_refused(world_size):
+    """Every field that changes what a rank computes (not only the sizes of the collectives) is
+    compared at construction: each disagreement is the same ValueError on every rank, naming
+    the field and each rank's value as written; backend and ffn_path may differ."""
+    results, _ = run_group(world_size, _ep_cases.config_disagreements, deadline_s=240, pg_timeout_s=60)
+    values = values_or_fail(results)
+    for name, per_rank in _ep_cases.DISAGREEING_FIELDS.items():
+        msgs = {v[name] for v in values}
+        assert len(msgs) == 1, (name, msgs)  # the same error on every rank
+        msg = msgs.pop()
+        want = ", ".join(f"rank {r}={per_rank[r % 2]!r}" for r in range(world_size))
+        assert f"{name}: {want}" in msg, (name, msg)
+        assert "disagree" in msg
+    assert all(v["rank_local_ok"] for v in values)
+
+
 def test_peer_exit_mid_forward_raises_on_survivors():
     """Rank 2 of 3 exits between the counts exchange and its first dispatch: the survivors'
     forward ends in an exception within the group timeout + 5 s, never a hang."""

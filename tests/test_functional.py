@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import tritonmoe as tm
-from tritonmoe import _settings, dispatch
+from tritonmoe.core import settings as _settings
+from tritonmoe import backends as dispatch
 from tritonmoe import reference as ref
 
 
@@ -270,6 +271,6 @@ def test_finite_is_math_isfinite(v):
     """The validators' comparison-only finiteness check (traceable on symbolic floats)."""
     import math
 
-    from tritonmoe._validation import finite
+    from tritonmoe.core.validation import finite
 
     assert finite(v) == math.isfinite(v)

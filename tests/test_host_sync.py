@@ -70,7 +70,7 @@ def test_counter_sees_every_sync_path_once():
 #: The dynamic expert-parallel layer's host syncs on the reference backend (CPU): (file,
 #: function). The counts exchange is the mode's one essential sync (the receive sizes); the rest
 #: are the reference implementations slicing rows on the host and the exact weight-gradient
-#: flush (tritonmoe.exact); on CUDA the Triton kernels replace the reference's.
+#: flush (tritonmoe.core.exact); on CUDA the Triton kernels replace the reference's.
 DYNAMIC_SYNCS = {
     ("comm/splits.py", "exchange_counts"),
     ("tritonmoe/reference.py", "copy_segments"),

@@ -29,8 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import tritonmoe
 from tritonmoe import reference as ref
-from tritonmoe.exact import WeightGradStore
+from tritonmoe.core.exact import WeightGradStore
 from tritonmoe.kernels import _gemm_config as C
+from tritonmoe.kernels import config as CF
 from tritonmoe.kernels import _grouped_gemm_kernels as GK
 from tritonmoe.kernels import grouped_gemm as K
 
@@ -234,7 +235,7 @@ def test_grouped_ffn_matches_reference(counts, d, f, activation, limit, bias, dt
     w1, w2 = (_leaf(w) for w in _weights(E, d, f, activation, dtype, gen, layout))
     b1, b2 = (_leaf(b) for b in _biases(E, w1.shape[2], d, dtype, gen)) if bias else (None, None)
     kw = _act_kw(activation, limit)
-    with C.preact_mode(mode):
+    with CF.override("ffn.preact", mode):
         with poisoned():
             y = tritonmoe.grouped_ffn(x, offs, w1, w2, activation, b1, b2, backend="triton", **kw)
         y_ref = ref.grouped_ffn(x, offs, w1, w2, activation, b1, b2, **kw)
@@ -279,7 +280,7 @@ def test_moe_ffn_matches_reference_and_unfused(T, E, kk, d, f, activation, limit
     w1, w2 = (_leaf(w) for w in _weights(E, d, f, activation, dtype, gen, layout))
     b1, b2 = (_leaf(b) for b in _biases(E, w1.shape[2], d, dtype, gen)) if bias else (None, None)
     kw = _act_kw(activation, limit)
-    with C.force_decode(decode), poisoned():
+    with CF.override("ffn.decode", decode), poisoned():
         out = tritonmoe.moe_ffn(x, r, w1, w2, activation, b1, b2, backend="triton", **kw)
     out_ref = ref.moe_ffn(x, r, w1, w2, activation, b1, b2, **kw)
     assert_close(out, out_ref, dtype, what="out")
@@ -293,7 +294,7 @@ def test_moe_ffn_matches_reference_and_unfused(T, E, kk, d, f, activation, limit
     if T:
         g = _randn(out.shape, dtype, gen)
         inputs = (x, r.topk_weights, w1, w2, b1, b2)
-        with C.force_decode(decode), poisoned():
+        with CF.override("ffn.decode", decode), poisoned():
             got = _grad(out, inputs, g)
         want = _grad(out_ref, inputs, g)
         unfused = _grad(out_unfused, inputs, g)
@@ -375,7 +376,7 @@ def test_moe_ffn_edge_cases(why, T, E, k, d, decode):
     kw = dict(swiglu_limit=0.75)
 
     def path():
-        return C.force_decode(decode) if decode is not None else contextlib.nullcontext()
+        return CF.override("ffn.decode", decode) if decode is not None else contextlib.nullcontext()
 
     with path(), poisoned():
         out = tritonmoe.moe_ffn(x, r, w1, w2, "swiglu_oai", b1, b2, backend="triton", **kw)
@@ -476,7 +477,7 @@ def test_deterministic_and_preact_modes_agree():
     for decode in (False, True):
         results = []
         for mode in ("save", "save", "recompute"):
-            with C.preact_mode(mode), C.force_decode(decode):
+            with CF.override("ffn.preact", mode), CF.override("ffn.decode", decode):
                 out = tritonmoe.moe_ffn(x, r, w1, w2, "swiglu_oai", b1, b2, backend="triton")
                 results.append((out, *_grad(out, (x, r.topk_weights, w1, w2, b1, b2), g)))
         for other in results[1:]:
@@ -715,7 +716,7 @@ def test_moe_ffn_forward_launches(monkeypatch, k, decode, want):
     x = _randn((3, d), torch.float32, gen)
     w1, w2 = _weights(E, d, f, "swiglu_oai", torch.float32, gen)
     b1, b2 = _biases(E, 2 * f, d, torch.float32, gen)
-    with torch.no_grad(), C.force_decode(decode), _count_launches(monkeypatch) as (launches, ops):
+    with torch.no_grad(), CF.override("ffn.decode", decode), _count_launches(monkeypatch) as (launches, ops):
         K.moe_ffn(x, r, w1, w2, "swiglu_oai", b1, b2)
     moving = [op for op in ops if op not in _FREE_OPS]
     assert launches == want
@@ -739,7 +740,7 @@ def test_grid_covers_active_experts_only(monkeypatch):
     r = _routing(T, E, k, gen)
     x = _randn((T, d), torch.float32, gen)
     w1, w2 = _weights(E, d, f, "swiglu", torch.float32, gen)
-    with torch.no_grad(), C.force_decode(True):
+    with torch.no_grad(), CF.override("ffn.decode", True):
         K.moe_ffn(x, r, w1, w2)
     assert len(grids) == 2
     assert grids[1][2].SPLIT_K == 2  # the interpreter's decode config splits GEMM2's 48-deep K
@@ -763,7 +764,7 @@ def test_decode_policy_on_sm90(monkeypatch):
     g1 = C.select_decode("swiglu", tokens=64, top_k=8, n=2048, k=7168, num_experts=256, **sel)
     assert g1.BM == 64 and g1.SPLIT_K == 1 and C._smem_bytes(g1, g1.num_stages, 2, True) <= 160 * 1024
     assert C.decode_path(64, 8) and not C.decode_path(65, 8) and not C.decode_path(0, 8)
-    with C.force_decode(True):
+    with CF.override("ffn.decode", True):
         assert C.decode_path(500, 8) and not C.decode_path(600, 8)  # 4800 slots: more than one program sorts
 
 
@@ -774,7 +775,7 @@ def test_config_override_changes_tiles_not_results():
     x = _randn((sum(counts), 40), torch.float32, gen)
     w1, w2 = _weights(4, 40, 24, "swiglu", torch.float32, gen)
     y_ref = ref.grouped_ffn(x, offs, w1, w2)
-    with C.override(C.TileConfig(BM=32, BN=32, BK=32, GROUP_M=1)):
+    with CF.override("gemm", C.TileConfig(BM=32, BN=32, BK=32, GROUP_M=1)):
         cfg = C.select("mm", rows=64, n=48, k=40, num_experts=4, dtype=torch.float32, tf32=False,
                        device=torch.device(DEV))
         assert (cfg.BM, cfg.BN, cfg.BK) == (16, 32, 32)  # BM clamped to the rows per expert
@@ -784,11 +785,11 @@ def test_config_override_changes_tiles_not_results():
         C.TileConfig(BM=48, BN=16, BK=16)
     with pytest.raises(ValueError, match="SPLIT_K"):
         C.TileConfig(BM=16, BN=16, BK=16, SPLIT_K=0)
-    with pytest.raises(ValueError, match="unknown GEMM kind"):
-        with C.override(bogus=C.TileConfig(16, 16, 16)):
+    with pytest.raises(ValueError, match="unknown config target 'gemm.bogus'"):
+        with CF.override("gemm.bogus", C.TileConfig(16, 16, 16)):
             pass
     with pytest.raises(TypeError, match="bool"):
-        with C.force_decode(1):
+        with CF.override("ffn.decode", 1):
             pass
 
 
@@ -983,7 +984,7 @@ def test_gpu_grouped_ffn_configs(dtype, rows_per_expert):
 def test_weight_grad_store_flush_without_deferred_rows_reads_no_counts():
     """The W step of a pass whose GEMMs computed their own weight gradients (the kernels' path:
     nothing deferred) reads no counts back: on a GPU, reading them is a host sync per micro-op."""
-    from tritonmoe.exact import WeightGradStore
+    from tritonmoe.core.exact import WeightGradStore
 
     class NoRead:
         def tolist(self):

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import tritonmoe as tm
 from tritonmoe.kernels import _host
+from tritonmoe.kernels import config as CF
 from tritonmoe.kernels import routing as kr
 
 
@@ -54,7 +55,7 @@ def test_route_problem_is_cached_and_the_override_still_applies():
     assert torch.equal(a.topk_ids, b.topk_ids)
     # a config override changes the launch config of a cached problem, not the cache
     cfg = dataclasses.replace(kr.route_config(16, interpret=True), block_t=2, bwd_block_t=2)
-    with kr.config_override(cfg):
+    with CF.override("route", cfg):
         c = tm.route(x, 2, backend="triton")
     assert kr._problem(8, 16, 2, None, None, "softmax", True, None, False, "top2sum", 1.0, True).config != cfg
     assert torch.equal(c.topk_ids, a.topk_ids)

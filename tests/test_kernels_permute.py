@@ -8,6 +8,8 @@ weight would give. Shapes are small: the interpreter runs one program at a time.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import triton
@@ -17,9 +19,10 @@ from hypothesis import strategies as st
 
 import tritonmoe as tm
 from tritonmoe import reference as ref
+from tritonmoe.kernels import config as CF
 from tritonmoe.kernels import permute as kp
 from tritonmoe.kernels._permute_kernels import row_offset
-from tritonmoe.types import PermuteInfo
+from tritonmoe.core.types import PermuteInfo
 
 from strategies import permute_cases
 
@@ -102,14 +105,22 @@ def check_invariants(x, ids, E, pad_to, x_perm, info) -> None:
 
 
 def run_both(x, ids, E, pad_to=1, config="default"):
-    with kp.config_override(**CONFIGS[config]):
+    with _configs(config):
         xp, info = tm.permute(x, ids, E, pad_to=pad_to, backend="triton")
     rxp, rinfo = ref.permute(x, ids, E, pad_to=pad_to)
     return xp, info, rxp, rinfo
 
 
+def _configs(name):
+    """Overrides of the permute targets for the named CONFIGS entry."""
+    stack = contextlib.ExitStack()
+    for kind, fields in CONFIGS[name].items():
+        stack.enter_context(CF.override(f"permute.{kind}", **fields))
+    return stack
+
+
 def check_unpermute(y, info, w, config="default"):
-    with kp.config_override(**CONFIGS[config]):
+    with _configs(config):
         out = tm.unpermute(y, info, w, backend="triton")
     expect = ref.unpermute(y, info, w)
     assert out.dtype == y.dtype and out.shape == expect.shape
@@ -119,7 +130,7 @@ def check_unpermute(y, info, w, config="default"):
 
 
 def test_registered():
-    from tritonmoe.dispatch import implementation as select_impl
+    from tritonmoe.backends import implementation as select_impl
 
     assert select_impl("permute", "triton", DEV) is kp.permute
     assert select_impl("unpermute", "triton", DEV) is kp.unpermute
@@ -193,7 +204,7 @@ def test_deterministic():
     ids = _ids([[1, 0, 2], [0, 2, 1], [2, 2, 0], [1, -1, 0]])
     x = _x(4, 9)
     w = torch.rand(4, 3, device=DEV)
-    with kp.config_override(**CONFIGS["blocks"]):
+    with _configs("blocks"):
         a, ia = kp.permute(x, ids, 3, pad_to=4)
         b, ib = kp.permute(x, ids, 3, pad_to=4)
         assert torch.equal(a, b) and torch.equal(ia.slot_rows, ib.slot_rows)
@@ -250,7 +261,7 @@ def test_poisoned_outputs_are_fully_written(config):
     x = _x(5, d)
     w = torch.rand(5, 2, device=DEV)
     rxp, rinfo = ref.permute(x, ids, E, pad_to=pad_to)
-    with kp.config_override(**CONFIGS[config]):
+    with _configs(config):
         info = kp.permute_metadata(ids, E, pad_to)
         check_metadata(info, rinfo)
         R = rxp.shape[0]
@@ -386,7 +397,7 @@ def test_backward_matches_reference(config):
     ids = _ids([[1, 0], [1, 2], [-1, 1], [2, 2]])
     x = _x(4, 7).requires_grad_()
     w = torch.rand(4, 2, device=DEV, requires_grad=True)
-    with kp.config_override(**CONFIGS[config]):
+    with _configs(config):
         xp, info = kp.permute(x, ids, 3, pad_to=2)
         y = (xp * 1.5).detach().requires_grad_()
         out = kp.unpermute(y, info, w)
@@ -410,7 +421,7 @@ def test_gradcheck_fp64(config):
     ids = _ids([[1, 0], [-1, 1], [2, 1]])
     x = _x(3, 3, torch.float64).requires_grad_()
     w = torch.rand(3, 2, dtype=torch.float64, device=DEV, requires_grad=True)
-    with kp.config_override(**CONFIGS[config]):
+    with _configs(config):
         assert torch.autograd.gradcheck(lambda x: kp.permute(x, ids, 3, pad_to=2)[0], (x,), fast_mode=True)
         info = kp.permute_metadata(ids, 3, 2)
         y = _x(int(info.expert_offsets[-1]), 3, torch.float64, seed=1).requires_grad_()
@@ -443,7 +454,7 @@ def test_out_of_range_ids_are_skipped_without_validation(config):
     """With validation off, ids outside [-1, E) must not be read out of bounds: the metadata
     treats them like -1 (documented in permute_metadata)."""
     ids = _ids([[0, 7], [-5, 1], [2**40, 2]])
-    with kp.config_override(**CONFIGS[config]):
+    with _configs(config):
         info = kp.permute_metadata(ids, 3)
     expect = ref.permute(_x(3, 1), torch.where((ids >= 0) & (ids < 3), ids, -1), 3)[1]
     check_metadata(info, expect)
@@ -475,7 +486,7 @@ def test_offsets_past_2_31(config):
     """Offsets and rows past 2^31 (huge pad_to) stay exact in int64, in both metadata paths."""
     ids = _ids([[0, 2], [2, -1], [1, 2]])
     pad_to = 2**30 + 3
-    with kp.config_override(**CONFIGS[config]):
+    with _configs(config):
         info = kp.permute_metadata(ids, 4, pad_to)
     small = ref.permute(_x(3, 1), ids, 4)[1]
     counts = small.counts.long()
@@ -486,33 +497,6 @@ def test_offsets_past_2_31(config):
     rows = torch.where(ids >= 0, offs[e] + small.slot_rows - small.expert_offsets[e], -1)
     assert torch.equal(info.slot_rows, rows) and int(rows.max()) > 2**31
     assert torch.equal(info.counts, small.counts)
-
-
-# --------------------------------------------------------------------------------------------
-# Expert-parallel split metadata
-# --------------------------------------------------------------------------------------------
-
-
-def test_ep_split_metadata():
-    ids = _ids([[0, 5], [2, 3], [5, 4], [1, -1], [0, 3]])
-    info = kp.permute_metadata(ids, 6, 4)
-    rinfo = ref.permute(_x(5, 1), ids, 6, pad_to=4)[1]
-    for P in (1, 2, 3, 6):
-        counts, offs = kp.ep_split_metadata(info, P)
-        rc, ro = ref.ep_splits(rinfo.expert_offsets, P)
-        assert counts.dtype == offs.dtype == torch.int64 and counts.shape == (P,) and offs.shape == (P + 1,)
-        assert torch.equal(counts, rc) and torch.equal(offs, ro)
-        o = info.expert_offsets
-        assert torch.equal(offs, torch.stack([o[r * 6 // P] for r in range(P + 1)]))
-        assert torch.equal(counts, offs[1:] - offs[:-1]) and int(offs[-1]) == int(o[-1])
-    c32, o32 = kp.ep_split_metadata(info.expert_offsets.int(), 2)  # int32 offsets accepted
-    assert o32.dtype == torch.int64 and torch.equal(o32, kp.ep_split_metadata(info, 2)[1])
-    with pytest.raises(ValueError, match="num_ranks=4"):
-        kp.ep_split_metadata(info, 4)
-    with pytest.raises(ValueError, match="num_ranks=0"):
-        kp.ep_split_metadata(info, 0)
-    with pytest.raises(TypeError, match="float32"):
-        kp.ep_split_metadata(info.expert_offsets.float(), 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -537,13 +521,16 @@ def test_config_policy():
                 # (a shared-memory reduction per chunk; the AOT check counts its barriers)
                 assert gk.num_warps == 1 or gk.num_warps * 512 <= gk.block_d * es, (d, es, k, gk)
     assert kp.metadata_config(64, 8, torch.device("cpu")).fused
-    with kp.config_override(metadata={"fused": False, "block_s": 8}):
+    with CF.override("permute.metadata", fused=False, block_s=8):
         c = kp.metadata_config(64, 8, torch.device("cpu"))
         assert not c.fused and c.block_s == 8
     assert kp.metadata_config(64, 8, torch.device("cpu")).fused  # scoped to the block
     with pytest.raises(ValueError, match="block_q"):
-        with kp.config_override(metadata={"block_q": 1}):
+        with CF.override("permute.metadata", block_q=1):
             pass
+    with pytest.warns(DeprecationWarning, match="config_override"):  # the old spelling, an alias
+        with kp.config_override(metadata={"fused": False}):
+            assert not kp.metadata_config(64, 8, torch.device("cpu")).fused
     if HAS_CUDA:
         assert not kp.metadata_config(4096 * 8, 256, cuda).fused
 
@@ -616,7 +603,6 @@ def test_gpu_sync_free_path():
         info = kp.permute_metadata(ids, E, 16)
         xp = kp.permute_rows(x, info, num_rows=bound)
         kp.unpermute(xp * 2, info, w).sum().backward()
-        kp.ep_split_metadata(info, 4)
         return xp
 
     step()  # compile every kernel outside the check

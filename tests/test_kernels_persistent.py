@@ -43,6 +43,7 @@ from test_kernels_ffn import (
 import tritonmoe
 from tritonmoe import reference as ref
 from tritonmoe.kernels import _gemm_config as C
+from tritonmoe.kernels import config as CF
 from tritonmoe.kernels import _grouped_gemm_persistent as P
 from tritonmoe.kernels import grouped_gemm as K
 
@@ -81,7 +82,7 @@ def persistent(cfg=None):
     with pytest.MonkeyPatch.context() as mp:
         spy = Spy(mp)
         if DEV == "cpu":
-            with C.override(cfg or PERSISTENT):
+            with CF.override(("gemm", "decode"), cfg or PERSISTENT):
                 yield spy
         else:
             mp.setenv("TRITONMOE_GEMM_VARIANT", "persistent")
@@ -115,7 +116,7 @@ def test_variant_selection(monkeypatch):
     with pytest.raises(ValueError, match="TRITONMOE_GEMM_VARIANT"):
         C.select("mm", **sel)
     # An override's config carries its own variant; kinds without a persistent kernel get "tile".
-    with C.override(dataclasses.replace(C.INTERPRETER_CONFIG, variant="persistent")):
+    with CF.override("gemm", dataclasses.replace(C.INTERPRETER_CONFIG, variant="persistent")):
         assert C.select("swiglu", **sel).variant == "persistent"
         assert C.select("wgrad", **sel).variant == "tile"
     with pytest.raises(ValueError, match="variant"):
@@ -226,7 +227,7 @@ def test_grouped_ffn_matches_reference(counts, aligned, data, activation, dtype,
     offs = _offsets(counts)
     x = _leaf(_randn((R, d), dtype, gen))
     w1, w2 = (_leaf(w) for w in _weights(E, d, f, activation, dtype, gen, layout))
-    with persistent() as spy, C.preact_mode(mode):
+    with persistent() as spy, CF.override("ffn.preact", mode):
         y = tritonmoe.grouped_ffn(x, offs, w1, w2, activation, backend="triton")
         y_ref = ref.grouped_ffn(x, offs, w1, w2, activation)
         assert_close(y, y_ref, dtype, what="y")
@@ -335,7 +336,7 @@ def test_moe_edge_cases(why, T, E, k, d, decode):
         _set_ids(r, ids)
     x = _randn((T, d), dtype, gen)
     w1, w2 = _weights(E, d, 8, "swiglu", dtype, gen)
-    path = C.force_decode(decode) if decode is not None else contextlib.nullcontext()
+    path = CF.override("ffn.decode", decode) if decode is not None else contextlib.nullcontext()
     with path, persistent() as spy, torch.no_grad():
         out = tritonmoe.moe_ffn(x, r, w1, w2, backend="triton")
         decoded = decode if decode is not None else C.decode_path(T, k)
@@ -395,7 +396,7 @@ def test_schedule_options_do_not_change_bits():
     variants = [dict(), dict(flatten=False), dict(tma_store=False), dict(epilogue_split=2),
                 dict(epilogue_split=2, tma_store=False)]
     for opts in variants:
-        with persistent(cfg) as spy, P.options(**opts), torch.no_grad():
+        with persistent(cfg) as spy, CF.override("persistent", **opts), torch.no_grad():
             results.append(tritonmoe.grouped_ffn(x, offs, w1, w2, backend="triton"))
         assert spy.tile == 0 and len(spy.persistent) == 2
     with persistent(cfg), torch.no_grad(), pytest.MonkeyPatch.context() as mp:

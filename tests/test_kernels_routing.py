@@ -23,9 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
-from tritonmoe import _settings, dispatch, kernels
+from tritonmoe.core import settings as _settings
+from tritonmoe import backends as dispatch, kernels
 from tritonmoe import reference as ref
 from tritonmoe.kernels import _routing_kernels as RK
+from tritonmoe.kernels import config as CF
 from tritonmoe.kernels import routing as kr
 
 from strategies import EXPERT_COUNTS, route_cases
@@ -49,7 +51,7 @@ AUX_TOL = dict(rtol=1e-5, atol=1e-5)  # score sums over up to ~40 tokens, logsum
 
 
 def _config_ctx(config):
-    return kr.config_override(config) if config is not None else contextlib.nullcontext()
+    return CF.override("route", config) if config is not None else contextlib.nullcontext()
 
 
 def _to_dev(case_kwargs):
@@ -309,7 +311,7 @@ def test_deterministic_run_to_run():
     outs = []
     for _ in range(2):
         x = logits.clone().requires_grad_(True)
-        with kr.config_override(SMALL_SPLIT):
+        with CF.override("route", SMALL_SPLIT):
             r = tm.route(x, 3, backend="triton", capacity=4, with_aux=True, n_groups=4, topk_groups=2)
         loss = (r.topk_weights * torch.arange(3.0, device=DEV)).sum() + tm.load_balancing_loss(x, r)
         (dx,) = torch.autograd.grad(loss, x)
@@ -384,6 +386,9 @@ def test_route_config_policy():
     with pytest.raises(ValueError, match="power of two"):
         kr.RouteConfig(block_t=3, num_warps=4, bwd_block_t=4, bwd_num_warps=4)
     with pytest.raises(TypeError):
+        with CF.override("route", "small"):
+            pass
+    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):  # the old spelling, an alias
         with kr.config_override("small"):
             pass
 

@@ -1,4 +1,4 @@
-"""MPMoE memory reuse and restore strategies (paper 004; tritonmoe.comm.memory, tritonmoe.plan.memory).
+"""MPMoE memory reuse and restore strategies (paper 004; tritonmoe.comm.programs.memory_reuse, tritonmoe.sim.memory_model).
 
 The distributed checks run in one spawned gloo group per size (tests/_memory_cases.py): every
 strategy x degree bitwise equal to the unmanaged n = 1 layer in fp64 (outputs and every gradient,
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 import _memory_cases
 import tritonmoe as tm
 from _dist import run_group, values_or_fail
-from tritonmoe.comm.memory import STRATEGIES, memory_layout, restore_schedule
+from tritonmoe.comm.programs.memory_reuse import STRATEGIES, memory_layout, restore_schedule
+from tritonmoe.policy.memory_strategy import check_offload, pinned_memory_available
+from tritonmoe.sim.memory_model import (
 from tritonmoe.experts import LocalExperts
-from tritonmoe.memory import check_offload, pinned_memory_available
-from tritonmoe.plan.memory import (
     MemoryBudgetError,
     choose_memory,
     expert_block_bytes,
@@ -149,7 +149,7 @@ def test_cal13_planner_degree_trend():
     """CAL-13 (GPT-XL on Adira, no reuse, n in {2, 4, 8}): the planner's degree grows with the
     tokens per GPU through 2, 4 and 8, as in the paper's Fig. 14. (The switch points land at
     ~3k and ~10k tokens rather than the paper's 8k and 22k; see the calibration table.)"""
-    from tritonmoe.plan.cluster import Cluster
+    from tritonmoe.sim.cost_model import Cluster
 
     cfg = tm.MoEConfig(2048, 8192, 64, 2, activation="gelu")
     c = Cluster.preset("mpmoe-adira")
@@ -161,7 +161,7 @@ def test_cal13_planner_degree_trend():
 
 
 def test_budget_forces_reuse_and_reports_rejected():
-    from tritonmoe.plan.cluster import Cluster
+    from tritonmoe.sim.cost_model import Cluster
 
     cfg = tm.MoEConfig(1024, 4096, 16, 2, activation="gelu")
     c = Cluster.preset("mpmoe-valor")
@@ -289,7 +289,7 @@ def test_planner_memory_dimension_matches_choose_memory():
     """plan.choose with memory_strategy="auto" evaluates (degree, strategy) like choose_memory:
     the same step times, bytes, rejections and choice, under a budget that rejects "keep" at n=4."""
     from tritonmoe.plan import choose
-    from tritonmoe.plan.cluster import Cluster
+    from tritonmoe.sim.cost_model import Cluster
 
     c = Cluster.preset("mpmoe-valor")
     plain = tm.MoEConfig(1024, 4096, 16, 2, activation="gelu")
@@ -394,7 +394,8 @@ def test_mi_buffer_edge_cases():
 def _sim_mi(strategy: str, n: int, mi: int, cluster: str = "dgx-h100") -> "tuple[float, float]":
     """(step time, copy seconds beside compute / copy seconds) simulated for a GPT-XL-like layer."""
     from tritonmoe.comm.timeline import _intersection_length, _union
-    from tritonmoe.plan import Cluster, simulate
+    from tritonmoe.plan import Cluster
+    from tritonmoe.sim.simulate import simulate
 
     cfg = tm.MoEConfig(2048, 8192, 32, 2, activation="gelu", pipeline_degree=n, memory_strategy=strategy,
                        memory_mi_buffers=mi)
@@ -474,7 +475,8 @@ def test_simulated_memory_ops_wait_where_the_runtime_waits(strategy, mi):
     each copy after the store; micro-op i's compute after the DI copy of i-2; backward, each
     restore after the compute of its buffer's previous reader and before its own compute; as many
     copies and restores as the layout restores."""
-    from tritonmoe.plan import Cluster, simulate
+    from tritonmoe.plan import Cluster
+    from tritonmoe.sim.simulate import simulate
 
     n = 4
     cfg = tm.MoEConfig(2048, 8192, 4, 2, activation="gelu", pipeline_degree=n, memory_strategy=strategy,

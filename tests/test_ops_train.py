@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
-from tritonmoe import ops, reference
+from tritonmoe import custom_ops as ops, reference
 
 E, D, F = 4, 8, 6
 

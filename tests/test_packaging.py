@@ -26,7 +26,7 @@ def test_wheel_installs_only_tritonmoe(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"tritonmoe", next(t for t in tops if t.endswith(".dist-info"))}, tops
     for mod in ("kernels/__init__.py", "comm/__init__.py", "reference.py", "layer.py", "plan/engine.py",
-                "plan/data/cpu_gloo.json", "py.typed", "inference/offload.py", "ops.py", "hf.py", "meta.py"):
+                "sim/data/cpu_gloo.json", "py.typed", "inference/offload.py", "custom_ops.py", "hf.py", "meta.py"):
         assert f"tritonmoe/{mod}" in names
     dist_info = next(t for t in tops if t.endswith(".dist-info"))
     assert any(n.startswith(dist_info) and n.endswith("/LICENSE") for n in names), names

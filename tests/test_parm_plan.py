@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
-from tritonmoe.comm.hierarchical import _send_layout_index, hierarchical_plan
-from tritonmoe.comm.parm import baseline_plan, pause_plan, s2_part_counts, saa_plan
+from tritonmoe.comm.programs.hierarchical import _send_layout_index, hierarchical_plan
+from tritonmoe.comm.programs.model_parallel import baseline_plan, pause_plan, s2_part_counts, saa_plan
 from tritonmoe.parm_layout import LayoutError, ParmLayout
-from tritonmoe.plan.parm import AlphaBeta, ParmCostModel, algorithm1, fit_alpha_beta, step_times
+from tritonmoe.policy.parm_schedule import AlphaBeta, ParmCostModel, algorithm1, fit_alpha_beta, step_times
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def test_hierarchical_steps_equal_the_flat_exchange(shape, data):
 @given(st.sampled_from([(4, 2), (4, 4), (8, 2), (8, 4)]), st.data())
 def test_saa_schedule_messages_match_across_ranks(shape, data):
     from tritonmoe.comm.executor import VirtualTensor
-    from tritonmoe.comm.saa import saa_schedule
+    from tritonmoe.comm.programs.saa import saa_schedule
     from tritonmoe.plan import SimExecutor, VirtualGroup
 
     P, n_mp = shape
@@ -331,7 +331,7 @@ def test_fit_recovers_alpha_beta_and_clamps_noise():
 def test_relative_fit_recovers_alpha_beta_exactly(alpha, beta, n):
     """Least squares on the relative error (weights 1/t^2) is exact on exact data, at any
     spread of the sizes."""
-    from tritonmoe.plan.parm import geometric_sizes
+    from tritonmoe.policy.parm_schedule import geometric_sizes
 
     sizes = [float(x) for x in geometric_sizes(64, 64 * 4 ** n)]
     ab = fit_alpha_beta(sizes, [alpha + beta * x for x in sizes], relative=True)
@@ -357,7 +357,12 @@ def test_relative_fit_keeps_the_startup_when_the_largest_message_is_noisy():
 def test_fit_sizes_span_the_layers_messages():
     """The collectives are timed from one row per peer up to the layer's largest message (so
     the fits are evaluated inside their span), the local work up to the baseline's rows."""
-    from tritonmoe.plan.parm import collective_rows, geometric_sizes, local_tokens, message_elements
+    from tritonmoe.policy.parm_schedule import (
+        collective_rows,
+        geometric_sizes,
+        local_tokens,
+        message_elements,
+    )
 
     assert geometric_sizes(1, 64) == [1, 4, 16, 64] and geometric_sizes(16, 100) == [16, 64, 100]
     assert geometric_sizes(5, 5) == [5, 6]
@@ -373,7 +378,7 @@ def test_fit_sizes_span_the_layers_messages():
 
 
 def test_interleaved_timing_calls_each_size_in_every_round_in_a_rotating_order():
-    from tritonmoe.plan.parm import _time_interleaved
+    from tritonmoe.policy.parm_schedule import _time_interleaved
 
     calls = []
     fns = [lambda i=i: calls.append(i) for i in range(3)]
@@ -387,7 +392,7 @@ def test_measured_startup_adds_to_each_schedules_step():
     its own constant, so it can reverse a pick the fitted terms alone make."""
     import dataclasses
 
-    from tritonmoe.plan.parm import COLLECTIVES, choose_schedule
+    from tritonmoe.policy.parm_schedule import COLLECTIVES, choose_schedule
 
     lay = ParmLayout.make(2, 2, 2)
     cfg = tm.MoEConfig(64, 128, 8, 2)
@@ -432,7 +437,7 @@ def test_step_model_ranks_by_the_fitted_terms():
     """The complete model: n_mp times fewer expert rows and all-to-all elements for S1/S2, more
     collectives; with free collectives the baseline (n_mp times the rows) is slowest, with free
     compute and expensive startups it is fastest (fewest collectives)."""
-    from tritonmoe.plan.parm import COLLECTIVES, choose_schedule
+    from tritonmoe.policy.parm_schedule import COLLECTIVES, choose_schedule
 
     lay = ParmLayout.make(2, 2, 2)
     cfg = tm.MoEConfig(64, 128, 8, 2)

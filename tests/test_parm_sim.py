@@ -1,5 +1,5 @@
 """Parm on the simulator: the paper's inequalities (003 section IV-B, Eqs. 3, 5, 7-10) as
-properties of the discrete-event engine (:mod:`tritonmoe.plan.engine`) over random clusters and
+properties of the discrete-event engine (:mod:`tritonmoe.sim.engine`) over random clusters and
 placements, and the simulated schedules' structure.
 
 The paper's proofs are about volumes at per-element speeds, intra-node faster than inter-node,
@@ -16,17 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("tritonmoe.plan.engine", reason="the planner's engine and cluster descriptions (issue 10)")
+pytest.importorskip("tritonmoe.sim.engine", reason="the planner's engine and cluster descriptions (issue 10)")
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
 from tritonmoe.comm.executor import VirtualTensor
-from tritonmoe.comm.saa import saa_schedule
+from tritonmoe.comm.programs.saa import saa_schedule
 from tritonmoe.parm_layout import ParmLayout
 from tritonmoe.plan import GPUS, Cluster, Link, SimExecutor, VirtualGroup
-from tritonmoe.plan import engine
-from tritonmoe.plan.parm import parm_step_programs, simulate_parm
+from tritonmoe.sim import engine
+from tritonmoe.sim.parm_model import parm_step_programs, simulate_parm
 
 GB = 1e9
 W = 256  # row width (fp32 elements)
@@ -225,7 +225,7 @@ def test_hierarchical_all_to_all_chosen_where_per_message_costs_dominate():
     exchange): small messages on a cluster with a high per-peer cost -> hierarchical ((n-1)
     inter-node messages per rank instead of (n-1)*p); large messages with a NIC per GPU -> flat
     (the hierarchical exchange moves every byte through the node twice)."""
-    from tritonmoe.plan.parm import choose_all_to_all
+    from tritonmoe.sim.parm_model import choose_all_to_all
 
     def cluster(per_peer_s):
         return Cluster("h", 4, 8, GPUS["A100-SXM4-40GB"], Link("nvlink", 300 * GB, 3e-6), Link("ib", 25 * GB, 6e-6), 8,

@@ -22,10 +22,10 @@ from tritonmoe.plan import (
     HostSample,
     InterferenceSample,
     fit_linear,
-    simulate,
 )
-from tritonmoe.plan import cost_model as CM
-from tritonmoe.plan.cost_model import VERSION
+from tritonmoe.sim.simulate import simulate
+from tritonmoe.sim import fits
+from tritonmoe.sim.cost_model import VERSION
 
 SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB, as the profiler measures
 
@@ -69,7 +69,7 @@ def test_fit_exact_and_piecewise():
 
 
 # A point-to-point transfer profiled in place on the 2-core CPU machine (gloo, 2 ranks,
-# tritonmoe/plan/data/cpu_gloo.json): the small sizes are ~1 ms of noisy latency. Fitted as
+# tritonmoe/sim/data/cpu_gloo.json): the small sizes are ~1 ms of noisy latency. Fitted as
 # independent pieces it predicted 1.66 ms at 40 KiB and 0.55 ms at 41 KiB.
 SEND_RECV_2 = [(1024, 1.158e-3), (4096, 0.874e-3), (16384, 1.291e-3), (65536, 0.58e-3), (262144, 0.664e-3),
                (1048576, 1.162e-3), (4194304, 2.345e-3), (16777216, 11.238e-3), (67108864, 34.677e-3)]
@@ -97,12 +97,12 @@ def _assert_monotone_and_continuous(fit):
 def test_nnls_solver_is_exact_and_rejects_singular_systems():
     """The knots' least squares: support enumeration over the exact solves (a singular system,
     e.g. more columns than samples, must not hand back a made-up solution)."""
-    assert CM._solve([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [1, 2, 3.1]) is None
-    assert CM._solve([[2, 1], [1, 3]], [3, 5]) == pytest.approx([0.8, 1.4])
+    assert fits._solve([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [1, 2, 3.1]) is None
+    assert fits._solve([[2, 1], [1, 3]], [3, 5]) == pytest.approx([0.8, 1.4])
     xs, ts = [4096.0, 1048576.0], [1e-3, 2e-3]
     bounds = [0.0, 10240.0, 16384.0, math.inf]
     cols = [[1.0] * 2] + [[min(max(x - lo, 0.0), hi - lo) for x in xs] for lo, hi in zip(bounds, bounds[1:])]
-    c = CM._nnls(cols, ts)
+    c = fits._nnls(cols, ts)
     assert all(v >= 0 for v in c)
     for k, t in enumerate(ts):  # an exact fit exists, so the solver finds one
         assert sum(v * col[k] for v, col in zip(c, cols)) == pytest.approx(t, rel=1e-9)

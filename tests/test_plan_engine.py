@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import tritonmoe as tm
 from tritonmoe.comm import VirtualTensor, Work, plan_from_counts
 from tritonmoe.comm.executor import COMM, COMM2, COMPUTE, COPY
-from tritonmoe.comm.pipeline import forward_pass
+from tritonmoe.comm.programs.pipeline import forward_pass
 from tritonmoe.plan import (
     CollectiveMismatchError,
     ComputeRate,
@@ -22,9 +22,9 @@ from tritonmoe.plan import (
     ScheduleHangError,
     SimExecutor,
     VirtualGroup,
-    simulate,
 )
-from tritonmoe.plan import engine
+from tritonmoe.sim.simulate import simulate
+from tritonmoe.sim import engine
 
 EPS = 1e-12
 

@@ -32,7 +32,7 @@ def test_profile_timing_protocol():
 
 def test_packaged_model_host_cores_within_the_machine():
     """The packaged CPU/gloo model does not share more cores than its machine had."""
-    from tritonmoe.plan.runtime import DEFAULT_CPU_MODEL
+    from tritonmoe.policy.degree import DEFAULT_CPU_MODEL
 
     with open(DEFAULT_CPU_MODEL) as f:
         d = json.load(f)

@@ -7,8 +7,8 @@ import pytest
 
 import tritonmoe as tm
 from tritonmoe.plan import CostModel, LinearFit
-from tritonmoe.plan.cost_model import ComputeRate
-from tritonmoe.plan.runtime import token_bucket
+from tritonmoe.sim.cost_model import ComputeRate
+from tritonmoe.policy.degree import token_bucket
 
 from _dist import run_group, values_or_fail
 import _plan_runtime_cases
@@ -34,8 +34,8 @@ def test_default_cost_models():
     group size it was not fitted for is an error naming the fix."""
     import torch
 
-    from tritonmoe.plan.cost_model import CostModelError
-    from tritonmoe.plan.runtime import DEFAULT_CPU_MODEL, runtime_cost_model
+    from tritonmoe.sim.cost_model import CostModelError
+    from tritonmoe.policy.degree import DEFAULT_CPU_MODEL, runtime_cost_model
 
     cfg = tm.MoEConfig(8, 8, 4, 2, pipeline_degree="auto")
     m = runtime_cost_model(cfg, 4, torch.device("cpu"))

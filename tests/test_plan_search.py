@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tritonmoe.plan.search import GranularitySearch
+from tritonmoe.sim.search import GranularitySearch
 
 
 def _oracle(thresholds):

@@ -11,18 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tritonmoe as tm
-from tritonmoe.plan import (
-    DIMENSIONS,
-    SCHEDULES,
-    Cluster,
-    Dimension,
-    ScheduleSpec,
-    routing_counts,
-    simulate,
-)
-from tritonmoe.plan.planner import choose
-from tritonmoe.plan.schedules import build_ep_pipeline
-from tritonmoe.plan.work import WorkModel
+from tritonmoe.plan import DIMENSIONS, SCHEDULES, Cluster, Dimension, ScheduleSpec, routing_counts
+from tritonmoe.sim.simulate import simulate
+from tritonmoe.sim.planner import choose
+from tritonmoe.sim.schedules import build_ep_pipeline
+from tritonmoe.sim.work import WorkModel
 
 import bench.work as BW
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tritonmoe.comm import VirtualTensor, Work, plan_from_counts
-from tritonmoe.comm.pipeline import backward_pass, forward_pass
+from tritonmoe.comm.programs.pipeline import backward_pass, forward_pass
 from tritonmoe.plan import SimExecutor, VirtualGroup
 
 from _dist import run_group, values_or_fail

@@ -6,7 +6,7 @@ torch.distributed (:mod:`tritonmoe.comm`), plain-PyTorch references of every op
 (:mod:`tritonmoe.reference`) and a drop-in :class:`MoELayer`.
 """
 
-from ._settings import (
+from tritonmoe.core.settings import (
     get_backend,
     set_backend,
     set_validation,
@@ -29,7 +29,7 @@ from .functional import (
 )
 from .layer import MoELayer
 from .parm_layout import LayoutError, ParmGroups, ParmLayout
-from .types import PermuteInfo, Routing
+from tritonmoe.core.types import PermuteInfo, Routing
 from . import comm, parallel, reference
 
 __version__ = "0.1.0"

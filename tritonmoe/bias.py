@@ -27,7 +27,11 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from . import _validation as V
+from tritonmoe.core import validation as V
+from tritonmoe.comm.compat import all_gather_single
+from tritonmoe.reference import expert_bias_finite, nan_weights_if_nonfinite
+from tritonmoe.comm.errors import backend_errors
+from tritonmoe.comm.splits import comm_device
 
 __all__ = [
     "ExpertBiasError", "check_expert_bias", "expert_bias_finite", "nan_weights_if_nonfinite", "update_expert_bias",
@@ -91,31 +95,6 @@ def check_expert_bias(
         return
     bad.sort()
     raise V.nonfinite_bias_error(names[bad[0]], biases[bad[0]], others=len(bad) - 1)
-
-
-def expert_bias_finite(bias: torch.Tensor) -> torch.Tensor:
-    """0-d bool tensor on ``bias``'s device: whether every entry is finite. No host sync (read
-    it where the loop synchronizes anyway, e.g. beside the loss, or pass it to a logger)."""
-    V.float_tensor("expert_bias", bias, 1)
-    return torch.isfinite(bias).all()
-
-
-def nan_weights_if_nonfinite(topk_weights: torch.Tensor, expert_bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``topk_weights`` unchanged, or all NaN when any entry of ``expert_bias`` is not finite.
-
-    No host sync: the decision stays on the device (a reduction over E, then ``w + 0`` or
-    ``w + NaN``, which keeps the weights differentiable). ``expert_bias`` None returns the
-    weights as they are. Used by :func:`tritonmoe.route`; a layer applies it to its routing
-    weights the same way.
-    """
-    if expert_bias is None:
-        return topk_weights
-    poison = torch.where(
-        torch.isfinite(expert_bias).all(),
-        torch.zeros((), dtype=topk_weights.dtype, device=topk_weights.device),
-        torch.full((), float("nan"), dtype=topk_weights.dtype, device=topk_weights.device),
-    )
-    return topk_weights + poison
 
 
 class ExpertBiasError(ValueError):
@@ -193,8 +172,6 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
 
     import torch.distributed as dist
 
-    from .comm.compat import all_gather_single
-    from .comm.errors import backend_errors
 
     err: Optional[BaseException] = None
     found: list = []
@@ -211,7 +188,6 @@ def update_expert_bias(layers, *, rate: float = 1e-3, group=None) -> list[torch.
     bad = [_bad_entries(layer, load, float(rate)) for layer, load in zip(layers, loads)] if err is None else []
     total_E = sum(load.numel() for load in loads)
     if group is not None:
-        from .comm.splits import comm_device
 
         dev = comm_device(group)
         nbad = torch.stack(bad).sum().to(dev) if bad else torch.zeros((), dtype=torch.int64, device=dev)

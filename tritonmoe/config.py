@@ -5,20 +5,25 @@ from __future__ import annotations
 import math
 import os
 from fractions import Fraction
+import dataclasses
+import hashlib
+import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from . import _validation as V
-from ._settings import BACKENDS
+from tritonmoe.core import validation as V
+from tritonmoe.core.settings import BACKENDS
+from tritonmoe.policy.memory_strategy import check_memory_strategy
+from tritonmoe.comm.programs.memory_reuse import check_mi_buffers
 
 #: Values of MoEConfig.ffn_path.
 FFN_PATHS = ("auto", "fused", "unfused")
 #: Values of MoEConfig.parm_schedule ("s1"/"s2" are Parm's names: pause model parallelism before /
-#: after the gate; see tritonmoe.parm_experts).
+#: after the gate; see tritonmoe.experts.model_parallel).
 PARM_SCHEDULES = ("auto", "baseline", "s1", "s2")
-#: Non-integer values of MoEConfig.pipeline_degree: chosen at run time (tritonmoe.plan.runtime).
+#: Non-integer values of MoEConfig.pipeline_degree: chosen at run time (tritonmoe.policy.degree).
 PIPELINE_DEGREE_MODES = ("auto", "search")
 
 
@@ -43,7 +48,7 @@ class MoEConfig:
         pipeline_degree: micro-batches for expert-parallel pipelining (1 = none), or chosen per
             forward by the expert-parallel path: "auto" (the planner simulates the candidates
             with a cost model, ``tritonmoe.plan.choose``; cached per token-count bucket) or
-            "search" (MPMoE's profile-based search over 2..8); see :mod:`tritonmoe.plan.runtime`.
+            "search" (MPMoE's profile-based search over 2..8); see :mod:`tritonmoe.policy.degree`.
             A layer built without ``ep_group`` runs any of these as 1 and logs so once: the same
             config is the single-process reference of the expert-parallel run (same result).
         cost_model: path of a cost-model file for ``pipeline_degree="auto"`` (default: the
@@ -84,7 +89,7 @@ class MoEConfig:
             the gate, with the SAA collective) or "auto" (Parm's Algorithm 1 on fitted alpha-beta
             costs picks s1 or s2 per batch size). Ignored by other layouts.
         memory_strategy: MPMoE's memory reuse on the pipelined expert-parallel path
-            (:mod:`tritonmoe.memory`): None (unmanaged), "keep", "offload", "recomm",
+            (:mod:`tritonmoe.policy.memory_strategy`): None (unmanaged), "keep", "offload", "recomm",
             "recompute", "recomm_recompute" or "auto" (the planner's choice under
             ``memory_budget_bytes``; with ``pipeline_degree="search"``, MPMoE's profile-based
             search over degree and strategy). Without ``ep_group`` the layer runs unmanaged (logged
@@ -201,7 +206,6 @@ class MoEConfig:
         if self.shared_expert_gate and self.shared_d_ffn == 0:
             raise ValueError("shared_expert_gate=True needs a shared expert: set shared_d_ffn > 0")
         V.choice("parm_schedule", self.parm_schedule, PARM_SCHEDULES)
-        from .memory import check_memory_strategy
 
         check_memory_strategy(self.memory_strategy)
         if self.memory_budget_bytes is not None:
@@ -216,7 +220,6 @@ class MoEConfig:
                     f"got memory_strategy={self.memory_strategy!r}"
                 )
             object.__setattr__(self, "memory_budget_bytes", int(b))
-        from tritonmoe.comm.memory import check_mi_buffers
 
         object.__setattr__(self, "memory_mi_buffers", check_mi_buffers(self.memory_mi_buffers))
         if self.memory_mi_buffers != 1 and self.memory_strategy in (None, "keep"):
@@ -259,6 +262,20 @@ class MoEConfig:
         """Output columns of w1: 2*d_ffn for swiglu (gate then up), d_ffn otherwise."""
         return 2 * self.d_ffn if self.activation in V.GLU_ACTIVATIONS else self.d_ffn
 
+    def agreement_values(self) -> dict[str, int]:
+        """Every field that changes what a rank computes, as an int64 code (equal values, equal
+        codes: floats by their exact bits, whatever their Python type; strings, dtypes and
+        tuples by a stable hash): what the ranks of a group compare at construction. The fields
+        of :data:`RANK_LOCAL_FIELDS` are left out."""
+        return {f.name: agreement_code(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in RANK_LOCAL_FIELDS}
+
+    def agreement_labels(self) -> dict[str, str]:
+        """The readable values of :meth:`agreement_values`' fields (for the error that names
+        each rank's value)."""
+        return {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in RANK_LOCAL_FIELDS}
+
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert capacity ``ceil(capacity_factor * num_tokens * top_k / num_experts)`` for a
         batch of ``num_tokens`` tokens (``ep_capacity`` when set; None when dropless).
@@ -276,3 +293,26 @@ class MoEConfig:
         num, den = self._capacity_ratio
         # ceil(a / b) = -((-a) // b) for integers a >= 0, b > 0.
         return -((-num * num_tokens * self.top_k) // (den * self.num_experts))
+
+
+#: MoEConfig fields a rank may set on its own: how it computes, not what (``backend`` and
+#: ``ffn_path`` pick implementations of the same ops; ``cost_model`` is a path on that rank's
+#: disk, and the ranks compare the loaded model's fingerprint instead).
+RANK_LOCAL_FIELDS = frozenset({"backend", "ffn_path", "cost_model"})
+
+
+def agreement_code(value: Any) -> int:
+    """A value as a non-negative int64 code, equal for equal values across processes: bools and
+    ints as numbers, other reals by their float64 bits (``1`` and ``1.0`` agree), everything else
+    by a hash of its type and ``repr``."""
+    if isinstance(value, bool):
+        text = f"b:{int(value)}"
+    elif isinstance(value, numbers.Integral):
+        text = f"r:{float(value).hex()}" if abs(int(value)) < 2**53 else f"i:{int(value)}"
+    elif isinstance(value, numbers.Real):
+        text = f"r:{float(value).hex()}"
+    elif value is None:
+        text = "none"
+    else:
+        text = f"{type(value).__name__}:{value!r}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")

@@ -1,19 +1,21 @@
 """The public functional ops: validate at the boundary, then dispatch to a backend.
 
 Each op takes ``backend="auto"|"triton"|"torch"`` (None = the process default, see
-:mod:`tritonmoe._settings`). Shapes use the letters of :mod:`tritonmoe.types`.
+:mod:`tritonmoe.core.settings`). Shapes use the letters of :mod:`tritonmoe.core.types`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _validation as V
+from tritonmoe.core import validation as V
 from . import reference
-from ._settings import validation_enabled
-from .bias import nan_weights_if_nonfinite
-from .dispatch import implementation
-from .types import PermuteInfo, Routing
+from tritonmoe.core.settings import validation_enabled
+from .reference import nan_weights_if_nonfinite
+from tritonmoe.backends import implementation
+from tritonmoe.core.types import PermuteInfo, Routing
+from tritonmoe import custom_ops as ops
+from tritonmoe.core.settings import resolve_backend
 
 __all__ = [
     "route",
@@ -34,16 +36,15 @@ def _check_values(t: torch.Tensor) -> bool:
     ``torch.compile`` traces the call (a graph cannot branch on tensor values: compiled, the
     ops run as with ``set_validation(False)``; the shape and type checks still run, at trace
     time)."""
-    return validation_enabled() and not t.is_meta and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and not t.is_meta and validation_enabled()
 
 
 def _traced():
-    """:mod:`tritonmoe.ops` while ``torch.compile`` traces the call, else None: compiled, each op
+    """:mod:`tritonmoe.custom_ops` while ``torch.compile`` traces the call, else None: compiled, each op
     is its ``torch.ops.tritonmoe`` custom op (one opaque node, no graph break), in the backend
     the eager call would use."""
     if not torch.compiler.is_compiling():
         return None
-    from . import ops
 
     return ops
 
@@ -263,7 +264,6 @@ def grouped_gemm(
     if _check_values(x):
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0], allow_tail=True)
     if _traced() is not None:
-        from ._settings import resolve_backend
 
         return torch.ops.tritonmoe.grouped_gemm(x, expert_offsets, w, bias, resolve_backend(backend))
     impl = implementation("grouped_gemm", backend, x.device, x.dtype)

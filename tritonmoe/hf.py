@@ -58,6 +58,8 @@ from .config import MoEConfig
 from .hf_structure import (KNOWN_GAPS, REGISTRY_HINT, BlockSpec, HFConversionError, experts_layout, inspect_block,
                            is_moe_block, registry_ready)
 from .layer import MoELayer
+from tritonmoe.functional import moe_ffn
+from tritonmoe.core.types import Routing
 
 __all__ = ["UNSUPPORTED", "HFConversionError", "BlockSpec", "inspect_block", "is_moe_block", "config_from_hf",
            "from_hf", "to_hf", "apply", "restore", "HFMoEBlock", "eager_experts", "register_experts_implementation",
@@ -478,8 +480,6 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     """transformers' experts call ``(hidden_states [T, D], top_k_index [T, k], top_k_weights)``
     on tritonmoe's fused expert FFN (the block's routing; any experts layout
     :func:`tritonmoe.hf_structure.experts_layout` reads)."""
-    from .functional import moe_ffn
-    from .types import Routing
 
     problems: list[str] = []
     lay = experts_layout(self, problems)

@@ -8,54 +8,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import ops, reference
-from .bias import nan_weights_if_nonfinite
+from tritonmoe import reference
 from .config import MoEConfig
-from .dispatch import implementation
-from .exact import rowwise_mm
-from ._validation import GLU_ACTIVATIONS
+from tritonmoe.core.exact import rowwise_mm
+from tritonmoe.core.validation import GLU_ACTIVATIONS
+from .router import Router, RouteStep, router_logits
 from .experts import (
-    ExpertParallelExperts,
     ExpertPath,
     ExpertWeights,
     LocalExperts,
-    StaticExpertParallelExperts,
     make_expert_path,
     micro_batch_bounds,
 )
 from .parallel.guard import check_ddp
 from .parallel.init import draw_seed, init_experts_
-from .types import Routing
+from tritonmoe.core.types import Routing
+from tritonmoe.parallel.mesh import as_moe_mesh
+from tritonmoe.comm import check_agreement
+from tritonmoe.parallel.checkpoint import expert_load_pre_hook, expert_state_dict_hook
+from tritonmoe.parallel.guard import check_sharded_expert
 
-__all__ = ["MoELayer", "Router", "SharedExperts", "router_logits"]
-
-
-def router_logits(
-    x_TD: torch.Tensor, weight_ED: torch.Tensor, router: nn.Module | None = None, *, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The router's logits ``x @ weight.T (+ bias)``: ``router(x)`` when the module is given (so
-    its hooks run, e.g. FSDP's unshard), else the product itself, which in fp64 (the
-    exact-reference dtype of the tests) is row-invariant (:func:`tritonmoe.exact.rowwise_mm`): a
-    token's logits do not depend on how many other tokens share the call, so a schedule that
-    routes a slice of the tokens (Parm's S1) makes the same routing decisions as one that routes
-    them all. The same arithmetic as :class:`Router` (bias included)."""
-    if router is not None:
-        return router(x_TD)
-    if x_TD.dtype == torch.float64:
-        out = rowwise_mm(x_TD, weight_ED.t())
-        return out if bias is None else out + bias
-    return torch.nn.functional.linear(x_TD, weight_ED, bias)
-
-
-class Router(nn.Linear):
-    """The gate: an ``nn.Linear`` (same parameters and state-dict keys) whose fp64 forward is the
-    row-invariant product of :func:`router_logits`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float64:
-            out = rowwise_mm(x, self.weight.t())
-            return out if self.bias is None else out + self.bias
-        return super().forward(x)
+__all__ = ["MoELayer", "Router", "RouteStep", "SharedExperts", "router_logits"]
 
 
 class _StepState:
@@ -85,7 +58,7 @@ class SharedExperts(nn.Module):
     activation (``w1`` [d_model, n1], gate columns first for the GLUs; ``w2`` [shared_d_ffn,
     d_model]), optionally scaled per token by ``sigmoid(x @ gate)`` (``gate`` [d_model];
     Qwen2-MoE). Replicated on every rank (a dense parameter for data parallelism). In fp64 the
-    products are row-invariant (:func:`tritonmoe.exact.rowwise_mm`), like the router's."""
+    products are row-invariant (:func:`tritonmoe.core.exact.rowwise_mm`), like the router's."""
 
     def __init__(self, config: MoEConfig, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -144,7 +117,7 @@ class MoELayer(nn.Module):
     * The router is replicated: initialize it identically on every rank; its gradient is this
       rank's (a data-parallel wrapper averages it). ``aux_loss`` is this rank's batch's loss.
     * ``config.pipeline_degree`` = n cuts the local tokens into n micro-batches whose dispatch,
-      expert FFN and combine are pipelined (:mod:`tritonmoe.comm.pipeline`); every rank of the
+      expert FFN and combine are pipelined (:mod:`tritonmoe.comm.programs.pipeline`); every rank of the
       group must use the same n. Routing is decided once for the whole local batch, so n changes
       the schedule, not the result: bitwise in fp64 on the reference backend (see that module).
     * Set ``layer.timeline = tritonmoe.comm.Timeline()`` to record each micro-op's spans.
@@ -176,7 +149,7 @@ class MoELayer(nn.Module):
     Model + expert + expert-sharding parallelism (``mp_group`` and/or ``esp_group`` beside
     ``ep_group``, or ``parm_groups`` from :meth:`tritonmoe.ParmLayout.process_groups` /
     :meth:`tritonmoe.ParmGroups.from_device_mesh`): Parm's layouts and schedules
-    (:mod:`tritonmoe.parm_experts`, ``config.parm_schedule``). The input and output are replicated
+    (:mod:`tritonmoe.experts.model_parallel`, ``config.parm_schedule``). The input and output are replicated
     over the MP group; ``w1``/``w2`` hold this rank's shard of its EP rank's experts
     (``[E/n_ep, d, n1/n_esp]``, ``[E/n_ep, F/n_esp, d]``; with ``expert_ffn_bias``, ``b1``
     ``[E/n_ep, n1/n_esp]`` and ``b2`` ``[E/n_ep, d]``, the latter whole on every ESP shard and
@@ -208,7 +181,6 @@ class MoELayer(nn.Module):
         if mesh is not None:
             if ep_group is not None:
                 raise ValueError("pass mesh= or ep_group=, not both (the mesh's 'ep' dimension is the expert-parallel group)")
-            from .parallel.mesh import as_moe_mesh
 
             mesh = as_moe_mesh(mesh)
             ep_group = mesh.ep_group
@@ -248,7 +220,6 @@ class MoELayer(nn.Module):
         self.reset_parameters()
         seed_group = mesh.dense_group if mesh is not None else ep_group
         if seed_group is not None and dist.get_world_size(seed_group) > 1:
-            from .comm import check_agreement
 
             check_agreement(
                 {"init_seed": self.init_seed},
@@ -257,7 +228,6 @@ class MoELayer(nn.Module):
                 "building the model: the replicated router and the experts' seeds come from it)",
             )
         if self.expert_parallel:
-            from .parallel.checkpoint import expert_load_pre_hook, expert_state_dict_hook
 
             self.register_state_dict_post_hook(expert_state_dict_hook)
             self.register_load_state_dict_pre_hook(expert_load_pre_hook)
@@ -285,7 +255,6 @@ class MoELayer(nn.Module):
         # fully_shard installs sharded parameters through setattr when a module defines it: the
         # detection point for FSDP over expert-parallel ranks (tritonmoe.parallel.guard).
         if name in type(self).expert_parameter_names and hasattr(value, "device_mesh") and hasattr(value, "placements"):
-            from .parallel.guard import check_sharded_expert
 
             check_sharded_expert(self, name, value)
         super().__setattr__(name, value)
@@ -316,7 +285,7 @@ class MoELayer(nn.Module):
 
     @property
     def memory_strategy_used(self) -> str | None:
-        """The memory strategy (:mod:`tritonmoe.memory`) the last forward's expert-parallel
+        """The memory strategy (:mod:`tritonmoe.policy.memory_strategy`) the last forward's expert-parallel
         pipeline ran (the planner's pick under ``memory_strategy="auto"``); None when unmanaged."""
         return getattr(self.expert_path, "memory_strategy_used", None)
 
@@ -360,46 +329,28 @@ class MoELayer(nn.Module):
 
     # -- the steps of a forward ----------------------------------------------------------------
 
+    def route_step(self) -> RouteStep:
+        """This forward's routing step (:class:`~tritonmoe.router.RouteStep`): what an expert
+        path that routes by itself is handed instead of the layer."""
+        return RouteStep(self.config, self.router, self.expert_bias, self._record_logits)
+
+    def _record_logits(self, logits_TE: torch.Tensor) -> None:
+        self._step.logits = logits_TE
+
     def route_options(self) -> dict:
         """The keyword options of the route op for this layer (every routed layout uses them)."""
-        c = self.config
-        return dict(
-            score_func=c.score_func, renormalize=c.renormalize, expert_bias=self.expert_bias, n_groups=c.n_groups,
-            topk_groups=c.topk_groups, group_score=c.group_score, routed_scaling_factor=c.routed_scaling_factor,
-        )
+        return self.route_step().options()
 
     def router_input(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The router's input: ``x`` in the router's dtype (``config.router_dtype``)."""
-        w = self.router.weight
-        return x_TD if x_TD.dtype == w.dtype else x_TD.to(w.dtype)
+        return self.route_step().input(x_TD)
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """Router logits and routing for flattened tokens."""
-        c = self.config
-        logits_TE = router_logits(self.router_input(x_TD), self.router.weight, self.router)
-        need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
-        # Traced by torch.compile: the custom op (one opaque node; tritonmoe.ops), else the implementation.
-        route = ops.route if torch.compiler.is_compiling() else implementation("route", c.backend, x_TD.device,
-                                                                                 logits_TE.dtype)
-        kw = {"backend": c.backend} if route is ops.route else {}
-        routing = route(
-            logits_TE, c.top_k, capacity=c.capacity(x_TD.shape[0]), with_aux=need_aux, **self.route_options(), **kw
-        )
-        if self.expert_bias is not None:
-            # A non-finite bias (an update gone wrong) would silently reroute every token: the
-            # weights become NaN instead, on the device (no host sync on the forward).
-            routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, self.expert_bias)
-        self._step.logits = logits_TE
-        return logits_TE, routing
+        return self.route_step().route(x_TD)
 
     def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
-        c = self.config
-        loss = torch.zeros((), device=logits_TE.device, dtype=torch.float32)
-        if c.aux_loss_coef > 0:
-            loss = loss + c.aux_loss_coef * reference.load_balancing_loss(logits_TE, routing)
-        if c.z_loss_coef > 0:
-            loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing)
-        return loss
+        return self.route_step().aux_loss(logits_TE, routing)
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.w1, self.w2, self.b1, self.b2)
@@ -461,7 +412,7 @@ class MoELayer(nn.Module):
         compile). Their collectives take host-side split sizes, their schedules drive streams,
         events and process groups dynamo does not trace, and their exact weight-gradient
         deferral cannot live in a custom op. ``fullgraph=True`` therefore refuses a model with
-        such a layer; the local layer compiles into the graph (:mod:`tritonmoe.ops`)."""
+        such a layer; the local layer compiles into the graph (:mod:`tritonmoe.custom_ops`)."""
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -477,7 +428,7 @@ class MoELayer(nn.Module):
         if self.expert_parallel:
             check_ddp(self)  # before any collective: plain DDP over different experts is refused
         x_TD = x.reshape(-1, c.d_model)
-        out_TD, routing, self.aux_loss = self.expert_path.layer_forward(self, x_TD)
+        out_TD, routing, self.aux_loss = self.expert_path.step(x_TD, self.route_step(), self.expert_weights())
         self.last_routing = routing
         with torch.no_grad():
             counts = routing.counts.to(torch.int64)

@@ -2,7 +2,7 @@
 
 A layer built on the meta device (shape inference, deferred initialization as FSDP2 and large-model
 loading use it: ``MoELayer(cfg, device="meta")`` then ``to_empty`` + ``reset_parameters``) runs
-forward and backward here on every backend: :func:`tritonmoe.dispatch.implementation` sends meta
+forward and backward here on every backend: :func:`tritonmoe.backends.implementation` sends meta
 tensors to these functions. Each takes the arguments of its reference
 (:mod:`tritonmoe.reference`) and returns outputs of the reference's shapes and dtypes, built from
 its inputs by differentiable ops, so a backward gives every input and parameter a gradient of
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import GLU_ACTIVATIONS
-from .reference import max_permuted_rows
-from .types import PermuteInfo, Routing
+from tritonmoe.core.validation import GLU_ACTIVATIONS
+from tritonmoe.core.types import max_permuted_rows
+from tritonmoe.core.types import PermuteInfo, Routing
 
 __all__ = ["route", "permute", "permute_metadata", "unpermute", "grouped_gemm", "grouped_ffn", "moe_ffn",
            "copy_segments"]

@@ -37,6 +37,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
+from tritonmoe.comm.errors import mesh_backend_override
+from tritonmoe.comm.compat import all_gather_single
+from tritonmoe.comm.errors import backend_errors, new_group
+from tritonmoe.comm.splits import comm_device
 
 __all__ = ["PLACEMENTS", "ParmLayout", "ParmGroups", "groups_from_process_groups", "LayoutError"]
 
@@ -232,7 +236,6 @@ class ParmLayout:
         dense = torch.empty(self.num_batches, self.n_mp, dtype=torch.int64)
         for i in range(self.P):
             dense[self.mp_group[i], self.mp_rank[i]] = self.ranks[i]
-        from tritonmoe.comm.errors import mesh_backend_override
 
         def mesh(t: torch.Tensor, names: tuple[str, str]) -> DeviceMesh:
             # The mesh's groups inherit the default group's timeout (not new_group's 30 minutes).
@@ -264,9 +267,6 @@ class ParmLayout:
         """
         import torch.distributed as dist
 
-        from tritonmoe.comm.compat import all_gather_single
-        from tritonmoe.comm.errors import backend_errors, new_group
-        from tritonmoe.comm.splits import comm_device
 
         enc = self.encode()
         width = torch.tensor([len(enc)], dtype=torch.int64)
@@ -363,7 +363,6 @@ class ParmGroups:
         esp = mesh.get_group("esp") if "esp" in names and mesh.size(names.index("esp")) > 1 else None
         union = None
         if len(names) == 2 and mesh.size() > 1:
-            from tritonmoe.comm.errors import mesh_backend_override
 
             override = mesh_backend_override({"ep_esp": mesh.size()})  # the default group's timeout
             union = mesh._flatten("ep_esp", backend_override=override["ep_esp"] if override else None).get_group()
@@ -437,9 +436,6 @@ def groups_from_process_groups(
     """
     import torch.distributed as dist
 
-    from tritonmoe.comm.compat import all_gather_single
-    from tritonmoe.comm.errors import backend_errors, new_group
-    from tritonmoe.comm.splits import comm_device
 
     me = dist.get_rank()
     W = dist.get_world_size()

@@ -12,12 +12,12 @@ Row invariance (fp64): the fp64 grouped GEMMs and activations are computed so th
 their outputs and input gradients depends only on its own input row and the weights, so any
 partition of the rows (the micro-batches of a pipelined expert-parallel layer) gives
 bitwise-identical rows; their weight gradients are one ``x_e^T @ dy_e`` per expert, which a
-pipeline can defer to one step over all rows (:mod:`tritonmoe.exact`). This is what makes the
+pipeline can defer to one step over all rows (:mod:`tritonmoe.core.exact`). This is what makes the
 pipelined layer bitwise equal to the unpipelined one in fp64. It costs speed (M = 1 batched
 products, scalar transcendentals), which only tests pay: fp32, bf16 and fp16 run plain
 per-expert matmuls and vectorized activations.
 
-Non-finite logits (identical on every backend; see DESIGN.md):
+Non-finite logits (identical on every backend; the rules are in this module, below):
 
 * A NaN selection value ranks as -inf: it is chosen only after every finite value, lower expert
   id first, and its weight is NaN (so the output is NaN, loudly, rather than silently wrong).
@@ -36,10 +36,19 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .exact import WeightGradSlot, elementwise_scalar, grouped_wgrad, row_invariant_grouped_gemm, rowwise_mm
-from .types import PermuteInfo, Routing
+from tritonmoe.core.exact import (
+    WeightGradSlot,
+    elementwise_scalar,
+    grouped_wgrad,
+    row_invariant_grouped_gemm,
+    rowwise_mm,
+)
+from tritonmoe.core import validation as V
+from tritonmoe.core.types import PermuteInfo, Routing, max_permuted_rows
 
 __all__ = [
+    "expert_bias_finite",
+    "nan_weights_if_nonfinite",
     "scores",
     "canonical_exp",
     "canonical_scores",
@@ -52,7 +61,6 @@ __all__ = [
     "permute_rows",
     "max_permuted_rows",
     "unpermute",
-    "ep_splits",
     "grouped_gemm",
     "grouped_ffn",
     "moe_ffn",
@@ -99,7 +107,7 @@ def _scatter_count(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Canonical selection values (identical on every backend; see DESIGN.md "Selection is exact")
+# Canonical selection values (identical on every backend: selection is exact)
 # ---------------------------------------------------------------------------------------------
 #
 # Which experts a token gets must not depend on how a backend rounds exp or division: two
@@ -390,13 +398,6 @@ def permute_metadata(topk_ids_TK: torch.Tensor, num_experts: int, pad_to: int = 
     )
 
 
-def max_permuted_rows(num_tokens: int, top_k: int, num_experts: int, pad_to: int = 1) -> int:
-    """Static upper bound of R = expert_offsets[E] for any routing of T tokens: every slot
-    routed, every expert padded by pad_to - 1 rows. Equals R when pad_to == 1 and no id is -1.
-    A permuted buffer of this many rows can be built without reading R on the host."""
-    return num_tokens * top_k + num_experts * (pad_to - 1)
-
-
 def permute_rows(x_TD: torch.Tensor, info: PermuteInfo, num_rows: int | None = None) -> torch.Tensor:
     """The row movement of :func:`permute` for a given ``info``: [N, d] with
     ``x_perm[slot_rows[t, j]] == x[t]`` and every other row zero. N = ``num_rows`` (at least R;
@@ -437,19 +438,9 @@ def unpermute(y_perm_RD: torch.Tensor, info: PermuteInfo, topk_weights_TK: torch
     return out.to(y_perm_RD.dtype)
 
 
-def ep_splits(expert_offsets: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a permuted buffer per destination rank when E experts are split evenly over P ranks
-    (rank r owns experts [r*E/P, (r+1)*E/P)): int64 ``(rank_counts [P], rank_offsets [P+1])``,
-    rank r's rows being [rank_offsets[r], rank_offsets[r+1]) (padding rows included)."""
-    E = expert_offsets.shape[0] - 1
-    per_rank = E // num_ranks
-    rank_offsets = torch.stack([expert_offsets[r * per_rank].long() for r in range(num_ranks + 1)])
-    return rank_offsets[1:] - rank_offsets[:-1], rank_offsets
-
-
 def _grouped_bias_grad(x_R0: torch.Tensor, dy_RN: torch.Tensor, offs: list, num_experts: int) -> torch.Tensor:
     """Per-expert bias gradient: the column sums of each expert's rows of dy -> [E, N] (``x`` is
-    an empty [R, 0] stand-in, so that a :class:`tritonmoe.exact.WeightGradStore` can defer it
+    an empty [R, 0] stand-in, so that a :class:`tritonmoe.core.exact.WeightGradStore` can defer it
     exactly like a weight gradient)."""
     db = dy_RN.new_zeros(num_experts, dy_RN.shape[1])
     for e in range(num_experts):
@@ -459,7 +450,7 @@ def _grouped_bias_grad(x_R0: torch.Tensor, dy_RN: torch.Tensor, offs: list, num_
     return db
 
 
-class _SegmentBias(torch.autograd.Function):
+class SegmentBias(torch.autograd.Function):
     """y + bias[e] on the rows of segment e (an elementwise add: row-invariant); the bias gradient
     is one column sum per expert over its rows, or, with a :class:`WeightGradSlot` whose store
     holds ``bias``, deferred to that store (so a pipelined schedule's bias gradient is bitwise the
@@ -528,7 +519,7 @@ def _grouped_gemm_acc(
     fp64 (used by tests as the exact reference) is row-invariant: every output row, and every
     row of the input gradient, depends only on its own input row and the weights, so any
     partition of the rows (micro-batches of a pipeline) gives bitwise-identical rows, and its
-    weight and bias gradients can be deferred to ``wgrad`` (see :mod:`tritonmoe.exact`). Other
+    weight and bias gradients can be deferred to ``wgrad`` (see :mod:`tritonmoe.core.exact`). Other
     dtypes run one plain matmul per expert and compute their gradients in backward (``wgrad`` is
     not used: their forward is not row-invariant, so deferring would not make a schedule exact).
     """
@@ -543,7 +534,7 @@ def _grouped_gemm_acc(
         else:  # zero head rows (value checks off): the segments start at offs[0]
             inner = row_invariant_grouped_gemm(x_RK[lo:hi], [o - lo for o in offs], w_EKN, wgrad)
             y = torch.cat([x_RK.new_zeros(lo, N), inner, x_RK.new_zeros(R - hi, N)], dim=0)
-        return y if bias_EN is None else _SegmentBias.apply(y, offs, bias_EN, wgrad)
+        return y if bias_EN is None else SegmentBias.apply(y, offs, bias_EN, wgrad)
     # Every expert contributes a (possibly empty) piece, so the output stays in the autograd
     # graph of x, w and the bias even when no row is routed (zero gradients rather than no grad_fn).
     # Rows before offsets[0] (> 0 only with validation off) are zero, like the rows past offsets[E].
@@ -575,7 +566,7 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """Rows in [offsets[e], offsets[e+1]) times w[e], plus bias[e] ([E, N]) when given; rows
     outside [offsets[0], offsets[E]) are zero. ``wgrad``: defer the weight and bias gradients to
-    a schedule's store (fp64; :mod:`tritonmoe.exact`)."""
+    a schedule's store (fp64; :mod:`tritonmoe.core.exact`)."""
     return _grouped_gemm_acc(x_RK, expert_offsets, w_EKN, bias, wgrad).to(x_RK.dtype)
 
 
@@ -584,7 +575,7 @@ grouped_gemm.defers_weight_grad = True
 
 def _activation(h: torch.Tensor, activation: str, limit: float, alpha: float, scalar: bool) -> torch.Tensor:
     """The activation on h; ``scalar``: every transcendental function runs on a view without a
-    unit stride (:func:`tritonmoe.exact.elementwise_scalar`)."""
+    unit stride (:func:`tritonmoe.core.exact.elementwise_scalar`)."""
     if scalar:
         h = elementwise_scalar(h)
     if activation == "swiglu":
@@ -613,7 +604,7 @@ def apply_activation(h: torch.Tensor, activation: str, *, swiglu_limit: float = 
 
     "swiglu": silu(gate) * up. "swiglu_oai" (GPT-OSS): g = min(gate, swiglu_limit),
     u = clamp(up, -swiglu_limit, swiglu_limit), (u + 1) * g * sigmoid(swiglu_alpha * g).
-    fp64 inputs are row-invariant (see :func:`tritonmoe.exact.elementwise_scalar`), like the fp64
+    fp64 inputs are row-invariant (see :func:`tritonmoe.core.exact.elementwise_scalar`), like the fp64
     grouped GEMMs."""
     scalar = h.dtype == torch.float64 and activation != "relu"
     return _activation(h, activation, float(swiglu_limit), float(swiglu_alpha), scalar)
@@ -635,7 +626,7 @@ def grouped_ffn(
     """grouped_gemm(act(grouped_gemm(x, w1, b1)), w2, b2), the activation applied to the fp32
     accumulator (bias included) and rounded to the input dtype once (as a fused epilogue does).
     ``wgrad``: defer the weight and bias gradients to a schedule's store (fp64;
-    :mod:`tritonmoe.exact`)."""
+    :mod:`tritonmoe.core.exact`)."""
     h = _grouped_gemm_acc(x_RD, expert_offsets, w1_EDN, b1, wgrad)
     a = apply_activation(h, activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha).to(x_RD.dtype)
     return grouped_gemm(a, expert_offsets, w2_EFD, b2, wgrad=wgrad)
@@ -669,7 +660,7 @@ def moe_ffn(
 # Training forms of grouped_ffn and moe_ffn: the forward also returns the activations its
 # backward needs (A [R, F] and the pre-activation H [R, N1], both in x's dtype, as the kernels
 # write them), and the backward takes them, so it never reruns the first GEMM. They back the
-# custom ops ``tritonmoe::grouped_ffn_train`` / ``moe_ffn_train`` (:mod:`tritonmoe.ops`), whose
+# custom ops ``tritonmoe::grouped_ffn_train`` / ``moe_ffn_train`` (:mod:`tritonmoe.custom_ops`), whose
 # autograd registration saves those outputs. The backward is explicit (per-expert GEMMs as the
 # autograd of :func:`grouped_ffn` runs them); only the elementwise activation is re-evaluated
 # (autograd over it, for its derivative). Equal to the autograd of :func:`grouped_ffn` /
@@ -879,3 +870,28 @@ def copy_segments(
             idx[d : d + n] = torch.arange(s, s + n)
     src_ext = torch.cat([src_RD, src_RD.new_zeros(1, D)], dim=0)
     return src_ext[idx.to(src_RD.device)]
+
+
+def expert_bias_finite(bias: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on ``bias``'s device: whether every entry is finite. No host sync (read
+    it where the loop synchronizes anyway, e.g. beside the loss, or pass it to a logger)."""
+    V.float_tensor("expert_bias", bias, 1)
+    return torch.isfinite(bias).all()
+
+
+def nan_weights_if_nonfinite(topk_weights: torch.Tensor, expert_bias: "torch.Tensor | None") -> torch.Tensor:
+    """``topk_weights`` unchanged, or all NaN when any entry of ``expert_bias`` is not finite.
+
+    No host sync: the decision stays on the device (a reduction over E, then ``w + 0`` or
+    ``w + NaN``, which keeps the weights differentiable). ``expert_bias`` None returns the
+    weights as they are. Used by :func:`tritonmoe.route`; a layer applies it to its routing
+    weights the same way.
+    """
+    if expert_bias is None:
+        return topk_weights
+    poison = torch.where(
+        torch.isfinite(expert_bias).all(),
+        torch.zeros((), dtype=topk_weights.dtype, device=topk_weights.device),
+        torch.full((), float("nan"), dtype=topk_weights.dtype, device=topk_weights.device),
+    )
+    return topk_weights + poison

@@ -37,6 +37,7 @@ from typing import Callable, Hashable, Optional, Sequence
 import torch
 
 from ._released import _Released, is_released, mark_released
+from tritonmoe.layer import MoELayer
 
 __all__ = ["OffloadedExperts", "HostLFUCache"]
 
@@ -145,7 +146,6 @@ class OffloadedExperts:
     def __init__(self, layers: Sequence[torch.nn.Module], slots: int, *, timeout_s: float = 300.0,
                  disk_path: Optional[str | os.PathLike] = None, cache_bytes: Optional[int] = None,
                  cache_options: Optional[dict] = None) -> None:
-        from ..layer import MoELayer
 
         layers = list(layers)
         if not layers:

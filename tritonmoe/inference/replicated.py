@@ -53,6 +53,14 @@ from torch import nn
 from ._released import _Released, is_released, mark_released
 from .placement import MAX_PACKED_PER_DEVICE, Placement, lina_placement
 from .popularity import PopularityEstimator, top_choices, top_k_match
+from tritonmoe.comm.splits import group_rank_size
+from tritonmoe.layer import MoELayer
+from tritonmoe.comm import check_agreement
+from tritonmoe.comm.errors import backend_errors
+from tritonmoe.comm.splits import comm_device
+from tritonmoe.comm.all_to_all import all_to_all_raw
+from tritonmoe.backends import implementation
+from tritonmoe.core.specs import ffn_options
 
 __all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments", "release_to_host"]
 
@@ -292,8 +300,6 @@ class ReplicatedMoELayer(nn.Module):
                  scheduler: Optional[LinaScheduler] = None, layer_index: Optional[int] = None,
                  host_experts: Optional[Mapping[str, torch.Tensor]] = None, slots: Optional[int] = None) -> None:
         super().__init__()
-        from ..comm.splits import group_rank_size
-        from ..layer import MoELayer
 
         if not isinstance(layer, MoELayer):
             raise TypeError(f"layer must be a tritonmoe.MoELayer, got {type(layer).__name__}")
@@ -451,7 +457,6 @@ class ReplicatedMoELayer(nn.Module):
                     raise ValueError(f"the placement hosts {len(h)} experts on device {d}, more than its slots={self.slots}; "
                                      f"use a placement with at most {self.slots} experts per device or more slots")
         if check and self.world_size > 1:
-            from ..comm import check_agreement
 
             check_agreement({"placement": hash((placement.hosted, placement.weights)) % (2**61)}, group=self.group,
                             what="the placement (pass the same Placement on every rank)")
@@ -525,8 +530,6 @@ class ReplicatedMoELayer(nn.Module):
                 vec[E:] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
         if self.world_size == 1:
             return vec.view(1, -1)
-        from ..comm.errors import backend_errors
-        from ..comm.splits import comm_device
 
         dev = comm_device(self.group)  # NCCL gathers CUDA tensors
         vec = vec.to(dev)
@@ -567,9 +570,6 @@ class ReplicatedMoELayer(nn.Module):
     def experts(self, x_TD: torch.Tensor, routing, counts_PE: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for this rank's tokens, computed where the placement
         puts them; ``counts_PE``: every rank's per-expert counts (from :meth:`_exchange_counts`)."""
-        from ..comm.all_to_all import all_to_all_raw
-        from ..dispatch import implementation
-        from ..experts import ffn_options
 
         layer, c = self.layer, self.layer.config
         pl, P, rank = self.placement, self.world_size, self.rank

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tritonmoe.comm.errors import backend_errors
+from tritonmoe.parallel.params import moe_layers
 
 __all__ = [
     "expert_state_dict_hook",
@@ -162,7 +163,6 @@ def _expert_fqns(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str
     removed) -> (layer, parameter name) of every expert parameter of an expert-parallel layer."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    from .params import moe_layers
 
     owners = {}
     for _, layer in moe_layers(model):

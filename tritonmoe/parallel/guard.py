@@ -31,6 +31,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from tritonmoe.parallel.mesh import group_ranks
 
 __all__ = ["ExpertParallelWrapError", "check_ddp", "check_sharded_expert"]
 
@@ -45,7 +46,6 @@ class ExpertParallelWrapError(ValueError):
 
 
 def _ep_ranks(layer) -> list[int]:
-    from .mesh import group_ranks
 
     return group_ranks(layer.ep_group)
 

@@ -14,8 +14,8 @@
   :mod:`.schedules`) and pick the fastest -> :class:`Plan`.
 """
 
-from .cluster import GPU, GPUS, LINKS, PRESETS, Cluster, Link
-from .cost_model import (
+from tritonmoe.sim.cost_model import GPU, GPUS, LINKS, PRESETS, Cluster, Link
+from tritonmoe.sim.cost_model import (
     CommSample,
     ComputeRate,
     ComputeSample,
@@ -26,8 +26,8 @@ from .cost_model import (
     LinearFit,
     fit_linear,
 )
-from .engine import CollectiveMismatchError, EngineResult, ScheduleHangError, SimulationError
-from .schedules import (
+from tritonmoe.sim.engine import CollectiveMismatchError, EngineResult, ScheduleHangError, SimulationError
+from tritonmoe.sim.schedules import (
     DIMENSIONS,
     SCHEDULES,
     Dimension,
@@ -37,11 +37,18 @@ from .schedules import (
     register_dimension,
     register_schedule,
 )
-from .sim_executor import Program, SimExecutor, SimOp, VirtualGroup
-from .simulate import SimTimeline, routing_counts, simulate
-from .planner import Candidate, Plan, choose
-from .search import GranularitySearch
-from .memory import MemoryBudgetError, MemoryPlan, choose_memory, expert_block_bytes, paper_memory, search_joint
+from tritonmoe.sim.executor import Program, SimExecutor, SimOp, VirtualGroup
+from tritonmoe.sim.simulate import SimTimeline, routing_counts, simulate
+from tritonmoe.sim.planner import Candidate, Plan, choose
+from tritonmoe.sim.search import GranularitySearch
+from tritonmoe.sim.memory_model import (
+    MemoryBudgetError,
+    MemoryPlan,
+    choose_memory,
+    expert_block_bytes,
+    paper_memory,
+    search_joint,
+)
 
 __all__ = [
     "Cluster",

@@ -16,6 +16,17 @@ import json
 import os
 import sys
 from typing import Optional
+from tritonmoe.comm.programs.memory_reuse import STRATEGIES
+from tritonmoe.config import MoEConfig
+from tritonmoe.sim.cost_model import Cluster
+from tritonmoe.sim.cost_model import CostModel
+from tritonmoe.plan.profile import ProfileSpec, profile, profile_spawned
+from tritonmoe.sim.simulate import parse_dtype
+from tritonmoe.sim.simulate import simulate
+from tritonmoe.sim.planner import choose
+from tritonmoe.comm.programs.memory_reuse import check_mi_buffers
+from tritonmoe.plan.calibrate import format_table, run_calibration
+from tritonmoe.sim.cost_model import PRESETS
 
 __all__ = ["main"]
 
@@ -61,7 +72,6 @@ def _layer_args(p: argparse.ArgumentParser) -> None:
 
 
 def _strategies(text: str) -> tuple:
-    from tritonmoe.comm.memory import STRATEGIES
 
     if text.strip() == "all":
         return tuple(STRATEGIES)
@@ -88,11 +98,8 @@ def _positive_bytes(text: str) -> int:
 
 
 def _setup(args):
-    import tritonmoe as tm
-    from .cluster import Cluster
-    from .cost_model import CostModel
 
-    cfg = tm.MoEConfig(args.d_model, args.d_ffn, args.num_experts, args.top_k, activation=args.activation,
+    cfg = MoEConfig(args.d_model, args.d_ffn, args.num_experts, args.top_k, activation=args.activation,
                        capacity_factor=args.capacity_factor)
     machine = Cluster.preset(args.cluster, nodes=args.nodes) if args.cluster else CostModel.load(args.cost_model)
     toks = args.tokens[0] if len(args.tokens) == 1 else args.tokens
@@ -157,8 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _profile(args) -> int:
-    from .profile import ProfileSpec, profile, profile_spawned
-    from .simulate import parse_dtype
 
     spec = ProfileSpec(dtype=parse_dtype(args.dtype), reps=args.reps,
                        collectives_in_place=not args.isolated_collectives)
@@ -199,7 +204,6 @@ def _profile(args) -> int:
 
 
 def _simulate(args) -> int:
-    from .simulate import simulate
 
     cfg, machine, toks = _setup(args)
     tl = simulate(cfg, toks, machine, world_size=args.world_size, routing=args.routing, pipeline_degree=args.degree,
@@ -229,14 +233,12 @@ def _simulate(args) -> int:
 
 
 def _plan(args) -> int:
-    from .planner import choose
 
     cfg, machine, toks = _setup(args)
     over = {"pipeline_degree": args.degrees} if args.degrees else {}
     if args.memory_strategies:
         over["memory_strategy"] = args.memory_strategies
     if args.memory_mi_buffers:
-        from tritonmoe.comm.memory import check_mi_buffers
 
         try:
             over["memory_mi_buffers"] = [check_mi_buffers(m) for m in args.memory_mi_buffers]
@@ -261,7 +263,6 @@ def _plan(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .calibrate import format_table, run_calibration
 
     only = [s.strip() for s in args.only.split(",")] if args.only else None
     rows = run_calibration(only)
@@ -273,7 +274,6 @@ def _calibrate(args) -> int:
 
 
 def _clusters(_args) -> int:
-    from .cluster import PRESETS, Cluster
 
     for name in PRESETS:
         c = Cluster.preset(name)

@@ -1,5 +1,5 @@
 """Calibration against the papers (``../shared/PAPERS.md`` §6): the simulator's ratios next to
-the papers', on one cluster description per testbed (:data:`tritonmoe.plan.cluster.PRESETS`).
+the papers', on one cluster description per testbed (:data:`tritonmoe.sim.cost_model.PRESETS`).
 
 The table is a registry: :func:`register_calibration` adds a :class:`CalEntry` (the scheduler
 issues add theirs as their schedules land: Parm's S1/S2, MPMoE's memory strategies, Lina's
@@ -13,49 +13,25 @@ sheets only.
 from __future__ import annotations
 
 import statistics
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
+from .calibration_table import CALIBRATIONS, CalEntry, format_table, register_calibration, run_calibration
+from .parm_calibration import ENTRIES as PARM_ENTRIES
+from tritonmoe.config import MoEConfig
+from tritonmoe.sim.simulate import simulate
+from tritonmoe.sim.cost_model import Cluster
+from tritonmoe.sim.search import GranularitySearch
+from tritonmoe.sim.memory_model import paper_memory
+from tritonmoe.comm.executor import COMM2, VirtualTensor
+from tritonmoe.sim import engine
+from tritonmoe.sim.executor import SimExecutor, VirtualGroup
+from tritonmoe.comm.executor import Work
+from tritonmoe.plan import lina
+from tritonmoe.plan.lina import LINA_FREE
+
 __all__ = ["CalEntry", "CALIBRATIONS", "register_calibration", "run_calibration", "format_table"]
-
-
-@dataclass
-class CalEntry:
-    """One row of the calibration table.
-
-    Attributes:
-        id: the PAPERS.md §6 id (``"CAL-13"``), with a suffix when one id has several rows.
-        paper: where the number is (paper and table/figure).
-        metric: what is compared.
-        testbed: the cluster preset (``""`` when none applies).
-        paper_value: the paper's number (a float for ratios, else text).
-        run: returns ``{"simulated": float or text, "detail": text}``; None when blocked.
-        blocked: why the simulator cannot express it yet (None when it can).
-        free: the free parameters chosen (not stated by the paper).
-    """
-
-    id: str
-    paper: str
-    metric: str
-    testbed: str
-    paper_value: Any
-    run: Optional[Callable[[], dict]] = None
-    blocked: Optional[str] = None
-    free: str = ""
-
-
-CALIBRATIONS: dict[str, CalEntry] = {}
-
-
-def register_calibration(entry: CalEntry) -> CalEntry:
-    """Add (or replace) a calibration entry."""
-    if (entry.run is None) == (entry.blocked is None):
-        raise ValueError(f"calibration {entry.id}: give exactly one of run and blocked")
-    CALIBRATIONS[entry.id] = entry
-    return entry
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,13 +40,11 @@ def register_calibration(entry: CalEntry) -> CalEntry:
 
 
 def _cfg(d: int, f: int, E: int, k: int, activation: str = "gelu"):
-    import tritonmoe as tm
 
-    return tm.MoEConfig(d, f, E, k, activation=activation)
+    return MoEConfig(d, f, E, k, activation=activation)
 
 
 def _t(cfg, tokens, cluster, n, schedule="ep-pipeline", dtype="float16") -> float:
-    from .simulate import simulate
 
     # uniform routing and equal token counts: every rank runs the same program, so one
     # representative rank is exact (the engine's symmetric mode)
@@ -85,7 +59,6 @@ def _best(cfg, tokens, cluster, degrees, dtype="float16") -> tuple[int, float]:
 
 
 def _cluster(name: str, nodes: Optional[int] = None):
-    from .cluster import Cluster
 
     return Cluster.preset(name, nodes=nodes)
 
@@ -100,7 +73,6 @@ _MPMOE_K = 2  # free: top-k is not stated (FastMoE's GShard-style gate is top-2)
 
 def _cal13() -> dict:
     """Best degree over B (tokens per GPU) for GPT-XL on Adira, n in [2, 8]."""
-    from .search import GranularitySearch
 
     c = _cluster("mpmoe-adira")
     cfg = _cfg(2048, 8192, 64, _MPMOE_K)
@@ -128,9 +100,8 @@ def _cal13() -> dict:
 
 
 def mpmoe_memory_trend(E: int = 64) -> dict:
-    """Eq. 6's saving ratio (:func:`tritonmoe.plan.memory.paper_memory`) averaged over the Table III
+    """Eq. 6's saving ratio (:func:`tritonmoe.sim.memory_model.paper_memory`) averaged over the Table III
     layers and the calibration's B sweep (1k..32k tokens per device, doubling), per n in {2, 4, 8}."""
-    from .memory import paper_memory
 
     Bs = [1024 * 2**j for j in range(6)]
     out = {}
@@ -166,7 +137,6 @@ def _cal14_seq(model: str) -> Callable[[], dict]:
 
 def _cal14_pb(model: str) -> Callable[[], dict]:
     def run() -> dict:
-        from .simulate import simulate
 
         cfg, c, B = _valor_case(model)
         t6 = _t(cfg, B, c, 6, "ep-sequential")
@@ -215,10 +185,7 @@ def _cal15_scaling() -> dict:
 
 def _cal07() -> dict:
     """A backward all-to-all alone vs with a DDP allreduce bucket on another lane (fair share)."""
-    from tritonmoe.comm.executor import COMM2, VirtualTensor
 
-    from . import engine
-    from .sim_executor import SimExecutor, VirtualGroup
 
     c = _cluster("lina")
     cost = c.cost_model("float16")
@@ -249,7 +216,6 @@ def _cal07() -> dict:
 
 
 def _work_seconds(cost, seconds: float):
-    from tritonmoe.comm.executor import Work
 
     rate = cost.compute["elementwise"]
     return Work(0.0, max(0.0, seconds - rate.launch_s) * rate.bytes_per_s, "elementwise", 1)
@@ -257,7 +223,6 @@ def _work_seconds(cost, seconds: float):
 
 def _cal10() -> dict:
     """Pipelining efficiency at 16 experts, one per GPU, 30 MB micro-ops (Lina testbed)."""
-    from .simulate import simulate
 
     c = _cluster("lina")
     cfg = _cfg(1024, 4096, 16, 2)  # free: Transformer-XL-like d=1024, f=4096, top-2
@@ -273,14 +238,12 @@ def _lina_cal(name: str) -> Callable[[], dict]:
     """A Lina entry of :mod:`tritonmoe.plan.lina` (the data-parallel x expert-parallel step with
     the gradient lane: FIFO or Lina's priority and partitioning, packing)."""
     def run() -> dict:
-        from . import lina
 
         return getattr(lina, name)()
     return run
 
 
 def _lina_free() -> str:
-    from .lina import LINA_FREE
 
     return LINA_FREE
 
@@ -358,7 +321,7 @@ for _e in [
     CalEntry("CAL-12", "MPMoE 004 Figs. 11-12", "memory saving vs granularity (Eq. 6)", "mpmoe-adira", "23/34/38%",
              run=_cal12, free="E = 64, Adam, B = 1k..32k tokens per device (doubling), all three Table III layers"),
     CalEntry("CAL-16", "MPMoE 004 Fig. 15", "restore-strategy ranking", "mpmoe-adira", "orderings",
-             blocked="the strategies exist (tritonmoe.comm.memory) and simulate (choose_memory), but the paper's "
+             blocked="the strategies exist (tritonmoe.comm.programs.memory_reuse) and simulate (choose_memory), but the paper's "
                      "ranking has no numbers and the copy-vs-communication bandwidth contention it rests on is "
                      "not modelled"),
     CalEntry("CAL-17", "SE-MoE 002 §5.3", "hierarchical vs flat all-to-all", "se-moe", "+15.5% comm",
@@ -373,49 +336,7 @@ for _e in [
     register_calibration(_e)
 
 
-def run_calibration(only: Optional[list[str]] = None) -> list[dict]:
-    """Run every entry (or those in ``only``); one dict per entry with the paper's and the
-    simulated values, the relative difference for numeric ratios, and the wall time."""
-    rows = []
-    for e in CALIBRATIONS.values():
-        if only and e.id not in only:
-            continue
-        row = {"id": e.id, "paper": e.paper, "metric": e.metric, "testbed": e.testbed, "paper_value": e.paper_value,
-               "free": e.free}
-        if e.blocked:
-            row.update(status="not expressible yet", why=e.blocked)
-        else:
-            t0 = time.perf_counter()
-            try:
-                out = e.run()
-                row.update(status="simulated", **out)
-                sim, pap = out.get("simulated"), e.paper_value
-                if isinstance(sim, (int, float)) and isinstance(pap, (int, float)) and pap:
-                    row["rel_diff"] = sim / pap - 1.0
-            except Exception as exc:  # one broken entry does not hide the others
-                row.update(status="error", why=f"{type(exc).__name__}: {exc}")
-            row["seconds"] = round(time.perf_counter() - t0, 2)
-        rows.append(row)
-    return rows
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
-
-
-def format_table(rows: list[dict]) -> str:
-    """The table as markdown."""
-    lines = ["| id | paper | metric | testbed | paper | simulated | diff | note |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        sim = _fmt(r.get("simulated", "-")) if r["status"] == "simulated" else r["status"]
-        diff = f"{100 * r['rel_diff']:+.0f}%" if "rel_diff" in r else ""
-        note = r.get("detail") or r.get("why", "")
-        lines.append(f"| {r['id']} | {r['paper']} | {r['metric']} | {r['testbed']} | {_fmt(r['paper_value'])} | {sim} | "
-                     f"{diff} | {note} |")
-    return "\n".join(lines)
-
-
-# Parm and SE-MoE entries (tritonmoe/plan/parm_calibration.py): they register themselves here.
-from . import parm_calibration as _parm_calibration  # noqa: E402,F401
+# Parm and SE-MoE entries (tritonmoe/plan/parm_calibration.py): CAL-01..06 and CAL-17 replace the
+# placeholders above that waited for their schedules.
+for _e in PARM_ENTRIES:
+    register_calibration(_e)

@@ -19,6 +19,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
+from tritonmoe.comm.executor import Work
+from tritonmoe.comm.executor import VirtualTensor
+from tritonmoe.comm.programs.pipeline import backward_pass, forward_pass
+from tritonmoe.comm.priority import PRIORITY_EXCHANGE, PRIORITY_GRADIENT, issue_gradient_sync
+from tritonmoe.sim.schedules import backward_epilogue, backward_prologue, prologue
+from tritonmoe.comm.splits import plan_from_counts
+from tritonmoe.comm.programs.pipeline import micro_batch_bounds
+from tritonmoe.sim import engine
+from tritonmoe.sim.schedules import RankStep
+from tritonmoe.sim.executor import SimExecutor, VirtualGroup
+from tritonmoe.sim.simulate import kernel_flags, resolve_cost, routing_counts
+from tritonmoe.sim.work import WorkModel
+from tritonmoe.comm.timeline import Timeline
+from tritonmoe.sim.cost_model import LINKS, Cluster
+from tritonmoe.config import MoEConfig
 
 __all__ = ["PackingChoice", "packing_candidates", "expert_packing", "LINA_CHUNK_CANDIDATES"]
 
@@ -144,7 +159,6 @@ class LinaModel:
 
 def _work_for(cost, seconds: float):
     """A GEMM-like Work that the cost model prices at ``seconds`` (two secant steps)."""
-    from tritonmoe.comm.executor import Work
 
     if seconds <= 0:
         return Work(0.0, 0.0, "gemm", 1)
@@ -179,7 +193,6 @@ class LinaStep:
 def _grad_like(nbytes: int, dtype) -> Any:
     import torch
 
-    from tritonmoe.comm.executor import VirtualTensor
 
     s = torch.empty((), dtype=dtype).element_size()
     return VirtualTensor((max(1, nbytes // s),), dtype)
@@ -191,11 +204,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
     reductions issued as the gradients become ready (FIFO: DDP-like buckets, the first of 1 MiB,
     then of ``bucket_bytes``, across layers at priority 0; Lina: each gradient in micro-ops of at most
     ``chunk_bytes`` at :data:`~tritonmoe.comm.PRIORITY_GRADIENT`), then wait for them."""
-    from tritonmoe.comm.executor import VirtualTensor, Work
-    from tritonmoe.comm.pipeline import backward_pass, forward_pass
-    from tritonmoe.comm.priority import PRIORITY_EXCHANGE, PRIORITY_GRADIENT, issue_gradient_sync
 
-    from .schedules import _backward_epilogue, _backward_prologue, _prologue
 
     W, d, dt, plan = st.work, st.config.d_model, st.dtype, st.plan
     rows, active, segs = st.expert_stats()
@@ -205,7 +214,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
     dense_bwd = _work_for(cost, 2 * model.dense_s)
     for _ in range(model.layers):
         ex.compute(None, work=dense_fwd, kind="dense")
-        sends = _prologue(ex, st)
+        sends = prologue(ex, st)
         forward_pass(ex, sends, plan, None, work=lambda i: W.expert_fwd(rows[i], active[i], segs[i]), out_like=like)
         for i, (a, b) in enumerate(st.bounds):
             ex.compute(None, work=W.unpermute(b - a, plan.send_rows(i), backward=False), kind="unpermute", micro_op=i)
@@ -244,7 +253,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
     wstep = W.wgrad_step(total_rows, any_active) if st.defer_wgrad else Work(0.0, 0.0, "elementwise", 1)
     router_bytes = d * st.config.num_experts * torch_itemsize(dt)
     for _ in range(model.layers):
-        grads = _backward_prologue(ex, st)
+        grads = backward_prologue(ex, st)
         backward_pass(
             ex, grads, plan, None,
             work=lambda i: W.expert_bwd(rows[i], active[i], segs[i], defer_wgrad=st.defer_wgrad, accumulate=i > 0,
@@ -253,7 +262,7 @@ def _rank_step(ex, model: LinaModel, st, cost, *, comm: str, chunk_bytes: Option
         )
         if expert_group is not None:
             ready(expert_grad_bytes, expert_group)
-        _backward_epilogue(ex, st)
+        backward_epilogue(ex, st)
         ex.compute(None, work=dense_bwd, kind="dense")
         ready(model.dense_grad_bytes + router_bytes, dense_group)
     flush()
@@ -285,14 +294,7 @@ def simulate_lina_step(
     (mesh ``(dp=packing, ep=world_size/packing)``, ep innermost, as :class:`MoEMesh`); ``comm``
     "fifo" (DDP buckets, concurrent with the all-to-alls) or "lina" (micro-ops of at most
     ``chunk_bytes`` behind the all-to-alls; None: priority without partitioning)."""
-    from tritonmoe.comm.splits import plan_from_counts
-    from tritonmoe.experts import micro_batch_bounds
 
-    from . import engine
-    from .schedules import RankStep
-    from .sim_executor import SimExecutor, VirtualGroup
-    from .simulate import _impl, resolve_cost, routing_counts
-    from .work import WorkModel
 
     if comm not in ("fifo", "lina", "none"):
         raise ValueError(f"comm={comm!r}; use 'fifo', 'lina' or 'none' (no gradient reduction: every all-to-all alone)")
@@ -308,7 +310,7 @@ def simulate_lina_step(
     ep = P // p
     n = int(pipeline_degree)
     counts = routing_counts(cfg, [model.tokens] * ep, n)
-    kernels, defers = _impl(cfg, dt, cost)
+    kernels, defers = kernel_flags(cfg, dt, cost)
     s = torch_itemsize(dt)
     W = WorkModel(cfg.d_model, cfg.d_ffn, cfg.n1, cfg.num_experts, cfg.top_k, s, kernels)
     dense = VirtualGroup(tuple(range(P)))
@@ -333,7 +335,6 @@ def simulate_lina_step(
     sent = sum(b for o, _ in a2a for j, b in enumerate(o.send_bytes) if o.group.ranks[j] != 0)
     link = "none" if len(g0) == 1 else (cost.cluster.link_class(g0) if cost.cluster is not None else "?")
     spans = [sp for sp in res.timeline.spans() if sp.rank == 0]
-    from tritonmoe.comm.timeline import Timeline
 
     tl = Timeline()
     for sp in spans:
@@ -372,7 +373,6 @@ def lina_cluster(nodes: Optional[int] = None):
     """The Lina testbed preset with PCIe between the GPUs of a node (see :data:`LINA_FREE`)."""
     import dataclasses
 
-    from .cluster import LINKS, Cluster
 
     c = Cluster.preset("lina", nodes=nodes)
     return dataclasses.replace(c, name="lina-pcie", intra=LINKS["pcie4"], intra_is_pcie=True)
@@ -386,10 +386,9 @@ def calibrated_model(P: int, share: float, *, cluster=None, tokens: int = 8192, 
     """The :data:`LINA_FREE` model with one expert per GPU whose dense time makes the FIFO
     baseline's all-to-all share ``share`` (two secant steps; 0 when the all-to-alls alone are
     already a smaller share)."""
-    import tritonmoe as tm
 
     cluster = cluster or lina_cluster()
-    m = LinaModel.transformer(tm.MoEConfig(512, 2048, P, 2, activation="gelu"), layers=layers, tokens=tokens)
+    m = LinaModel.transformer(MoEConfig(512, 2048, P, 2, activation="gelu"), layers=layers, tokens=tokens)
     D = 0.0
     for _ in range(3):
         r = simulate_lina_step(m, cluster, world_size=P, comm="fifo")
@@ -472,10 +471,9 @@ def cal10_packed() -> dict:
     """Pipelining efficiency at 16 GPUs with 2 experts per GPU, beside the same model without
     packing: the CAL-10 model of :mod:`tritonmoe.plan.calibrate` (d=1024, f=4096, top-2, 8192
     tokens per GPU, 30 MB micro-ops), one MoE layer, no gradient traffic."""
-    import tritonmoe as tm
 
     c = lina_cluster()
-    m = LinaModel.transformer(tm.MoEConfig(1024, 4096, 16, 2, activation="gelu"), layers=1, tokens=8192)
+    m = LinaModel.transformer(MoEConfig(1024, 4096, 16, 2, activation="gelu"), layers=1, tokens=8192)
     n = _micro_ops(m)
     eff = {p: simulate_lina_step(m, c, world_size=16, comm="none", packing=p, pipeline_degree=n).pipeline_efficiency
            for p in (1, 2)}

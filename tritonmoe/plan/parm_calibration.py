@@ -1,7 +1,7 @@
 """Parm's and SE-MoE's calibration entries (``../shared/PAPERS.md`` §6: CAL-01..06, CAL-17),
-simulated from one cluster description per testbed (:data:`tritonmoe.plan.cluster.PRESETS`:
+simulated from one cluster description per testbed (:data:`tritonmoe.sim.cost_model.PRESETS`:
 ``parm-a``, ``parm-b``, ``se-moe``) through the same schedule code the layer runs
-(:func:`tritonmoe.plan.parm.simulate_parm`).
+(:func:`tritonmoe.policy.parm_schedule.simulate_parm`).
 
 Table IV cells (CAL-01..05): the mean over the configuration grid of t(baseline) / t(schedule),
 forward + backward of one MoE layer (gradient all-reduce excluded, as the paper). The grid is
@@ -17,8 +17,8 @@ too where it differs), no GPU-memory filter (the paper's filter left all 324 per
 simulator (the MP all-gather, the EP&ESP all-to-all and SAA timed on the cluster at several
 sizes: :func:`fit_in_simulator`), as the paper fits them on its testbeds.
 
-Importing this module registers the entries (replacing the placeholders that waited for these
-schedules); :mod:`tritonmoe.plan.calibrate` imports it at its end.
+:data:`ENTRIES` lists them; :mod:`tritonmoe.plan.calibrate` registers them over the placeholders
+that waited for these schedules.
 """
 
 from __future__ import annotations
@@ -30,8 +30,19 @@ from typing import Callable
 
 import torch
 
-from .calibrate import CalEntry, register_calibration
-from .parm import AlphaBeta, ParmCostModel, algorithm1, fit_alpha_beta, simulate_parm
+from .calibration_table import CalEntry
+from tritonmoe.policy.parm_schedule import AlphaBeta, ParmCostModel, algorithm1, fit_alpha_beta
+from tritonmoe.sim.parm_model import simulate_parm
+from tritonmoe.sim.cost_model import Cluster
+from tritonmoe.parm_layout import ParmLayout
+from tritonmoe.config import MoEConfig
+from tritonmoe.comm.executor import VirtualTensor
+from tritonmoe.comm.programs.saa import saa_schedule
+from tritonmoe.sim import engine
+from tritonmoe.sim.parm_model import sim_groups
+from tritonmoe.sim.simulate import resolve_cost
+from tritonmoe.sim.executor import SimExecutor, VirtualGroup
+from tritonmoe.sim.parm_model import simulate_all_to_all
 
 __all__ = ["GRID", "table_iv_cell", "fit_in_simulator", "real_model"]
 
@@ -41,7 +52,6 @@ DTYPE = "float32"
 
 
 def _cluster(testbed: str, gpus: int):
-    from .cluster import Cluster
 
     if testbed == "parm-a":
         return Cluster.preset("parm-a")
@@ -49,15 +59,13 @@ def _cluster(testbed: str, gpus: int):
 
 
 def _layout(n_mp: int, n_esp: int, gpus: int, placement: str):
-    from ..parm_layout import ParmLayout
 
     return ParmLayout.make(n_mp, gpus // n_esp, n_esp, placement=placement)
 
 
 def _config(M: int, H: int, E: int, k: int, f: float):
-    import tritonmoe as tm
 
-    return tm.MoEConfig(M, H, E, k, activation="gelu", capacity_factor=f)
+    return MoEConfig(M, H, E, k, activation="gelu", capacity_factor=f)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,12 +73,6 @@ def fit_in_simulator(testbed: str, gpus: int, n_mp: int, n_esp: int, placement: 
     """Algorithm 1's three lines fitted on the simulated cluster: the MP all-gather (gathered
     elements), the EP&ESP all-to-all and SAA (per-rank input elements), each timed at four
     sizes by the engine on this layout, one representative rank (symmetric mode)."""
-    from ..comm.executor import VirtualTensor
-    from ..comm.saa import saa_schedule
-    from . import engine
-    from .parm import sim_groups
-    from .simulate import resolve_cost
-    from .sim_executor import SimExecutor, VirtualGroup
 
     cost = resolve_cost(_cluster(testbed, gpus), DTYPE)
     lay = _layout(n_mp, n_esp, gpus, placement)
@@ -221,8 +223,6 @@ def _real_entry(model: str, testbed: str) -> Callable[[], dict]:
 def _cal17() -> dict:
     """SE-MoE: flat vs hierarchical all-to-all on 4 nodes x 8 A100 (the ``se-moe`` preset) for a
     dispatch of 4096 tokens x top-2 x 4096 fp16 elements per GPU, uniform over the 32 ranks."""
-    from .cluster import Cluster
-    from .parm import simulate_all_to_all
 
     c = Cluster.preset("se-moe")
     P = c.num_gpus
@@ -299,5 +299,5 @@ _ENTRIES = [
              run=_cal17, free="4096 tokens x top-2 x d 4096 fp16 per GPU, uniform routing over 32 GPUs"),
 ]
 
-for _e in _ENTRIES:  # CAL-01..06 and CAL-17 replace the placeholders that waited for these schedules
-    register_calibration(_e)
+#: CAL-01..06 and CAL-17, registered by :mod:`tritonmoe.plan.calibrate` over its placeholders.
+ENTRIES = tuple(_ENTRIES)

@@ -18,7 +18,7 @@ or the self-spawning :func:`profile_spawned` on CPU). It measures
 * the host time to issue one asynchronous collective;
 * the compute of the layer's ops at several shapes (grouped FFN forward and backward, router
   GEMM, re-layout copies, permute, unpermute, routing, gradient accumulation), with the same
-  work descriptions the simulator uses (:class:`~tritonmoe.plan.work.WorkModel`): by one rank
+  work descriptions the simulator uses (:class:`~tritonmoe.sim.work.WorkModel`): by one rank
   alone (the rates) and with **every rank computing at once**, as in a real step; on a CPU
   machine with fewer cores than ranks the slowdown between the two gives the cores the ranks
   share (``CostModel.host_cores``), so the engine slows ranks that compute at the same time;
@@ -45,14 +45,28 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._validation import GLU_ACTIVATIONS
+from tritonmoe.core.validation import GLU_ACTIVATIONS
 import torch.distributed as dist
 
 from tritonmoe.comm.splits import comm_device, new_group
 from tritonmoe.comm.compat import all_gather_single, reduce_scatter_single
 
-from .cost_model import COLLECTIVES, CommSample, ComputeSample, CostModel, HostSample, InterferenceSample
-from .work import HOST, WorkModel
+from tritonmoe.sim.cost_model import (
+    COLLECTIVES,
+    CommSample,
+    ComputeSample,
+    CostModel,
+    HostSample,
+    InterferenceSample,
+)
+from tritonmoe.sim.work import HOST, WorkModel
+from tritonmoe.comm.executor import RealExecutor, Work
+from tritonmoe.comm.timeline import Timeline
+from tritonmoe import reference
+from tritonmoe.comm.partition import transpose_chunks
+from tritonmoe.backends import implementation
+from tritonmoe.comm.rendezvous import init_local
+from tritonmoe.comm.rendezvous import local_store
 
 __all__ = ["ProfileSpec", "profile", "profile_spawned", "DEFAULT_SIZES"]
 
@@ -107,7 +121,7 @@ def _say(spec: ProfileSpec, msg: str) -> None:
 
 def _collective(kind: str, nbytes: int, group, g: int, device: torch.device, dtype=torch.float32):
     """A callable running one ``kind`` collective of ``nbytes`` per rank (module docstring of
-    :mod:`tritonmoe.plan.cost_model` for the convention), and its buffers."""
+    :mod:`tritonmoe.sim.cost_model` for the convention), and its buffers."""
     es = torch.empty((), dtype=dtype).element_size()
     n = max(g, (nbytes // es) // g * g)  # divisible by the group size
     x = torch.randn(n, device=device, dtype=dtype)
@@ -207,8 +221,6 @@ def _host_issue(device) -> list:
     """Host seconds per operation issued through the real executor with a timeline recording
     (as the layer runs it, e.g. under ``bench.ep``): an asynchronous 1-row all-to-all (the call
     alone, median of 30), and the executor's own cost of a compute (a no-op function)."""
-    from tritonmoe.comm.executor import RealExecutor, Work
-    from tritonmoe.comm.timeline import Timeline
 
     P = dist.get_world_size()
     x = torch.randn(P, 4, device=device)
@@ -246,50 +258,11 @@ def _timed(fn, device, reps: int, warmup: int) -> float:
     return statistics.median(_once(fn, device) for _ in range(reps))
 
 
-def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device, P: int):
-    """(name, kind, Work, callable) of the layer's ops at one shape and token count, on the
-    implementations the layer dispatches to here."""
-    from tritonmoe import reference
-    from tritonmoe.comm.partition import transpose_chunks
-    from tritonmoe.dispatch import implementation
-
-    dt = spec.dtype
-    g = torch.Generator(device="cpu").manual_seed(T * 131 + d)
-    n1 = 2 * f if spec.activation in GLU_ACTIVATIONS else f
-    L = max(1, E // P)
-    ffn = implementation("grouped_ffn", None, device, dt)
-    W = WorkModel(d, f, n1, E, k, torch.empty((), dtype=dt).element_size(), ffn is not reference.grouped_ffn)
-    R = T * k  # rows an expert op sees (tokens * top_k), spread over L local experts
-    x = torch.randn(T, d, generator=g).to(device, dt)
-    xr = torch.randn(R, d, generator=g).to(device, dt).requires_grad_()
-    w1 = (torch.randn(L, d, n1, generator=g) / d**0.5).to(device, dt).requires_grad_()
-    w2 = (torch.randn(L, f, d, generator=g) / f**0.5).to(device, dt).requires_grad_()
-    offs = torch.tensor([R * e // L for e in range(L + 1)], device=device)
-    counts_PL = torch.full((P, L), R // (P * L), dtype=torch.int64)
-    counts_PL[-1, -1] += R - int(counts_PL.sum())
-    router = torch.nn.Linear(d, E, bias=False).to(device, dt)
-    logits = router(x).detach().requires_grad_()
-    route = implementation("route", None, device, dt)
-    permute = implementation("permute", None, device, dt)
-    unpermute = implementation("unpermute", None, device, dt)
-    routing = route(logits, k)
-    x_perm, info = permute(x, routing.topk_ids, E)
-    Rp = x_perm.shape[0]
-    y_perm = torch.randn(Rp, d, generator=g).to(device, dt).requires_grad_()
-    tw = routing.topk_weights.detach().requires_grad_()
+def _routing_ops(router, route, permute, unpermute, *, x, logits, routing, y_perm, info, tw, k: int, E: int) -> dict:
+    """The routing side's ops of :func:`_layer_ops` by name, forward and backward as a training
+    step runs them (inputs that require grad, autograd recording; a backward replays one recorded
+    graph): the router's GEMM, route, permute and unpermute."""
     xq = x.clone().requires_grad_()
-    segs = int((counts_PL > 0).sum())
-
-    # forward ops run as in a training step: inputs that require grad, autograd recording
-    def ffn_fwd():
-        ffn(xr, offs, w1, w2, spec.activation)
-
-    y = ffn(xr, offs, w1, w2, spec.activation)
-    dy = torch.randn_like(y)
-
-    def ffn_bwd():
-        torch.autograd.grad(y, [xr, w1, w2], dy, retain_graph=True)
-
     xg = x.clone().requires_grad_()
 
     def router_fwd():
@@ -300,9 +273,6 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
 
     def router_bwd():
         torch.autograd.grad(lg, [xg, router.weight], dlg, retain_graph=True)
-
-    def relayout():
-        transpose_chunks(xr, counts_PL)  # inside the expert op, with autograd recording
 
     def permute_fwd():
         permute(xq, routing.topk_ids, E)
@@ -331,8 +301,60 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
     def route_bwd():
         torch.autograd.grad(rt.topk_weights, [logits], dw_, retain_graph=True)
 
+    return {
+        "router_fwd": router_fwd, "router_bwd": router_bwd, "permute_fwd": permute_fwd, "permute_bwd": permute_bwd,
+        "unpermute_fwd": unpermute_fwd, "unpermute_bwd": unpermute_bwd, "route_fwd": route_fwd, "route_bwd": route_bwd,
+    }
+
+
+def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device, P: int):
+    """(name, kind, Work, callable) of the layer's ops at one shape and token count, on the
+    implementations the layer dispatches to here."""
+
+    dt = spec.dtype
+    g = torch.Generator(device="cpu").manual_seed(T * 131 + d)
+    n1 = 2 * f if spec.activation in GLU_ACTIVATIONS else f
+    L = max(1, E // P)
+    ffn = implementation("grouped_ffn", None, device, dt)
+    W = WorkModel(d, f, n1, E, k, torch.empty((), dtype=dt).element_size(), ffn is not reference.grouped_ffn)
+    R = T * k  # rows an expert op sees (tokens * top_k), spread over L local experts
+    x = torch.randn(T, d, generator=g).to(device, dt)
+    xr = torch.randn(R, d, generator=g).to(device, dt).requires_grad_()
+    w1 = (torch.randn(L, d, n1, generator=g) / d**0.5).to(device, dt).requires_grad_()
+    w2 = (torch.randn(L, f, d, generator=g) / f**0.5).to(device, dt).requires_grad_()
+    offs = torch.tensor([R * e // L for e in range(L + 1)], device=device)
+    counts_PL = torch.full((P, L), R // (P * L), dtype=torch.int64)
+    counts_PL[-1, -1] += R - int(counts_PL.sum())
+    router = torch.nn.Linear(d, E, bias=False).to(device, dt)
+    logits = router(x).detach().requires_grad_()
+    route = implementation("route", None, device, dt)
+    permute = implementation("permute", None, device, dt)
+    unpermute = implementation("unpermute", None, device, dt)
+    routing = route(logits, k)
+    x_perm, info = permute(x, routing.topk_ids, E)
+    Rp = x_perm.shape[0]
+    y_perm = torch.randn(Rp, d, generator=g).to(device, dt).requires_grad_()
+    tw = routing.topk_weights.detach().requires_grad_()
+    segs = int((counts_PL > 0).sum())
+
+    # forward ops run as in a training step: inputs that require grad, autograd recording
+    def ffn_fwd():
+        ffn(xr, offs, w1, w2, spec.activation)
+
+    y = ffn(xr, offs, w1, w2, spec.activation)
+    dy = torch.randn_like(y)
+
+    def ffn_bwd():
+        torch.autograd.grad(y, [xr, w1, w2], dy, retain_graph=True)
+
+    def relayout():
+        transpose_chunks(xr, counts_PL)  # inside the expert op, with autograd recording
+
+    ops = _routing_ops(router, route, permute, unpermute, x=x, logits=logits, routing=routing, y_perm=y_perm,
+                       info=info, tw=tw, k=k, E=E)
+
     # the pipeline's expert op as it runs it: re-layout, FFN, re-layout with autograd recording,
-    # and its backward through torch.autograd.grad (tritonmoe.comm.pipeline / experts.py)
+    # and its backward through torch.autograd.grad (tritonmoe.comm.programs.pipeline / experts.py)
     def expert_forward():
         r = xr.detach().requires_grad_(True)
         y = transpose_chunks(ffn(transpose_chunks(r, counts_PL), offs, w1, w2, spec.activation), counts_PL.t())
@@ -353,15 +375,15 @@ def _layer_ops(spec: ProfileSpec, d: int, f: int, E: int, k: int, T: int, device
     return [
         ("ffn_fwd", W.ffn_fwd(R, L), ffn_fwd),
         ("ffn_bwd", W.ffn_dx(R, L) + W.ffn_dw(R, L), ffn_bwd),
-        ("router_fwd", W.router(T, backward=False), router_fwd),
-        ("router_bwd", W.router(T, backward=True), router_bwd),
+        ("router_fwd", W.router(T, backward=False), ops["router_fwd"]),
+        ("router_bwd", W.router(T, backward=True), ops["router_bwd"]),
         ("relayout", W.relayout(R, segs), relayout),
-        ("permute_fwd", W.permute(T, Rp, backward=False), permute_fwd),
-        ("permute_bwd", W.permute(T, Rp, backward=True), permute_bwd),
-        ("unpermute_fwd", W.unpermute(T, Rp, backward=False), unpermute_fwd),
-        ("unpermute_bwd", W.unpermute(T, Rp, backward=True), unpermute_bwd),
-        ("route_fwd", W.route(T, backward=False), route_fwd),
-        ("route_bwd", W.route(T, backward=True), route_bwd),
+        ("permute_fwd", W.permute(T, Rp, backward=False), ops["permute_fwd"]),
+        ("permute_bwd", W.permute(T, Rp, backward=True), ops["permute_bwd"]),
+        ("unpermute_fwd", W.unpermute(T, Rp, backward=False), ops["unpermute_fwd"]),
+        ("unpermute_bwd", W.unpermute(T, Rp, backward=True), ops["unpermute_bwd"]),
+        ("route_fwd", W.route(T, backward=False), ops["route_fwd"]),
+        ("route_bwd", W.route(T, backward=True), ops["route_bwd"]),
         ("accumulate", W.accumulate(acc_a.numel() * acc_a.element_size()), accumulate),
         ("expert_fwd", W.expert_fwd(R, L, segs), expert_forward),
         ("expert_bwd", W.expert_bwd(R, L, segs, defer_wgrad=False, accumulate=False, local_experts=L),
@@ -670,7 +692,6 @@ def profile(spec: Optional[ProfileSpec] = None, *, out: Optional[str] = None) ->
 
 
 def _spawned(rank: int, P: int, port: int, spec: ProfileSpec, out: str, err_dir: str, timeout_s: float) -> None:
-    from tritonmoe.comm.rendezvous import init_local
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     try:
@@ -693,7 +714,6 @@ def profile_spawned(nproc: int, spec: Optional[ProfileSpec] = None, *, out: str,
     if nproc < 2:
         raise ValueError(f"--nproc {nproc}: profiling collectives needs at least 2 ranks")
     spec = spec or ProfileSpec()
-    from tritonmoe.comm.rendezvous import local_store
 
     with tempfile.TemporaryDirectory() as err_dir:
         store = local_store(nproc, timeout_s)  # served until the ranks have ended (no free-port race)

@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from .types import PermuteInfo
+from tritonmoe.core.types import PermuteInfo
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)

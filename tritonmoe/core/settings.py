@@ -1,9 +1,16 @@
 """Process-wide settings: the default backend and whether value checks run.
 
 Both are read from the environment once at import (``TRITONMOE_BACKEND``, ``TRITONMOE_VALIDATE``)
-and can be changed with :func:`set_backend` / :func:`set_validation`, or for a block of code with
-the :func:`use_backend` / :func:`validation` context managers (which tests should prefer, so a
-failing test cannot leak a setting into the next one).
+and can be changed for the whole process with :func:`set_backend` / :func:`set_validation`, or for
+a block of code with the :func:`use_backend` / :func:`validation` context managers (which tests
+should prefer, so a failing test cannot leak a setting into the next one).
+
+A block's setting has :mod:`contextvars` semantics: it holds for the thread (or asyncio task)
+that entered the block, for the block's extent, and is restored on exit however blocks of
+different threads overlap; other threads keep the process default. Under ``torch.compile`` the
+process default applies (the value is read at trace time, and dynamo cannot read a context
+variable without a graph break): pass ``backend=`` explicitly to a compiled op to choose another
+one. tritonmoe's own worker threads (host copies, gradient reductions) read neither setting.
 
 Backends:
 
@@ -16,10 +23,12 @@ Backends:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from typing import Iterator
 
 import torch
+
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -45,14 +54,19 @@ def _parse_bool(value: str, source: str) -> bool:
     raise ValueError(f"{source}={value!r} is not a boolean; use 1 or 0")
 
 
+#: The process defaults (every thread sees them; set_backend / set_validation change them).
 _state = {
     "backend": _parse_backend(os.environ.get("TRITONMOE_BACKEND", "auto"), "TRITONMOE_BACKEND"),
     "validate": _parse_bool(os.environ.get("TRITONMOE_VALIDATE", "1"), "TRITONMOE_VALIDATE"),
 }
+#: The block-scoped overrides (None: none): per thread and task, set by use_backend / validation.
+_backend_block: contextvars.ContextVar[str | None] = contextvars.ContextVar("tritonmoe_backend", default=None)
+_validate_block: contextvars.ContextVar[bool | None] = contextvars.ContextVar("tritonmoe_validate", default=None)
 
 
 def set_backend(backend: str) -> str:
-    """Set the process default backend ("auto", "triton" or "torch"); returns the previous one."""
+    """Set the process default backend ("auto", "triton" or "torch"); returns the previous one.
+    A :func:`use_backend` block of the calling thread still wins inside it."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     prev = _state["backend"]
@@ -61,22 +75,31 @@ def set_backend(backend: str) -> str:
 
 
 def get_backend() -> str:
-    """The process default backend."""
+    """The backend in effect: the innermost :func:`use_backend` block of this thread or task,
+    else the process default."""
+    if not torch.compiler.is_compiling():
+        block = _backend_block.get()
+        if block is not None:
+            return block
     return _state["backend"]
 
 
 @contextlib.contextmanager
 def use_backend(backend: str) -> Iterator[None]:
-    """Run a block with another default backend."""
-    prev = set_backend(backend)
+    """Run a block with another default backend (this thread or task only)."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    token = _backend_block.set(_parse_backend(backend, "backend"))
     try:
         yield
     finally:
-        _state["backend"] = prev
+        _backend_block.reset(token)
 
 
 def set_validation(enabled: bool) -> bool:
-    """Switch the value checks of the public functional ops on or off; returns the previous value.
+    """Switch the value checks of the public functional ops on or off for the process; returns
+    the previous process default. A :func:`validation` block of the calling thread still wins
+    inside it.
 
     Shape, dtype and device checks always run.  The value checks (id ranges, offsets monotone and
     ending at R, finite logits) read tensor contents and so synchronize with the device; switch
@@ -90,17 +113,25 @@ def set_validation(enabled: bool) -> bool:
 
 
 def validation_enabled() -> bool:
+    """Whether value checks run: the innermost :func:`validation` block of this thread or task,
+    else the process default."""
+    if not torch.compiler.is_compiling():
+        block = _validate_block.get()
+        if block is not None:
+            return block
     return _state["validate"]
 
 
 @contextlib.contextmanager
 def validation(enabled: bool) -> Iterator[None]:
-    """Run a block with value checks switched on or off."""
-    prev = set_validation(enabled)
+    """Run a block with value checks switched on or off (this thread or task only)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"validation expects a bool, got {type(enabled).__name__}")
+    token = _validate_block.set(enabled)
     try:
         yield
     finally:
-        _state["validate"] = prev
+        _validate_block.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +141,7 @@ def validation(enabled: bool) -> Iterator[None]:
 
 def resolve_backend(backend: str | None) -> str:
     if backend is None:
-        return _state["backend"]
+        return get_backend()
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     return _parse_backend(backend, "backend")
