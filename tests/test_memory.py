@@ -20,8 +20,8 @@ import tritonmoe as tm
 from _dist import run_group, values_or_fail
 from tritonmoe.comm.programs.memory_reuse import STRATEGIES, memory_layout, restore_schedule
 from tritonmoe.policy.memory_strategy import check_offload, pinned_memory_available
-from tritonmoe.sim.memory_model import (
 from tritonmoe.experts import LocalExperts
+from tritonmoe.sim.memory_model import (
     MemoryBudgetError,
     choose_memory,
     expert_block_bytes,
