@@ -105,13 +105,13 @@ def test_block_round_trip_matches_in_fp64(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_patched_model_logits_match(arch):
     _, model_cls, cfg = _arch(arch)
-    cfg._experts_implementation = "eager"  # transformers' grouped_mm default does not take fp64
     torch.manual_seed(0)
     model = model_cls(cfg).double().eval()
     _randomize(model, 4)
     ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
+    with hf.eager_experts(model), torch.no_grad():  # transformers' grouped_mm default does not take fp64
         want = model(ids).logits
+    assert all(c._experts_implementation != "eager" for c in hf._configs(model))  # put back
     names = hf.apply(model)
     assert names and all(isinstance(model.get_submodule(n), hf.HFMoEBlock) for n in names)
     with torch.no_grad():
