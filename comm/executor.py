@@ -92,6 +92,14 @@ class Work:
     launches: int = 1
     parts: tuple["Work", ...] = ()
 
+    def __post_init__(self) -> None:
+        for name in ("flops", "bytes"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"Work.{name}={v!r}; it must be a finite number >= 0")
+        if not (isinstance(self.launches, int) and self.launches >= 0):
+            raise ValueError(f"Work.launches={self.launches!r}; it must be an int >= 0")
+
     def leaves(self) -> tuple["Work", ...]:
         return self.parts if self.parts else (self,)
 

@@ -229,7 +229,7 @@ def check_agreement(values: dict[str, int], *, group=None, what: str = "settings
         return
     shown = [[str(table[r][j]) for j in differing] for r in range(P)]
     if labels is not None:
-        mine = [labels.get(names[j], str(table[0][j])) for j in differing]
+        mine = [labels.get(names[j], str(int(values[names[j]]))) for j in differing]
         gathered: list = [None] * P
         with backend_errors(f"the exchange of the disagreeing {what}", group):
             dist.all_gather_object(gathered, mine, group=group)

@@ -96,7 +96,7 @@ def test_compiled_auto_path_follows_backward(monkeypatch):
     into the fused op and equals eager bitwise."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from tritonmoe import experts as X
+    from tritonmoe.experts import local as X
 
     monkeypatch.setattr(X, "_TRAIN_UNFUSED_DEVICES", frozenset({"cuda", "cpu"}))
     eager, layer = _layers("triton", torch.float32, ffn_path="auto")

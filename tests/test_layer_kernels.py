@@ -76,7 +76,7 @@ def test_layer_triton_bf16_on_gpu(ffn_path):
 
 import dataclasses  # noqa: E402
 
-from tritonmoe import experts as X  # noqa: E402
+from tritonmoe.experts import local as X  # noqa: E402
 
 AUTO = dict(d_model=8, d_ffn=6, num_experts=4, top_k=2)
 

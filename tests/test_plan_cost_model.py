@@ -300,3 +300,76 @@ def test_cluster_presets_and_model_roundtrip(tmp_path):
         Cluster.preset("dgx-h100").collective_line("all_to_all", 16, "intra")
     with pytest.raises(ValueError, match="needs an inter-node link"):
         Cluster("x", 2, 8, big.gpu, big.intra, None, 0, big.host_link)
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged cost models are refused at load, naming the file and the field (issue 35 item 5)
+# ---------------------------------------------------------------------------------------------
+
+
+def _damage(d: dict, where: str, value) -> dict:
+    import copy
+
+    d = copy.deepcopy(d)
+    if where == "alpha":
+        d["collectives"][0]["pieces"][0][1] = value
+    elif where == "beta":
+        d["collectives"][0]["pieces"][-1][2] = value
+    elif where == "flops":
+        d["compute"][0]["flops_per_s"] = value
+    elif where == "launch":
+        d["compute"][0]["launch_s"] = value
+    elif where == "interference":
+        d["interference"] = [{"y": "comm", "x": "comp", "retained": value}]
+    elif where == "host_op_s":
+        d["host_op_s"] = value
+    return d
+
+
+@pytest.mark.parametrize("where, value, field", [
+    ("alpha", float("nan"), "alpha"), ("alpha", float("inf"), "alpha"), ("beta", -1e-9, "beta"),
+    ("beta", float("nan"), "beta"), ("flops", 0.0, "flops_per_s"), ("flops", -5.0, "flops_per_s"),
+    ("flops", float("nan"), "flops_per_s"), ("launch", float("inf"), "launch_s"), ("launch", -1.0, "launch_s"),
+    ("interference", 0.0, "interference"), ("interference", 1.5, "interference"), ("host_op_s", float("nan"), "host_op_s"),
+])
+def test_damaged_values_are_refused_at_load(tmp_path, where, value, field):
+    import json
+
+    from tritonmoe.policy.degree import DEFAULT_CPU_MODEL
+
+    with open(DEFAULT_CPU_MODEL) as f:
+        good = json.load(f)
+    path = tmp_path / "damaged.json"
+    path.write_text(json.dumps(_damage(good, where, value)))
+    with pytest.raises(CostModelError, match=rf"{path}.*{field}.*must be") as e:
+        CostModel.load(path)
+    assert "Fix:" in str(e.value)
+    # the same through the config the layer builds its policy from
+    from tritonmoe.policy.degree import runtime_cost_model
+
+    with pytest.raises(CostModelError, match=field):
+        runtime_cost_model(tm.MoEConfig(8, 16, 4, 2, cost_model=str(path)), 1, torch.device("cpu"))
+
+
+def test_the_engine_refuses_a_non_finite_time_instead_of_spinning():
+    """A Work with a non-finite size is refused where it is made; a model whose rate was damaged
+    after loading (its checks passed) ends the simulation with a SimulationError, never a loop or
+    a schedule blamed for a hang."""
+    import dataclasses
+
+    from tritonmoe.policy.degree import DEFAULT_CPU_MODEL
+    from tritonmoe.sim import engine
+    from tritonmoe.sim.engine import SimulationError
+    from tritonmoe.sim.executor import SimExecutor, VirtualGroup
+
+    with pytest.raises(ValueError, match="flops=nan"):
+        Work(flops=float("nan"), bytes=0.0, kind="gemm")
+    with pytest.raises(ValueError, match="bytes=-1"):
+        Work(flops=1.0, bytes=-1, kind="gemm")
+    m = CostModel.load(DEFAULT_CPU_MODEL)
+    m.compute["gemm"] = dataclasses.replace(m.compute["gemm"], launch_s=0.0)
+    object.__setattr__(m.compute["gemm"], "launch_s", float("inf"))  # damaged after the checks
+    ex = SimExecutor(0, VirtualGroup((0,)), host_compute=True)
+    ex.compute(None, work=Work(flops=1e6, bytes=1e3, kind="gemm"), kind="ffn")
+    with pytest.raises(SimulationError, match="not finite|NaN"):
+        engine.run([ex.program], m)

@@ -125,6 +125,9 @@ class CostModel:
     path: Optional[str] = None
     samples: list = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        check_model_values(self)
+
     # -- fitting -------------------------------------------------------------------------------
 
     @classmethod
@@ -423,6 +426,79 @@ def _fit_groups(model: CostModel, comm: dict, comp: dict, inter: dict, *, piecew
 
 
 # -- persistence: versioned JSON files (CostModel.to_json / from_json / save / load) ------------
+
+
+def _bad(where: str, field_name: str, value: Any, want: str) -> CostModelError:
+    return CostModelError(
+        f"{where}: {field_name} = {value!r}; it must be {want}. Fix: re-create the model with "
+        "`python -m tritonmoe.plan profile --out FILE` (or CostModel.fit), or correct that value"
+    )
+
+
+def _finite_nonneg(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _positive_rate(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) and v > 0
+
+
+def _check_fit(where: str, name: str, f: Any) -> None:
+    if not isinstance(f, LinearFit) or not f.pieces:
+        raise _bad(where, name, f, "a LinearFit with at least one piece")
+    prev = 0.0
+    for i, (upper, a, b) in enumerate(f.pieces):
+        if not (isinstance(upper, (int, float)) and not math.isnan(upper) and upper > prev):
+            raise _bad(where, f"{name}.pieces[{i}].upper", upper, "a size above the previous piece's (inf for the last)")
+        if not (isinstance(a, (int, float)) and math.isfinite(a)):
+            raise _bad(where, f"{name}.pieces[{i}].alpha", a, "finite seconds")
+        if not _finite_nonneg(b):
+            raise _bad(where, f"{name}.pieces[{i}].beta", b, "finite and >= 0 seconds per byte")
+        # a later piece of a joined fit may have a negative intercept; its time may not be
+        # negative where it starts (nor, with beta >= 0, anywhere after)
+        if a + b * prev < -1e-12:
+            raise _bad(where, f"{name}.pieces[{i}]", (upper, a, b),
+                       f"a line whose time at the piece's start ({prev:g} bytes) is >= 0")
+        prev = upper
+
+
+def check_model_values(model: "CostModel") -> None:
+    """Refuse a model whose values would make the simulator spin or plan from NaN: every time
+    finite and non-negative, every rate positive (inf allowed: that term is free), every
+    efficiency positive, every retained fraction in (0, 1], every count >= 1. A :class:`CostModelError`
+    naming the file (or "cost model") and the field."""
+    where = f"cost model file {model.path}" if model.path else "cost model"
+    for key, f in model.collectives.items():
+        _check_fit(where, f"collectives[{key}]", f)
+    for key, f in model.copies.items():
+        _check_fit(where, f"copies[{key!r}]", f)
+    for key, r in model.compute.items():
+        name = f"compute[{key!r}]"
+        if not isinstance(r, ComputeRate):
+            raise _bad(where, name, r, "a ComputeRate")
+        for attr in ("flops_per_s", "bytes_per_s"):
+            if not _positive_rate(getattr(r, attr)):
+                raise _bad(where, f"{name}.{attr}", getattr(r, attr), "> 0 (inf: free)")
+        if not _finite_nonneg(r.launch_s):
+            raise _bad(where, f"{name}.launch_s", r.launch_s, "finite and >= 0 seconds")
+        for i, (t, e) in enumerate(r.curve):
+            if not (_finite_nonneg(t) and t > 0 and _finite_nonneg(e) and e > 0):
+                raise _bad(where, f"{name}.curve[{i}]", (t, e), "a (seconds > 0, finite efficiency > 0) point")
+    for key, v in model.interference.items():
+        if not (_finite_nonneg(v) and 0 < v <= 1):
+            raise _bad(where, f"interference[{key}]", v, "a retained fraction in (0, 1]")
+    for attr in ("host_op_s", "compute_op_s"):
+        if not _finite_nonneg(getattr(model, attr)):
+            raise _bad(where, attr, getattr(model, attr), "finite and >= 0 seconds")
+    for key, v in model.lane_slots.items():
+        if not (isinstance(v, int) and v >= 1):
+            raise _bad(where, f"lane_slots[{key!r}]", v, "an int >= 1")
+    if not (isinstance(model.threads_per_rank, int) and model.threads_per_rank >= 1):
+        raise _bad(where, "threads_per_rank", model.threads_per_rank, "an int >= 1")
+    for attr in ("ranks_per_node", "host_cores"):
+        v = getattr(model, attr)
+        if v is not None and not (_finite_nonneg(v) and v > 0):
+            raise _bad(where, attr, v, "None or a finite number > 0")
 
 
 def _model_to_json(model: CostModel) -> dict:

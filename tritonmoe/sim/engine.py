@@ -374,6 +374,13 @@ class _Engine:
         del self.matches[key]
 
     def add_flow(self, members, klass, lat, work, demands, ranks) -> None:
+        values = [lat, work, *demands.values()]
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            r, i = members[0]
+            raise SimulationError(
+                f"rank {r} op {i} ({klass}) costs latency={lat!r}, work={work!r}, demands={dict(demands)!r}: a time "
+                "of the cost model or of its Work is not finite or is negative"
+            )
         f = _Flow(members, klass, self.now + lat, work, demands, ranks)
         self.flows.append(f)
         for r in ranks:
@@ -406,6 +413,9 @@ class _Engine:
     # -- events --------------------------------------------------------------------------------
 
     def push(self, t: float, what: str, payload) -> None:
+        if not math.isfinite(t):
+            raise SimulationError(f"an op of rank {payload} would end at t={t!r} s: a time of the cost model or of "
+                                  "its Work is not finite")
         self.counter += 1
         heapq.heappush(self.heap, (t, self.counter, what, payload))
 
@@ -430,7 +440,18 @@ class _Engine:
         for r in sorted(self.progs):
             self.try_issue(r)
             self.dispatch(r)
+        # every step ends a flow or a timer, or starts one that a later step ends: a few steps per
+        # op bound a run; a run past the bound is a non-finite or degenerate time, not a schedule
+        bound = 64 * (self.total + 1) + 10_000
+        steps = 0
         while True:
+            steps += 1
+            if steps > bound:
+                raise SimulationError(
+                    f"the simulation made no progress after {bound} steps at t={self.now:g} s ({self.done} of "
+                    f"{self.total} ops done): a time or rate of the cost model or of an op's Work is not finite "
+                    "or not positive"
+                )
             if self.rates_dirty:
                 self.compute_rates()
             t_next = math.inf
@@ -440,9 +461,16 @@ class _Engine:
                 elif f.remaining <= 0:
                     t_next = self.now
                 elif f.rate > 0:
-                    t_next = min(t_next, self.now + f.remaining / f.rate)
+                    end = self.now + f.remaining / f.rate
+                    if math.isnan(end):
+                        raise SimulationError(f"a transfer's end became NaN at t={self.now:g} s: a size or rate of "
+                                              "the cost model is not a number")
+                    t_next = min(t_next, end)
             if self.heap:
                 t_next = min(t_next, self.heap[0][0])
+            if math.isnan(t_next):
+                raise SimulationError(f"a simulated time became NaN at t={self.now:g} s: a time or rate of the cost "
+                                      "model or of an op's Work is not a number")
             if not math.isfinite(t_next):
                 break
             dt = max(0.0, t_next - self.now)
