@@ -47,7 +47,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("tritonmoe.config", "tritonmoe.router")),
     ("experts", ("tritonmoe.experts",)),
     ("layer", ("tritonmoe.layer",)),
-    ("apps", ("tritonmoe.hf", "tritonmoe.inference")),
+    ("apps", ("tritonmoe.hf", "tritonmoe.hf_structure", "tritonmoe.hf_archs", "tritonmoe.inference")),
     ("plan", ("tritonmoe.plan",)),
     ("face", ("=tritonmoe",)),
 ]

@@ -62,9 +62,11 @@ def test_peer_exit_mid_forward_raises_on_survivors():
         assert r.value["elapsed"] < pg_timeout + 5.0, r.value
 
 
-def test_pipeline_degree_needs_ep_group():
-    with pytest.raises(ValueError, match="pipeline_degree=2.*ep_group"):
-        tm.MoELayer(tm.MoEConfig(8, 12, 4, 1, pipeline_degree=2))
+def test_pipeline_degree_without_ep_group_is_the_local_reference():
+    """One config, any world size (tests/test_one_config.py has the equality and the log line)."""
+    from tritonmoe.experts import LocalExperts
+
+    assert isinstance(tm.MoELayer(tm.MoEConfig(8, 12, 4, 1, pipeline_degree=2)).expert_path, LocalExperts)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import tritonmoe as tm
 from _dist import run_group, values_or_fail
 from tritonmoe.comm.programs.memory_reuse import STRATEGIES, memory_layout, restore_schedule
 from tritonmoe.policy.memory_strategy import check_offload, pinned_memory_available
+from tritonmoe.experts import LocalExperts
 from tritonmoe.sim.memory_model import (
     MemoryBudgetError,
     choose_memory,
@@ -245,8 +246,8 @@ def test_config_validation():
         tm.MoEConfig(8, 8, 4, 1, memory_strategy="offload", memory_budget_bytes=10)
     with pytest.raises(ValueError, match="ep_capacity"):
         tm.MoEConfig(8, 8, 4, 1, memory_strategy="keep", ep_capacity=4)
-    with pytest.raises(ValueError, match="needs ep_group"):
-        tm.MoELayer(tm.MoEConfig(8, 8, 4, 1, memory_strategy="recompute"))
+    # without ep_group a memory strategy is the single-process reference's no-op (test_layer: one config, any world size)
+    assert isinstance(tm.MoELayer(tm.MoEConfig(8, 8, 4, 1, memory_strategy="recompute")).expert_path, LocalExperts)
     assert tm.MoEConfig(8, 8, 4, 1, memory_strategy="auto", memory_mi_buffers=2).memory_mi_buffers == 2
     with pytest.raises(ValueError, match=r"memory_mi_buffers=3: use 1 \(the paper's single T_M buffer"):
         tm.MoEConfig(8, 8, 4, 1, memory_strategy="offload", memory_mi_buffers=3)

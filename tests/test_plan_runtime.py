@@ -14,11 +14,13 @@ from _dist import run_group, values_or_fail
 import _plan_runtime_cases
 
 
-def test_auto_needs_a_process_group():
+def test_auto_without_a_process_group_is_the_local_reference():
+    """Without ep_group, "auto"/"search" run as degree 1 (one config, any world size)."""
+    from tritonmoe.experts import LocalExperts
+
     for mode in ("auto", "search"):
         cfg = tm.MoEConfig(8, 8, 4, 2, pipeline_degree=mode)
-        with pytest.raises(ValueError, match=rf"pipeline_degree='{mode}'.*needs ep_group"):
-            tm.MoELayer(cfg)
+        assert isinstance(tm.MoELayer(cfg).expert_path, LocalExperts)
     with pytest.raises(ValueError, match="pipeline_degree='fast' is not supported"):
         tm.MoEConfig(8, 8, 4, 2, pipeline_degree="fast")
     with pytest.raises(TypeError, match="positive int, 'auto' or 'search'"):

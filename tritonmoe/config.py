@@ -51,7 +51,8 @@ class MoEConfig:
             forward by the expert-parallel path: "auto" (the planner simulates the candidates
             with a cost model, ``tritonmoe.plan.choose``; cached per token-count bucket) or
             "search" (MPMoE's profile-based search over 2..8); see :mod:`tritonmoe.policy.degree`.
-            Both need ``ep_group``.
+            A layer built without ``ep_group`` runs any of these as 1 and logs so once: the same
+            config is the single-process reference of the expert-parallel run (same result).
         cost_model: path of a cost-model file for ``pipeline_degree="auto"`` (default: the
             ``TRITONMOE_COST_MODEL`` environment variable, else a built-in default).
         backend: backend of the layer's ops, or None for the process default.
@@ -93,7 +94,8 @@ class MoEConfig:
             (:mod:`tritonmoe.policy.memory_strategy`): None (unmanaged), "keep", "offload", "recomm",
             "recompute", "recomm_recompute" or "auto" (the planner's choice under
             ``memory_budget_bytes``; with ``pipeline_degree="search"``, MPMoE's profile-based
-            search over degree and strategy). Needs ``ep_group``.
+            search over degree and strategy). Without ``ep_group`` the layer runs unmanaged (logged
+            once, like ``pipeline_degree``); with model-parallel / expert-sharding groups it is refused.
         memory_budget_bytes: device bytes the expert block may keep for backward per rank
             (``memory_strategy="auto"`` only); the planner rejects candidates that need more.
         memory_mi_buffers: shared device buffers for the middle activation (MI, the first GEMM's

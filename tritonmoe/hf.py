@@ -5,35 +5,35 @@ in place, or register tritonmoe as an experts implementation of transformers::
 
     layer = tritonmoe.hf.from_hf(model.model.layers[3].mlp)      # a MoELayer with the block's weights
     tritonmoe.hf.to_hf(layer, block)                              # copy (trained) weights back
-    tritonmoe.hf.apply(model)                                     # every supported block -> tritonmoe
-    tritonmoe.hf.register_experts_implementation()                # then: config._experts_implementation = "tritonmoe"
+    tritonmoe.hf.apply(model)                                     # every MoE block -> tritonmoe
+    tritonmoe.hf.restore(model)                                   # and back
+    tritonmoe.hf.use_experts_implementation(model)                # or: only the experts run on tritonmoe
 
-Supported blocks (transformers 5.x class names) and how each maps:
-
-=========================  ======================================================================
-``MixtralSparseMoeBlock``  softmax, top-k, renormalized; SwiGLU experts
-``Qwen2MoeSparseMoeBlock`` softmax, renormalized iff ``norm_topk_prob``; a shared expert behind a
-                           sigmoid gate (``shared_d_ffn``, ``shared_expert_gate``)
-``Qwen3MoeSparseMoeBlock`` softmax, renormalized iff ``norm_topk_prob``
-``OlmoeSparseMoeBlock``    softmax, renormalized iff ``norm_topk_prob``
-``DeepseekV3MoE``          sigmoid scores computed in fp32 (``router_dtype``), the selection bias
-                           ``e_score_correction_bias`` (``expert_bias``), group-limited routing
-                           (top-2-sum group score), ``routed_scaling_factor``, shared experts
-``GptOssMLP``              router bias, softmax over the top-k logits (= renormalized softmax),
-                           expert biases, clamped SwiGLU (``swiglu_oai``; transformers stores gate
-                           and up interleaved, tritonmoe gate columns then up columns)
-=========================  ======================================================================
+**By structure, not by name.** A block is any module with an ``experts`` module and a ``gate`` /
+``router`` module; :func:`tritonmoe.hf_structure.inspect_block` reads what it computes: the
+experts' layout and activation (transformers' ``use_experts_implementation`` flags, shapes), the
+router's weight wherever it sits, its routing function (found by running a float64 copy of the
+router with random weights and matching its top-k against tritonmoe's routings), the shared
+experts and their gate, Mixtral/DBRX router jitter. Then :func:`from_hf` runs the block and the
+converted layer on a probe batch (fp32/fp64 blocks) and refuses a conversion that does not
+reproduce the block. A block tritonmoe cannot express raises :class:`HFConversionError` (a
+``TypeError``) naming every feature that blocks it and the experts-registry path where that works
+(:data:`tritonmoe.hf_structure.KNOWN_GAPS`; docs/hf.md has the table of architectures).
 
 Weight layouts: transformers' fused experts hold ``gate_up_proj`` [E, 2F, D] and ``down_proj``
-[E, D, F] (``F.linear`` convention; GPT-OSS: [E, D, 2F] interleaved and [E, F, D]); tritonmoe's
-``w1`` is [E, D, 2F] (gate, then up) and ``w2`` [E, F, D]. The conversion copies (the layouts
-differ), in the block's dtype and device.
+[E, D, F] (``F.linear`` convention; ``is_transposed``: [E, D, 2F] and [E, F, D]; GPT-OSS's gate
+and up interleaved; DBRX: ``mlp.w1``/``v1``/``w2`` [E*F, D]); tritonmoe's ``w1`` is [E, D, 2F]
+(gate, then up) and ``w2`` [E, F, D]. The conversion copies, in the block's dtype and device.
+
+**fp64.** transformers' default experts implementation (``grouped_mm``) does not take float64;
+compare a model in fp64 inside ``with tritonmoe.hf.eager_experts(model):`` (it sets
+``config._experts_implementation = "eager"`` on the model's configs and puts the old value back),
+or call ``model.set_experts_implementation("eager")``. :func:`from_hf`'s probe does it itself.
 
 Training a patched model: :class:`HFMoEBlock` hands its layer's router logits to transformers'
 output collector (``output_router_logits=True``: the model's ``router_logits`` and ``aux_loss``
-are there and train the router) and applies Mixtral's ``router_jitter_noise`` in training.
-Refused with :class:`HFConversionError` (a ``TypeError``), naming why: Llama 4's and PhiMoE's
-blocks (:data:`UNSUPPORTED`). :func:`apply` and :func:`to_hf` are all or nothing;
+are there and train the router) and applies Mixtral's ``router_jitter_noise`` / DBRX's
+``moe_jitter_eps`` in training. :func:`apply` and :func:`to_hf` are all or nothing;
 :func:`restore` undoes :func:`apply` and refuses a partially converted model.
 
 Load-balancing loss: transformers' ``load_balancing_loss_func`` (Mixtral, Qwen, OLMoE) equals
@@ -46,218 +46,214 @@ scales the layer's coefficient by ``top_k`` so that ``layer.aux_loss`` equals
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Callable, Optional
+import dataclasses
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from .config import MoEConfig
+from .hf_structure import (KNOWN_GAPS, REGISTRY_HINT, BlockSpec, HFConversionError, experts_layout, inspect_block,
+                           is_moe_block, registry_ready)
 from .layer import MoELayer
 from tritonmoe.functional import moe_ffn
 from tritonmoe.core.types import Routing
 
-__all__ = ["SUPPORTED", "UNSUPPORTED", "HFConversionError", "config_from_hf", "from_hf", "to_hf", "apply", "restore",
-           "HFMoEBlock", "register_experts_implementation"]
+__all__ = ["UNSUPPORTED", "HFConversionError", "BlockSpec", "inspect_block", "is_moe_block", "config_from_hf",
+           "from_hf", "to_hf", "apply", "restore", "HFMoEBlock", "eager_experts", "register_experts_implementation",
+           "use_experts_implementation", "hf_to_tensors", "tensors_to_hf"]
 
-#: Class names of the supported transformers MoE blocks.
-SUPPORTED = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock",
-             "DeepseekV3MoE", "GptOssMLP")
 LOSS_CONVENTIONS = ("tritonmoe", "transformers")
+#: Known blocks tritonmoe cannot express and why (message text; the decision is structural).
+UNSUPPORTED = KNOWN_GAPS
 
 
-#: Blocks tritonmoe cannot express, and what they do that it lacks.
-UNSUPPORTED = {
-    "Llama4TextMoe": (
-        "Llama 4 multiplies each expert's *input* by the router's sigmoid score (routed_in = x * score) before the "
-        "experts; tritonmoe weights the experts' *outputs*, which differs for SwiGLU experts"
-    ),
-    "PhimoeSparseMoeBlock": (
-        "PhiMoE routes with SparseMixer (a masked, jittered softmax per slot: router_jitter_noise, "
-        "input_jitter_noise) that tritonmoe's router does not implement"
-    ),
-}
-
-
-class HFConversionError(TypeError):
-    """A transformers block or option tritonmoe.hf cannot convert (names what is missing)."""
-
-
-def _kind(block: nn.Module) -> str:
-    name = type(block).__name__
+def _spec(block: nn.Module) -> BlockSpec:
     if isinstance(block, HFMoEBlock):
         raise HFConversionError(
             f"this block is already a tritonmoe HFMoEBlock (installed by tritonmoe.hf.apply); its layer is block.moe, "
             "and tritonmoe.hf.restore(model) puts the transformers blocks back"
         )
-    if name in UNSUPPORTED:
-        raise HFConversionError(f"tritonmoe.hf cannot convert {name}: {UNSUPPORTED[name]}")
-    if name not in SUPPORTED:
-        raise TypeError(
-            f"tritonmoe.hf does not know the block {name} ({type(block).__module__}); supported: {', '.join(SUPPORTED)}. "
-            "A block converts when it has a top-k router and fused experts (gate_up_proj/down_proj) of one of these layouts"
-        )
-    return name
+    return inspect_block(block)
 
 
-def _need(block: nn.Module, path: str):
-    obj = block
-    for part in path.split("."):
-        if not hasattr(obj, part):
-            raise TypeError(f"{type(block).__name__} has no attribute {path!r}, which tritonmoe.hf needs to convert it "
-                            "(a transformers version with another layout?)")
-        obj = getattr(obj, part)
-    return obj
-
-
-def _act_swiglu(block: nn.Module, experts: nn.Module) -> str:
-    """The activation of a gate-up block: SwiGLU needs SiLU (the only one these models use)."""
-    act = getattr(getattr(block, "config", None), "hidden_act", None) or getattr(experts, "config", None)
-    fn = getattr(experts, "act_fn", None)
-    name = type(fn).__name__ if fn is not None else str(act)
-    if fn is not None and name not in ("SiLU", "SiLUActivation"):
-        raise TypeError(f"{type(block).__name__}'s experts use {name}; tritonmoe.hf converts SiLU-gated (SwiGLU) experts")
-    return "swiglu"
+def _block_dtype(block: nn.Module) -> torch.dtype:
+    w = next((p for n, p in block.named_parameters() if n.startswith("experts.")), None)
+    return w.dtype if w is not None else torch.get_default_dtype()
 
 
 def config_from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, loss_convention: str = "tritonmoe",
-                   backend: Optional[str] = None) -> MoEConfig:
+                   backend: Optional[str] = None, spec: Optional[BlockSpec] = None) -> MoEConfig:
     """The :class:`~tritonmoe.MoEConfig` of a transformers MoE block (see the module docstring)."""
-    kind = _kind(block)
+    spec = spec if spec is not None else _spec(block)
     if loss_convention not in LOSS_CONVENTIONS:
         raise ValueError(f"loss_convention={loss_convention!r}; use one of {LOSS_CONVENTIONS}")
-    if kind == "GptOssMLP":
-        router, experts = _need(block, "router"), _need(block, "experts")
-        E, D = router.weight.shape
-        F = experts.down_proj.shape[1]
-        k = router.top_k
-        opts = dict(activation="swiglu_oai", swiglu_limit=float(experts.limit), swiglu_alpha=float(experts.alpha),
-                    expert_ffn_bias=True, router_bias=True)
-    else:
-        gate, experts = _need(block, "gate"), _need(block, "experts")
-        _need(block, "experts.gate_up_proj")
-        E, D = gate.weight.shape
-        F = experts.down_proj.shape[2]
-        k = gate.top_k
-        opts = dict(activation=_act_swiglu(block, experts))
-        if kind in ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock"):
-            opts["renormalize"] = bool(gate.norm_topk_prob)
-        if kind == "Qwen2MoeSparseMoeBlock":
-            opts.update(shared_d_ffn=_need(block, "shared_expert.gate_proj").weight.shape[0], shared_expert_gate=True)
-        if kind == "DeepseekV3MoE":
-            groups = int(gate.num_group)
-            opts.update(
-                score_func="sigmoid", renormalize=bool(gate.norm_topk_prob), expert_bias=True,
-                routed_scaling_factor=float(gate.routed_scaling_factor),
-                # transformers computes this router in fp32; an fp64 block keeps its weight in fp64
-                router_dtype=None if gate.weight.dtype == torch.float64 else torch.float32,
-                shared_d_ffn=_need(block, "shared_experts.gate_proj").weight.shape[0],
-            )
-            if groups > 1:
-                opts.update(n_groups=groups, topk_groups=int(gate.topk_group), group_score="top2sum")
-    coef = float(aux_loss_coef) * (k if loss_convention == "transformers" else 1)
-    return MoEConfig(D, F, E, k, aux_loss_coef=coef, backend=backend, **opts)
+    x = spec.experts
+    coef = float(aux_loss_coef) * (spec.top_k if loss_convention == "transformers" else 1)
+    return MoEConfig(x.d_model, x.d_ffn, x.num_experts, spec.top_k, aux_loss_coef=coef, backend=backend,
+                     **spec.options(_block_dtype(block)))
 
 
-def _interleaved_to_halves(t: torch.Tensor) -> torch.Tensor:
-    """[..., 2F] with gate/up interleaved (g0, u0, g1, u1, ...) -> gate columns, then up."""
-    return torch.cat([t[..., ::2], t[..., 1::2]], dim=-1)
-
-
-def _halves_to_interleaved(t: torch.Tensor) -> torch.Tensor:
-    F = t.shape[-1] // 2
-    return torch.stack([t[..., :F], t[..., F:]], dim=-1).flatten(-2)
-
-
-def hf_to_tensors(block: nn.Module) -> dict[str, torch.Tensor]:
+def hf_to_tensors(block: nn.Module, spec: Optional[BlockSpec] = None) -> dict[str, torch.Tensor]:
     """The block's weights as a :class:`~tritonmoe.MoELayer` state dict (tritonmoe layouts)."""
-    kind = _kind(block)
-    out: dict[str, torch.Tensor] = {}
-    if kind == "GptOssMLP":
-        r, x = block.router, block.experts
-        out["router.weight"], out["router.bias"] = r.weight, r.bias
-        out["w1"] = _interleaved_to_halves(x.gate_up_proj)
-        out["b1"] = _interleaved_to_halves(x.gate_up_proj_bias)
-        out["w2"], out["b2"] = x.down_proj, x.down_proj_bias
-        return {n: t.detach() for n, t in out.items()}
-    out["router.weight"] = block.gate.weight
-    out["w1"] = block.experts.gate_up_proj.transpose(1, 2)
-    out["w2"] = block.experts.down_proj.transpose(1, 2)
-    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
-    if shared is not None:
-        out["shared_experts.w1"] = torch.cat([shared.gate_proj.weight.t(), shared.up_proj.weight.t()], dim=1)
-        out["shared_experts.w2"] = shared.down_proj.weight.t()
-    if kind == "Qwen2MoeSparseMoeBlock":
-        out["shared_experts.gate"] = block.shared_expert_gate.weight[0]
-    if kind == "DeepseekV3MoE":
-        out["expert_bias"] = block.gate.e_score_correction_bias.float()
+    spec = spec if spec is not None else _spec(block)
+    out = {"router.weight": block.get_parameter(spec.router_weight)}
+    if spec.router_bias is not None:
+        out["router.bias"] = block.get_parameter(spec.router_bias)
+    out.update(spec.experts.to_tritonmoe(block.experts))
+    if spec.shared is not None:
+        m = getattr(block, spec.shared)
+        if spec.shared_style == "input_output":
+            out["shared_experts.w1"], out["shared_experts.w2"] = m.input_linear.weight.t(), m.output_linear.weight.t()
+        else:
+            out["shared_experts.w1"] = torch.cat([m.gate_proj.weight.t(), m.up_proj.weight.t()], dim=1)
+            out["shared_experts.w2"] = m.down_proj.weight.t()
+    if spec.shared_gate is not None:
+        out["shared_experts.gate"] = getattr(block, spec.shared_gate).weight[0]
+    if spec.selection_bias is not None:
+        out["expert_bias"] = _tensor(block, spec.selection_bias).reshape(-1).float()
     return {n: t.detach() for n, t in out.items()}
 
 
-def tensors_to_hf(tensors: dict[str, torch.Tensor], block: nn.Module) -> dict[str, torch.Tensor]:
+def _tensor(block: nn.Module, name: str) -> torch.Tensor:
+    mod, _, attr = name.rpartition(".")
+    return getattr(block.get_submodule(mod) if mod else block, attr)
+
+
+def tensors_to_hf(tensors: dict[str, torch.Tensor], block: nn.Module,
+                  spec: Optional[BlockSpec] = None) -> dict[str, torch.Tensor]:
     """tritonmoe-layout tensors (a layer's state dict, or its gradients by parameter name) as the
     block's parameter and buffer names and layouts (the inverse of :func:`hf_to_tensors`)."""
-    kind = _kind(block)
-    out: dict[str, torch.Tensor] = {}
+    spec = spec if spec is not None else _spec(block)
     t = tensors
-    if kind == "GptOssMLP":
-        out["router.weight"], out["router.bias"] = t["router.weight"], t["router.bias"]
-        out["experts.gate_up_proj"] = _halves_to_interleaved(t["w1"])
-        out["experts.gate_up_proj_bias"] = _halves_to_interleaved(t["b1"])
-        out["experts.down_proj"], out["experts.down_proj_bias"] = t["w2"], t["b2"]
-        return out
-    out["gate.weight"] = t["router.weight"]
-    out["experts.gate_up_proj"] = t["w1"].transpose(1, 2)
-    out["experts.down_proj"] = t["w2"].transpose(1, 2)
-    prefix = {"Qwen2MoeSparseMoeBlock": "shared_expert", "DeepseekV3MoE": "shared_experts"}.get(kind)
-    if prefix is not None and "shared_experts.w1" in t:
-        w1 = t["shared_experts.w1"]
-        Fs = w1.shape[1] // 2
-        out[f"{prefix}.gate_proj.weight"] = w1[:, :Fs].t()
-        out[f"{prefix}.up_proj.weight"] = w1[:, Fs:].t()
-        out[f"{prefix}.down_proj.weight"] = t["shared_experts.w2"].t()
-    if kind == "Qwen2MoeSparseMoeBlock" and "shared_experts.gate" in t:
-        out["shared_expert_gate.weight"] = t["shared_experts.gate"].unsqueeze(0)
-    if kind == "DeepseekV3MoE" and "expert_bias" in t:
-        out["gate.e_score_correction_bias"] = t["expert_bias"]
+    out = {spec.router_weight: t["router.weight"]}
+    if spec.router_bias is not None and "router.bias" in t:
+        out[spec.router_bias] = t["router.bias"]
+    out.update(spec.experts.from_tritonmoe(t))
+    if spec.shared is not None and "shared_experts.w1" in t:
+        w1, w2, p = t["shared_experts.w1"], t["shared_experts.w2"], spec.shared
+        if spec.shared_style == "input_output":
+            out[f"{p}.input_linear.weight"], out[f"{p}.output_linear.weight"] = w1.t(), w2.t()
+        else:
+            fs = w1.shape[1] // 2
+            out[f"{p}.gate_proj.weight"], out[f"{p}.up_proj.weight"] = w1[:, :fs].t(), w1[:, fs:].t()
+            out[f"{p}.down_proj.weight"] = w2.t()
+    if spec.shared_gate is not None and "shared_experts.gate" in t:
+        out[f"{spec.shared_gate}.weight"] = t["shared_experts.gate"].unsqueeze(0)
+    if spec.selection_bias is not None and "expert_bias" in t:
+        out[spec.selection_bias] = t["expert_bias"].reshape(_tensor(block, spec.selection_bias).shape)
     return out
 
 
-def _block_dtype_device(block: nn.Module) -> tuple[torch.dtype, torch.device]:
-    p = block.experts.down_proj
-    return p.dtype, p.device
+def _configs(module: nn.Module) -> list:
+    seen: dict[int, object] = {}
+    for m in module.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "to_dict") and id(c) not in seen:
+            seen[id(c)] = c
+    return list(seen.values())
 
 
-def _jitter(block: nn.Module) -> float:
-    """Mixtral's ``router_jitter_noise`` (the block's ``jitter_noise``): in training the block
-    multiplies its input by U(1 - j, 1 + j) noise before routing and the experts."""
-    return float(getattr(block, "jitter_noise", 0.0) or 0.0)
+@contextlib.contextmanager
+def eager_experts(module: nn.Module) -> Iterator[nn.Module]:
+    """Run ``module``'s transformers experts with the eager implementation inside the block (the
+    one that takes float64; the default ``grouped_mm`` does not): sets
+    ``config._experts_implementation = "eager"`` on every config of ``module`` and restores it."""
+    configs = _configs(module)
+    old = [c.__dict__.get("_experts_implementation", None) for c in configs]
+    try:
+        for c in configs:
+            c._experts_implementation = "eager"
+        yield module
+    finally:
+        for c, v in zip(configs, old):
+            c._experts_implementation = v
+
+
+@contextlib.contextmanager
+def _evaluating(block: nn.Module):
+    modes = [(m, m.training) for m in block.modules()]
+    block.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.train(mode)
+
+
+def _probe(block: nn.Module, layer: MoELayer) -> bool:
+    """Run the block and the layer on a probe batch: the block's return kind (a tuple: GPT-OSS's
+    (out, weights)), and for fp32/fp64 blocks a check that the layer computes what the block
+    computes (anything the structure did not show, e.g. another way of combining shared experts)."""
+    w = layer.w1
+    if w.is_meta:
+        return False
+    D = layer.config.d_model
+    g = torch.Generator().manual_seed(4321)
+    x = torch.randn(1, 8, D, generator=g, dtype=torch.float64).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad(), _evaluating(block), eager_experts(block):
+        try:
+            out = block(x.clone())
+        except Exception as e:  # noqa: BLE001 - a block whose forward needs more than the hidden states
+            raise HFConversionError(
+                f"{type(block).__name__}'s forward does not run on hidden states alone ({type(e).__name__}: "
+                f"{str(e)[:160]}); a MoELayer takes only them. Alternative: {REGISTRY_HINT}") from e
+        got = layer(x)
+    tup = isinstance(out, tuple)
+    want = out[0] if tup else out
+    # an uninitialized block (torch.empty weights) gives NaN/inf: nothing to compare against
+    if w.dtype in (torch.float32, torch.float64) and bool(torch.isfinite(want).all()):
+        tol = 1e-5 if w.dtype == torch.float64 else 2e-3
+        err = (got.double() - want.double()).abs().max().item()
+        scale = max(want.double().abs().max().item(), 1e-30)
+        if not err <= tol * scale:
+            raise HFConversionError(
+                f"converting {type(block).__name__} gives a layer that does not compute what the block computes "
+                f"(max |difference| {err:.3g} on a probe batch, output scale {scale:.3g}): its forward does something "
+                f"its structure does not show, which tritonmoe.hf cannot express; nothing was converted. Alternative: "
+                f"{REGISTRY_HINT}"
+            )
+    return tup
 
 
 def from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, loss_convention: str = "tritonmoe",
-            backend: Optional[str] = None, ignore_router_jitter: bool = False) -> MoELayer:
+            backend: Optional[str] = None, ignore_router_jitter: bool = False, verify: bool = True) -> MoELayer:
     """A :class:`~tritonmoe.MoELayer` computing what ``block`` computes, with a copy of its
     weights, in its dtype and on its device (the router in fp32 where the block computes it so).
 
-    A block with Mixtral's ``router_jitter_noise`` > 0 multiplies its input by noise in training,
-    which a bare MoELayer does not: ``from_hf`` refuses it (``ValueError``) unless
-    ``ignore_router_jitter=True`` (e.g. for inference, where the block applies none);
-    :class:`HFMoEBlock` / :func:`apply` apply the noise as the block does."""
-    cfg = config_from_hf(block, aux_loss_coef=aux_loss_coef, loss_convention=loss_convention, backend=backend)
-    if _jitter(block) > 0 and not ignore_router_jitter:
+    ``verify``: run the block and the layer on a probe batch of 8 tokens (eval mode, no grad) and
+    raise :class:`HFConversionError` if they differ (fp32/fp64 blocks; lower precisions are not
+    compared: their routing may tie).
+
+    A block with router jitter (Mixtral's ``router_jitter_noise``, DBRX's ``moe_jitter_eps``) > 0
+    multiplies its input by noise in training, which a bare MoELayer does not: ``from_hf``
+    refuses it (``ValueError``) unless ``ignore_router_jitter=True`` (e.g. for inference, where the
+    block applies none); :class:`HFMoEBlock` / :func:`apply` apply the noise as the block does."""
+    return _convert(block, aux_loss_coef=aux_loss_coef, loss_convention=loss_convention, backend=backend,
+                    ignore_router_jitter=ignore_router_jitter, verify=verify)[0]
+
+
+def _convert(block: nn.Module, *, aux_loss_coef=0.0, loss_convention="tritonmoe", backend=None,
+             ignore_router_jitter=False, verify=True) -> tuple[MoELayer, BlockSpec, bool]:
+    spec = _spec(block)
+    cfg = config_from_hf(block, aux_loss_coef=aux_loss_coef, loss_convention=loss_convention, backend=backend,
+                         spec=spec)
+    if spec.jitter > 0 and not ignore_router_jitter:
         raise ValueError(
-            f"{type(block).__name__} has router_jitter_noise={_jitter(block)}: in training it multiplies its input by "
+            f"{type(block).__name__} has router_jitter_noise={spec.jitter}: in training it multiplies its input by "
             "U(1-j, 1+j) noise, which a bare MoELayer does not do. Use tritonmoe.hf.HFMoEBlock.from_hf(block) (or "
             "hf.apply(model)), which applies it, or pass ignore_router_jitter=True to convert without it (inference)"
         )
-    dtype, device = _block_dtype_device(block)
-    layer = MoELayer(cfg, device=device, dtype=dtype)
-    state = hf_to_tensors(block)
+    ref = next(p for n, p in block.named_parameters() if n.startswith("experts."))
+    layer = MoELayer(cfg, device=ref.device, dtype=ref.dtype)
     with torch.no_grad():
         own = layer.state_dict()
-        for name, t in state.items():
+        for name, t in hf_to_tensors(block, spec).items():
             own[name].copy_(t)
-    return layer
+    returns_tuple = _probe(block, layer) if verify else False
+    return layer, spec, returns_tuple
 
 
 def _config_fields(cfg: MoEConfig) -> dict:
@@ -265,8 +261,6 @@ def _config_fields(cfg: MoEConfig) -> dict:
     runtime options: aux-loss coefficients, backend, schedules)."""
     skip = {"aux_loss_coef", "z_loss_coef", "backend", "ffn_path", "parm_schedule", "cost_model", "pipeline_degree",
             "ep_capacity", "capacity_factor", "memory_strategy", "memory_budget_bytes", "memory_mi_buffers"}
-    import dataclasses
-
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
 
 
@@ -284,8 +278,10 @@ def to_hf(layer: MoELayer, block: nn.Module) -> nn.Module:
         layer = layer.moe
     if not isinstance(layer, MoELayer):
         raise TypeError(f"layer must be a tritonmoe.MoELayer, got {type(layer).__name__}")
-    want = _config_fields(config_from_hf(block))
+    spec = _spec(block)
+    want = _config_fields(config_from_hf(block, spec=spec))
     have = _config_fields(layer.config)
+    want["router_dtype"] = have["router_dtype"]  # where the router computes, not what: either converts exactly
     diff = [f"{k}={have[k]!r} (the block's: {want[k]!r})" for k in want if have[k] != want[k]]
     if diff:
         raise ValueError(f"the layer does not compute what {type(block).__name__} computes: its {'; '.join(diff)}; "
@@ -301,7 +297,7 @@ def to_hf(layer: MoELayer, block: nn.Module) -> nn.Module:
                 f"in {name}, not all {layer.config.num_experts} (expert-parallel or Parm layouts partition them): gather "
                 "the full weights into a local MoELayer (tm.MoELayer(cfg) + load_state_dict) before to_hf"
             )
-    out = tensors_to_hf(state, block)
+    out = tensors_to_hf(state, block, spec)
     missing = [n for n, p in block.named_parameters() if n not in out]
     unknown = [n for n in out if n not in params]
     bad_shape = [f"{n} {tuple(t.shape)} vs {tuple(params[n].shape)}" for n, t in out.items()
@@ -343,26 +339,27 @@ class HFMoEBlock(nn.Module):
       layer's router logits (:attr:`MoELayer.last_router_logits`, in the graph) go to
       transformers' collector where the block's router would have put them, so the model's
       ``router_logits`` and ``aux_loss`` are there and train the router.
-    * Mixtral's ``router_jitter_noise``: in training the input is multiplied by U(1-j, 1+j)
+    * Mixtral's ``router_jitter_noise`` (DBRX's ``moe_jitter_eps``): in training the input is multiplied by U(1-j, 1+j)
       noise before the layer, drawn exactly as the block draws it (same generator calls).
     * :func:`restore` puts the transformers block back: the original module is kept on the meta
       device (no memory; not a submodule, so not in ``parameters()``)."""
 
-    def __init__(self, layer: MoELayer, kind: str, *, jitter_noise: float = 0.0, original: Optional[nn.Module] = None):
+    def __init__(self, layer: MoELayer, kind: str, *, jitter_noise: float = 0.0, original: Optional[nn.Module] = None,
+                 returns_tuple: bool = False):
         super().__init__()
         self.moe = layer
         self.kind = kind
         self.jitter_noise = float(jitter_noise)
+        self.returns_tuple = bool(returns_tuple)
         self.__dict__["_original"] = original  # not registered: no parameters, no state-dict keys
 
     @classmethod
     def from_hf(cls, block: nn.Module, *, keep_original: bool = True, **kwargs) -> "HFMoEBlock":
         """The replacement of ``block`` (``kwargs`` as :func:`from_hf`)."""
-        kind = _kind(block)
-        layer = from_hf(block, ignore_router_jitter=True, **kwargs)
+        layer, spec, returns_tuple = _convert(block, ignore_router_jitter=True, **kwargs)
         layer.train(block.training)
         original = _meta_copy(block) if keep_original else None
-        return cls(layer, kind, jitter_noise=_jitter(block), original=original)
+        return cls(layer, type(block).__name__, jitter_noise=spec.jitter, original=original, returns_tuple=returns_tuple)
 
     def forward(self, hidden_states: torch.Tensor):
         if self.training and self.jitter_noise > 0:  # Mixtral's router jitter, as transformers draws it
@@ -370,7 +367,7 @@ class HFMoEBlock(nn.Module):
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - j, 1.0 + j)
         out = self.moe(hidden_states)
         _record_router_logits(self.moe.last_router_logits)
-        if self.kind == "GptOssMLP":
+        if self.returns_tuple:  # GPT-OSS's block returns (out, routing weights)
             return out, self.moe.last_routing.topk_weights.to(out.dtype)
         return out
 
@@ -399,26 +396,41 @@ def _materialize(block: nn.Module, device: torch.device, dtype: Optional[torch.d
     return block.to(cast) if cast is not None else block
 
 
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MoE blocks of ``model`` by structure (:func:`tritonmoe.hf_structure.is_moe_block`),
+    outermost only (a block's own submodules are not searched)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if isinstance(m, HFMoEBlock) or any(name.startswith(f"{n}.") for n, _ in found):
+            continue
+        if is_moe_block(m):
+            found.append((name, m))
+    return found
+
+
 def apply(model: nn.Module, *, backend: Optional[str] = None, aux_loss_coef: float = 0.0,
           loss_convention: str = "tritonmoe") -> list[str]:
-    """Replace every supported MoE block of ``model`` (in place) by an :class:`HFMoEBlock` holding
-    a converted :class:`~tritonmoe.MoELayer`; returns the replaced modules' names. All or
-    nothing: every block is converted before the first is replaced, so a block that fails to
-    convert leaves the model as it was. Raises ``TypeError`` when the model has no supported
-    block, or has a block tritonmoe cannot express (:data:`UNSUPPORTED`, e.g. Llama 4's or
-    PhiMoE's)."""
-    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in SUPPORTED]
-    refused = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__ in UNSUPPORTED]
-    if refused:
-        name, kind = refused[0]
-        raise HFConversionError(f"{type(model).__name__}.{name} is a {kind}: {UNSUPPORTED[kind]}; nothing was replaced")
+    """Replace every MoE block of ``model`` (in place; found by structure) by an
+    :class:`HFMoEBlock` holding a converted :class:`~tritonmoe.MoELayer`; returns the replaced
+    modules' names. All or nothing: every block is converted before the first is replaced, so a
+    block that cannot be converted leaves the model as it was: :class:`HFConversionError` names
+    each refused block class, what blocks it and whether the experts-registry path
+    (:func:`use_experts_implementation`) works instead. ``TypeError`` when the model has no MoE
+    block."""
+    targets = moe_blocks(model)
     if not targets:
-        kinds = sorted({type(m).__name__ for _, m in model.named_modules() if "moe" in type(m).__name__.lower()
-                        or "expert" in type(m).__name__.lower()})
-        raise TypeError(f"{type(model).__name__} has no MoE block tritonmoe.hf supports ({', '.join(SUPPORTED)}); "
-                        f"its MoE-like modules: {kinds or 'none'}")
-    made = [(name, HFMoEBlock.from_hf(block, backend=backend, aux_loss_coef=aux_loss_coef,
-                                      loss_convention=loss_convention)) for name, block in targets]
+        raise TypeError(f"{type(model).__name__} has no MoE block tritonmoe.hf reads (a module with an `experts` module "
+                        "and a `gate`/`router` module with a 2-D weight); nothing was replaced")
+    made, refused = [], {}
+    for name, block in targets:
+        try:
+            made.append((name, HFMoEBlock.from_hf(block, backend=backend, aux_loss_coef=aux_loss_coef,
+                                                  loss_convention=loss_convention)))
+        except HFConversionError as e:
+            refused.setdefault(type(block).__name__, (name, str(e)))
+    if refused:
+        parts = [f"{type(model).__name__}.{n} ({why})" for n, why in refused.values()]
+        raise HFConversionError(f"{'; '.join(parts)}; nothing was replaced")
     for name, new in made:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -433,11 +445,11 @@ def restore(model: nn.Module) -> list[str]:
     and in its current dtype (after ``model.float()`` etc. too); returns the restored modules' names.
 
     Refuses (``ValueError``, nothing changed) a partially converted model: one that mixes
-    HFMoEBlocks with supported transformers blocks still unconverted (``apply`` on a submodule,
+    HFMoEBlocks with transformers MoE blocks still unconverted (``apply`` on a submodule,
     blocks replaced by hand), since the result would depend on which were converted; and an
     HFMoEBlock without its original block (built with ``keep_original=False``)."""
     converted = [(n, m) for n, m in model.named_modules() if isinstance(m, HFMoEBlock)]
-    plain = [n for n, m in model.named_modules() if type(m).__name__ in SUPPORTED]
+    plain = [n for n, _ in moe_blocks(model)]
     if not converted:
         raise ValueError(f"{type(model).__name__} has no HFMoEBlock (tritonmoe.hf.apply installs them); nothing to restore")
     if plain:
@@ -466,27 +478,34 @@ def restore(model: nn.Module) -> list[str]:
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts call ``(hidden_states [T, D], top_k_index [T, k], top_k_weights)``
-    on tritonmoe's fused expert FFN (the block's routing; transformers' gate-up experts)."""
+    on tritonmoe's fused expert FFN (the block's routing; any experts layout
+    :func:`tritonmoe.hf_structure.experts_layout` reads)."""
 
-    if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False):
-        raise NotImplementedError(f"the tritonmoe experts implementation runs gate-up SwiGLU experts without biases; "
-                                  f"{type(self).__name__} needs the eager implementation")
-    E = self.num_experts
+    problems: list[str] = []
+    lay = experts_layout(self, problems)
+    if problems or lay is None:
+        raise NotImplementedError(f"the tritonmoe experts implementation cannot run {type(self).__name__}: "
+                                  f"{'; '.join(problems)}; use the eager implementation")
+    E = lay.num_experts
     ids = top_k_index.to(torch.int32)
     valid = (ids >= 0) & (ids < E)  # expert-parallel sentinels (ids >= E) are not routed here
     counts = torch.bincount(ids[valid].long(), minlength=E).to(torch.int32)
     routing = Routing(topk_ids=torch.where(valid, ids, torch.full_like(ids, -1)), topk_weights=top_k_weights.float(),
                       counts=counts, selected_counts=counts)
-    w1 = self.gate_up_proj.transpose(1, 2)
-    w2 = self.down_proj.transpose(1, 2)
-    return moe_ffn(hidden_states, routing, w1, w2, "swiglu")
+    w = lay.to_tritonmoe(self)
+    extra = {}
+    if lay.activation == "swiglu_oai":
+        extra = dict(swiglu_limit=lay.swiglu_limit, swiglu_alpha=lay.swiglu_alpha)
+    return moe_ffn(hidden_states, routing, w["w1"], w["w2"], lay.activation, w.get("b1"), w.get("b2"), **extra)
 
 
 def register_experts_implementation(name: str = "tritonmoe") -> Callable:
     """Register tritonmoe's fused expert FFN as the transformers experts implementation ``name``
     (transformers >= 5 has the registry): a model loaded with
     ``from_pretrained(..., experts_implementation=name)`` (or ``config._experts_implementation =
-    name``) keeps its own routing and runs its experts through :func:`tritonmoe.moe_ffn`."""
+    name``) keeps its own routing and runs its experts through :func:`tritonmoe.moe_ffn`. Only
+    experts classes decorated with transformers' ``use_experts_implementation`` dispatch through
+    the registry: :func:`use_experts_implementation` checks that for a model (Llama 4's do not)."""
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError as e:
@@ -494,3 +513,32 @@ def register_experts_implementation(name: str = "tritonmoe") -> Callable:
                           "tritonmoe.hf.apply(model) instead") from e
     ALL_EXPERTS_FUNCTIONS.register(name, _experts_forward)
     return _experts_forward
+
+
+def use_experts_implementation(model: nn.Module, name: str = "tritonmoe") -> list[str]:
+    """Register tritonmoe's experts implementation (:func:`register_experts_implementation`) and
+    switch ``model`` to it (``config._experts_implementation = name`` on every config of the
+    model); returns the names of the experts modules that now run on tritonmoe.
+
+    Raises :class:`HFConversionError` (nothing changed) when an experts module of the model does
+    not dispatch through the registry (Llama 4's experts run their own bmm: the setting would do
+    nothing) or has a layout tritonmoe's function cannot run, and ``TypeError`` when the model has
+    no MoE block."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise TypeError(f"{type(model).__name__} has no MoE block (a module with `experts` and a `gate`/`router`)")
+    bad = {}
+    for bname, block in blocks:
+        why = registry_ready(block.experts)
+        if why is not None:
+            bad.setdefault(type(block.experts).__name__, f"{bname}.experts: {why}")
+    if bad:
+        raise HFConversionError(
+            f"the experts-registry path cannot run {type(model).__name__}'s experts, nothing was changed: "
+            f"{'; '.join(bad.values())}" + ("" if all(type(b).__name__ in KNOWN_GAPS for _, b in blocks) else
+                                             ". tritonmoe.hf.apply(model) converts blocks whose structure it reads")
+        )
+    register_experts_implementation(name)
+    for c in _configs(model):
+        c._experts_implementation = name
+    return [f"{n}.experts" if n else "experts" for n, _ in blocks]

@@ -27,6 +27,8 @@ device and dtype; the layer produces its own routing metadata, so no value check
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any, Optional
 
 import torch
@@ -56,6 +58,26 @@ __all__ = [
 ]
 
 
+#: The single-process notes already logged (one line per distinct note per process).
+_NOTED: set[str] = set()
+_log = logging.getLogger("tritonmoe")
+
+
+def _note_single_process(config: MoEConfig) -> None:
+    """One config, any world size: without ``ep_group`` the expert-parallel schedule options
+    (``pipeline_degree`` > 1, "auto" or "search"; ``memory_strategy``) do not change what the
+    layer computes (bitwise in fp64: the pipeline changes the schedule, not the result), so a
+    local layer runs them as degree 1 and unmanaged: the single-process reference of the same
+    ``MoEConfig``. Logged once per process and option value (not an error)."""
+    opts = [f"pipeline_degree={config.pipeline_degree!r}" if config.pipeline_degree != 1 else "",
+            f"memory_strategy={config.memory_strategy!r}" if config.memory_strategy is not None else ""]
+    note = ", ".join(o for o in opts if o)
+    if note and note not in _NOTED:
+        _NOTED.add(note)
+        _log.warning("tritonmoe: a MoELayer without ep_group runs %s as pipeline_degree=1 without a memory strategy "
+                     "(the single-process reference of this expert-parallel config; same result)", note)
+
+
 def make_expert_path(
     config: MoEConfig,
     *,
@@ -68,13 +90,12 @@ def make_expert_path(
 ) -> ExpertPath:
     """The expert path of a layer with this config and layout."""
     dtype = dtype if dtype is not None else torch.get_default_dtype()
-    if config.memory_strategy is not None and (
-        ep_group is None or parm_groups is not None or mp_group is not None or esp_group is not None
-        or ep_esp_group is not None
-    ):
+    parm = parm_groups is not None or mp_group is not None or esp_group is not None or ep_esp_group is not None
+    if config.memory_strategy is not None and parm:
         raise ValueError(
             f"memory_strategy={config.memory_strategy!r} manages the activations of the pipelined expert-parallel path "
-            "and needs ep_group alone (no model-parallel / expert-sharding groups); use memory_strategy=None here"
+            "and needs ep_group alone (no model-parallel / expert-sharding groups); use memory_strategy=None here "
+            "(without any group the layer runs it as the single-process reference and ignores it)"
         )
     if parm_groups is not None or mp_group is not None or esp_group is not None or ep_esp_group is not None:
 
@@ -86,16 +107,5 @@ def make_expert_path(
         if config.ep_capacity is not None:
             return StaticExpertParallelExperts(config, ep_group, dtype)
         return ExpertParallelExperts(config, ep_group, dtype)
-    if isinstance(config.pipeline_degree, str):
-        raise ValueError(
-            f"pipeline_degree={config.pipeline_degree!r} chooses the degree of the expert-parallel pipeline at run "
-            "time and needs ep_group (a torch.distributed process group); without expert parallelism use "
-            "pipeline_degree=1"
-        )
-    if config.pipeline_degree != 1:
-        raise ValueError(
-            f"pipeline_degree={config.pipeline_degree} overlaps expert-parallel communication with "
-            "expert compute and needs ep_group (a torch.distributed process group); use "
-            "pipeline_degree=1 without expert parallelism"
-        )
+    _note_single_process(config)
     return LocalExperts(config)
