@@ -136,6 +136,9 @@ class _Problem:
     with_aux: bool
     group_max: bool
     scale: float
+    sqrtsp: bool
+    group_topn: int
+    drop_policy: str
     block_g: int
     block_s: int
     block_k: int
@@ -144,7 +147,7 @@ class _Problem:
 
 @functools.lru_cache(maxsize=1024)
 def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str, renormalize: bool, capacity,
-             with_aux: bool, group_score: str, scale: float, interpret: bool) -> _Problem:
+             with_aux: bool, group_score: str, scale: float, interpret: bool, drop_policy: str = "slot") -> _Problem:
     """The static description of a route call, cached: the launcher's host work per call is the
     launch, not rebuilding (and re-validating) the same problem and tile config for every batch.
     Keyed by the validated arguments (bools and ints already normalized by the caller)."""
@@ -171,6 +174,9 @@ def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str,
         with_aux=with_aux,
         group_max=group_score == "max",
         scale=scale,
+        sqrtsp=score_func == "sqrtsoftplus",
+        group_topn=top_k // topk_groups if group_score == "sum_topn" and G > 1 else 0,
+        drop_policy=drop_policy if capacity is not None else "slot",
         block_g=block_g,
         block_s=block_s,
         block_k=next_power_of_2(top_k),
@@ -189,7 +195,10 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
     ids_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     w_TK = torch.empty(T, K, dtype=torch.float32, device=dev)
     counts_E = torch.zeros(E, dtype=torch.int32, device=dev)
-    has_cap = prob.capacity is not None
+    # "position" / "probs" dropping is a pass across tokens after the router (_drop_pass): the
+    # kernel routes as if dropless and counts the selected slots
+    has_cap = prob.capacity is not None and prob.drop_policy == "slot"
+    with_prio = prob.capacity is not None and prob.drop_policy == "probs"
     selected_E = torch.zeros(E, dtype=torch.int32, device=dev) if has_cap else counts_E
     score_sum_E = lse_T = None
     if T == 0:  # nothing to launch; empty outputs of the right shapes
@@ -207,6 +216,7 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
         part_BE = torch.empty(NB, E, dtype=torch.float32, device=dev)
         lse_T = torch.empty(T, dtype=torch.float32, device=dev)
     dummy_f32 = w_TK  # placeholder for pointers a specialization never reads
+    prio_TK = torch.empty(T, K, dtype=torch.float32, device=dev) if with_prio else dummy_f32
     with _device_ctx(logits_TE):
         _route_fwd_kernel[(NB,)](
             logits_TE,
@@ -238,6 +248,10 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             BLOCK_K=prob.block_k,
             scale=prob.scale,
             GROUP_MAX=prob.group_max,
+            SQRTSP=prob.sqrtsp,
+            GROUP_TOPN=prob.group_topn,
+            prio_ptr=prio_TK,
+            WITH_PRIO=with_prio,
             num_warps=cfg.num_warps,
             **FWD_COMPILE_OPTIONS,
         )
@@ -274,10 +288,44 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
                 BLOCK_KC=max(1, min(prob.block_k, 8192 // (cfg.block_t * cfg.block_t))),
                 num_warps=cfg.num_warps,
             )
+    if prob.capacity is not None and not has_cap:
+        ids_TK, w_TK, counts_E = _drop_pass(sel_ids_TK, w_TK, selected_E, prio_TK if with_prio else None,
+                                            prob.capacity)
     if prob.with_aux:
         # fixed-order reduction of the per-block partial sums (deterministic; no float atomics)
         score_sum_E = part_BE.sum(dim=0)
     return ids_TK, w_TK, counts_E, selected_E, score_sum_E, lse_T, sel_ids_TK
+
+
+def _drop_pass(sel_ids_TK: torch.Tensor, w_TK: torch.Tensor, selected_E: torch.Tensor,
+               prio_TK: Optional[torch.Tensor], capacity: int):
+    """Capacity dropping by "position" (prio None: each expert keeps its earliest tokens) or by
+    "probs" (its highest priorities, ties to the earlier token), on the device without a host
+    sync: one sort of the slots by a composite int64 key inside each expert's order, then each
+    slot's rank on its expert against ``capacity``. Returns (ids, weights, kept counts)."""
+    T, K = sel_ids_TK.shape
+    E = selected_E.shape[0]
+    e = sel_ids_TK.reshape(-1).long()
+    tok = torch.arange(T * K, device=e.device) // K
+    if prio_TK is None:
+        inner = tok  # position: token order (a token holds an expert at most once)
+    else:
+        # descending priority, then token: the fp32 bits mapped to an order-preserving unsigned
+        # 32-bit integer, complemented, above the token id (T < 2^31)
+        bits = prio_TK.reshape(-1).view(torch.int32).long()
+        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
+        inner = ((2**32 - 1 - ordered) << 31) | tok
+    order = torch.argsort(inner, stable=True)
+    order = order[torch.argsort(e[order], stable=True)]  # by expert, the inner order kept
+    starts = torch.cumsum(selected_E.long(), 0) - selected_E.long()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(T * K, device=e.device) - starts[e[order]]
+    keep = (rank < capacity).view(T, K)
+    ids = torch.where(keep, sel_ids_TK, torch.full_like(sel_ids_TK, -1))
+    w = torch.where(keep, w_TK, torch.zeros_like(w_TK))
+    kept = torch.zeros(E + 1, dtype=torch.int64, device=e.device)
+    kept.scatter_add_(0, torch.where(keep.reshape(-1), e + 1, torch.zeros_like(e)), torch.ones_like(e))
+    return ids, w, kept[1:].to(torch.int32)
 
 
 def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_T) -> torch.Tensor:
@@ -320,6 +368,7 @@ def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_
             BLOCK_S=prob.block_s,
             BLOCK_K=prob.block_k,
             scale=prob.scale,
+            SQRTSP=prob.sqrtsp,
             num_warps=cfg.bwd_num_warps,
         )
     return dlogits_TE
@@ -361,6 +410,7 @@ def route(
     with_aux: bool = False,
     group_score: str = "top2sum",
     routed_scaling_factor: float = 1.0,
+    drop_policy: str = "slot",
 ) -> Routing:
     """Top-k routing with the fused Triton kernels; the contract of :func:`tritonmoe.route`
     (arguments already validated there). The ids equal :func:`tritonmoe.reference.route`'s bit
@@ -378,7 +428,7 @@ def route(
         )
     T, E = logits_TE.shape
     prob = _problem(T, E, top_k, n_groups, topk_groups, score_func, renormalize, capacity, with_aux, group_score,
-                    float(routed_scaling_factor), logits_TE.device.type != "cuda")
+                    float(routed_scaling_factor), logits_TE.device.type != "cuda", drop_policy)
     override = _override.get()
     if override is not None:
         prob = dataclasses.replace(prob, config=override)

@@ -31,7 +31,8 @@ def _rows_like(x_TD: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def route(logits_TE, top_k, *, score_func="softmax", renormalize=True, expert_bias=None, n_groups=None,
-          topk_groups=None, capacity=None, with_aux=False, group_score="top2sum", routed_scaling_factor=1.0) -> Routing:
+          topk_groups=None, capacity=None, with_aux=False, group_score="top2sum", routed_scaling_factor=1.0,
+          drop_policy="slot") -> Routing:
     T, E = logits_TE.shape
     scores = logits_TE.float()
     dev = logits_TE.device
