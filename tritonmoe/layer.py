@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops, reference
+from .aux_loss import GlobalBalanceState, attach_aux_loss, balance_losses
 from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
 from .dispatch import implementation
@@ -68,6 +69,8 @@ class _StepState:
         self.routing: Routing | None = None
         self.load: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
+        self.padding_mask: torch.Tensor | None = None  # of the forward in progress (flattened)
+        self.sequence_length: int | None = None
 
     def __deepcopy__(self, memo) -> "_StepState":
         return _StepState()
@@ -201,10 +204,19 @@ class MoELayer(nn.Module):
         parm_groups=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        aux_loss_group=None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
+        if aux_loss_group is not None and "global" not in (
+                config.aux_loss_type if isinstance(config.aux_loss_type, tuple) else (config.aux_loss_type,)):
+            raise ValueError(
+                f"aux_loss_group is the group the 'global' balance loss reduces its counts over, but "
+                f"aux_loss_type={config.aux_loss_type!r}; add 'global' to aux_loss_type or drop aux_loss_group"
+            )
+        #: The group the "global" balance loss sums its token counts over (e.g. data parallel).
+        self.aux_loss_group = aux_loss_group
         if mesh is not None:
             if ep_group is not None:
                 raise ValueError("pass mesh= or ep_group=, not both (the mesh's 'ep' dimension is the expert-parallel group)")
@@ -242,6 +254,7 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
         self._step = _StepState()
+        self._global_balance = GlobalBalanceState(E, device=device)
         self._step.load = torch.zeros(E, dtype=torch.int64, device=device)  # a tensor from the start (no
         # None -> tensor change for torch.compile to guard on); _apply moves it with the layer
         self.init_seed: int = 0
@@ -255,6 +268,13 @@ class MoELayer(nn.Module):
                 group=seed_group,
                 what="the layer's initialization seed (seed every rank identically, e.g. torch.manual_seed(s), before "
                 "building the model: the replicated router and the experts' seeds come from it)",
+            )
+        if (mp_group is not None or esp_group is not None or parm_groups is not None) and (
+                set(config.aux_losses) - {"switch"} or config.drop_policy != "slot"):
+            raise ValueError(
+                f"the Parm layouts (mp_group / esp_group) compute the batch's Switch loss and drop slot-major; "
+                f"aux_loss_type={config.aux_loss_type!r}, drop_policy={config.drop_policy!r} are not supported there: "
+                "use aux_loss_type='switch' and drop_policy='slot'"
             )
         if self.expert_parallel:
             from .parallel.checkpoint import expert_load_pre_hook, expert_state_dict_hook
@@ -363,10 +383,13 @@ class MoELayer(nn.Module):
     def route_options(self) -> dict:
         """The keyword options of the route op for this layer (every routed layout uses them)."""
         c = self.config
-        return dict(
+        opts = dict(
             score_func=c.score_func, renormalize=c.renormalize, expert_bias=self.expert_bias, n_groups=c.n_groups,
             topk_groups=c.topk_groups, group_score=c.group_score, routed_scaling_factor=c.routed_scaling_factor,
         )
+        if c.drop_policy != "slot":
+            opts["drop_policy"] = c.drop_policy
+        return opts
 
     def router_input(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The router's input: ``x`` in the router's dtype (``config.router_dtype``)."""
@@ -377,7 +400,7 @@ class MoELayer(nn.Module):
         """Router logits and routing for flattened tokens."""
         c = self.config
         logits_TE = router_logits(self.router_input(x_TD), self.router.weight, self.router)
-        need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+        need_aux = bool(c.aux_losses) or c.z_loss_coef > 0
         # Traced by torch.compile: the custom op (one opaque node; tritonmoe.ops), else the implementation.
         route = ops.route if torch.compiler.is_compiling() else implementation("route", c.backend, x_TD.device,
                                                                                  logits_TE.dtype)
@@ -393,13 +416,27 @@ class MoELayer(nn.Module):
         return logits_TE, routing
 
     def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The weighted balance losses (``config.aux_loss_type``) and z-loss of this forward's
+        tokens (the padding mask and sequence length given to ``forward``)."""
         c = self.config
         loss = torch.zeros((), device=logits_TE.device, dtype=torch.float32)
-        if c.aux_loss_coef > 0:
-            loss = loss + c.aux_loss_coef * reference.load_balancing_loss(logits_TE, routing)
+        mask, seq = self._step.padding_mask, self._step.sequence_length
+        if c.aux_losses:
+            loss = loss + balance_losses(logits_TE, routing, c.aux_losses, padding_mask=mask, sequence_length=seq,
+                                         global_state=self._global_balance, group=self.aux_loss_group)
         if c.z_loss_coef > 0:
-            loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing)
+            loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing, padding_mask=mask)
         return loss
+
+    def reset_aux_loss_state(self) -> None:
+        """Start a new global batch for the "global" balance loss: zero its accumulated token
+        counts (call at each optimizer step, after the last micro-batch's backward)."""
+        self._global_balance.reset()
+
+    @property
+    def global_balance_state(self) -> GlobalBalanceState:
+        """The accumulated counts of the "global" balance loss since the last reset."""
+        return self._global_balance
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.w1, self.w2, self.b1, self.b2)
@@ -448,13 +485,17 @@ class MoELayer(nn.Module):
             self._step.load = torch.zeros_like(load)
         return load
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [..., d_model]; ``padding_mask`` (optional, bool ``x.shape[:-1]``, True = a real
+        token): padded tokens still pass through the experts, but leave the balance and z losses
+        and the expert load counts (:meth:`expert_load`, the expert-bias update). The "seq" balance
+        loss reads ``x`` as [B, S, d_model]."""
         if not isinstance(self.expert_path, LocalExperts):
-            return self._forward_eagerly(x)
-        return self._forward(x)
+            return self._forward_eagerly(x, padding_mask)
+        return self._forward(x, padding_mask)
 
     @torch.compiler.disable
-    def _forward_eagerly(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_eagerly(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The forward of the distributed layouts (expert parallel, static or dynamic; Parm),
         always eager: inside a model under ``torch.compile`` the layer is a deliberate graph
         break (dynamo compiles the code before and after it and runs the layer as it runs without
@@ -462,9 +503,37 @@ class MoELayer(nn.Module):
         events and process groups dynamo does not trace, and their exact weight-gradient
         deferral cannot live in a custom op. ``fullgraph=True`` therefore refuses a model with
         such a layer; the local layer compiles into the graph (:mod:`tritonmoe.ops`)."""
-        return self._forward(x)
+        return self._forward(x, padding_mask)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _token_options(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
+        """Check and keep this forward's padding mask (flattened) and sequence length."""
+        c = self.config
+        if padding_mask is not None:
+            if not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool:
+                raise TypeError(
+                    f"padding_mask must be a bool tensor of shape x.shape[:-1] = {tuple(x.shape[:-1])} (True = a real "
+                    f"token), got {type(padding_mask).__name__} {getattr(padding_mask, 'dtype', '')}; e.g. "
+                    "attention_mask.bool()"
+                )
+            if tuple(padding_mask.shape) != tuple(x.shape[:-1]):
+                raise ValueError(
+                    f"padding_mask has shape {tuple(padding_mask.shape)} but x has {tuple(x.shape)}; pass one entry per "
+                    f"token, shape {tuple(x.shape[:-1])}"
+                )
+            if padding_mask.device != x.device:
+                raise ValueError(f"padding_mask is on {padding_mask.device} but x is on {x.device}; move it")
+            padding_mask = padding_mask.reshape(-1)
+        seq = None
+        if "seq" in c.aux_losses:
+            if x.dim() != 3:
+                raise ValueError(
+                    f"aux_loss_type 'seq' takes each sequence's tokens from x as [B, S, d_model]; x has shape "
+                    f"{tuple(x.shape)}: pass x batch-major with its sequence dimension"
+                )
+            seq = x.shape[1]
+        self._step.padding_mask, self._step.sequence_length = padding_mask, seq
+
+    def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -477,10 +546,21 @@ class MoELayer(nn.Module):
         if self.expert_parallel:
             check_ddp(self)  # before any collective: plain DDP over different experts is refused
         x_TD = x.reshape(-1, c.d_model)
-        out_TD, routing, self.aux_loss = self.expert_path.layer_forward(self, x_TD)
+        self._token_options(x, padding_mask)
+        try:
+            out_TD, routing, aux = self.expert_path.layer_forward(self, x_TD)
+        finally:
+            mask, self._step.padding_mask = self._step.padding_mask, None
+        if c.aux_loss_mode == "attach":
+            out_TD = attach_aux_loss(out_TD, aux)
+            aux = aux.detach()
+        self.aux_loss = aux
         self.last_routing = routing
         with torch.no_grad():
-            counts = routing.counts.to(torch.int64)
+            if mask is None:
+                counts = routing.counts.to(torch.int64)
+            else:  # the real tokens' routed (kept) slots
+                counts = reference.selected_slot_counts(routing, mask).to(torch.int64)
             self._step.load = counts if self._step.load is None else self._step.load + counts
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
