@@ -134,7 +134,7 @@ def _sqrtsoftplus(x):
     log(1 + u) * u / ((1 + u) - 1) (exact to rounding for small u, where log(1 + u) is not)."""
     u = tl.exp(-tl.abs(x))
     y = 1.0 + u
-    l1p = tl.where(y == 1.0, u, tl.log(y) * (u / (y - 1.0)))
+    l1p = tl.where(y == 1.0, u, tl.log(y) * (u / tl.where(y == 1.0, 1.0, y - 1.0)))
     return tl.sqrt(tl.where(x > 0, x, 0.0) + l1p)
 
 
@@ -610,7 +610,7 @@ def _route_bwd_kernel(
         dl_TE = s_TE * (ds_TE - dot_s_T[:, None])
     elif SQRTSP:
         sig_TE = 1.0 / (1.0 + tl.exp(-x_TE))
-        dl_TE = tl.where(s_TE > 0, ds_TE * sig_TE / (2.0 * s_TE), 0.0)
+        dl_TE = tl.where(s_TE > 0, ds_TE * sig_TE / tl.where(s_TE > 0, 2.0 * s_TE, 1.0), 0.0)
     else:
         dl_TE = ds_TE * (s_TE * (1.0 - s_TE))
     if HAS_DLSE:
