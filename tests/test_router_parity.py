@@ -576,3 +576,42 @@ def test_hf_attention_mask_reaches_the_layer():
                                                                           block.moe.last_routing), rtol=1e-14, atol=0)
     hf.restore(model)
     assert hf._MASK_HOOKS not in model.__dict__
+
+
+# -- torch.compile: the new options go through the route custom op ------------------------------------------
+
+
+def test_route_op_opcheck_with_new_options():
+    logits = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    bias = torch.linspace(-0.1, 0.1, 8)
+    for args in (
+        (logits, None, 2, "sqrtsoftplus", True, 4, 2, 3, True, "sum_topn", 1.0, "torch", "probs"),
+        (logits, bias, 3, "sigmoid", False, None, None, 2, True, "top2sum", 2.0, "torch", "position"),
+    ):
+        torch.library.opcheck(torch.ops.tritonmoe.route.default, args)
+
+
+def test_compiled_layer_with_new_options_matches_eager():
+    layer = _layer(score_func="sqrtsoftplus", n_groups=4, topk_groups=2, group_score="sum_topn", capacity_factor=1.0,
+                   drop_policy="probs", aux_loss_type=("switch", "seq"), aux_loss_coef=(0.1, 0.2), z_loss_coef=0.01)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    mask = torch.rand(2, 5, generator=torch.Generator().manual_seed(11)) > 0.3
+    y = layer(x, padding_mask=mask)
+    aux, ids = layer.aux_loss.detach(), layer.last_routing.topk_ids
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    yc = compiled(x, padding_mask=mask)
+    torch.testing.assert_close(yc, y, rtol=1e-13, atol=1e-15)
+    assert torch.equal(layer.last_routing.topk_ids, ids)
+    torch.testing.assert_close(layer.aux_loss.detach(), aux, rtol=1e-13, atol=0)
+
+
+def test_config_forms_and_parm_refusal():
+    c = tm.MoEConfig(8, 8, 4, 2, aux_loss_type=("switch",), aux_loss_coef=(0.1,))
+    assert c.aux_loss_type == "switch" and c.aux_loss_coef == 0.1 and c.aux_losses == {"switch": 0.1}
+    c = tm.MoEConfig(8, 8, 4, 2, aux_loss_type=["seq", "global"], aux_loss_coef=[0, 2])
+    assert c.aux_loss_type == ("seq", "global") and c.aux_loss_coef == (0.0, 2.0) and c.aux_losses == {"global": 2.0}
+    # refused before any group is touched (the groups here are not even process groups)
+    with pytest.raises(ValueError, match="Parm layouts"):
+        tm.MoELayer(tm.MoEConfig(8, 8, 4, 2, aux_loss_type="seq", aux_loss_coef=0.1), mp_group=object())
+    with pytest.raises(ValueError, match="Parm layouts"):
+        tm.MoELayer(tm.MoEConfig(8, 8, 4, 2, capacity_factor=1.0, drop_policy="probs"), esp_group=object())

@@ -313,6 +313,8 @@ class MoEConfig:
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"aux_loss_coef={v} must be finite and >= 0")
         coefs = tuple(float(v) for v in coefs)
+        if many and len(types) == 1:  # one type: the scalar form (what code reading aux_loss_coef expects)
+            types, many = types[0], False
         object.__setattr__(self, "aux_loss_type", types)
         object.__setattr__(self, "aux_loss_coef", coefs if many else coefs[0])
 

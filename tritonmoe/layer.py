@@ -215,6 +215,13 @@ class MoELayer(nn.Module):
                 f"aux_loss_group is the group the 'global' balance loss reduces its counts over, but "
                 f"aux_loss_type={config.aux_loss_type!r}; add 'global' to aux_loss_type or drop aux_loss_group"
             )
+        if (mp_group is not None or esp_group is not None or parm_groups is not None) and (
+                config.aux_loss_type != "switch" or config.drop_policy != "slot"):
+            raise ValueError(
+                f"the Parm layouts (mp_group / esp_group) compute the batch's Switch loss and drop slot-major; "
+                f"aux_loss_type={config.aux_loss_type!r}, drop_policy={config.drop_policy!r} are not supported there: "
+                "use aux_loss_type='switch' and drop_policy='slot'"
+            )
         #: The group the "global" balance loss sums its token counts over (e.g. data parallel).
         self.aux_loss_group = aux_loss_group
         if mesh is not None:
@@ -268,13 +275,6 @@ class MoELayer(nn.Module):
                 group=seed_group,
                 what="the layer's initialization seed (seed every rank identically, e.g. torch.manual_seed(s), before "
                 "building the model: the replicated router and the experts' seeds come from it)",
-            )
-        if (mp_group is not None or esp_group is not None or parm_groups is not None) and (
-                set(config.aux_losses) - {"switch"} or config.drop_policy != "slot"):
-            raise ValueError(
-                f"the Parm layouts (mp_group / esp_group) compute the batch's Switch loss and drop slot-major; "
-                f"aux_loss_type={config.aux_loss_type!r}, drop_policy={config.drop_policy!r} are not supported there: "
-                "use aux_loss_type='switch' and drop_policy='slot'"
             )
         if self.expert_parallel:
             from .parallel.checkpoint import expert_load_pre_hook, expert_state_dict_hook
