@@ -250,6 +250,7 @@ def _route_fwd_kernel(
     GROUP_TOPN: tl.constexpr = 0,  # > 0: group score "sum_topn", the sum of the group's GROUP_TOPN largest values
     prio_ptr=None,  # fp32 [T, K] out: the "probs" drop priority (iff WITH_PRIO)
     WITH_PRIO: tl.constexpr = False,
+    BLOCK_HIST: tl.constexpr = False,  # also write the block's selection histogram to slot_hist [NB, E] ("position")
 ):
     """Scores, selection, top-k, weights and per-expert histograms of a block of tokens.
 
@@ -382,7 +383,10 @@ def _route_fwd_kernel(
     if not HAS_CAPACITY:
         taken_TE = (key_TE == RETIRED) & lane_ok_E[None, :] & row_ok[:, None]
         hist_E = tl.sum(taken_TE.to(tl.int32), axis=0)
-        tl.atomic_add(counts_ptr + e_E, hist_E, mask=lane_ok_E & (hist_E > 0), sem="relaxed")
+        if BLOCK_HIST:
+            tl.store(slot_hist_ptr + pid * E + e_E, hist_E, mask=lane_ok_E)
+        else:
+            tl.atomic_add(counts_ptr + e_E, hist_E, mask=lane_ok_E & (hist_E > 0), sem="relaxed")
 
     # -- weights: unbiased scores at the ids, gathered from the (cached) logits rows ---------------
     k_ok_TK = row_ok[:, None] & (kcol[None, :] < K)
@@ -509,6 +513,44 @@ def _capacity_keep_kernel(
         tl.store(ids_ptr + slot_TC, tl.where(keep_TC, e_TC, -1), mask=ok_TC)
         w_TC = tl.load(w_ptr + slot_TC, mask=ok_TC, other=0.0)
         tl.store(w_ptr + slot_TC, tl.where(keep_TC, w_TC, 0.0), mask=ok_TC)
+
+
+@triton.jit
+def _position_keep_kernel(
+    sel_ids_ptr,  # int32 [T, K] selected ids (before dropping)
+    offsets_ptr,  # int32 [NB, E] exclusive offsets of each block's selections (the scan, K = 1)
+    ids_ptr,  # int32 [T, K] out: ids with dropped slots set to -1
+    w_ptr,  # fp32 [T, K] in/out: weights, dropped slots set to 0
+    T,
+    capacity,
+    E,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Drop by "position": each expert keeps the slots of its ``capacity`` earliest tokens.
+
+    Grid: ``(NB,)`` with the forward kernel's BLOCK_T (the offsets are per token block). A
+    token's position on expert e is the block's offset for e plus the number of earlier tokens of
+    the block that chose e: an exclusive cumulative sum down the block's [BLOCK_T, BLOCK_E]
+    occupancy tile (a token holds an expert at most once)."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < T
+    e_E = tl.arange(0, BLOCK_E)
+    occ_TE = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+    for j in range(K):
+        e_T = tl.load(sel_ids_ptr + t * K + j, mask=row_ok, other=-1)
+        occ_TE += (e_E[None, :] == e_T[:, None]).to(tl.int32)
+    off_E = tl.load(offsets_ptr + pid * E + e_E, mask=e_E < E, other=0)
+    pos_TE = tl.cumsum(occ_TE, axis=0) - occ_TE + off_E[None, :]
+    for j in range(K):
+        e_T = tl.load(sel_ids_ptr + t * K + j, mask=row_ok, other=-1)
+        pos_T = tl.sum(tl.where(e_E[None, :] == e_T[:, None], pos_TE, 0), axis=1)
+        keep_T = pos_T < capacity
+        tl.store(ids_ptr + t * K + j, tl.where(keep_T, e_T, -1), mask=row_ok)
+        w_T = tl.load(w_ptr + t * K + j, mask=row_ok, other=0.0)
+        tl.store(w_ptr + t * K + j, tl.where(keep_T, w_T, 0.0), mask=row_ok)
 
 
 @triton.jit

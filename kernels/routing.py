@@ -5,9 +5,14 @@ Forward (no host synchronization; launches in stream order):
 * dropless: ``_route_fwd_kernel`` (one read of the logits; ids, weights, integer-atomic counts,
   and with ``with_aux`` per-block score sums + per-token logsumexp), then, with ``with_aux``, a
   fixed-order sum of the per-block score sums.
-* with ``capacity``: the same kernel also writes per-block, per-slot expert histograms;
-  ``_capacity_scan_kernel`` turns them into exclusive offsets in priority order (slot j, then
-  token t); ``_capacity_keep_kernel`` drops the slots past capacity.
+* with ``capacity`` (``drop_policy="slot"``): the same kernel also writes per-block, per-slot
+  expert histograms; ``_capacity_scan_kernel`` turns them into exclusive offsets in priority
+  order (slot j, then token t); ``_capacity_keep_kernel`` drops the slots past capacity.
+* ``drop_policy="position"``: per-block histograms (all slots together), the same scan with one
+  slot row (token order), then ``_position_keep_kernel`` (ranks inside a block by a cumulative
+  sum of the block's occupancy tile).
+* ``drop_policy="probs"``: the kernel also writes each slot's canonical weight (the priority);
+  a device sort pass after it keeps each expert's highest (:func:`_drop_pass`; no host sync).
 
 Backward: ``_route_bwd_kernel`` maps d(topk_weights), d(score_sum) and d(logsumexp) to
 d(logits) in one pass (it re-reads the logits instead of saving the [T, E] scores).
@@ -34,6 +39,7 @@ from tritonmoe.types import Routing
 from ._host import cdiv, next_power_of_2
 from ._routing_kernels import (
     _capacity_keep_kernel,
+    _position_keep_kernel,
     _capacity_scan_kernel,
     _route_bwd_kernel,
     _route_fwd_kernel,
@@ -195,11 +201,13 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
     ids_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     w_TK = torch.empty(T, K, dtype=torch.float32, device=dev)
     counts_E = torch.zeros(E, dtype=torch.int32, device=dev)
-    # "position" / "probs" dropping is a pass across tokens after the router (_drop_pass): the
-    # kernel routes as if dropless and counts the selected slots
+    # "position": the kernel writes per-block selection histograms, scanned in token order, then
+    # _position_keep_kernel drops; "probs": the kernel routes as if dropless (counting the
+    # selected slots) and writes the drop priority, then a sort pass drops (_drop_pass)
     has_cap = prob.capacity is not None and prob.drop_policy == "slot"
     with_prio = prob.capacity is not None and prob.drop_policy == "probs"
-    selected_E = torch.zeros(E, dtype=torch.int32, device=dev) if has_cap else counts_E
+    by_position = prob.capacity is not None and prob.drop_policy == "position"
+    selected_E = torch.zeros(E, dtype=torch.int32, device=dev) if has_cap or by_position else counts_E
     score_sum_E = lse_T = None
     if T == 0:  # nothing to launch; empty outputs of the right shapes
         if prob.with_aux:
@@ -210,7 +218,8 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
     NB = cdiv(T, cfg.block_t)
     dummy_i32 = counts_E
     split = cfg.scan_split_slots and K > 1
-    slot_hist = torch.empty(K, NB, E, dtype=torch.int32, device=dev) if has_cap else dummy_i32
+    slot_hist = (torch.empty(K, NB, E, dtype=torch.int32, device=dev) if has_cap
+                 else torch.empty(1, NB, E, dtype=torch.int32, device=dev) if by_position else dummy_i32)
     slot_tot = torch.zeros(K, E, dtype=torch.int32, device=dev) if has_cap and split else dummy_i32
     if prob.with_aux:
         part_BE = torch.empty(NB, E, dtype=torch.float32, device=dev)
@@ -252,6 +261,7 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             GROUP_TOPN=prob.group_topn,
             prio_ptr=prio_TK,
             WITH_PRIO=with_prio,
+            BLOCK_HIST=by_position,
             num_warps=cfg.num_warps,
             **FWD_COMPILE_OPTIONS,
         )
@@ -288,33 +298,40 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
                 BLOCK_KC=max(1, min(prob.block_k, 8192 // (cfg.block_t * cfg.block_t))),
                 num_warps=cfg.num_warps,
             )
-    if prob.capacity is not None and not has_cap:
-        ids_TK, w_TK, counts_E = _drop_pass(sel_ids_TK, w_TK, selected_E, prio_TK if with_prio else None,
-                                            prob.capacity)
+        if by_position:
+            # the blocks' histograms scanned in token order (one slot row), then the in-block ranks
+            _capacity_scan_kernel[(1, cdiv(E, cfg.scan_block_e))](
+                slot_hist, slot_hist, counts_E, selected_E, NB, prob.capacity, E, K=1, SLOTS_PER_PROG=1,
+                BLOCK_R=cfg.scan_block_r, BLOCK_E=cfg.scan_block_e, BLOCK_J=1, num_warps=4,
+            )
+            ids_TK = torch.empty_like(sel_ids_TK)
+            _position_keep_kernel[(NB,)](
+                sel_ids_TK, slot_hist, ids_TK, w_TK, T, prob.capacity, E, K=K, BLOCK_T=cfg.block_t,
+                BLOCK_E=next_power_of_2(E), num_warps=cfg.num_warps,
+            )
+    if with_prio:
+        ids_TK, w_TK, counts_E = _drop_pass(sel_ids_TK, w_TK, selected_E, prio_TK, prob.capacity)
     if prob.with_aux:
         # fixed-order reduction of the per-block partial sums (deterministic; no float atomics)
         score_sum_E = part_BE.sum(dim=0)
     return ids_TK, w_TK, counts_E, selected_E, score_sum_E, lse_T, sel_ids_TK
 
 
-def _drop_pass(sel_ids_TK: torch.Tensor, w_TK: torch.Tensor, selected_E: torch.Tensor,
-               prio_TK: Optional[torch.Tensor], capacity: int):
-    """Capacity dropping by "position" (prio None: each expert keeps its earliest tokens) or by
-    "probs" (its highest priorities, ties to the earlier token), on the device without a host
-    sync: one sort of the slots by a composite int64 key inside each expert's order, then each
+def _drop_pass(sel_ids_TK: torch.Tensor, w_TK: torch.Tensor, selected_E: torch.Tensor, prio_TK: torch.Tensor,
+               capacity: int):
+    """Capacity dropping by "probs": each expert keeps its ``capacity`` highest priorities, ties
+    to the earlier token; on the device without a host sync: one sort of the slots by a
+    composite int64 key (descending priority, then token) and a stable sort by expert, then each
     slot's rank on its expert against ``capacity``. Returns (ids, weights, kept counts)."""
     T, K = sel_ids_TK.shape
     E = selected_E.shape[0]
     e = sel_ids_TK.reshape(-1).long()
     tok = torch.arange(T * K, device=e.device) // K
-    if prio_TK is None:
-        inner = tok  # position: token order (a token holds an expert at most once)
-    else:
-        # descending priority, then token: the fp32 bits mapped to an order-preserving unsigned
-        # 32-bit integer, complemented, above the token id (T < 2^31)
-        bits = prio_TK.reshape(-1).view(torch.int32).long()
-        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
-        inner = ((2**32 - 1 - ordered) << 31) | tok
+    # the fp32 bits mapped to an order-preserving unsigned 32-bit integer, complemented (descending),
+    # above the token id (T < 2^31)
+    bits = prio_TK.reshape(-1).view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
+    inner = ((2**32 - 1 - ordered) << 31) | tok
     order = torch.argsort(inner, stable=True)
     order = order[torch.argsort(e[order], stable=True)]  # by expert, the inner order kept
     starts = torch.cumsum(selected_E.long(), 0) - selected_E.long()

@@ -312,7 +312,8 @@ def test_sqrtsoftplus_scores_and_canonical_values():
 
 # -- kernels against the reference -------------------------------------------------------------------------
 
-SMALL = kr.RouteConfig(block_t=4, num_warps=4, bwd_block_t=4, bwd_num_warps=4, scan_block_r=8, scan_block_e=16,
+#: several token blocks (the scans cross blocks and their own row tiles) on a small input
+SMALL = kr.RouteConfig(block_t=2, num_warps=4, bwd_block_t=4, bwd_num_warps=4, scan_block_r=4, scan_block_e=8,
                        scan_split_slots=False)
 
 
