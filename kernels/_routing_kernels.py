@@ -664,3 +664,94 @@ def _route_bwd_kernel(
 
     out = dlogits_ptr + t[:, None] * E + e_E[None, :]
     tl.store(out, dl_TE.to(dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & lane_ok_E[None, :])
+
+
+@triton.jit
+def _balance_sums_fwd_kernel(
+    logits_ptr,  # [T, E], strides (stride_lt, stride_le)
+    mask_ptr,  # bool [T] as int8 (read iff HAS_MASK): 1 = a real token
+    part_ptr,  # fp32 [B, NC, E] out: per-chunk sums of the balance scores
+    T,
+    S,  # tokens per segment (a sequence; T for the whole batch)
+    NC,  # chunks per segment, cdiv(S, BLOCK_T)
+    stride_lt,
+    stride_le,
+    E: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    SQRTSP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Sums over the real tokens of a segment chunk of the balance loss's scores
+    (tritonmoe.reference.aux_scores: softmax, or sigmoid / sqrtsoftplus normalised over the
+    experts). Grid: ``(B, NC)``; program (b, c) reads the rows b*S + [c*BLOCK_T, (c+1)*BLOCK_T)
+    of segment b and writes their sums; the launcher adds the NC chunks in a fixed order."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    i = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = b * S + i
+    row_ok = (i < S) & (t < T)
+    e_E = tl.arange(0, BLOCK_E)
+    lane_ok_E = e_E < E
+    x_TE, s_TE, m_T, den_T = _load_scores(logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E, SOFTMAX,
+                                          False, BLOCK_T, SQRTSP)
+    if SOFTMAX:
+        q_TE = s_TE
+    else:
+        z_T = tl.sum(tl.where(lane_ok_E[None, :], s_TE, 0.0), axis=1)
+        q_TE = s_TE / (z_T + AUX_EPS)[:, None]
+    keep_T = row_ok
+    if HAS_MASK:
+        keep_T = keep_T & (tl.load(mask_ptr + t, mask=row_ok, other=0) != 0)
+    part_E = tl.sum(tl.where(keep_T[:, None], q_TE, 0.0), axis=0)
+    tl.store(part_ptr + (b * NC + c) * E + e_E, part_E, mask=lane_ok_E)
+
+
+@triton.jit
+def _balance_sums_bwd_kernel(
+    logits_ptr,  # [T, E], strides (stride_lt, stride_le)
+    mask_ptr,  # bool [T] as int8 (read iff HAS_MASK)
+    g_ptr,  # fp32 [B, E] contiguous: gradient of the segment sums
+    dlogits_ptr,  # [T, E] contiguous out, logits' dtype
+    T,
+    S,
+    stride_lt,
+    stride_le,
+    E: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    SQRTSP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """d(logits) of :func:`_balance_sums_fwd_kernel`: token t gets g = grad[t // S] (0 if
+    padded); softmax: q * (g - sum g q); normalised scores q = s / (Z + eps):
+    ds = (g - sum g q) / (Z + eps), then ds * s (1 - s) (sigmoid) or ds * sigmoid(x) / (2 s)
+    (sqrtsoftplus). Grid: ``(cdiv(T, BLOCK_T),)``."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < T
+    e_E = tl.arange(0, BLOCK_E)
+    lane_ok_E = e_E < E
+    x_TE, s_TE, m_T, den_T = _load_scores(logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E, SOFTMAX,
+                                          False, BLOCK_T, SQRTSP)
+    keep_T = row_ok
+    if HAS_MASK:
+        keep_T = keep_T & (tl.load(mask_ptr + t, mask=row_ok, other=0) != 0)
+    seg_T = t // S
+    g_TE = tl.load(g_ptr + seg_T[:, None] * E + e_E[None, :], mask=keep_T[:, None] & lane_ok_E[None, :], other=0.0)
+    if SOFTMAX:
+        dot_T = tl.sum(tl.where(lane_ok_E[None, :], g_TE * s_TE, 0.0), axis=1)
+        dl_TE = s_TE * (g_TE - dot_T[:, None])
+    else:
+        zp_T = tl.sum(tl.where(lane_ok_E[None, :], s_TE, 0.0), axis=1) + AUX_EPS
+        dot_T = tl.sum(tl.where(lane_ok_E[None, :], g_TE * (s_TE / zp_T[:, None]), 0.0), axis=1)
+        ds_TE = (g_TE - dot_T[:, None]) / zp_T[:, None]
+        if SQRTSP:
+            sig_TE = 1.0 / (1.0 + tl.exp(-x_TE))
+            dl_TE = tl.where(s_TE > 0, ds_TE * sig_TE / tl.where(s_TE > 0, 2.0 * s_TE, 1.0), 0.0)
+        else:
+            dl_TE = ds_TE * (s_TE * (1.0 - s_TE))
+    out = dlogits_ptr + t[:, None] * E + e_E[None, :]
+    tl.store(out, dl_TE.to(dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & lane_ok_E[None, :])

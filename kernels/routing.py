@@ -38,6 +38,8 @@ from tritonmoe.types import Routing
 
 from ._host import cdiv, next_power_of_2
 from ._routing_kernels import (
+    _balance_sums_bwd_kernel,
+    _balance_sums_fwd_kernel,
     _capacity_keep_kernel,
     _position_keep_kernel,
     _capacity_scan_kernel,
@@ -45,7 +47,7 @@ from ._routing_kernels import (
     _route_fwd_kernel,
 )
 
-__all__ = ["route", "RouteConfig", "route_config", "config_override", "MAX_TILE_LANES", "FWD_COMPILE_OPTIONS"]
+__all__ = ["route", "balance_score_sums", "RouteConfig", "route_config", "config_override", "MAX_TILE_LANES", "FWD_COMPILE_OPTIONS"]
 
 #: Compile options of the forward kernel. No FMA contraction: the canonical selection values
 #: (see ``_routing_kernels``) must round every multiply and every add on its own, as the
@@ -460,3 +462,62 @@ def route(
         score_sum=score_sum,
         logsumexp=lse,
     )
+
+
+class _BalanceSumsFn(torch.autograd.Function):
+    """Autograd wrapper of the balance-score sums: [B, E] fp32 from the logits."""
+
+    @staticmethod
+    def forward(ctx, logits_TE, mask_T, B: int, S: int, softmax: bool, sqrtsp: bool):
+        T, E = logits_TE.shape
+        dev = logits_TE.device
+        block_e = next_power_of_2(E)
+        bt = max(1, min(64, 4096 // block_e))
+        ctx.cfg = (S, softmax, sqrtsp, bt, block_e)
+        ctx.save_for_backward(logits_TE, mask_T)
+        if B == 0 or T == 0:
+            return torch.zeros(B, E, dtype=torch.float32, device=dev)
+        nc = cdiv(S, bt)
+        part = torch.empty(B, nc, E, dtype=torch.float32, device=dev)
+        with _device_ctx(logits_TE):
+            _balance_sums_fwd_kernel[(B, nc)](
+                logits_TE, mask_T if mask_T is not None else part, part, T, S, nc, logits_TE.stride(0),
+                logits_TE.stride(1), E=E, SOFTMAX=softmax, SQRTSP=sqrtsp, HAS_MASK=mask_T is not None, BLOCK_T=bt,
+                BLOCK_E=block_e, num_warps=4,
+            )
+        return part.sum(dim=1)  # fixed-order reduction of the chunks (no float atomics)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_BE):
+        logits_TE, mask_T = ctx.saved_tensors
+        S, softmax, sqrtsp, bt, block_e = ctx.cfg
+        T, E = logits_TE.shape
+        dl = torch.zeros(T, E, dtype=logits_TE.dtype, device=logits_TE.device)
+        if T == 0 or g_BE is None or g_BE.shape[0] == 0:
+            return dl, None, None, None, None, None
+        g = g_BE.float().contiguous()
+        with _device_ctx(logits_TE):
+            _balance_sums_bwd_kernel[(cdiv(T, bt),)](
+                logits_TE, mask_T if mask_T is not None else g, g, dl, T, S, logits_TE.stride(0), logits_TE.stride(1),
+                E=E, SOFTMAX=softmax, SQRTSP=sqrtsp, HAS_MASK=mask_T is not None, BLOCK_T=bt, BLOCK_E=block_e,
+                num_warps=4,
+            )
+        return dl, None, None, None, None, None
+
+
+def balance_score_sums(logits_TE: torch.Tensor, score_func: str, padding_mask: torch.Tensor | None = None,
+                       sequence_length: int | None = None) -> torch.Tensor:
+    """:func:`tritonmoe.reference.balance_score_sums` with the Triton kernels (fp16/bf16/fp32
+    logits): fp32 [B, E], differentiable w.r.t. the logits; chunk sums added in a fixed order."""
+    if logits_TE.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the balance-score kernel takes fp16/bf16/fp32 logits, got {logits_TE.dtype}")
+    T, E = logits_TE.shape
+    if next_power_of_2(E) > MAX_TILE_LANES:
+        raise ValueError(f"num_experts={E} is above the kernel's {MAX_TILE_LANES} lanes; use backend='torch'")
+    if sequence_length is None:
+        B, S = 1, max(T, 1)
+    else:
+        B, S = T // sequence_length, sequence_length
+    mask = padding_mask.to(torch.int8).contiguous() if padding_mask is not None else None
+    return _BalanceSumsFn.apply(logits_TE, mask, B, S, score_func == "softmax", score_func == "sqrtsoftplus")

@@ -616,3 +616,37 @@ def test_config_forms_and_parm_refusal():
         tm.MoELayer(tm.MoEConfig(8, 8, 4, 2, aux_loss_type="seq", aux_loss_coef=0.1), mp_group=object())
     with pytest.raises(ValueError, match="Parm layouts"):
         tm.MoELayer(tm.MoEConfig(8, 8, 4, 2, capacity_factor=1.0, drop_policy="probs"), esp_group=object())
+
+
+# -- the balance-score kernel (the fused sums of the seq / padded losses) -----------------------------------
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("T,E,S,masked", [(24, 8, 6, True), (24, 8, None, True), (37, 6, None, False),
+                                          (30, 5, 3, False), (0, 4, None, True), (8, 3, 8, True)])
+def test_balance_score_sums_kernel_matches_reference(score_func, T, E, S, masked):
+    x = _logits(T, E, seed=T + E, dtype=torch.float32)
+    mask = (torch.rand(T, generator=torch.Generator().manual_seed(3)) > 0.3) if masked else None
+    xr, xk = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = ref.balance_score_sums(xr, score_func, mask, S)
+    got = kr.balance_score_sums(xk, score_func, mask, S)
+    assert got.shape == want.shape == ((T // S) if S else 1, E)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(4))
+    (want * g).sum().backward()
+    (got * g).sum().backward()
+    torch.testing.assert_close(xk.grad, xr.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_load_balancing_loss_on_the_triton_backend():
+    x = _logits(24, 8, seed=30, dtype=torch.float32)
+    mask = torch.rand(24, generator=torch.Generator().manual_seed(5)) > 0.3
+    r = tm.route(x, 2, score_func="sigmoid")
+    for kw in ({"padding_mask": mask}, {"sequence_length": 6}, {"padding_mask": mask, "sequence_length": 4}):
+        xr, xk = x.clone().requires_grad_(), x.clone().requires_grad_()
+        a = tm.load_balancing_loss(xr, r, backend="torch", **kw)
+        b = tm.load_balancing_loss(xk, r, backend="triton", **kw)
+        torch.testing.assert_close(b, a, rtol=2e-6, atol=0)
+        a.backward()
+        b.backward()
+        torch.testing.assert_close(xk.grad, xr.grad, rtol=1e-5, atol=1e-8)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import reference
+from .dispatch import implementation
 from .types import Routing
 
 __all__ = ["attach_aux_loss", "set_aux_loss_scale", "aux_loss_scale", "GlobalBalanceState", "balance_losses"]
@@ -136,33 +137,36 @@ def balance_losses(
     sequence_length: Optional[int] = None,
     global_state: Optional[GlobalBalanceState] = None,
     group=None,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
     """sum over ``losses`` ({type: coefficient}) of coefficient * that balance loss, fp32 (fp64
-    for fp64 logits) scalar; see the module docstring for the types."""
+    for fp64 logits) scalar; see the module docstring for the types. The score sums come from
+    ``routing.score_sum`` (the router's fused sums) where no mask or sequence splits them, else
+    from ``backend``'s ``balance_score_sums`` (a Triton kernel on CUDA)."""
     acc = torch.float64 if logits_TE.dtype == torch.float64 else torch.float32
     total = torch.zeros((), dtype=acc, device=logits_TE.device)
+    # traced by torch.compile: the plain-torch sums (traceable), else the backend's
+    sums = (reference.balance_score_sums if torch.compiler.is_compiling()
+            else implementation("balance_score_sums", backend, logits_TE.device, logits_TE.dtype))
+    batch_sums = None
+    if padding_mask is not None or routing.score_sum is None:
+        batch_sums = sums(logits_TE, routing.score_func, padding_mask, None)
     for kind, coef in losses.items():
         if kind == "switch":
-            term = reference.load_balancing_loss(logits_TE, routing, padding_mask=padding_mask)
+            term = reference.load_balancing_loss(logits_TE, routing, padding_mask=padding_mask, score_sums=batch_sums)
         elif kind == "seq":
-            term = reference.load_balancing_loss(logits_TE, routing, padding_mask=padding_mask,
-                                                 sequence_length=sequence_length)
+            term = reference.load_balancing_loss(
+                logits_TE, routing, padding_mask=padding_mask, sequence_length=sequence_length,
+                score_sums=sums(logits_TE, routing.score_func, padding_mask, sequence_length))
         else:
-            term = _global_loss(logits_TE, routing, padding_mask, global_state, group)
+            s_E = routing.score_sum if batch_sums is None else batch_sums[0]
+            term = _global_loss(s_E, routing, padding_mask, global_state, group)
         total = total + coef * term
     return total
 
 
-def _global_loss(logits_TE, routing, padding_mask, state: GlobalBalanceState, group) -> torch.Tensor:
-    if padding_mask is None and routing.score_sum is not None:
-        s_E = routing.score_sum
-    else:
-        q_TE = reference.aux_scores(logits_TE, routing.score_func)
-        if padding_mask is not None:
-            q_TE = torch.where(padding_mask.unsqueeze(1), q_TE, torch.zeros((), dtype=q_TE.dtype, device=q_TE.device))
-        s_E = q_TE.sum(0)
+def _global_loss(s_E, routing, padding_mask, state: GlobalBalanceState, group) -> torch.Tensor:
     counts = reference.selected_slot_counts(routing, padding_mask)
-    tokens = padding_mask.sum() if padding_mask is not None else torch.tensor(logits_TE.shape[0],
-                                                                              device=logits_TE.device)
+    tokens = padding_mask.sum() if padding_mask is not None else torch.tensor(routing.num_tokens, device=s_E.device)
     n_m = state.update(counts, tokens, group)
     return reference.switch_loss(s_E, state.frequencies(routing.top_k, s_E.dtype), n_m)

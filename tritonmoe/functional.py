@@ -148,6 +148,7 @@ def load_balancing_loss(
     *,
     sequence_length: int | None = None,
     padding_mask: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Switch-style auxiliary loss E * sum_e f_e * P_e (fp32 scalar, differentiable via P_e).
 
@@ -164,7 +165,10 @@ def load_balancing_loss(
             token counts (the same loss as without those tokens).
 
     With either option f counts the routed slots of ``routing.topk_ids`` (which equal the
-    selected slots when capacity dropped none).
+    selected slots when capacity dropped none), and the per-segment score sums come from the
+    backend's ``balance_score_sums`` (a Triton kernel and its backward on CUDA); without them the
+    loss uses ``routing.score_sum`` when the routing was computed ``with_aux`` (the fused router's
+    sums).
     """
     V.float_tensor("logits", logits, 2)
     if not isinstance(routing, Routing):
@@ -176,8 +180,14 @@ def load_balancing_loss(
         )
     V.padding_mask(padding_mask, logits.shape[0], device=logits.device)
     V.sequence_length(sequence_length, logits.shape[0])
-    return reference.load_balancing_loss(logits, routing, padding_mask=padding_mask,
-                                         sequence_length=None if sequence_length is None else int(sequence_length))
+    S = None if sequence_length is None else int(sequence_length)
+    sums = None
+    if S is not None or padding_mask is not None:
+        impl = (reference.balance_score_sums if torch.compiler.is_compiling()
+                else implementation("balance_score_sums", backend, logits.device, logits.dtype))
+        sums = impl(logits, routing.score_func, padding_mask, S)
+    return reference.load_balancing_loss(logits, routing, padding_mask=padding_mask, sequence_length=S,
+                                         score_sums=sums)
 
 
 def z_loss(logits: torch.Tensor, routing: Routing | None = None, *,

@@ -423,7 +423,8 @@ class MoELayer(nn.Module):
         mask, seq = self._step.padding_mask, self._step.sequence_length
         if c.aux_losses:
             loss = loss + balance_losses(logits_TE, routing, c.aux_losses, padding_mask=mask, sequence_length=seq,
-                                         global_state=self._global_balance, group=self.aux_loss_group)
+                                         global_state=self._global_balance, group=self.aux_loss_group,
+                                         backend=c.backend)
         if c.z_loss_coef > 0:
             loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing, padding_mask=mask)
         return loss

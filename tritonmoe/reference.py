@@ -48,6 +48,7 @@ __all__ = [
     "load_balancing_loss",
     "z_loss",
     "aux_scores",
+    "balance_score_sums",
     "switch_loss",
     "AUX_EPS",
     "permute",
@@ -455,12 +456,32 @@ def selected_slot_counts(routing: Routing, padding_mask_T: torch.Tensor | None =
     return _scatter_count(ids_TK, routing.num_experts)
 
 
+def balance_score_sums(
+    logits_TE: torch.Tensor,
+    score_func: str,
+    padding_mask: torch.Tensor | None = None,
+    sequence_length: int | None = None,
+) -> torch.Tensor:
+    """[B, E] sums of :func:`aux_scores` over each segment's real tokens: B = T / S segments of
+    ``sequence_length`` S tokens (batch-major), or one segment of all T tokens; padded tokens
+    (``padding_mask`` False) add nothing. fp32 (fp64 for fp64 logits), differentiable. The
+    Triton kernel of the balance losses computes the same (:mod:`tritonmoe.kernels.routing`)."""
+    T, E = logits_TE.shape
+    q_TE = aux_scores(logits_TE, score_func)
+    if padding_mask is not None:
+        q_TE = torch.where(padding_mask.unsqueeze(1), q_TE, torch.zeros((), dtype=q_TE.dtype, device=q_TE.device))
+    if sequence_length is None:
+        return q_TE.sum(0, keepdim=True)
+    return q_TE.view(T // sequence_length, sequence_length, E).sum(1)
+
+
 def load_balancing_loss(
     logits_TE: torch.Tensor,
     routing: Routing,
     *,
     sequence_length: int | None = None,
     padding_mask: torch.Tensor | None = None,
+    score_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E * sum_e f_e * P_e (Switch Transformer; see :func:`tritonmoe.load_balancing_loss`).
 
@@ -473,13 +494,16 @@ def load_balancing_loss(
     ``padding_mask`` (bool [T], True = real): padded tokens leave f, P and the token counts (a
     sequence of padding only contributes 0). With either option f counts the routed slots of
     ``routing.topk_ids`` (per token; after capacity dropping, since the selection of a dropped
-    slot is not kept): equal to the selected slots when nothing was dropped. fp32 (fp64 for fp64
-    logits).
+    slot is not kept): equal to the selected slots when nothing was dropped. ``score_sums``: the
+    [B, E] :func:`balance_score_sums` of these options when already computed (a kernel's). fp32
+    (fp64 for fp64 logits).
     """
     T, E = logits_TE.shape
     k = routing.top_k
     if sequence_length is None and padding_mask is None:
-        if routing.score_sum is not None:
+        if score_sums is not None:
+            score_sum_E = score_sums[0]
+        elif routing.score_sum is not None:
             score_sum_E = routing.score_sum
         else:
             score_sum_E = aux_scores(logits_TE, routing.score_func).sum(dim=0)
@@ -487,30 +511,30 @@ def load_balancing_loss(
             return score_sum_E.sum() * 0.0
         f_E = routing.selected_counts.to(score_sum_E.dtype) / (T * k)  # T may be a SymInt (torch.compile)
         return E * (f_E * score_sum_E).sum() / T
-    q_TE = aux_scores(logits_TE, routing.score_func)
-    ids_TK = routing.topk_ids.long()
-    if padding_mask is not None:
-        q_TE = torch.where(padding_mask.unsqueeze(1), q_TE, torch.zeros((), dtype=q_TE.dtype, device=q_TE.device))
-        ids_TK = torch.where(padding_mask.unsqueeze(1), ids_TK, torch.full_like(ids_TK, -1))
+    if score_sums is None:
+        score_sums = balance_score_sums(logits_TE, routing.score_func, padding_mask, sequence_length)
+    dtype = score_sums.dtype
     if sequence_length is None:  # padding_mask given
         n = padding_mask.sum()
-        f_E = selected_slot_counts(routing, padding_mask).to(q_TE.dtype) / (k * n.clamp_min(1)).to(q_TE.dtype)
-        return switch_loss(q_TE.sum(0), f_E, n)
+        f_E = selected_slot_counts(routing, padding_mask).to(dtype) / (k * n.clamp_min(1)).to(dtype)
+        return switch_loss(score_sums[0], f_E, n)
     S = sequence_length
     B = T // S
     if B == 0:
-        return q_TE.sum() * 0.0
+        return score_sums.sum() * 0.0
+    ids_TK = routing.topk_ids.long()
+    if padding_mask is not None:
+        ids_TK = torch.where(padding_mask.unsqueeze(1), ids_TK, torch.full_like(ids_TK, -1))
     # per-sequence counts: a histogram over (sequence, expert) of the routed slots
     seq_TK = torch.arange(T, device=ids_TK.device).unsqueeze(1).expand_as(ids_TK) // S
-    routed_TK = _routed(ids_TK, E)
-    flat = torch.where(routed_TK, seq_TK * E + ids_TK + 1, torch.zeros_like(ids_TK)).reshape(-1)
+    flat = torch.where(_routed(ids_TK, E), seq_TK * E + ids_TK + 1, torch.zeros_like(ids_TK)).reshape(-1)
     cnt = torch.zeros(B * E + 1, dtype=torch.int64, device=ids_TK.device)
     cnt.scatter_add_(0, flat, torch.ones_like(flat))
-    cnt_BE = cnt[1:].view(B, E).to(q_TE.dtype)
+    cnt_BE = cnt[1:].view(B, E).to(dtype)
     n_B = padding_mask.view(B, S).sum(1) if padding_mask is not None else torch.full(
-        (B,), S, dtype=torch.int64, device=q_TE.device)
-    f_BE = cnt_BE / (k * n_B.clamp_min(1)).to(q_TE.dtype).unsqueeze(1)
-    return switch_loss(q_TE.view(B, S, E).sum(1), f_BE, n_B).mean()
+        (B,), S, dtype=torch.int64, device=score_sums.device)
+    f_BE = cnt_BE / (k * n_B.clamp_min(1)).to(dtype).unsqueeze(1)
+    return switch_loss(score_sums, f_BE, n_B).mean()
 
 
 def z_loss(logits_TE: torch.Tensor, routing: Routing | None = None, *,
