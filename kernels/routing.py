@@ -301,22 +301,30 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
                 num_warps=cfg.num_warps,
             )
         if by_position:
-            # the blocks' histograms scanned in token order (one slot row), then the in-block ranks
-            _capacity_scan_kernel[(1, cdiv(E, cfg.scan_block_e))](
-                slot_hist, slot_hist, counts_E, selected_E, NB, prob.capacity, E, K=1, SLOTS_PER_PROG=1,
-                BLOCK_R=cfg.scan_block_r, BLOCK_E=cfg.scan_block_e, BLOCK_J=1, num_warps=4,
-            )
-            ids_TK = torch.empty_like(sel_ids_TK)
-            _position_keep_kernel[(NB,)](
-                sel_ids_TK, slot_hist, ids_TK, w_TK, T, prob.capacity, E, K=K, BLOCK_T=cfg.block_t,
-                BLOCK_E=next_power_of_2(E), num_warps=cfg.num_warps,
-            )
+            ids_TK = _position_drop(prob, sel_ids_TK, w_TK, slot_hist, counts_E, selected_E, NB)
     if with_prio:
         ids_TK, w_TK, counts_E = _drop_pass(sel_ids_TK, w_TK, selected_E, prio_TK, prob.capacity)
     if prob.with_aux:
         # fixed-order reduction of the per-block partial sums (deterministic; no float atomics)
         score_sum_E = part_BE.sum(dim=0)
     return ids_TK, w_TK, counts_E, selected_E, score_sum_E, lse_T, sel_ids_TK
+
+
+def _position_drop(prob: _Problem, sel_ids_TK, w_TK, hist_1BE, counts_E, selected_E, NB: int) -> torch.Tensor:
+    """Drop by "position": the blocks' selection histograms scanned in token order (the scan
+    kernel with one slot row; it writes the kept and selected counts), then the in-block ranks
+    (``_position_keep_kernel``, which zeroes the dropped weights in place). Returns the ids."""
+    cfg, E = prob.config, prob.E
+    _capacity_scan_kernel[(1, cdiv(E, cfg.scan_block_e))](
+        hist_1BE, hist_1BE, counts_E, selected_E, NB, prob.capacity, E, K=1, SLOTS_PER_PROG=1,
+        BLOCK_R=cfg.scan_block_r, BLOCK_E=cfg.scan_block_e, BLOCK_J=1, num_warps=4,
+    )
+    ids_TK = torch.empty_like(sel_ids_TK)
+    _position_keep_kernel[(NB,)](
+        sel_ids_TK, hist_1BE, ids_TK, w_TK, prob.T, prob.capacity, E, K=prob.K, BLOCK_T=cfg.block_t,
+        BLOCK_E=next_power_of_2(E), num_warps=cfg.num_warps,
+    )
+    return ids_TK
 
 
 def _drop_pass(sel_ids_TK: torch.Tensor, w_TK: torch.Tensor, selected_E: torch.Tensor, prio_TK: torch.Tensor,

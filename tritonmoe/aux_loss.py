@@ -36,7 +36,8 @@ from . import reference
 from .dispatch import implementation
 from .types import Routing
 
-__all__ = ["attach_aux_loss", "set_aux_loss_scale", "aux_loss_scale", "GlobalBalanceState", "balance_losses"]
+__all__ = ["attach_aux_loss", "set_aux_loss_scale", "aux_loss_scale", "GlobalBalanceState", "balance_losses",
+           "token_options"]
 
 _scale: dict = {"value": None}
 
@@ -126,6 +127,52 @@ class GlobalBalanceState:
     def frequencies(self, top_k: int, dtype: torch.dtype) -> torch.Tensor:
         """f_e = C_e / (k * N): the fraction of the slots routed since the reset that chose e."""
         return self.counts.to(dtype) / (top_k * self.tokens.clamp_min(1)).to(dtype)
+
+
+def check_layer_options(config, aux_loss_group, parm: bool) -> None:
+    """The layer's balance-loss options against its layout, before any collective."""
+    types = config.aux_loss_type if isinstance(config.aux_loss_type, tuple) else (config.aux_loss_type,)
+    if aux_loss_group is not None and "global" not in types:
+        raise ValueError(
+            f"aux_loss_group is the group the 'global' balance loss reduces its counts over, but "
+            f"aux_loss_type={config.aux_loss_type!r}; add 'global' to aux_loss_type or drop aux_loss_group"
+        )
+    if parm and (config.aux_loss_type != "switch" or config.drop_policy != "slot"):
+        raise ValueError(
+            f"the Parm layouts (mp_group / esp_group) compute the batch's Switch loss and drop slot-major; "
+            f"aux_loss_type={config.aux_loss_type!r}, drop_policy={config.drop_policy!r} are not supported there: "
+            "use aux_loss_type='switch' and drop_policy='slot'"
+        )
+
+
+def token_options(losses: dict, x: torch.Tensor, padding_mask: Optional[torch.Tensor]):
+    """(flattened padding mask or None, sequence length or None) of a layer's forward on ``x``
+    [..., d_model], checked: the mask is bool of shape x.shape[:-1] on x's device; the "seq"
+    loss (in ``losses``) reads x as [B, S, d_model]."""
+    if padding_mask is not None:
+        if not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool:
+            raise TypeError(
+                f"padding_mask must be a bool tensor of shape x.shape[:-1] = {tuple(x.shape[:-1])} (True = a real "
+                f"token), got {type(padding_mask).__name__} {getattr(padding_mask, 'dtype', '')}; e.g. "
+                "attention_mask.bool()"
+            )
+        if tuple(padding_mask.shape) != tuple(x.shape[:-1]):
+            raise ValueError(
+                f"padding_mask has shape {tuple(padding_mask.shape)} but x has {tuple(x.shape)}; pass one entry per "
+                f"token, shape {tuple(x.shape[:-1])}"
+            )
+        if padding_mask.device != x.device:
+            raise ValueError(f"padding_mask is on {padding_mask.device} but x is on {x.device}; move it")
+        padding_mask = padding_mask.reshape(-1)
+    seq = None
+    if "seq" in losses:
+        if x.dim() != 3:
+            raise ValueError(
+                f"aux_loss_type 'seq' takes each sequence's tokens from x as [B, S, d_model]; x has shape "
+                f"{tuple(x.shape)}: pass x batch-major with its sequence dimension"
+            )
+        seq = x.shape[1]
+    return padding_mask, seq
 
 
 def balance_losses(

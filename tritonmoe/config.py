@@ -27,6 +27,56 @@ AUX_LOSS_TYPES = ("switch", "seq", "global")
 AUX_LOSS_MODES = ("tensor", "attach")
 
 
+def aux_loss_forms(types, coefs) -> tuple:
+    """Checked ``(aux_loss_type, aux_loss_coef)`` of a MoEConfig: one type and a number, or a
+    tuple of distinct types and a tuple of as many numbers; returned as a str and a float, or as
+    two tuples (a one-element tuple takes the scalar form)."""
+    many = isinstance(types, (tuple, list))
+    if many:
+        types = tuple(types)
+        if not types:
+            raise ValueError("aux_loss_type=() names no loss; use 'switch', 'seq', 'global' or a tuple of them")
+        for t in types:
+            V.choice("aux_loss_type", t, AUX_LOSS_TYPES)
+        if len(set(types)) != len(types):
+            raise ValueError(f"aux_loss_type={types} names a loss twice; give each type once with its coefficient")
+        if not isinstance(coefs, (tuple, list)) or len(coefs) != len(types):
+            raise ValueError(
+                f"aux_loss_type={types} needs one coefficient per type: aux_loss_coef as a tuple of {len(types)} "
+                f"numbers (Megatron's moe_aux_loss_coeff list), got {coefs!r}"
+            )
+        coefs = tuple(coefs)
+    else:
+        V.choice("aux_loss_type", types, AUX_LOSS_TYPES)
+        if isinstance(coefs, (tuple, list)):
+            raise ValueError(
+                f"aux_loss_coef={coefs!r} is a sequence but aux_loss_type={types!r} is one type; give one number, or "
+                "a tuple of types with one coefficient each"
+            )
+        coefs = (coefs,)
+    for v in coefs:
+        if not V.is_real(v):
+            raise TypeError(f"aux_loss_coef must be a number (or a tuple of numbers), got {type(v).__name__} {v!r}")
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"aux_loss_coef={v} must be finite and >= 0")
+    coefs = tuple(float(v) for v in coefs)
+    if many and len(types) > 1:
+        return types, coefs
+    return (types[0] if many else types), coefs[0]
+
+
+def _router_loss_options(cfg) -> None:
+    """The router and balance-loss options of issue 31 (stored normalized)."""
+    types, coefs = aux_loss_forms(cfg.aux_loss_type, cfg.aux_loss_coef)
+    object.__setattr__(cfg, "aux_loss_type", types)
+    object.__setattr__(cfg, "aux_loss_coef", coefs)
+    V.choice("aux_loss_mode", cfg.aux_loss_mode, AUX_LOSS_MODES)
+    V.choice("drop_policy", cfg.drop_policy, V.DROP_POLICIES)
+    if cfg.group_score == "sum_topn" and cfg.n_groups is not None and cfg.n_groups > 1:
+        V.routing_options(cfg.num_experts, cfg.top_k, cfg.score_func, cfg.renormalize, cfg.n_groups,
+                          cfg.topk_groups, group_score=cfg.group_score)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Configuration of a :class:`tritonmoe.MoELayer`.
@@ -166,18 +216,13 @@ class MoEConfig:
                 raise TypeError(f"capacity_factor must be a number or None, got {type(cf).__name__}")
             if not (math.isfinite(cf) and cf > 0):
                 raise ValueError(f"capacity_factor={cf} must be a finite number > 0 (or None for dropless)")
-        self._check_aux_losses()
+        _router_loss_options(self)
         for name in ("z_loss_coef",):
             v = getattr(self, name)
             if not V.is_real(v):
                 raise TypeError(f"{name} must be a number, got {type(v).__name__}")
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name}={v} must be finite and >= 0")
-        V.choice("aux_loss_mode", self.aux_loss_mode, AUX_LOSS_MODES)
-        V.choice("drop_policy", self.drop_policy, V.DROP_POLICIES)
-        if self.group_score == "sum_topn" and self.n_groups is not None and self.n_groups > 1:
-            V.routing_options(self.num_experts, self.top_k, self.score_func, self.renormalize, self.n_groups,
-                              self.topk_groups, group_score=self.group_score)
         if not isinstance(self.expert_bias, bool):
             raise TypeError(f"expert_bias must be a bool, got {type(self.expert_bias).__name__}")
         if isinstance(self.pipeline_degree, str):
@@ -279,44 +324,6 @@ class MoEConfig:
         if self.capacity_factor is not None:
             ratio = Fraction(repr(self.capacity_factor)).as_integer_ratio()
         object.__setattr__(self, "_capacity_ratio", ratio)
-
-    def _check_aux_losses(self) -> None:
-        """aux_loss_type / aux_loss_coef: one type and a number, or a tuple of distinct types and a
-        tuple of as many numbers; stored as a str and a float, or as two tuples."""
-        types, coefs = self.aux_loss_type, self.aux_loss_coef
-        many = isinstance(types, (tuple, list))
-        if many:
-            types = tuple(types)
-            if not types:
-                raise ValueError("aux_loss_type=() names no loss; use 'switch', 'seq', 'global' or a tuple of them")
-            for t in types:
-                V.choice("aux_loss_type", t, AUX_LOSS_TYPES)
-            if len(set(types)) != len(types):
-                raise ValueError(f"aux_loss_type={types} names a loss twice; give each type once with its coefficient")
-            if not isinstance(coefs, (tuple, list)) or len(coefs) != len(types):
-                raise ValueError(
-                    f"aux_loss_type={types} needs one coefficient per type: aux_loss_coef as a tuple of {len(types)} "
-                    f"numbers (Megatron's moe_aux_loss_coeff list), got {coefs!r}"
-                )
-            coefs = tuple(coefs)
-        else:
-            V.choice("aux_loss_type", types, AUX_LOSS_TYPES)
-            if isinstance(coefs, (tuple, list)):
-                raise ValueError(
-                    f"aux_loss_coef={coefs!r} is a sequence but aux_loss_type={types!r} is one type; give one number, or "
-                    "a tuple of types with one coefficient each"
-                )
-            coefs = (coefs,)
-        for v in coefs:
-            if not V.is_real(v):
-                raise TypeError(f"aux_loss_coef must be a number (or a tuple of numbers), got {type(v).__name__} {v!r}")
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"aux_loss_coef={v} must be finite and >= 0")
-        coefs = tuple(float(v) for v in coefs)
-        if many and len(types) == 1:  # one type: the scalar form (what code reading aux_loss_coef expects)
-            types, many = types[0], False
-        object.__setattr__(self, "aux_loss_type", types)
-        object.__setattr__(self, "aux_loss_coef", coefs if many else coefs[0])
 
     @property
     def aux_losses(self) -> dict:

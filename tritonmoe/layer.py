@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops, reference
-from .aux_loss import GlobalBalanceState, attach_aux_loss, balance_losses
+from .aux_loss import GlobalBalanceState, attach_aux_loss, balance_losses, check_layer_options, token_options
 from .bias import nan_weights_if_nonfinite
 from .config import MoEConfig
 from .dispatch import implementation
@@ -209,19 +209,8 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
-        if aux_loss_group is not None and "global" not in (
-                config.aux_loss_type if isinstance(config.aux_loss_type, tuple) else (config.aux_loss_type,)):
-            raise ValueError(
-                f"aux_loss_group is the group the 'global' balance loss reduces its counts over, but "
-                f"aux_loss_type={config.aux_loss_type!r}; add 'global' to aux_loss_type or drop aux_loss_group"
-            )
-        if (mp_group is not None or esp_group is not None or parm_groups is not None) and (
-                config.aux_loss_type != "switch" or config.drop_policy != "slot"):
-            raise ValueError(
-                f"the Parm layouts (mp_group / esp_group) compute the batch's Switch loss and drop slot-major; "
-                f"aux_loss_type={config.aux_loss_type!r}, drop_policy={config.drop_policy!r} are not supported there: "
-                "use aux_loss_type='switch' and drop_policy='slot'"
-            )
+        check_layer_options(config, aux_loss_group, mp_group is not None or esp_group is not None or
+                            parm_groups is not None)
         #: The group the "global" balance loss sums its token counts over (e.g. data parallel).
         self.aux_loss_group = aux_loss_group
         if mesh is not None:
@@ -506,34 +495,6 @@ class MoELayer(nn.Module):
         such a layer; the local layer compiles into the graph (:mod:`tritonmoe.ops`)."""
         return self._forward(x, padding_mask)
 
-    def _token_options(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
-        """Check and keep this forward's padding mask (flattened) and sequence length."""
-        c = self.config
-        if padding_mask is not None:
-            if not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool:
-                raise TypeError(
-                    f"padding_mask must be a bool tensor of shape x.shape[:-1] = {tuple(x.shape[:-1])} (True = a real "
-                    f"token), got {type(padding_mask).__name__} {getattr(padding_mask, 'dtype', '')}; e.g. "
-                    "attention_mask.bool()"
-                )
-            if tuple(padding_mask.shape) != tuple(x.shape[:-1]):
-                raise ValueError(
-                    f"padding_mask has shape {tuple(padding_mask.shape)} but x has {tuple(x.shape)}; pass one entry per "
-                    f"token, shape {tuple(x.shape[:-1])}"
-                )
-            if padding_mask.device != x.device:
-                raise ValueError(f"padding_mask is on {padding_mask.device} but x is on {x.device}; move it")
-            padding_mask = padding_mask.reshape(-1)
-        seq = None
-        if "seq" in c.aux_losses:
-            if x.dim() != 3:
-                raise ValueError(
-                    f"aux_loss_type 'seq' takes each sequence's tokens from x as [B, S, d_model]; x has shape "
-                    f"{tuple(x.shape)}: pass x batch-major with its sequence dimension"
-                )
-            seq = x.shape[1]
-        self._step.padding_mask, self._step.sequence_length = padding_mask, seq
-
     def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         if not isinstance(x, torch.Tensor):
@@ -547,7 +508,7 @@ class MoELayer(nn.Module):
         if self.expert_parallel:
             check_ddp(self)  # before any collective: plain DDP over different experts is refused
         x_TD = x.reshape(-1, c.d_model)
-        self._token_options(x, padding_mask)
+        self._step.padding_mask, self._step.sequence_length = token_options(c.aux_losses, x, padding_mask)
         try:
             out_TD, routing, aux = self.expert_path.layer_forward(self, x_TD)
         finally:
