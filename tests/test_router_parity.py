@@ -650,3 +650,17 @@ def test_load_balancing_loss_on_the_triton_backend():
         a.backward()
         b.backward()
         torch.testing.assert_close(xk.grad, xr.grad, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_kernel_drop_edges(policy):
+    """capacity 0 (everything dropped), 1, and above every count (nothing dropped); T = 0."""
+    x = _logits(9, 4, seed=40, dtype=torch.float32)
+    for cap in (0, 1, 100):
+        want = ref.route(x, 2, capacity=cap, drop_policy=policy)
+        with kr.config_override(SMALL):
+            got = kr.route(x, 2, capacity=cap, drop_policy=policy)
+        assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.counts, want.counts)
+        assert torch.equal(got.selected_counts, want.selected_counts)
+    empty = kr.route(torch.zeros(0, 4), 2, capacity=1, drop_policy=policy)
+    assert empty.topk_ids.shape == (0, 2) and empty.counts.tolist() == [0] * 4
