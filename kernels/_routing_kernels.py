@@ -38,6 +38,8 @@ written per block and reduced in a fixed order by the launcher; nothing uses flo
 
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
 
@@ -58,6 +60,21 @@ EXP_C3: tl.constexpr = tl.constexpr(float.fromhex("0x1.555556p-3"))
 EXP_C2: tl.constexpr = tl.constexpr(0.5)
 EXP_MIN: tl.constexpr = tl.constexpr(-86.0)
 EXP_MAX: tl.constexpr = tl.constexpr(88.0)
+#: 2 / (2i + 1) rounded to fp32 (i = 8 .. 0): the atanh series of the canonical log1p, as
+#: tritonmoe.reference._LOG1P_POLY.
+_L = [struct.unpack("f", struct.pack("f", 2.0 / (2 * i + 1)))[0] for i in range(8, -1, -1)]
+L8: tl.constexpr = tl.constexpr(_L[0])
+L7: tl.constexpr = tl.constexpr(_L[1])
+L6: tl.constexpr = tl.constexpr(_L[2])
+L5: tl.constexpr = tl.constexpr(_L[3])
+L4: tl.constexpr = tl.constexpr(_L[4])
+L3: tl.constexpr = tl.constexpr(_L[5])
+L2: tl.constexpr = tl.constexpr(_L[6])
+L1: tl.constexpr = tl.constexpr(_L[7])
+L0: tl.constexpr = tl.constexpr(_L[8])
+#: Added to the per-token score sum that normalises sigmoid / sqrtsoftplus scores for the balance
+#: loss (tritonmoe.reference.AUX_EPS).
+AUX_EPS: tl.constexpr = tl.constexpr(1e-20)
 
 
 @triton.jit
@@ -90,6 +107,35 @@ def _canonical_exp(y):
 def _canonical_sigmoid(x):
     """1 / (1 + canonical_exp(-x)), the division correctly rounded (``div_rn``)."""
     return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _canonical_exp(-x))
+
+
+@triton.jit
+def _canonical_sqrtsoftplus(x):
+    """:func:`tritonmoe.reference._canonical_sqrtsoftplus`, the same operations in the same
+    order: u = canonical_exp(-|x|), z = u / (2 + u), softplus = [x > 0] x + z p(z^2), sqrt_rn."""
+    u = _canonical_exp(-tl.abs(x))
+    z = tl.math.div_rn(u, 2.0 + u)
+    w = z * z
+    p = L8 * w + L7
+    p = p * w + L6
+    p = p * w + L5
+    p = p * w + L4
+    p = p * w + L3
+    p = p * w + L2
+    p = p * w + L1
+    p = p * w + L0
+    sp = tl.where(x > 0, x, 0.0) + z * p
+    return tl.sqrt_rn(sp)
+
+
+@triton.jit
+def _sqrtsoftplus(x):
+    """sqrt(softplus(x)) for the weights: max(x, 0) + log1p(exp(-|x|)), log1p(u) as
+    log(1 + u) * u / ((1 + u) - 1) (exact to rounding for small u, where log(1 + u) is not)."""
+    u = tl.exp(-tl.abs(x))
+    y = 1.0 + u
+    l1p = tl.where(y == 1.0, u, tl.log(y) * (u / tl.where(y == 1.0, 1.0, y - 1.0)))
+    return tl.sqrt(tl.where(x > 0, x, 0.0) + l1p)
 
 
 @triton.jit
@@ -132,7 +178,7 @@ def _lanes(G: tl.constexpr, S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.
 
 @triton.jit
 def _load_scores(logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E,
-                 SOFTMAX: tl.constexpr, NEED_STATS: tl.constexpr, BLOCK_T: tl.constexpr):
+                 SOFTMAX: tl.constexpr, NEED_STATS: tl.constexpr, BLOCK_T: tl.constexpr, SQRTSP: tl.constexpr = False):
     """Logits of rows ``t`` as an fp32 [BT, BE] tile (-inf in padding lanes, 0 in rows past T,
     so they do no NaN work), their fp32 scores, and the row max / sum of exp(x - max) when
     SOFTMAX or NEED_STATS (else 0 and 1)."""
@@ -149,17 +195,21 @@ def _load_scores(logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E,
         ex_TE = x_TE
     if SOFTMAX:
         s_TE = ex_TE / den_T[:, None]
+    elif SQRTSP:
+        s_TE = _sqrtsoftplus(x_TE)
     else:
         s_TE = 1.0 / (1.0 + tl.exp(-x_TE))
     return x_TE, s_TE, m_T, den_T
 
 
 @triton.jit
-def _score_at(lg, m, den, SOFTMAX: tl.constexpr):
+def _score_at(lg, m, den, SOFTMAX: tl.constexpr, SQRTSP: tl.constexpr = False):
     """Score of logits ``lg`` given the row's softmax statistics broadcast to it: the expressions
     of :func:`_load_scores`, so a gathered score equals the tile's score bit for bit."""
     if SOFTMAX:
         s = tl.exp(lg - m) / den
+    elif SQRTSP:
+        s = _sqrtsoftplus(lg)
     else:
         s = 1.0 / (1.0 + tl.exp(-lg))
     return s
@@ -196,6 +246,11 @@ def _route_fwd_kernel(
     BLOCK_K: tl.constexpr,
     scale=1.0,  # fp32 routed_scaling_factor: multiplies the final weights
     GROUP_MAX: tl.constexpr = False,  # group score: max (True) or top-2 sum (False)
+    SQRTSP: tl.constexpr = False,  # score function sqrtsoftplus (SOFTMAX False): sqrt(softplus(x))
+    GROUP_TOPN: tl.constexpr = 0,  # > 0: group score "sum_topn", the sum of the group's GROUP_TOPN largest values
+    prio_ptr=None,  # fp32 [T, K] out: the "probs" drop priority (iff WITH_PRIO)
+    WITH_PRIO: tl.constexpr = False,
+    BLOCK_HIST: tl.constexpr = False,  # also write the block's selection histogram to slot_hist [NB, E] ("position")
 ):
     """Scores, selection, top-k, weights and per-expert histograms of a block of tokens.
 
@@ -211,22 +266,30 @@ def _route_fwd_kernel(
     row_ok = t < T
     e_E, lane_ok_E = _lanes(G, S, BLOCK_G, BLOCK_S)
     x_TE, s_TE, m_T, den_T = _load_scores(
-        logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E, SOFTMAX, WITH_AUX, BLOCK_T
+        logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E, SOFTMAX, WITH_AUX, BLOCK_T, SQRTSP
     )
 
     if WITH_AUX:
         # logsumexp as torch.logsumexp computes it: an infinite max is the result (all -inf -> -inf)
         lse_T = tl.where((m_T == float("inf")) | (m_T == float("-inf")), m_T, m_T + tl.log(den_T))
         tl.store(lse_ptr + t, lse_T, mask=row_ok)
-        part_E = tl.sum(tl.where(row_ok[:, None], s_TE, 0.0), axis=0)
+        if SOFTMAX:
+            q_TE = s_TE
+        else:  # the balance loss's scores: normalised over the experts (tritonmoe.reference.aux_scores)
+            z_T = tl.sum(tl.where(lane_ok_E[None, :], s_TE, 0.0), axis=1)
+            q_TE = s_TE / (z_T + AUX_EPS)[:, None]
+        part_E = tl.sum(tl.where(row_ok[:, None], q_TE, 0.0), axis=0)
         tl.store(score_part_ptr + pid * E + e_E, part_E, mask=lane_ok_E)
 
     # -- selection value (canonical, see the module docstring); NaN ranks as -inf, -0 is +0 -------
-    if HAS_BIAS:
+    if HAS_BIAS or WITH_PRIO:
         if SOFTMAX:
             c_TE = _canonical_softmax(x_TE, lane_ok_E, BLOCK_T, BLOCK_E)
+        elif SQRTSP:
+            c_TE = _canonical_sqrtsoftplus(x_TE)
         else:
             c_TE = _canonical_sigmoid(x_TE)
+    if HAS_BIAS:
         sel_TE = c_TE + tl.load(bias_ptr + e_E, mask=lane_ok_E, other=0.0)[None, :]
     else:
         sel_TE = x_TE
@@ -237,11 +300,13 @@ def _route_fwd_kernel(
     if G > 1:
         # what a group score is made of: the selection values, or (top-2 sum without a bias) the
         # canonical scores; for softmax without the row's common denominator
-        if GROUP_MAX or S == 1 or HAS_BIAS:
+        if GROUP_MAX or (S == 1 and GROUP_TOPN == 0) or HAS_BIAS or (GROUP_TOPN > 0 and SOFTMAX):
             gv_TE = sel_TE
         else:
             if SOFTMAX:
                 gv_TE = _canonical_exp(x_TE - _row_max_no_nan(x_TE)[:, None])
+            elif SQRTSP:
+                gv_TE = _canonical_sqrtsoftplus(x_TE)
             else:
                 gv_TE = _canonical_sigmoid(x_TE)
             gv_TE = tl.where((gv_TE != gv_TE) | (lane_ok_E[None, :] == 0), float("-inf"), gv_TE)
@@ -249,7 +314,21 @@ def _route_fwd_kernel(
         g = tl.arange(0, BLOCK_G)
         member_ok_1GS = (g[None, :, None] < G) & (tl.arange(0, BLOCK_S)[None, None, :] < S)
         v1_TG = tl.max(gv_TGS, axis=2)
-        if GROUP_MAX or S == 1:
+        if GROUP_TOPN > 0:
+            # the GROUP_TOPN largest, added largest first; each round retires one lane (the lowest
+            # index holding the maximum), so a repeated value counts as often as it occurs
+            sidx_S = tl.arange(0, BLOCK_S)
+            live_TGS = gv_TGS
+            gs_TG = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.float32)
+            for r in tl.static_range(GROUP_TOPN):
+                vr_TG = tl.max(live_TGS, axis=2)
+                first_TG = tl.min(tl.where(live_TGS == vr_TG[:, :, None], sidx_S[None, None, :], BLOCK_S), axis=2)
+                live_TGS = tl.where(sidx_S[None, None, :] == first_TG[:, :, None], float("-inf"), live_TGS)
+                if r == 0:
+                    gs_TG = vr_TG
+                else:
+                    gs_TG = gs_TG + vr_TG
+        elif GROUP_MAX or S == 1:
             gs_TG = v1_TG
         else:
             # top-2 sum: the max twice if it occurs twice, else the max plus the next value
@@ -257,6 +336,7 @@ def _route_fwd_kernel(
             n_top_TG = tl.sum((is_top_TGS & member_ok_1GS).to(tl.int32), axis=2)
             rest_TG = tl.max(tl.where(is_top_TGS, float("-inf"), gv_TGS), axis=2)
             gs_TG = v1_TG + tl.where(n_top_TG >= 2, v1_TG, rest_TG)
+        gs_TG = tl.where(gs_TG != gs_TG, float("-inf"), gs_TG)  # NaN (inf - inf) ranks last
         # rank of group g = the groups that beat it (larger score, or equal score and lower index)
         beats_TGG = (gs_TG[:, None, :] > gs_TG[:, :, None]) | (
             (gs_TG[:, None, :] == gs_TG[:, :, None]) & (g[None, None, :] < g[None, :, None])
@@ -277,12 +357,23 @@ def _route_fwd_kernel(
     # -- top-k: K rounds of argmax over the keys ---------------------------------------------------
     kcol = tl.arange(0, BLOCK_K)
     ids_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    if WITH_PRIO:
+        c_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        csum_T = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in range(K):
         best_T = tl.max(key_TE, axis=1)
         e_T = (65535 - (best_T & 65535)).to(tl.int32)
         ids_TK = tl.where(kcol[None, :] == j, e_T[:, None], ids_TK)
         hit_TE = e_E[None, :] == e_T[:, None]
         key_TE = tl.where(hit_TE, RETIRED, key_TE)
+        if WITH_PRIO:
+            # the canonical score at the id (a max over one lane: exact), summed in slot order
+            cj_T = tl.max(tl.where(hit_TE, c_TE, float("-inf")), axis=1)
+            c_TK = tl.where(kcol[None, :] == j, cj_T[:, None], c_TK)
+            if j == 0:
+                csum_T = cj_T
+            else:
+                csum_T = csum_T + cj_T
         if HAS_CAPACITY:
             hist_E = tl.sum((hit_TE & row_ok[:, None]).to(tl.int32), axis=0)
             tl.store(slot_hist_ptr + (j * NB + pid) * E + e_E, hist_E, mask=lane_ok_E)
@@ -292,14 +383,17 @@ def _route_fwd_kernel(
     if not HAS_CAPACITY:
         taken_TE = (key_TE == RETIRED) & lane_ok_E[None, :] & row_ok[:, None]
         hist_E = tl.sum(taken_TE.to(tl.int32), axis=0)
-        tl.atomic_add(counts_ptr + e_E, hist_E, mask=lane_ok_E & (hist_E > 0), sem="relaxed")
+        if BLOCK_HIST:
+            tl.store(slot_hist_ptr + pid * E + e_E, hist_E, mask=lane_ok_E)
+        else:
+            tl.atomic_add(counts_ptr + e_E, hist_E, mask=lane_ok_E & (hist_E > 0), sem="relaxed")
 
     # -- weights: unbiased scores at the ids, gathered from the (cached) logits rows ---------------
     k_ok_TK = row_ok[:, None] & (kcol[None, :] < K)
     lg_TK = tl.load(
         logits_ptr + t[:, None] * stride_lt + ids_TK.to(tl.int64) * stride_le, mask=k_ok_TK, other=0.0
     ).to(tl.float32)
-    p_TK = _score_at(lg_TK, m_T[:, None], den_T[:, None], SOFTMAX)
+    p_TK = _score_at(lg_TK, m_T[:, None], den_T[:, None], SOFTMAX, SQRTSP)
     if RENORMALIZE:
         sum_T = tl.sum(tl.where(kcol[None, :] < K, p_TK, 0.0), axis=1)
         # where(sum < eps) rather than maximum(): a NaN sum stays NaN, as under clamp_min
@@ -308,6 +402,14 @@ def _route_fwd_kernel(
     out_TK = t[:, None] * K + kcol[None, :]
     tl.store(ids_ptr + out_TK, ids_TK, mask=k_ok_TK)
     tl.store(w_ptr + out_TK, p_TK, mask=k_ok_TK)
+    if WITH_PRIO:  # tritonmoe.reference.drop_priority: canonical weight, NaN as -inf, -0 as +0
+        if RENORMALIZE:
+            c_TK = tl.math.div_rn(c_TK, tl.broadcast_to(tl.where(csum_T < RENORM_EPS, RENORM_EPS, csum_T)[:, None],
+                                                        [BLOCK_T, BLOCK_K]))
+        c_TK = c_TK * scale
+        c_TK = tl.where(c_TK != c_TK, float("-inf"), c_TK)
+        c_TK = tl.where(c_TK == 0.0, 0.0, c_TK)
+        tl.store(prio_ptr + out_TK, c_TK, mask=k_ok_TK)
 
 
 @triton.jit
@@ -414,6 +516,44 @@ def _capacity_keep_kernel(
 
 
 @triton.jit
+def _position_keep_kernel(
+    sel_ids_ptr,  # int32 [T, K] selected ids (before dropping)
+    offsets_ptr,  # int32 [NB, E] exclusive offsets of each block's selections (the scan, K = 1)
+    ids_ptr,  # int32 [T, K] out: ids with dropped slots set to -1
+    w_ptr,  # fp32 [T, K] in/out: weights, dropped slots set to 0
+    T,
+    capacity,
+    E,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Drop by "position": each expert keeps the slots of its ``capacity`` earliest tokens.
+
+    Grid: ``(NB,)`` with the forward kernel's BLOCK_T (the offsets are per token block). A
+    token's position on expert e is the block's offset for e plus the number of earlier tokens of
+    the block that chose e: an exclusive cumulative sum down the block's [BLOCK_T, BLOCK_E]
+    occupancy tile (a token holds an expert at most once)."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < T
+    e_E = tl.arange(0, BLOCK_E)
+    occ_TE = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+    for j in range(K):
+        e_T = tl.load(sel_ids_ptr + t * K + j, mask=row_ok, other=-1)
+        occ_TE += (e_E[None, :] == e_T[:, None]).to(tl.int32)
+    off_E = tl.load(offsets_ptr + pid * E + e_E, mask=e_E < E, other=0)
+    pos_TE = tl.cumsum(occ_TE, axis=0) - occ_TE + off_E[None, :]
+    for j in range(K):
+        e_T = tl.load(sel_ids_ptr + t * K + j, mask=row_ok, other=-1)
+        pos_T = tl.sum(tl.where(e_E[None, :] == e_T[:, None], pos_TE, 0), axis=1)
+        keep_T = pos_T < capacity
+        tl.store(ids_ptr + t * K + j, tl.where(keep_T, e_T, -1), mask=row_ok)
+        w_T = tl.load(w_ptr + t * K + j, mask=row_ok, other=0.0)
+        tl.store(w_ptr + t * K + j, tl.where(keep_T, w_T, 0.0), mask=row_ok)
+
+
+@triton.jit
 def _route_bwd_kernel(
     logits_ptr,  # [T, E], strides (stride_lt, stride_le)
     sel_ids_ptr,  # int32 [T, K] selected ids (before dropping)
@@ -443,6 +583,7 @@ def _route_bwd_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
     scale=1.0,  # fp32 routed_scaling_factor of the forward
+    SQRTSP: tl.constexpr = False,  # score function sqrtsoftplus (SOFTMAX False)
 ):
     """d(logits) from d(topk_weights), d(score_sum) and d(logsumexp) in one pass.
 
@@ -451,8 +592,11 @@ def _route_bwd_kernel(
     D = max(P, eps); g_j = scale * d(topk_weights)[t, j], zero for a dropped slot)::
 
         dp_j = (g_j - [P >= eps] * sum_i g_i p_i / D) / D     (renormalize; else dp_j = g_j)
-        ds_e = dp_j where e = id_j, plus d(score_sum)[e]
-        dl_e = s_e * (ds_e - sum_e' ds_e' s_e')   (softmax)   or   ds_e * s_e * (1 - s_e)   (sigmoid)
+        ds_e = dp_j where e = id_j, plus d(score_sum)[e] (softmax), or through the balance
+               loss's normalisation q = s / (Z + eps), Z = sum_e s_e (sigmoid, sqrtsoftplus):
+               (d(score_sum)[e] - sum_e' d(score_sum)[e'] q_e') / (Z + eps)
+        dl_e = s_e * (ds_e - sum_e' ds_e' s_e')   (softmax),   ds_e * s_e * (1 - s_e)   (sigmoid),
+               ds_e * sigmoid(x_e) / (2 s_e)   (sqrtsoftplus; 0 where s_e = 0)
                + d(logsumexp)[t] * softmax(logits_t)_e
     """
     E: tl.constexpr = G * S
@@ -461,7 +605,7 @@ def _route_bwd_kernel(
     row_ok = t < T
     e_E, lane_ok_E = _lanes(G, S, BLOCK_G, BLOCK_S)
     x_TE, s_TE, m_T, den_T = _load_scores(
-        logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E, SOFTMAX, HAS_DLSE, BLOCK_T
+        logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E, SOFTMAX, HAS_DLSE, BLOCK_T, SQRTSP
     )
 
     ds_TE = tl.zeros([BLOCK_T, BLOCK_G * BLOCK_S], dtype=tl.float32)
@@ -478,7 +622,7 @@ def _route_bwd_kernel(
             lg_TK = tl.load(
                 logits_ptr + t[:, None] * stride_lt + ids_TK.to(tl.int64) * stride_le, mask=k_ok_TK, other=0.0
             ).to(tl.float32)
-            p_TK = tl.where(k_ok_TK, _score_at(lg_TK, m_T[:, None], den_T[:, None], SOFTMAX), 0.0)
+            p_TK = tl.where(k_ok_TK, _score_at(lg_TK, m_T[:, None], den_T[:, None], SOFTMAX, SQRTSP), 0.0)
             sum_T = tl.sum(p_TK, axis=1)
             den_p_T = tl.where(sum_T < RENORM_EPS, RENORM_EPS, sum_T)
             dot_T = tl.sum(g_TK * (p_TK / den_p_T[:, None]), axis=1)
@@ -495,11 +639,20 @@ def _route_bwd_kernel(
                 dp_T = g_T
             ds_TE += tl.where(e_E[None, :] == e_T[:, None], dp_T[:, None], 0.0)
     if HAS_DSS:
-        ds_TE += tl.load(dss_ptr + e_E * stride_dss, mask=lane_ok_E, other=0.0)[None, :]
+        dss_E = tl.load(dss_ptr + e_E * stride_dss, mask=lane_ok_E, other=0.0)
+        if SOFTMAX:
+            ds_TE += dss_E[None, :]
+        else:
+            zp_T = tl.sum(tl.where(lane_ok_E[None, :], s_TE, 0.0), axis=1) + AUX_EPS
+            dq_T = tl.sum(tl.where(lane_ok_E[None, :], dss_E[None, :] * (s_TE / zp_T[:, None]), 0.0), axis=1)
+            ds_TE += (dss_E[None, :] - dq_T[:, None]) / zp_T[:, None]
 
     if SOFTMAX:
         dot_s_T = tl.sum(tl.where(lane_ok_E[None, :], ds_TE * s_TE, 0.0), axis=1)
         dl_TE = s_TE * (ds_TE - dot_s_T[:, None])
+    elif SQRTSP:
+        sig_TE = 1.0 / (1.0 + tl.exp(-x_TE))
+        dl_TE = tl.where(s_TE > 0, ds_TE * sig_TE / tl.where(s_TE > 0, 2.0 * s_TE, 1.0), 0.0)
     else:
         dl_TE = ds_TE * (s_TE * (1.0 - s_TE))
     if HAS_DLSE:
@@ -509,5 +662,96 @@ def _route_bwd_kernel(
         else:
             dl_TE += dlse_T[:, None] * (tl.exp(x_TE - m_T[:, None]) / den_T[:, None])
 
+    out = dlogits_ptr + t[:, None] * E + e_E[None, :]
+    tl.store(out, dl_TE.to(dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & lane_ok_E[None, :])
+
+
+@triton.jit
+def _balance_sums_fwd_kernel(
+    logits_ptr,  # [T, E], strides (stride_lt, stride_le)
+    mask_ptr,  # bool [T] as int8 (read iff HAS_MASK): 1 = a real token
+    part_ptr,  # fp32 [B, NC, E] out: per-chunk sums of the balance scores
+    T,
+    S,  # tokens per segment (a sequence; T for the whole batch)
+    NC,  # chunks per segment, cdiv(S, BLOCK_T)
+    stride_lt,
+    stride_le,
+    E: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    SQRTSP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Sums over the real tokens of a segment chunk of the balance loss's scores
+    (tritonmoe.reference.aux_scores: softmax, or sigmoid / sqrtsoftplus normalised over the
+    experts). Grid: ``(B, NC)``; program (b, c) reads the rows b*S + [c*BLOCK_T, (c+1)*BLOCK_T)
+    of segment b and writes their sums; the launcher adds the NC chunks in a fixed order."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    i = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = b * S + i
+    row_ok = (i < S) & (t < T)
+    e_E = tl.arange(0, BLOCK_E)
+    lane_ok_E = e_E < E
+    x_TE, s_TE, m_T, den_T = _load_scores(logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E, SOFTMAX,
+                                          False, BLOCK_T, SQRTSP)
+    if SOFTMAX:
+        q_TE = s_TE
+    else:
+        z_T = tl.sum(tl.where(lane_ok_E[None, :], s_TE, 0.0), axis=1)
+        q_TE = s_TE / (z_T + AUX_EPS)[:, None]
+    keep_T = row_ok
+    if HAS_MASK:
+        keep_T = keep_T & (tl.load(mask_ptr + t, mask=row_ok, other=0) != 0)
+    part_E = tl.sum(tl.where(keep_T[:, None], q_TE, 0.0), axis=0)
+    tl.store(part_ptr + (b * NC + c) * E + e_E, part_E, mask=lane_ok_E)
+
+
+@triton.jit
+def _balance_sums_bwd_kernel(
+    logits_ptr,  # [T, E], strides (stride_lt, stride_le)
+    mask_ptr,  # bool [T] as int8 (read iff HAS_MASK)
+    g_ptr,  # fp32 [B, E] contiguous: gradient of the segment sums
+    dlogits_ptr,  # [T, E] contiguous out, logits' dtype
+    T,
+    S,
+    stride_lt,
+    stride_le,
+    E: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    SQRTSP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """d(logits) of :func:`_balance_sums_fwd_kernel`: token t gets g = grad[t // S] (0 if
+    padded); softmax: q * (g - sum g q); normalised scores q = s / (Z + eps):
+    ds = (g - sum g q) / (Z + eps), then ds * s (1 - s) (sigmoid) or ds * sigmoid(x) / (2 s)
+    (sqrtsoftplus). Grid: ``(cdiv(T, BLOCK_T),)``."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < T
+    e_E = tl.arange(0, BLOCK_E)
+    lane_ok_E = e_E < E
+    x_TE, s_TE, m_T, den_T = _load_scores(logits_ptr, t, row_ok, stride_lt, stride_le, e_E, lane_ok_E, SOFTMAX,
+                                          False, BLOCK_T, SQRTSP)
+    keep_T = row_ok
+    if HAS_MASK:
+        keep_T = keep_T & (tl.load(mask_ptr + t, mask=row_ok, other=0) != 0)
+    seg_T = t // S
+    g_TE = tl.load(g_ptr + seg_T[:, None] * E + e_E[None, :], mask=keep_T[:, None] & lane_ok_E[None, :], other=0.0)
+    if SOFTMAX:
+        dot_T = tl.sum(tl.where(lane_ok_E[None, :], g_TE * s_TE, 0.0), axis=1)
+        dl_TE = s_TE * (g_TE - dot_T[:, None])
+    else:
+        zp_T = tl.sum(tl.where(lane_ok_E[None, :], s_TE, 0.0), axis=1) + AUX_EPS
+        dot_T = tl.sum(tl.where(lane_ok_E[None, :], g_TE * (s_TE / zp_T[:, None]), 0.0), axis=1)
+        ds_TE = (g_TE - dot_T[:, None]) / zp_T[:, None]
+        if SQRTSP:
+            sig_TE = 1.0 / (1.0 + tl.exp(-x_TE))
+            dl_TE = tl.where(s_TE > 0, ds_TE * sig_TE / tl.where(s_TE > 0, 2.0 * s_TE, 1.0), 0.0)
+        else:
+            dl_TE = ds_TE * (s_TE * (1.0 - s_TE))
     out = dlogits_ptr + t[:, None] * E + e_E[None, :]
     tl.store(out, dl_TE.to(dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & lane_ok_E[None, :])

@@ -5,9 +5,14 @@ Forward (no host synchronization; launches in stream order):
 * dropless: ``_route_fwd_kernel`` (one read of the logits; ids, weights, integer-atomic counts,
   and with ``with_aux`` per-block score sums + per-token logsumexp), then, with ``with_aux``, a
   fixed-order sum of the per-block score sums.
-* with ``capacity``: the same kernel also writes per-block, per-slot expert histograms;
-  ``_capacity_scan_kernel`` turns them into exclusive offsets in priority order (slot j, then
-  token t); ``_capacity_keep_kernel`` drops the slots past capacity.
+* with ``capacity`` (``drop_policy="slot"``): the same kernel also writes per-block, per-slot
+  expert histograms; ``_capacity_scan_kernel`` turns them into exclusive offsets in priority
+  order (slot j, then token t); ``_capacity_keep_kernel`` drops the slots past capacity.
+* ``drop_policy="position"``: per-block histograms (all slots together), the same scan with one
+  slot row (token order), then ``_position_keep_kernel`` (ranks inside a block by a cumulative
+  sum of the block's occupancy tile).
+* ``drop_policy="probs"``: the kernel also writes each slot's canonical weight (the priority);
+  a device sort pass after it keeps each expert's highest (:func:`_drop_pass`; no host sync).
 
 Backward: ``_route_bwd_kernel`` maps d(topk_weights), d(score_sum) and d(logsumexp) to
 d(logits) in one pass (it re-reads the logits instead of saving the [T, E] scores).
@@ -35,13 +40,16 @@ from tritonmoe.core.types import Routing
 from . import config as CF
 from ._host import cdiv, device_ctx, next_power_of_2
 from ._routing_kernels import (
+    _balance_sums_bwd_kernel,
+    _balance_sums_fwd_kernel,
     _capacity_keep_kernel,
+    _position_keep_kernel,
     _capacity_scan_kernel,
     _route_bwd_kernel,
     _route_fwd_kernel,
 )
 
-__all__ = ["route", "RouteConfig", "route_config", "route_key", "config_override", "MAX_TILE_LANES",
+__all__ = ["route", "balance_score_sums", "RouteConfig", "route_config", "route_key", "config_override", "MAX_TILE_LANES",
            "FWD_COMPILE_OPTIONS"]
 
 #: Compile options of the forward kernel. No FMA contraction: the canonical selection values
@@ -157,6 +165,9 @@ class _Problem:
     with_aux: bool
     group_max: bool
     scale: float
+    sqrtsp: bool
+    group_topn: int
+    drop_policy: str
     block_g: int
     block_s: int
     block_k: int
@@ -165,7 +176,7 @@ class _Problem:
 
 @functools.lru_cache(maxsize=1024)
 def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str, renormalize: bool, capacity,
-             with_aux: bool, group_score: str, scale: float, interpret: bool) -> _Problem:
+             with_aux: bool, group_score: str, scale: float, interpret: bool, drop_policy: str = "slot") -> _Problem:
     """The static description of a route call, cached: the launcher's host work per call is the
     launch, not rebuilding (and re-validating) the same problem and tile config for every batch.
     Keyed by the validated arguments (bools and ints already normalized by the caller)."""
@@ -192,6 +203,9 @@ def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str,
         with_aux=with_aux,
         group_max=group_score == "max",
         scale=scale,
+        sqrtsp=score_func == "sqrtsoftplus",
+        group_topn=top_k // topk_groups if group_score == "sum_topn" and G > 1 else 0,
+        drop_policy=drop_policy if capacity is not None else "slot",
         block_g=block_g,
         block_s=block_s,
         block_k=next_power_of_2(top_k),
@@ -206,8 +220,13 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
     ids_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     w_TK = torch.empty(T, K, dtype=torch.float32, device=dev)
     counts_E = torch.zeros(E, dtype=torch.int32, device=dev)
-    has_cap = prob.capacity is not None
-    selected_E = torch.zeros(E, dtype=torch.int32, device=dev) if has_cap else counts_E
+    # "position": the kernel writes per-block selection histograms, scanned in token order, then
+    # _position_keep_kernel drops; "probs": the kernel routes as if dropless (counting the
+    # selected slots) and writes the drop priority, then a sort pass drops (_drop_pass)
+    has_cap = prob.capacity is not None and prob.drop_policy == "slot"
+    with_prio = prob.capacity is not None and prob.drop_policy == "probs"
+    by_position = prob.capacity is not None and prob.drop_policy == "position"
+    selected_E = torch.zeros(E, dtype=torch.int32, device=dev) if has_cap or by_position else counts_E
     score_sum_E = lse_T = None
     if T == 0:  # nothing to launch; empty outputs of the right shapes
         if prob.with_aux:
@@ -218,12 +237,14 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
     NB = cdiv(T, cfg.block_t)
     dummy_i32 = counts_E
     split = cfg.scan_split_slots and K > 1
-    slot_hist = torch.empty(K, NB, E, dtype=torch.int32, device=dev) if has_cap else dummy_i32
+    slot_hist = (torch.empty(K, NB, E, dtype=torch.int32, device=dev) if has_cap
+                 else torch.empty(1, NB, E, dtype=torch.int32, device=dev) if by_position else dummy_i32)
     slot_tot = torch.zeros(K, E, dtype=torch.int32, device=dev) if has_cap and split else dummy_i32
     if prob.with_aux:
         part_BE = torch.empty(NB, E, dtype=torch.float32, device=dev)
         lse_T = torch.empty(T, dtype=torch.float32, device=dev)
     dummy_f32 = w_TK  # placeholder for pointers a specialization never reads
+    prio_TK = torch.empty(T, K, dtype=torch.float32, device=dev) if with_prio else dummy_f32
     with device_ctx(logits_TE.device):
         _route_fwd_kernel[(NB,)](
             logits_TE,
@@ -255,6 +276,11 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             BLOCK_K=prob.block_k,
             scale=prob.scale,
             GROUP_MAX=prob.group_max,
+            SQRTSP=prob.sqrtsp,
+            GROUP_TOPN=prob.group_topn,
+            prio_ptr=prio_TK,
+            WITH_PRIO=with_prio,
+            BLOCK_HIST=by_position,
             num_warps=cfg.num_warps,
             **FWD_COMPILE_OPTIONS,
         )
@@ -291,10 +317,59 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
                 BLOCK_KC=max(1, min(prob.block_k, 8192 // (cfg.block_t * cfg.block_t))),
                 num_warps=cfg.num_warps,
             )
+        if by_position:
+            ids_TK = _position_drop(prob, sel_ids_TK, w_TK, slot_hist, counts_E, selected_E, NB)
+    if with_prio:
+        ids_TK, w_TK, counts_E = _drop_pass(sel_ids_TK, w_TK, selected_E, prio_TK, prob.capacity)
     if prob.with_aux:
         # fixed-order reduction of the per-block partial sums (deterministic; no float atomics)
         score_sum_E = part_BE.sum(dim=0)
     return ids_TK, w_TK, counts_E, selected_E, score_sum_E, lse_T, sel_ids_TK
+
+
+def _position_drop(prob: _Problem, sel_ids_TK, w_TK, hist_1BE, counts_E, selected_E, NB: int) -> torch.Tensor:
+    """Drop by "position": the blocks' selection histograms scanned in token order (the scan
+    kernel with one slot row; it writes the kept and selected counts), then the in-block ranks
+    (``_position_keep_kernel``, which zeroes the dropped weights in place). Returns the ids."""
+    cfg, E = prob.config, prob.E
+    _capacity_scan_kernel[(1, cdiv(E, cfg.scan_block_e))](
+        hist_1BE, hist_1BE, counts_E, selected_E, NB, prob.capacity, E, K=1, SLOTS_PER_PROG=1,
+        BLOCK_R=cfg.scan_block_r, BLOCK_E=cfg.scan_block_e, BLOCK_J=1, num_warps=4,
+    )
+    ids_TK = torch.empty_like(sel_ids_TK)
+    _position_keep_kernel[(NB,)](
+        sel_ids_TK, hist_1BE, ids_TK, w_TK, prob.T, prob.capacity, E, K=prob.K, BLOCK_T=cfg.block_t,
+        BLOCK_E=next_power_of_2(E), num_warps=cfg.num_warps,
+    )
+    return ids_TK
+
+
+def _drop_pass(sel_ids_TK: torch.Tensor, w_TK: torch.Tensor, selected_E: torch.Tensor, prio_TK: torch.Tensor,
+               capacity: int):
+    """Capacity dropping by "probs": each expert keeps its ``capacity`` highest priorities, ties
+    to the earlier token; on the device without a host sync: one sort of the slots by a
+    composite int64 key (descending priority, then token) and a stable sort by expert, then each
+    slot's rank on its expert against ``capacity``. Returns (ids, weights, kept counts)."""
+    T, K = sel_ids_TK.shape
+    E = selected_E.shape[0]
+    e = sel_ids_TK.reshape(-1).long()
+    tok = torch.arange(T * K, device=e.device) // K
+    # the fp32 bits mapped to an order-preserving unsigned 32-bit integer, complemented (descending),
+    # above the token id (T < 2^31)
+    bits = prio_TK.reshape(-1).view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
+    inner = ((2**32 - 1 - ordered) << 31) | tok
+    order = torch.argsort(inner, stable=True)
+    order = order[torch.argsort(e[order], stable=True)]  # by expert, the inner order kept
+    starts = torch.cumsum(selected_E.long(), 0) - selected_E.long()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(T * K, device=e.device) - starts[e[order]]
+    keep = (rank < capacity).view(T, K)
+    ids = torch.where(keep, sel_ids_TK, torch.full_like(sel_ids_TK, -1))
+    w = torch.where(keep, w_TK, torch.zeros_like(w_TK))
+    kept = torch.zeros(E + 1, dtype=torch.int64, device=e.device)
+    kept.scatter_add_(0, torch.where(keep.reshape(-1), e + 1, torch.zeros_like(e)), torch.ones_like(e))
+    return ids, w, kept[1:].to(torch.int32)
 
 
 def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_T) -> torch.Tensor:
@@ -337,6 +412,7 @@ def _backward(prob: _Problem, logits_TE, sel_ids_TK, ids_TK, dw_TK, dss_E, dlse_
             BLOCK_S=prob.block_s,
             BLOCK_K=prob.block_k,
             scale=prob.scale,
+            SQRTSP=prob.sqrtsp,
             num_warps=cfg.bwd_num_warps,
         )
     return dlogits_TE
@@ -378,6 +454,7 @@ def route(
     with_aux: bool = False,
     group_score: str = "top2sum",
     routed_scaling_factor: float = 1.0,
+    drop_policy: str = "slot",
 ) -> Routing:
     """Top-k routing with the fused Triton kernels; the contract of :func:`tritonmoe.route`
     (arguments already validated there). The ids equal :func:`tritonmoe.reference.route`'s bit
@@ -395,7 +472,7 @@ def route(
         )
     T, E = logits_TE.shape
     prob = _problem(T, E, top_k, n_groups, topk_groups, score_func, renormalize, capacity, with_aux, group_score,
-                    float(routed_scaling_factor), logits_TE.device.type != "cuda")
+                    float(routed_scaling_factor), logits_TE.device.type != "cuda", drop_policy)
     prob = _choose(prob, logits_TE.device)
     bias_E = expert_bias.detach().float().contiguous() if expert_bias is not None else None
     ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob)
@@ -408,3 +485,62 @@ def route(
         score_sum=score_sum,
         logsumexp=lse,
     )
+
+
+class _BalanceSumsFn(torch.autograd.Function):
+    """Autograd wrapper of the balance-score sums: [B, E] fp32 from the logits."""
+
+    @staticmethod
+    def forward(ctx, logits_TE, mask_T, B: int, S: int, softmax: bool, sqrtsp: bool):
+        T, E = logits_TE.shape
+        dev = logits_TE.device
+        block_e = next_power_of_2(E)
+        bt = max(1, min(64, 4096 // block_e))
+        ctx.cfg = (S, softmax, sqrtsp, bt, block_e)
+        ctx.save_for_backward(logits_TE, mask_T)
+        if B == 0 or T == 0:
+            return torch.zeros(B, E, dtype=torch.float32, device=dev)
+        nc = cdiv(S, bt)
+        part = torch.empty(B, nc, E, dtype=torch.float32, device=dev)
+        with device_ctx(logits_TE.device):
+            _balance_sums_fwd_kernel[(B, nc)](
+                logits_TE, mask_T if mask_T is not None else part, part, T, S, nc, logits_TE.stride(0),
+                logits_TE.stride(1), E=E, SOFTMAX=softmax, SQRTSP=sqrtsp, HAS_MASK=mask_T is not None, BLOCK_T=bt,
+                BLOCK_E=block_e, num_warps=4,
+            )
+        return part.sum(dim=1)  # fixed-order reduction of the chunks (no float atomics)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_BE):
+        logits_TE, mask_T = ctx.saved_tensors
+        S, softmax, sqrtsp, bt, block_e = ctx.cfg
+        T, E = logits_TE.shape
+        dl = torch.zeros(T, E, dtype=logits_TE.dtype, device=logits_TE.device)
+        if T == 0 or g_BE is None or g_BE.shape[0] == 0:
+            return dl, None, None, None, None, None
+        g = g_BE.float().contiguous()
+        with device_ctx(logits_TE.device):
+            _balance_sums_bwd_kernel[(cdiv(T, bt),)](
+                logits_TE, mask_T if mask_T is not None else g, g, dl, T, S, logits_TE.stride(0), logits_TE.stride(1),
+                E=E, SOFTMAX=softmax, SQRTSP=sqrtsp, HAS_MASK=mask_T is not None, BLOCK_T=bt, BLOCK_E=block_e,
+                num_warps=4,
+            )
+        return dl, None, None, None, None, None
+
+
+def balance_score_sums(logits_TE: torch.Tensor, score_func: str, padding_mask: torch.Tensor | None = None,
+                       sequence_length: int | None = None) -> torch.Tensor:
+    """:func:`tritonmoe.reference.balance_score_sums` with the Triton kernels (fp16/bf16/fp32
+    logits): fp32 [B, E], differentiable w.r.t. the logits; chunk sums added in a fixed order."""
+    if logits_TE.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the balance-score kernel takes fp16/bf16/fp32 logits, got {logits_TE.dtype}")
+    T, E = logits_TE.shape
+    if next_power_of_2(E) > MAX_TILE_LANES:
+        raise ValueError(f"num_experts={E} is above the kernel's {MAX_TILE_LANES} lanes; use backend='torch'")
+    if sequence_length is None:
+        B, S = 1, max(T, 1)
+    else:
+        B, S = T // sequence_length, sequence_length
+    mask = padding_mask.to(torch.int8).contiguous() if padding_mask is not None else None
+    return _BalanceSumsFn.apply(logits_TE, mask, B, S, score_func == "softmax", score_func == "sqrtsoftplus")

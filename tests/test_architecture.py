@@ -44,7 +44,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("parallel", ("tritonmoe.parallel", "tritonmoe.parm_layout", "tritonmoe.bias")),
     ("sim", ("tritonmoe.sim",)),
     ("policy", ("tritonmoe.policy",)),
-    ("config", ("tritonmoe.config", "tritonmoe.router")),
+    ("config", ("tritonmoe.config", "tritonmoe.router", "tritonmoe.aux_loss")),
     ("experts", ("tritonmoe.experts",)),
     ("layer", ("tritonmoe.layer",)),
     ("apps", ("tritonmoe.hf", "tritonmoe.hf_structure", "tritonmoe.hf_archs", "tritonmoe.inference")),

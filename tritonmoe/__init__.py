@@ -15,6 +15,7 @@ from tritonmoe.core.settings import (
     validation,
     validation_enabled,
 )
+from .aux_loss import attach_aux_loss, set_aux_loss_scale
 from .bias import ExpertBiasError, check_expert_bias, expert_bias_finite, update_expert_bias
 from .config import MoEConfig
 from .functional import (
@@ -36,6 +37,8 @@ from . import comm, parallel, reference
 __version__ = "0.1.0"
 
 __all__ = [
+    "attach_aux_loss",
+    "set_aux_loss_scale",
     "check_expert_bias",
     "comm",
     "expert_bias_finite",

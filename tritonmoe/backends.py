@@ -57,6 +57,7 @@ class OpSpec:
 #: Every dispatched op. The kernel module names are the files of ``kernels/``.
 OPS: dict[str, OpSpec] = {
     "route": OpSpec(reference.route, "routing", "route", _F16_BF16_F32),
+    "balance_score_sums": OpSpec(reference.balance_score_sums, "routing", "balance_score_sums", _F16_BF16_F32),
     "permute": OpSpec(reference.permute, "permute", "permute"),
     "permute_metadata": OpSpec(reference.permute_metadata, "permute", "permute_metadata"),
     "unpermute": OpSpec(reference.unpermute, "permute", "unpermute"),

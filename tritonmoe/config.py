@@ -26,6 +26,61 @@ FFN_PATHS = ("auto", "fused", "unfused")
 PARM_SCHEDULES = ("auto", "baseline", "s1", "s2")
 #: Non-integer values of MoEConfig.pipeline_degree: chosen at run time (tritonmoe.policy.degree).
 PIPELINE_DEGREE_MODES = ("auto", "search")
+#: Values of MoEConfig.aux_loss_type (Megatron-Core: aux_loss, seq_aux_loss, global_aux_loss).
+AUX_LOSS_TYPES = ("switch", "seq", "global")
+#: Values of MoEConfig.aux_loss_mode: the loss as a tensor the caller adds, or attached to the
+#: layer's output so that its gradient flows with the main loss's (Megatron's MoEAuxLossAutoScaler).
+AUX_LOSS_MODES = ("tensor", "attach")
+
+
+def aux_loss_forms(types, coefs) -> tuple:
+    """Checked ``(aux_loss_type, aux_loss_coef)`` of a MoEConfig: one type and a number, or a
+    tuple of distinct types and a tuple of as many numbers; returned as a str and a float, or as
+    two tuples (a one-element tuple takes the scalar form)."""
+    many = isinstance(types, (tuple, list))
+    if many:
+        types = tuple(types)
+        if not types:
+            raise ValueError("aux_loss_type=() names no loss; use 'switch', 'seq', 'global' or a tuple of them")
+        for t in types:
+            V.choice("aux_loss_type", t, AUX_LOSS_TYPES)
+        if len(set(types)) != len(types):
+            raise ValueError(f"aux_loss_type={types} names a loss twice; give each type once with its coefficient")
+        if not isinstance(coefs, (tuple, list)) or len(coefs) != len(types):
+            raise ValueError(
+                f"aux_loss_type={types} needs one coefficient per type: aux_loss_coef as a tuple of {len(types)} "
+                f"numbers (Megatron's moe_aux_loss_coeff list), got {coefs!r}"
+            )
+        coefs = tuple(coefs)
+    else:
+        V.choice("aux_loss_type", types, AUX_LOSS_TYPES)
+        if isinstance(coefs, (tuple, list)):
+            raise ValueError(
+                f"aux_loss_coef={coefs!r} is a sequence but aux_loss_type={types!r} is one type; give one number, or "
+                "a tuple of types with one coefficient each"
+            )
+        coefs = (coefs,)
+    for v in coefs:
+        if not V.is_real(v):
+            raise TypeError(f"aux_loss_coef must be a number (or a tuple of numbers), got {type(v).__name__} {v!r}")
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"aux_loss_coef={v} must be finite and >= 0")
+    coefs = tuple(float(v) for v in coefs)
+    if many and len(types) > 1:
+        return types, coefs
+    return (types[0] if many else types), coefs[0]
+
+
+def _router_loss_options(cfg) -> None:
+    """The router and balance-loss options of issue 31 (stored normalized)."""
+    types, coefs = aux_loss_forms(cfg.aux_loss_type, cfg.aux_loss_coef)
+    object.__setattr__(cfg, "aux_loss_type", types)
+    object.__setattr__(cfg, "aux_loss_coef", coefs)
+    V.choice("aux_loss_mode", cfg.aux_loss_mode, AUX_LOSS_MODES)
+    V.choice("drop_policy", cfg.drop_policy, V.DROP_POLICIES)
+    if cfg.group_score == "sum_topn" and cfg.n_groups is not None and cfg.n_groups > 1:
+        V.routing_options(cfg.num_experts, cfg.top_k, cfg.score_func, cfg.renormalize, cfg.n_groups,
+                          cfg.topk_groups, group_score=cfg.group_score)
 
 
 @suggest_unknown_kwargs
@@ -45,6 +100,21 @@ class MoEConfig:
         capacity_factor: None for dropless; otherwise capacity = ceil(cf * T * k / E) for a batch
             of T tokens.
         aux_loss_coef, z_loss_coef: weights of the load-balancing and z losses in ``aux_loss``.
+            With several ``aux_loss_type`` values, ``aux_loss_coef`` is a tuple of one
+            coefficient per type.
+        aux_loss_type: which load-balancing loss ``aux_loss_coef`` weighs (docs/routing.md):
+            "switch" (the batch's Switch loss), "seq" (the Switch loss of each sequence averaged
+            over the batch; the forward's ``x`` must be [B, S, d_model]) or "global" (token
+            counts accumulated over micro-batches and the layer's ``aux_loss_group`` until
+            ``layer.reset_aux_loss_state()``), or a tuple of them, e.g. ``("seq", "global")``
+            with ``aux_loss_coef=(1e-3, 1e-2)``.
+        aux_loss_mode: "tensor" (``layer.aux_loss`` is in the graph; the caller adds it to the
+            loss) or "attach" (the loss is attached to the layer's output: its gradient flows
+            when the main loss is backpropagated, times the scale of
+            :func:`tritonmoe.set_aux_loss_scale`; ``layer.aux_loss`` then holds its value,
+            detached).
+        drop_policy: which slots an expert keeps at its capacity (``capacity_factor``): "slot",
+            "position" or "probs" (:func:`tritonmoe.route`).
         expert_bias: keep an fp32 [E] selection bias buffer (auxiliary-loss-free balancing, as in
             DeepSeek-V3); the layer never updates it, the training loop does.
         pipeline_degree: micro-batches for expert-parallel pipelining (1 = none), or chosen per
@@ -137,6 +207,9 @@ class MoEConfig:
     memory_strategy: Optional[str] = None
     memory_budget_bytes: Optional[int] = None
     memory_mi_buffers: int = 1
+    aux_loss_type: str | tuple = "switch"
+    aux_loss_mode: str = "tensor"
+    drop_policy: str = "slot"
 
     def __post_init__(self) -> None:
         V.positive_int("d_model", self.d_model)
@@ -152,7 +225,8 @@ class MoEConfig:
                 raise TypeError(f"capacity_factor must be a number or None, got {type(cf).__name__}")
             if not (math.isfinite(cf) and cf > 0):
                 raise ValueError(f"capacity_factor={cf} must be a finite number > 0 (or None for dropless)")
-        for name in ("aux_loss_coef", "z_loss_coef"):
+        _router_loss_options(self)
+        for name in ("z_loss_coef",):
             v = getattr(self, name)
             if not V.is_real(v):
                 raise TypeError(f"{name} must be a number, got {type(v).__name__}")
@@ -247,8 +321,7 @@ class MoEConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 object.__setattr__(self, name, int(v))
-        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "routed_scaling_factor", "swiglu_limit",
-                     "swiglu_alpha"):
+        for name in ("capacity_factor", "z_loss_coef", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha"):
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, float(v))
@@ -258,6 +331,13 @@ class MoEConfig:
         if self.capacity_factor is not None:
             ratio = Fraction(repr(self.capacity_factor)).as_integer_ratio()
         object.__setattr__(self, "_capacity_ratio", ratio)
+
+    @property
+    def aux_losses(self) -> dict:
+        """{aux_loss_type: coefficient} of the load-balancing losses with a coefficient > 0."""
+        types = self.aux_loss_type if isinstance(self.aux_loss_type, tuple) else (self.aux_loss_type,)
+        coefs = self.aux_loss_coef if isinstance(self.aux_loss_coef, tuple) else (self.aux_loss_coef,)
+        return {t: c for t, c in zip(types, coefs) if c > 0}
 
     @property
     def n1(self) -> int:

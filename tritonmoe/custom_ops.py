@@ -83,11 +83,12 @@ def _setup_nothing(ctx, inputs, output) -> None:
 
 
 def _route_impl(logits, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux,
-                group_score, routed_scaling_factor, backend) -> Routing:
+                group_score, routed_scaling_factor, backend, drop_policy="slot") -> Routing:
     impl = dispatch.implementation("route", backend, logits.device, logits.dtype)
+    kw = {} if drop_policy == "slot" else {"drop_policy": drop_policy}
     return impl(logits, top_k, score_func=score_func, renormalize=renormalize, expert_bias=expert_bias,
                 n_groups=n_groups, topk_groups=topk_groups, capacity=capacity, with_aux=with_aux,
-                group_score=group_score, routed_scaling_factor=routed_scaling_factor)
+                group_score=group_score, routed_scaling_factor=routed_scaling_factor, **kw)
 
 
 # Outputs: weights, ids, counts, selected_counts, score_sum, logsumexp (the float output first:
@@ -96,10 +97,10 @@ def _route_impl(logits, expert_bias, top_k, score_func, renormalize, n_groups, t
 def _route_op(
     logits: Tensor, expert_bias: Optional[Tensor], top_k: int, score_func: str, renormalize: bool,
     n_groups: Optional[int], topk_groups: Optional[int], capacity: Optional[int], with_aux: bool, group_score: str,
-    routed_scaling_factor: float, backend: str,
+    routed_scaling_factor: float, backend: str, drop_policy: str = "slot",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     r = _route_impl(logits.detach(), expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity,
-                    with_aux, group_score, routed_scaling_factor, backend)
+                    with_aux, group_score, routed_scaling_factor, backend, drop_policy)
     acc = r.topk_weights.dtype
     # outputs may not alias each other: without capacity selected_counts is counts
     selected = r.selected_counts if r.selected_counts is not r.counts else r.counts.clone()
@@ -115,7 +116,7 @@ def _weights_dtype(logits: Tensor) -> torch.dtype:
 
 @_route_op.register_fake
 def _(logits, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux, group_score,
-      routed_scaling_factor, backend):
+      routed_scaling_factor, backend, drop_policy="slot"):
     T, E = logits.shape
     acc = _weights_dtype(logits)
     i32 = torch.int32
@@ -133,7 +134,7 @@ def _route_setup(ctx, inputs, output) -> None:
 def _route_backward(ctx, d_w, _d_ids, _d_counts, _d_sel, d_ss, d_lse):
     logits, expert_bias = ctx.saved_tensors
     if not ctx.needs_input_grad[0]:
-        return (None,) * 12
+        return (None,) * 13
     z = lambda g, n: g if g is not None else logits.new_zeros(n, dtype=_weights_dtype(logits))  # noqa: E731
     T, E = logits.shape
     top_k, with_aux = ctx.statics[0], ctx.statics[6]
@@ -141,7 +142,7 @@ def _route_backward(ctx, d_w, _d_ids, _d_counts, _d_sel, d_ss, d_lse):
         logits, expert_bias, z(d_w, (T, top_k)), z(d_ss, (E if with_aux else 0,)), z(d_lse, (T if with_aux else 0,)),
         *ctx.statics,
     )
-    return (d_logits,) + (None,) * 11
+    return (d_logits,) + (None,) * 12
 
 
 _route_op.register_autograd(_route_backward, setup_context=_route_setup)
@@ -152,11 +153,12 @@ def _route_backward_op(
     logits: Tensor, expert_bias: Optional[Tensor], d_weights: Tensor, d_score_sum: Tensor, d_logsumexp: Tensor,
     top_k: int, score_func: str, renormalize: bool, n_groups: Optional[int], topk_groups: Optional[int],
     capacity: Optional[int], with_aux: bool, group_score: str, routed_scaling_factor: float, backend: str,
+    drop_policy: str = "slot",
 ) -> Tensor:
     with _autograd_inside_op():
         leaf = logits.detach().requires_grad_()
         r = _route_impl(leaf, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux,
-                        group_score, routed_scaling_factor, backend)
+                        group_score, routed_scaling_factor, backend, drop_policy)
         outs, grads = [r.topk_weights], [d_weights]
         if with_aux:
             outs += [r.score_sum, r.logsumexp]
@@ -179,12 +181,12 @@ _route_backward_op.register_autograd(_not_twice("route_backward"), setup_context
 def route(logits: Tensor, top_k: int, *, score_func: str = "softmax", renormalize: bool = True,
           expert_bias: Optional[Tensor] = None, n_groups: Optional[int] = None, topk_groups: Optional[int] = None,
           capacity: Optional[int] = None, with_aux: bool = False, group_score: str = "top2sum",
-          routed_scaling_factor: float = 1.0, backend: Optional[str] = None) -> Routing:
+          routed_scaling_factor: float = 1.0, backend: Optional[str] = None, drop_policy: str = "slot") -> Routing:
     """``tritonmoe::route`` as a :class:`Routing` (arguments validated by the caller)."""
 
     w, ids, counts, selected, score_sum, lse = torch.ops.tritonmoe.route(
         logits, expert_bias, top_k, score_func, renormalize, n_groups, topk_groups, capacity, with_aux, group_score,
-        float(routed_scaling_factor), resolve_backend(backend),
+        float(routed_scaling_factor), resolve_backend(backend), drop_policy,
     )
     return Routing(topk_ids=ids, topk_weights=w, counts=counts, selected_counts=selected, score_func=score_func,
                    score_sum=score_sum if with_aux else None, logsumexp=lse if with_aux else None)

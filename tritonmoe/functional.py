@@ -63,13 +63,16 @@ def route(
     group_score: str = "top2sum",
     routed_scaling_factor: float = 1.0,
     backend: str | None = None,
+    drop_policy: str = "slot",
 ) -> Routing:
     """Choose top_k experts per token.
 
     Args:
         logits: [T, E] router logits (fp16/bf16/fp32/fp64).
         top_k: experts per token, in [1, E].
-        score_func: "softmax" or "sigmoid", computed in fp32.
+        score_func: "softmax", "sigmoid" or "sqrtsoftplus" (sqrt(softplus(x)); DeepSeek-V4,
+            Megatron-Core), computed in fp32. sigmoid and sqrtsoftplus weights are the raw
+            scores at the chosen experts (renormalized over the k with ``renormalize``).
         renormalize: divide the k weights by their sum (floored at 1e-20).
         expert_bias: fp32 [E] added to the scores for selection only (auxiliary-loss-free
             balancing); the weights stay unbiased. It must be finite: with validation on a
@@ -78,13 +81,22 @@ def route(
         n_groups, topk_groups: group-limited routing: E splits into n_groups groups scored by
             ``group_score``, and only experts of the topk_groups best groups (ties: lower group)
             can be selected.
-        capacity: kept slots per expert, or None (dropless). Slots are considered slot j first,
-            then token t; a slot whose expert is full gets id -1 and weight 0.
+        capacity: kept slots per expert, or None (dropless). A slot whose expert is full gets
+            id -1 and weight 0; which slots an expert keeps is ``drop_policy``'s.
+        drop_policy: the order in which an expert keeps its slots up to ``capacity``: "slot"
+            (slot j first, then token t: every first choice before any second choice; GShard),
+            "position" (the earliest tokens; Megatron's "position") or "probs" (the highest
+            final weights, ties to the earlier token; Megatron's default). "probs" ranks the
+            canonical weight (:func:`tritonmoe.reference.drop_priority`), so every backend keeps
+            the same slots.
         with_aux: also return the per-expert score sums and per-token logsumexp that
             :func:`load_balancing_loss` and :func:`z_loss` use, from the same pass.
         group_score: "top2sum" (the sum of a group's two largest selection values, a repeated
-            maximum counted twice; DeepSeek-V3) or "max" (its largest; DeepSeek-V2's
-            group_limited_greedy). Equal for groups of one expert.
+            maximum counted twice; DeepSeek-V3), "max" (its largest; DeepSeek-V2's
+            group_limited_greedy) or "sum_topn" (the sum of its top_k // topk_groups largest
+            values, Megatron-Core's rule: the logits under softmax without a bias, the scores
+            under sigmoid / sqrtsoftplus, the biased scores with a bias; see
+            :func:`tritonmoe.reference.selection_values`).
         routed_scaling_factor: multiplies the final weights, after renormalization (or the raw
             scores with ``renormalize=False``), as DeepSeek-V3 and GLM-4-MoE do; finite, > 0.
             (DeepSeek-V2's original code scales only when it does not renormalize: convert it
@@ -100,7 +112,7 @@ def route(
     expert id; weights fp32 [T, k], differentiable w.r.t. the logits; counts int32 [E]).
     """
     V.route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux,
-                 group_score, routed_scaling_factor)
+                 group_score, routed_scaling_factor, drop_policy)
     # Integer scalars of other types (numpy.int64, ...) become Python ints before any launch.
     top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
     routed_scaling_factor = float(routed_scaling_factor)
@@ -122,6 +134,7 @@ def route(
         group_score=group_score,
         routed_scaling_factor=routed_scaling_factor,
         **({} if ops is None else {"backend": backend}),
+        **({} if drop_policy == "slot" or capacity is None else {"drop_policy": drop_policy}),
     )
     if not validate and expert_bias is not None:
         # Unchecked, a non-finite bias makes every weight NaN, on the device (no sync): the loss
@@ -130,8 +143,34 @@ def route(
     return routing
 
 
-def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Switch-style auxiliary loss E * sum_e f_e * P_e (fp32 scalar, differentiable via P_e)."""
+def load_balancing_loss(
+    logits: torch.Tensor,
+    routing: Routing,
+    *,
+    sequence_length: int | None = None,
+    padding_mask: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Switch-style auxiliary loss E * sum_e f_e * P_e (fp32 scalar, differentiable via P_e).
+
+    f_e: the fraction of the T*k slots that selected expert e (before capacity dropping). P_e:
+    the mean over tokens of the balance scores (:func:`tritonmoe.reference.aux_scores`): softmax
+    probabilities, or for "sigmoid" / "sqrtsoftplus" routing the scores normalised over all E
+    experts per token (Megatron-Core, DeepSeek-V3). A perfectly balanced routing gives 1.
+
+    Args:
+        sequence_length: S. The tokens are read as [B, S] flattened batch-major (T = B * S) and
+            the loss is each sequence's own loss, averaged over the B sequences (DeepSeek-V2/V3's
+            sequence-wise balance loss; Megatron's ``seq_aux_loss``).
+        padding_mask: bool [T], True = a real token: padded tokens are removed from f, P and the
+            token counts (the same loss as without those tokens).
+
+    With either option f counts the routed slots of ``routing.topk_ids`` (which equal the
+    selected slots when capacity dropped none), and the per-segment score sums come from the
+    backend's ``balance_score_sums`` (a Triton kernel and its backward on CUDA); without them the
+    loss uses ``routing.score_sum`` when the routing was computed ``with_aux`` (the fused router's
+    sums).
+    """
     V.float_tensor("logits", logits, 2)
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a tritonmoe.Routing, got {type(routing).__name__}")
@@ -140,12 +179,23 @@ def load_balancing_loss(logits: torch.Tensor, routing: Routing) -> torch.Tensor:
             f"logits are {tuple(logits.shape)} but routing is for T={routing.num_tokens}, "
             f"E={routing.num_experts}; pass the logits the routing was computed from"
         )
-    return reference.load_balancing_loss(logits, routing)
+    V.padding_mask(padding_mask, logits.shape[0], device=logits.device)
+    V.sequence_length(sequence_length, logits.shape[0])
+    S = None if sequence_length is None else int(sequence_length)
+    sums = None
+    if S is not None or padding_mask is not None:
+        impl = (reference.balance_score_sums if torch.compiler.is_compiling()
+                else implementation("balance_score_sums", backend, logits.device, logits.dtype))
+        sums = impl(logits, routing.score_func, padding_mask, S)
+    return reference.load_balancing_loss(logits, routing, padding_mask=padding_mask, sequence_length=S,
+                                         score_sums=sums)
 
 
-def z_loss(logits: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+def z_loss(logits: torch.Tensor, routing: Routing | None = None, *,
+           padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss mean_t logsumexp(logits_t)^2 (fp32 scalar). Reuses ``routing.logsumexp`` when
-    the routing was computed ``with_aux``."""
+    the routing was computed ``with_aux``. ``padding_mask`` (bool [T], True = a real token): the
+    mean over the real tokens."""
     V.float_tensor("logits", logits, 2)
     if routing is not None:
         if not isinstance(routing, Routing):
@@ -154,7 +204,8 @@ def z_loss(logits: torch.Tensor, routing: Routing | None = None) -> torch.Tensor
             raise ValueError(
                 f"routing.logsumexp has {routing.logsumexp.shape[0]} tokens but logits have {logits.shape[0]}"
             )
-    return reference.z_loss(logits, routing)
+    V.padding_mask(padding_mask, logits.shape[0], device=logits.device)
+    return reference.z_loss(logits, routing, padding_mask=padding_mask)
 
 
 def permute(

@@ -47,6 +47,7 @@ scales the layer's coefficient by ``top_k`` so that ``layer.aux_loss`` equals
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 from typing import Callable, Iterator, Optional
@@ -330,6 +331,34 @@ def _record_router_logits(logits: Optional[torch.Tensor]) -> None:
         collected["router_logits"].append(logits)
 
 
+#: The attention mask of the model forward in progress (set by the hook :func:`apply` installs).
+_attention_mask: contextvars.ContextVar[Optional[torch.Tensor]] = contextvars.ContextVar(
+    "tritonmoe_hf_attention_mask", default=None)
+_MASK_HOOKS = "_tritonmoe_mask_hooks"
+
+
+def _capture_mask(module, args, kwargs):
+    mask = kwargs.get("attention_mask")
+    _attention_mask.set(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+
+
+def _release_mask(module, args, kwargs, output):
+    _attention_mask.set(None)
+
+
+def _padding_mask(hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+    """The model's 2-D attention mask ([B, S_total], 1 = a real token) as the layer's padding
+    mask for ``hidden_states`` [B, S, D]: its last S columns (a generation step's new tokens);
+    None when there is none or the shapes do not fit."""
+    mask = _attention_mask.get()
+    if mask is None or hidden_states.dim() != 3:
+        return None
+    B, S = hidden_states.shape[:2]
+    if mask.shape[0] != B or mask.shape[1] < S:
+        return None
+    return mask[:, mask.shape[1] - S:].to(device=hidden_states.device).bool()
+
+
 class HFMoEBlock(nn.Module):
     """A transformers MoE block replaced by a :class:`~tritonmoe.MoELayer` (what :func:`apply`
     installs): the same call (``hidden_states`` [..., D]) and return value (GPT-OSS's block also
@@ -341,6 +370,9 @@ class HFMoEBlock(nn.Module):
       ``router_logits`` and ``aux_loss`` are there and train the router.
     * Mixtral's ``router_jitter_noise`` (DBRX's ``moe_jitter_eps``): in training the input is multiplied by U(1-j, 1+j)
       noise before the layer, drawn exactly as the block draws it (same generator calls).
+    * Padding: the model's ``attention_mask`` (captured by a hook on the model that
+      :func:`apply` installs) reaches the layer as its ``padding_mask``, so padded tokens leave
+      the balance and z losses and the expert load counts.
     * :func:`restore` puts the transformers block back: the original module is kept on the meta
       device (no memory; not a submodule, so not in ``parameters()``)."""
 
@@ -365,7 +397,7 @@ class HFMoEBlock(nn.Module):
         if self.training and self.jitter_noise > 0:  # Mixtral's router jitter, as transformers draws it
             j = self.jitter_noise
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - j, 1.0 + j)
-        out = self.moe(hidden_states)
+        out = self.moe(hidden_states, padding_mask=_padding_mask(hidden_states))
         _record_router_logits(self.moe.last_router_logits)
         if self.returns_tuple:  # GPT-OSS's block returns (out, routing weights)
             return out, self.moe.last_routing.topk_weights.to(out.dtype)
@@ -435,6 +467,9 @@ def apply(model: nn.Module, *, backend: Optional[str] = None, aux_loss_coef: flo
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
+    if _MASK_HOOKS not in model.__dict__:  # the attention mask reaches the blocks as their padding mask
+        model.__dict__[_MASK_HOOKS] = (model.register_forward_pre_hook(_capture_mask, with_kwargs=True),
+                                       model.register_forward_hook(_release_mask, with_kwargs=True, always_call=True))
     return [n for n, _ in targets]
 
 
@@ -472,6 +507,8 @@ def restore(model: nn.Module) -> list[str]:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, block)
+    for h in model.__dict__.pop(_MASK_HOOKS, ()):
+        h.remove()
     return [n for n, _ in made]
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tritonmoe import reference
+from .aux_loss import GlobalBalanceState, attach_aux_loss, check_layer_options, token_options
 from .config import MoEConfig
 from tritonmoe.core.exact import rowwise_mm
 from tritonmoe.core.validation import GLU_ACTIVATIONS
@@ -42,6 +43,8 @@ class _StepState:
         self.routing: Routing | None = None
         self.load: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
+        self.padding_mask: torch.Tensor | None = None  # of the forward in progress (flattened)
+        self.sequence_length: int | None = None
 
     def __deepcopy__(self, memo) -> "_StepState":
         return _StepState()
@@ -176,10 +179,15 @@ class MoELayer(nn.Module):
         parm_groups=None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        aux_loss_group=None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a tritonmoe.MoEConfig, got {type(config).__name__}")
+        check_layer_options(config, aux_loss_group, mp_group is not None or esp_group is not None or
+                            parm_groups is not None)
+        #: The group the "global" balance loss sums its token counts over (e.g. data parallel).
+        self.aux_loss_group = aux_loss_group
         if mesh is not None:
             if ep_group is not None:
                 raise ValueError("pass mesh= or ep_group=, not both (the mesh's 'ep' dimension is the expert-parallel group)")
@@ -216,6 +224,7 @@ class MoELayer(nn.Module):
         else:
             self.expert_bias = None
         self._step = _StepState()
+        self._global_balance = GlobalBalanceState(E, device=device)
         self._step.load = torch.zeros(E, dtype=torch.int64, device=device)  # a tensor from the start (no
         # None -> tensor change for torch.compile to guard on); _apply moves it with the layer
         self.init_seed: int = 0
@@ -334,7 +343,10 @@ class MoELayer(nn.Module):
     def route_step(self) -> RouteStep:
         """This forward's routing step (:class:`~tritonmoe.router.RouteStep`): what an expert
         path that routes by itself is handed instead of the layer."""
-        return RouteStep(self.config, self.router, self.expert_bias, self._record_logits)
+        st = self._step
+        return RouteStep(self.config, self.router, self.expert_bias, self._record_logits,
+                         padding_mask=st.padding_mask, sequence_length=st.sequence_length,
+                         global_balance=self._global_balance, aux_loss_group=self.aux_loss_group)
 
     def _record_logits(self, logits_TE: torch.Tensor) -> None:
         self._step.logits = logits_TE
@@ -353,6 +365,16 @@ class MoELayer(nn.Module):
 
     def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.route_step().aux_loss(logits_TE, routing)
+
+    def reset_aux_loss_state(self) -> None:
+        """Start a new global batch for the "global" balance loss: zero its accumulated token
+        counts (call at each optimizer step, after the last micro-batch's backward)."""
+        self._global_balance.reset()
+
+    @property
+    def global_balance_state(self) -> GlobalBalanceState:
+        """The accumulated counts of the "global" balance loss since the last reset."""
+        return self._global_balance
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.w1, self.w2, self.b1, self.b2)
@@ -401,13 +423,17 @@ class MoELayer(nn.Module):
             self._step.load = torch.zeros_like(load)
         return load
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [..., d_model]; ``padding_mask`` (optional, bool ``x.shape[:-1]``, True = a real
+        token): padded tokens still pass through the experts, but leave the balance and z losses
+        and the expert load counts (:meth:`expert_load`, the expert-bias update). The "seq" balance
+        loss reads ``x`` as [B, S, d_model]."""
         if not isinstance(self.expert_path, LocalExperts):
-            return self._forward_eagerly(x)
-        return self._forward(x)
+            return self._forward_eagerly(x, padding_mask)
+        return self._forward(x, padding_mask)
 
     @torch.compiler.disable
-    def _forward_eagerly(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_eagerly(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The forward of the distributed layouts (expert parallel, static or dynamic; Parm),
         always eager: inside a model under ``torch.compile`` the layer is a deliberate graph
         break (dynamo compiles the code before and after it and runs the layer as it runs without
@@ -415,9 +441,9 @@ class MoELayer(nn.Module):
         events and process groups dynamo does not trace, and their exact weight-gradient
         deferral cannot live in a custom op. ``fullgraph=True`` therefore refuses a model with
         such a layer; the local layer compiles into the graph (:mod:`tritonmoe.custom_ops`)."""
-        return self._forward(x)
+        return self._forward(x, padding_mask)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -430,10 +456,21 @@ class MoELayer(nn.Module):
         if self.expert_parallel:
             check_ddp(self)  # before any collective: plain DDP over different experts is refused
         x_TD = x.reshape(-1, c.d_model)
-        out_TD, routing, self.aux_loss = self.expert_path.step(x_TD, self.route_step(), self.expert_weights())
+        self._step.padding_mask, self._step.sequence_length = token_options(c.aux_losses, x, padding_mask)
+        try:
+            out_TD, routing, aux = self.expert_path.step(x_TD, self.route_step(), self.expert_weights())
+        finally:
+            mask, self._step.padding_mask = self._step.padding_mask, None
+        if c.aux_loss_mode == "attach":
+            out_TD = attach_aux_loss(out_TD, aux)
+            aux = aux.detach()
+        self.aux_loss = aux
         self.last_routing = routing
         with torch.no_grad():
-            counts = routing.counts.to(torch.int64)
+            if mask is None:
+                counts = routing.counts.to(torch.int64)
+            else:  # the real tokens' routed (kept) slots
+                counts = reference.selected_slot_counts(routing, mask).to(torch.int64)
             self._step.load = counts if self._step.load is None else self._step.load + counts
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)

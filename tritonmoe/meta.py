@@ -21,7 +21,7 @@ from tritonmoe.core.validation import GLU_ACTIVATIONS
 from tritonmoe.core.types import max_permuted_rows
 from tritonmoe.core.types import PermuteInfo, Routing
 
-__all__ = ["route", "permute", "permute_metadata", "unpermute", "grouped_gemm", "grouped_ffn", "moe_ffn",
+__all__ = ["route", "balance_score_sums", "permute", "permute_metadata", "unpermute", "grouped_gemm", "grouped_ffn", "moe_ffn",
            "copy_segments"]
 
 
@@ -31,7 +31,8 @@ def _rows_like(x_TD: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def route(logits_TE, top_k, *, score_func="softmax", renormalize=True, expert_bias=None, n_groups=None,
-          topk_groups=None, capacity=None, with_aux=False, group_score="top2sum", routed_scaling_factor=1.0) -> Routing:
+          topk_groups=None, capacity=None, with_aux=False, group_score="top2sum", routed_scaling_factor=1.0,
+          drop_policy="slot") -> Routing:
     T, E = logits_TE.shape
     scores = logits_TE.float()
     dev = logits_TE.device
@@ -45,6 +46,13 @@ def route(logits_TE, top_k, *, score_func="softmax", renormalize=True, expert_bi
         score_sum=scores.sum(0) if with_aux else None,
         logsumexp=scores.logsumexp(-1) if with_aux else None,
     )
+
+
+def balance_score_sums(logits_TE, score_func, padding_mask=None, sequence_length=None):
+    T, E = logits_TE.shape
+    B = 1 if sequence_length is None else T // sequence_length
+    acc = torch.float64 if logits_TE.dtype == torch.float64 else torch.float32
+    return logits_TE.to(acc).sum(0, keepdim=True).expand(B, E)
 
 
 def permute_metadata(topk_ids_TK: torch.Tensor, num_experts: int, pad_to: int = 1) -> PermuteInfo:

@@ -56,6 +56,10 @@ __all__ = [
     "route",
     "load_balancing_loss",
     "z_loss",
+    "aux_scores",
+    "balance_score_sums",
+    "switch_loss",
+    "AUX_EPS",
     "permute",
     "permute_metadata",
     "permute_rows",
@@ -74,8 +78,13 @@ __all__ = [
 RENORM_EPS = 1e-20
 
 #: How group-limited routing scores a group: the sum of its two largest selection values
-#: (DeepSeek-V3), or its largest (DeepSeek-V2's group_limited_greedy).
-GROUP_SCORES = ("top2sum", "max")
+#: (DeepSeek-V3), its largest (DeepSeek-V2's group_limited_greedy), or the sum of its
+#: top_k // topk_groups largest (Megatron-Core's rule; see :func:`selection_values`).
+GROUP_SCORES = ("top2sum", "max", "sum_topn")
+
+#: Added to the per-token sum when the balance loss normalises sigmoid / sqrtsoftplus scores over
+#: the experts (Megatron-Core's constant; :func:`aux_scores`).
+AUX_EPS = 1e-20
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,7 +97,21 @@ def scores(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     lf = logits_TE.to(_acc_dtype(logits_TE.dtype))
     if score_func == "softmax":
         return torch.softmax(lf, dim=-1)
+    if score_func == "sqrtsoftplus":
+        return F.softplus(lf).sqrt()
     return torch.sigmoid(lf)
+
+
+def aux_scores(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The per-token expert distribution the load-balancing loss averages (its P_e), fp32 (fp64
+    for fp64 logits): softmax probabilities, or for "sigmoid" and "sqrtsoftplus" the scores
+    normalised over all E experts, ``s / (sum_e s + AUX_EPS)`` (Megatron-Core, DeepSeek-V3). Each
+    row sums to 1 (up to AUX_EPS), so the loss cannot be lowered by moving every logit of a token
+    together, which the raw sigmoid could."""
+    s_TE = scores(logits_TE, score_func)
+    if score_func == "softmax":
+        return s_TE
+    return s_TE / (s_TE.sum(dim=-1, keepdim=True) + AUX_EPS)
 
 
 def _routed(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -177,6 +200,35 @@ def _canonical_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(d) / d
 
 
+#: 2 / (2i + 1) rounded to fp32, i = 8, 7, ..., 0 (Horner order): log1p(u) = 2 atanh(u / (2 + u)).
+_LOG1P_POLY = tuple(float(torch.tensor(2.0 / (2 * i + 1), dtype=torch.float32)) for i in range(8, -1, -1))
+
+
+def _canonical_sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    """sqrt(softplus(x)) by a fixed recipe of correctly rounded fp32 operations (the Triton
+    router's, bit for bit): softplus(x) = [x > 0] * x + log1p(u), u = canonical_exp(-|x|) in
+    [0, 1], log1p(u) = z * p(z^2) with z = u / (2 + u) in [0, 1/3] and p the atanh series to
+    z^17 (Horner; within a few ulp); the square root correctly rounded. NaN stays NaN."""
+    u = canonical_exp(-x.abs())
+    z = u / (2.0 + u)
+    w = z * z
+    p = torch.full_like(w, _LOG1P_POLY[0])
+    for c in _LOG1P_POLY[1:]:
+        p = p * w + c
+    sp = torch.where(x > 0, x, torch.zeros_like(x)) + z * p
+    return torch.sqrt(sp)
+
+
+def _canonical_unnormalized(x_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Canonical scores up to a per-token positive factor (softmax without its denominator): the
+    values top-2 group scores without a bias sum."""
+    if score_func == "softmax":
+        return canonical_exp(x_TE - _row_max(x_TE))
+    if score_func == "sqrtsoftplus":
+        return _canonical_sqrtsoftplus(x_TE)
+    return _canonical_sigmoid(x_TE)
+
+
 def _row_max(x_TE: torch.Tensor) -> torch.Tensor:
     """[T, 1] max of each row over its non-NaN entries (-inf if none): a NaN logit does not move
     the other experts' canonical values (backends disagree on max with NaN; this is defined)."""
@@ -198,12 +250,14 @@ def _canonical_tree_sum(v_TGS: torch.Tensor) -> torch.Tensor:
 
 def canonical_scores(logits_TE: torch.Tensor, score_func: str, n_groups: int | None = None) -> torch.Tensor:
     """The canonical fp32 scores of fp16/bf16/fp32 logits (see the section comment): sigmoid as
-    1 / (1 + canonical_exp(-x)); softmax as canonical_exp(x - m) / tree_sum(canonical_exp(x - m)),
+    1 / (1 + canonical_exp(-x)); sqrtsoftplus by :func:`_canonical_sqrtsoftplus`; softmax as canonical_exp(x - m) / tree_sum(canonical_exp(x - m)),
     m the row max over non-NaN logits, the tree over the [n_groups, E / n_groups] layout. What
     selection with ``expert_bias`` compares (plus the bias); not the weights."""
     x_TE = logits_TE.float()
     if score_func == "sigmoid":
         return _canonical_sigmoid(x_TE)
+    if score_func == "sqrtsoftplus":
+        return _canonical_sqrtsoftplus(x_TE)
     T, E = x_TE.shape
     G = n_groups if n_groups is not None and n_groups > 1 else 1
     e_TE = canonical_exp(x_TE - _row_max(x_TE))
@@ -223,9 +277,16 @@ def selection_values(
     expert_bias: torch.Tensor | None = None,
     n_groups: int | None = None,
     group_score: str = "top2sum",
+    top_n: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(selection value [T, E], group score [T, G] or None): what routing compares, NaN as -inf
     and -0 as +0.
+
+    Group scores: "max" of the selection values of a group; "top2sum" of its two largest
+    selection values with a bias, of its two largest canonical scores without one; "sum_topn"
+    (Megatron-Core) of its ``top_n`` largest values, summed largest first one by one, where the
+    values are the selection values with a bias, and without one the logits under softmax
+    (Megatron's top-k before the softmax) and the canonical scores under sigmoid / sqrtsoftplus.
 
     fp16/bf16/fp32 logits: the canonical fp32 values of the section comment, identical on every
     backend. fp64 logits (routed by this reference only): the logits, or fp64 scores plus the
@@ -246,18 +307,22 @@ def selection_values(
     if not grouped:
         return sel_TE, None
     S = E // G
-    if group_score == "max" or S == 1:
+    if group_score == "max" or S == 1 and group_score == "top2sum":
         return sel_TE, sel_TE.view(T, G, S).amax(dim=-1)
-    if expert_bias is not None:
+    if expert_bias is not None or (group_score == "sum_topn" and score_func == "softmax"):
         gval_TE = sel_TE
     elif fp64:
         gval_TE = _orderable(scores(x_TE, score_func))
-    elif score_func == "softmax":
-        gval_TE = _orderable(canonical_exp(x_TE - _row_max(x_TE)))
     else:
-        gval_TE = _orderable(_canonical_sigmoid(x_TE))
-    # the two largest values, a repeated maximum counted twice (topk keeps duplicates)
-    return sel_TE, gval_TE.view(T, G, S).topk(2, dim=-1).values.sum(-1)
+        gval_TE = _orderable(_canonical_unnormalized(x_TE, score_func))
+    n = 2 if group_score == "top2sum" else top_n
+    # the n largest values, a repeated maximum counted again (topk keeps duplicates), added
+    # largest first one at a time (the Triton router's order: the same bits)
+    top_TGN = gval_TE.view(T, G, S).topk(n, dim=-1).values
+    acc_TG = top_TGN[..., 0]
+    for i in range(1, n):
+        acc_TG = acc_TG + top_TGN[..., i]
+    return sel_TE, _orderable(acc_TG)
 
 
 def route(
@@ -273,13 +338,15 @@ def route(
     with_aux: bool = False,
     group_score: str = "top2sum",
     routed_scaling_factor: float = 1.0,
+    drop_policy: str = "slot",
 ) -> Routing:
     """Top-k routing; see :func:`tritonmoe.route` for the contract. Selection compares the
     canonical values of :func:`selection_values`; the weights are the fp32 scores of
-    :func:`scores` (softmax / sigmoid of the logits as torch computes them)."""
+    :func:`scores` (softmax / sigmoid / sqrtsoftplus of the logits as torch computes them)."""
     T, E = logits_TE.shape
     s_TE = scores(logits_TE, score_func)
-    sel_TE, gscore_TG = selection_values(logits_TE, score_func, expert_bias, n_groups, group_score)
+    top_n = top_k // topk_groups if topk_groups else 2
+    sel_TE, gscore_TG = selection_values(logits_TE, score_func, expert_bias, n_groups, group_score, top_n)
 
     order_TE = torch.sort(sel_TE, dim=-1, descending=True, stable=True).indices
     if gscore_TG is not None:
@@ -305,7 +372,10 @@ def route(
 
     selected_counts_E = _scatter_count(ids_TK, E)
     if capacity is not None:
-        keep_TK = _capacity_keep(ids_TK, selected_counts_E, capacity)
+        prio_TK = None
+        if drop_policy == "probs":
+            prio_TK = drop_priority(logits_TE, ids_TK, score_func, renormalize, routed_scaling_factor, w_TK, n_groups)
+        keep_TK = _capacity_keep(ids_TK, selected_counts_E, capacity, drop_policy, prio_TK)
         ids_TK = torch.where(keep_TK, ids_TK, torch.full_like(ids_TK, -1))
         w_TK = torch.where(keep_TK, w_TK, torch.zeros_like(w_TK))
         counts_E = _scatter_count(ids_TK, E)
@@ -320,51 +390,174 @@ def route(
         score_func=score_func,
     )
     if with_aux:
-        routing.score_sum = s_TE.sum(dim=0)
+        routing.score_sum = (s_TE if score_func == "softmax" else s_TE / (s_TE.sum(-1, keepdim=True) + AUX_EPS)).sum(0)
         routing.logsumexp = torch.logsumexp(logits_TE.to(s_TE.dtype), dim=-1)
     return routing
 
 
-def _capacity_keep(ids_TK: torch.Tensor, counts_E: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Which slots survive capacity: slots in priority order (slot j, then token t), each expert
-    keeps its first ``capacity``."""
-    T, K = ids_TK.shape
-    flat = ids_TK.t().reshape(-1).long()  # priority order: j-major, then t
-    order = torch.argsort(flat, stable=True)  # grouped by expert, priority order inside
+def drop_priority(logits_TE: torch.Tensor, ids_TK: torch.Tensor, score_func: str, renormalize: bool,
+                  scale: float, w_TK: torch.Tensor, n_groups: int | None = None) -> torch.Tensor:
+    """[T, k] value the "probs" drop policy ranks a slot by: the slot's final weight computed
+    canonically, so that every backend keeps the same slots (the weights themselves may differ
+    in the last bit between backends). fp16/bf16/fp32: the canonical score at the id
+    (:func:`canonical_scores`), renormalised by the sum of the token's k canonical scores added
+    in slot order (floored at RENORM_EPS, the division correctly rounded), times the scaling
+    factor; NaN as -inf. fp64 (this reference only): the fp64 weights."""
+    if logits_TE.dtype == torch.float64:
+        return _orderable(w_TK.detach())
+    c_TK = canonical_scores(logits_TE.detach(), score_func, n_groups).gather(1, ids_TK)
+    if renormalize:
+        den_T = c_TK[:, 0]
+        for j in range(1, c_TK.shape[1]):
+            den_T = den_T + c_TK[:, j]
+        c_TK = c_TK / torch.where(den_T < RENORM_EPS, torch.full_like(den_T, RENORM_EPS), den_T).unsqueeze(1)
+    return _orderable(c_TK * scale)
+
+
+def _rank_in_expert(flat: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Each entry's position among the entries of its expert, in the order of ``flat``."""
+    order = torch.argsort(flat, stable=True)  # grouped by expert, the given order inside
     starts = torch.cumsum(counts_E.long(), 0) - counts_E.long()  # exclusive
     rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     rank = torch.empty_like(rank_sorted)
     rank[order] = rank_sorted
-    return (rank < capacity).view(K, T).t()
+    return rank
 
 
-def load_balancing_loss(logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """E * sum_e f_e * P_e (Switch Transformer).
+def _capacity_keep(ids_TK: torch.Tensor, counts_E: torch.Tensor, capacity: int, policy: str = "slot",
+                   priority_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """Which slots survive capacity; each expert keeps the first ``capacity`` of its slots in the
+    policy's order: "slot" (slot j, then token t: every first choice before any second choice,
+    GShard), "position" (token t: the earliest tokens), "probs" (``priority`` descending, then
+    token t: the highest weights; :func:`drop_priority`)."""
+    T, K = ids_TK.shape
+    if policy == "slot":
+        return (_rank_in_expert(ids_TK.t().reshape(-1).long(), counts_E) < capacity).view(K, T).t()
+    flat = ids_TK.reshape(-1).long()  # token-major: (t, j) -> t*K + j; a token holds an expert once
+    if policy == "position":
+        return (_rank_in_expert(flat, counts_E) < capacity).view(T, K)
+    # probs: visit the slots by descending priority (stable: ties keep token order), rank in expert
+    by_prio = torch.sort(priority_TK.reshape(-1), descending=True, stable=True).indices
+    rank = torch.empty_like(by_prio)
+    rank[by_prio] = _rank_in_expert(flat[by_prio], counts_E)
+    return (rank < capacity).view(T, K)
 
-    f_e = selected slots of e before capacity dropping / (T*k), P_e = mean over tokens of the
-    scores of e. Differentiable through P_e only. Zero for T = 0.
+
+def switch_loss(score_sum_E: torch.Tensor, freq_E: torch.Tensor, num_tokens) -> torch.Tensor:
+    """E * sum_e f_e * P_e with P_e = score_sum_e / num_tokens: the Switch balance loss from its
+    parts (the frequencies are constants; the gradient flows through the score sums). Zero
+    (in the graph) for num_tokens = 0."""
+    E = score_sum_E.shape[-1]
+    num = E * (freq_E.to(score_sum_E.dtype) * score_sum_E).sum(-1)
+    if isinstance(num_tokens, torch.Tensor):
+        return num / num_tokens.to(num.dtype).clamp_min(1)
+    return num / num_tokens if num_tokens else num * 0.0
+
+
+def selected_slot_counts(routing: Routing, padding_mask_T: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [E] slots per expert the balance loss counts: ``routing.selected_counts`` (before
+    capacity dropping), or with a padding mask the real tokens' routed slots (``topk_ids``: equal
+    to the selected slots when capacity dropped none; a dropped slot is not counted)."""
+    if padding_mask_T is None:
+        return routing.selected_counts
+    ids_TK = torch.where(padding_mask_T.unsqueeze(1), routing.topk_ids, torch.full_like(routing.topk_ids, -1))
+    return _scatter_count(ids_TK, routing.num_experts)
+
+
+def balance_score_sums(
+    logits_TE: torch.Tensor,
+    score_func: str,
+    padding_mask: torch.Tensor | None = None,
+    sequence_length: int | None = None,
+) -> torch.Tensor:
+    """[B, E] sums of :func:`aux_scores` over each segment's real tokens: B = T / S segments of
+    ``sequence_length`` S tokens (batch-major), or one segment of all T tokens; padded tokens
+    (``padding_mask`` False) add nothing. fp32 (fp64 for fp64 logits), differentiable. The
+    Triton kernel of the balance losses computes the same (:mod:`tritonmoe.kernels.routing`)."""
+    T, E = logits_TE.shape
+    q_TE = aux_scores(logits_TE, score_func)
+    if padding_mask is not None:
+        q_TE = torch.where(padding_mask.unsqueeze(1), q_TE, torch.zeros((), dtype=q_TE.dtype, device=q_TE.device))
+    if sequence_length is None:
+        return q_TE.sum(0, keepdim=True)
+    return q_TE.view(T // sequence_length, sequence_length, E).sum(1)
+
+
+def load_balancing_loss(
+    logits_TE: torch.Tensor,
+    routing: Routing,
+    *,
+    sequence_length: int | None = None,
+    padding_mask: torch.Tensor | None = None,
+    score_sums: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """E * sum_e f_e * P_e (Switch Transformer; see :func:`tritonmoe.load_balancing_loss`).
+
+    f_e = selected slots of e before capacity dropping / (T*k), P_e = mean over tokens of
+    :func:`aux_scores` (softmax probabilities; sigmoid / sqrtsoftplus scores normalised over the
+    E experts). Differentiable through P_e only. Zero for T = 0.
+
+    ``sequence_length`` S: the tokens are [B, S] flattened batch-major and the loss is the mean
+    over the B sequences of each sequence's own loss (DeepSeek's sequence-wise balance loss).
+    ``padding_mask`` (bool [T], True = real): padded tokens leave f, P and the token counts (a
+    sequence of padding only contributes 0). With either option f counts the routed slots of
+    ``routing.topk_ids`` (per token; after capacity dropping, since the selection of a dropped
+    slot is not kept): equal to the selected slots when nothing was dropped. ``score_sums``: the
+    [B, E] :func:`balance_score_sums` of these options when already computed (a kernel's). fp32
+    (fp64 for fp64 logits).
     """
     T, E = logits_TE.shape
     k = routing.top_k
-    if routing.score_sum is not None:
-        score_sum_E = routing.score_sum
-    else:
-        score_sum_E = scores(logits_TE, routing.score_func).sum(dim=0)
-    if T == 0:
-        return score_sum_E.sum() * 0.0
-    f_E = routing.selected_counts.to(score_sum_E.dtype) / (T * k)  # T may be a SymInt (torch.compile)
-    return E * (f_E * score_sum_E).sum() / T
+    if sequence_length is None and padding_mask is None:
+        if score_sums is not None:
+            score_sum_E = score_sums[0]
+        elif routing.score_sum is not None:
+            score_sum_E = routing.score_sum
+        else:
+            score_sum_E = aux_scores(logits_TE, routing.score_func).sum(dim=0)
+        if T == 0:
+            return score_sum_E.sum() * 0.0
+        f_E = routing.selected_counts.to(score_sum_E.dtype) / (T * k)  # T may be a SymInt (torch.compile)
+        return E * (f_E * score_sum_E).sum() / T
+    if score_sums is None:
+        score_sums = balance_score_sums(logits_TE, routing.score_func, padding_mask, sequence_length)
+    dtype = score_sums.dtype
+    if sequence_length is None:  # padding_mask given
+        n = padding_mask.sum()
+        f_E = selected_slot_counts(routing, padding_mask).to(dtype) / (k * n.clamp_min(1)).to(dtype)
+        return switch_loss(score_sums[0], f_E, n)
+    S = sequence_length
+    B = T // S
+    if B == 0:
+        return score_sums.sum() * 0.0
+    ids_TK = routing.topk_ids.long()
+    if padding_mask is not None:
+        ids_TK = torch.where(padding_mask.unsqueeze(1), ids_TK, torch.full_like(ids_TK, -1))
+    # per-sequence counts: a histogram over (sequence, expert) of the routed slots
+    seq_TK = torch.arange(T, device=ids_TK.device).unsqueeze(1).expand_as(ids_TK) // S
+    flat = torch.where(_routed(ids_TK, E), seq_TK * E + ids_TK + 1, torch.zeros_like(ids_TK)).reshape(-1)
+    cnt = torch.zeros(B * E + 1, dtype=torch.int64, device=ids_TK.device)
+    cnt.scatter_add_(0, flat, torch.ones_like(flat))
+    cnt_BE = cnt[1:].view(B, E).to(dtype)
+    n_B = padding_mask.view(B, S).sum(1) if padding_mask is not None else torch.full(
+        (B,), S, dtype=torch.int64, device=score_sums.device)
+    f_BE = cnt_BE / (k * n_B.clamp_min(1)).to(dtype).unsqueeze(1)
+    return switch_loss(score_sums, f_BE, n_B).mean()
 
 
-def z_loss(logits_TE: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+def z_loss(logits_TE: torch.Tensor, routing: Routing | None = None, *,
+           padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """mean_t logsumexp(logits_t)^2 (ST-MoE), fp32; uses ``routing.logsumexp`` when present.
-    Zero for T = 0."""
+    ``padding_mask``: the mean over the real tokens only. Zero for T = 0 (or no real token)."""
     if routing is not None and routing.logsumexp is not None:
         lse_T = routing.logsumexp
     else:
         lse_T = torch.logsumexp(logits_TE.to(_acc_dtype(logits_TE.dtype)), dim=-1)
     if lse_T.numel() == 0:
         return lse_T.sum() * 0.0
+    if padding_mask is not None:
+        sq = torch.where(padding_mask, lse_T.square(), torch.zeros((), dtype=lse_T.dtype, device=lse_T.device))
+        return sq.sum() / padding_mask.sum().clamp_min(1).to(lse_T.dtype)
     return lse_T.square().mean()
 
 

@@ -20,6 +20,7 @@ from tritonmoe import custom_ops as ops, reference
 from tritonmoe.backends import implementation
 from tritonmoe.bias import nan_weights_if_nonfinite
 from tritonmoe.core.exact import rowwise_mm
+from tritonmoe.aux_loss import GlobalBalanceState, balance_losses
 from tritonmoe.core.types import Routing
 
 __all__ = ["Router", "RouteStep", "router_logits"]
@@ -58,22 +59,33 @@ class RouteStep:
 
     ``config``: the layer's :class:`~tritonmoe.MoEConfig`; ``router``: its gate;
     ``expert_bias``: the aux-loss-free bias [E] or None; ``on_logits``: called with the logits
-    of every routing (the layer keeps the last ones for :attr:`MoELayer.last_router_logits`)."""
+    of every routing (the layer keeps the last ones for :attr:`MoELayer.last_router_logits`);
+    ``padding_mask``, ``sequence_length``, ``global_balance``, ``aux_loss_group``: what the
+    balance losses of ``config.aux_loss_type`` read (:mod:`tritonmoe.aux_loss`)."""
 
     def __init__(self, config: Any, router: Router, expert_bias: Optional[torch.Tensor],
-                 on_logits: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+                 on_logits: Optional[Callable[[torch.Tensor], None]] = None, *,
+                 padding_mask: Optional[torch.Tensor] = None, sequence_length: Optional[int] = None,
+                 global_balance: Optional[GlobalBalanceState] = None, aux_loss_group: Any = None) -> None:
         self.config = config
         self.router = router
         self.expert_bias = expert_bias
         self._on_logits = on_logits
+        #: the forward's flattened padding mask (True = a real token) and sequence length, for the
+        #: balance losses; the "global" loss's running counts and their group
+        self.padding_mask, self.sequence_length = padding_mask, sequence_length
+        self.global_balance, self.aux_loss_group = global_balance, aux_loss_group
 
     def options(self) -> dict:
         """The keyword options of the route op (every routed layout uses them)."""
         c = self.config
-        return dict(
+        opts = dict(
             score_func=c.score_func, renormalize=c.renormalize, expert_bias=self.expert_bias, n_groups=c.n_groups,
             topk_groups=c.topk_groups, group_score=c.group_score, routed_scaling_factor=c.routed_scaling_factor,
         )
+        if c.drop_policy != "slot":
+            opts["drop_policy"] = c.drop_policy
+        return opts
 
     def input(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The router's input: ``x`` in the router's dtype (``config.router_dtype``)."""
@@ -96,7 +108,7 @@ class RouteStep:
         """Router logits and routing for flattened tokens (all of them, the config's capacity)."""
         c = self.config
         logits_TE = router_logits(self.input(x_TD), self.router.weight, self.router)
-        need_aux = c.aux_loss_coef > 0 or c.z_loss_coef > 0
+        need_aux = bool(c.aux_losses) or c.z_loss_coef > 0
         # Traced by torch.compile: the custom op (one opaque node; tritonmoe.custom_ops), else the implementation.
         route = ops.route if torch.compiler.is_compiling() else implementation("route", c.backend, x_TD.device,
                                                                                  logits_TE.dtype)
@@ -108,13 +120,17 @@ class RouteStep:
         return logits_TE, self.finish(routing)
 
     def aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss`` of one routing."""
+        """The weighted balance losses (``config.aux_loss_type``) and the z-loss of one routing
+        (of this forward's tokens: the padding mask and sequence length it was given)."""
         c = self.config
         loss = torch.zeros((), device=logits_TE.device, dtype=torch.float32)
-        if c.aux_loss_coef > 0:
-            loss = loss + c.aux_loss_coef * reference.load_balancing_loss(logits_TE, routing)
+        mask, seq = self.padding_mask, self.sequence_length
+        if c.aux_losses:
+            loss = loss + balance_losses(logits_TE, routing, c.aux_losses, padding_mask=mask, sequence_length=seq,
+                                         global_state=self.global_balance, group=self.aux_loss_group,
+                                         backend=c.backend)
         if c.z_loss_coef > 0:
-            loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing)
+            loss = loss + c.z_loss_coef * reference.z_loss(logits_TE, routing, padding_mask=mask)
         return loss
 
     def parameters(self) -> list[torch.Tensor]:

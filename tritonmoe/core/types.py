@@ -33,10 +33,13 @@ class Routing:
         counts: int32 [E]. Kept slots per expert (after capacity).
         selected_counts: int32 [E]. Selected slots per expert before capacity dropping; the
             ``f_e`` of the load-balancing loss uses these.
-        score_func: "softmax" or "sigmoid", the score function that produced the routing.
-        score_sum: fp32 [E] or None. Sum over tokens of the (unbiased) scores, differentiable;
-            present when ``route(..., with_aux=True)``, so the load-balancing loss does not
-            re-read the logits.
+        score_func: "softmax", "sigmoid" or "sqrtsoftplus", the score function that produced
+            the routing.
+        score_sum: fp32 [E] or None. Sum over tokens of the load-balancing loss's scores
+            (:func:`tritonmoe.reference.aux_scores`: the softmax probabilities, or the sigmoid /
+            sqrtsoftplus scores normalised over the experts per token), differentiable; present
+            when ``route(..., with_aux=True)``, so the load-balancing loss does not re-read the
+            logits.
         logsumexp: fp32 [T] or None. Per-token logsumexp of the logits (fp32), differentiable;
             present when ``route(..., with_aux=True)``, for the z-loss.
     """

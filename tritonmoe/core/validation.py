@@ -21,8 +21,10 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 #: Dtypes of row indices and offsets: signed (-1 marks "not routed") and wide enough for R.
 INDEX_DTYPES = (torch.int32, torch.int64)
-SCORE_FUNCS = ("softmax", "sigmoid")
-GROUP_SCORES = ("top2sum", "max")
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+GROUP_SCORES = ("top2sum", "max", "sum_topn")
+#: Capacity drop policies of route(..., capacity=c, drop_policy=...).
+DROP_POLICIES = ("slot", "position", "probs")
 ACTIVATIONS = ("swiglu", "swiglu_oai", "gelu", "relu")
 #: Activations whose first projection has 2 * d_ffn columns (gate, then up).
 GLU_ACTIVATIONS = ("swiglu", "swiglu_oai")
@@ -111,6 +113,7 @@ def routing_options(
     *,
     group_score="top2sum",
     routed_scaling_factor=1.0,
+    drop_policy="slot",
 ) -> None:
     """Checks shared by route() and MoEConfig."""
     E = num_experts
@@ -139,6 +142,12 @@ def routing_options(
                 f"topk_groups={topk_groups} kept groups of {E // n_groups}; raise topk_groups"
             )
     choice("group_score", group_score, GROUP_SCORES)
+    if group_score == "sum_topn" and n_groups is not None and n_groups > 1 and top_k < topk_groups:
+        raise ValueError(
+            f"group_score='sum_topn' scores a group by its top top_k // topk_groups = {top_k} // {topk_groups} = 0 "
+            f"values; use top_k >= topk_groups, or group_score='top2sum' or 'max'"
+        )
+    choice("drop_policy", drop_policy, DROP_POLICIES)
     if not is_real(routed_scaling_factor):
         raise TypeError(
             f"routed_scaling_factor must be a real number, got {type(routed_scaling_factor).__name__} "
@@ -157,13 +166,13 @@ def routing_options(
 
 
 def route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, topk_groups, capacity, with_aux,
-               group_score="top2sum", routed_scaling_factor=1.0) -> None:
+               group_score="top2sum", routed_scaling_factor=1.0, drop_policy="slot") -> None:
     float_tensor("logits", logits, 2)
     E = logits.shape[1]
     if E == 0:
         raise ValueError("logits has 0 experts (shape [T, 0]); need at least one expert column")
     routing_options(E, top_k, score_func, renormalize, n_groups, topk_groups, capacity,
-                    group_score=group_score, routed_scaling_factor=routed_scaling_factor)
+                    group_score=group_score, routed_scaling_factor=routed_scaling_factor, drop_policy=drop_policy)
     if expert_bias is not None:
         float_tensor("expert_bias", expert_bias, 1)
         if expert_bias.shape[0] != E:
@@ -171,6 +180,38 @@ def route_args(logits, top_k, score_func, renormalize, expert_bias, n_groups, to
         same_device(logits=logits, expert_bias=expert_bias)
     if not isinstance(with_aux, bool):
         raise TypeError(f"with_aux must be a bool, got {type(with_aux).__name__}")
+
+
+def padding_mask(mask, num_tokens: int, name: str = "padding_mask", device=None) -> None:
+    """A token mask: bool [T] (True = a real token), on the tokens' device."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool torch.Tensor [T] (True = a real token) or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} has dtype {mask.dtype}; use a bool tensor (True = a real token), e.g. mask.bool()")
+    if tuple(mask.shape) != (num_tokens,):
+        raise ValueError(
+            f"{name} has shape {tuple(mask.shape)} but there are {num_tokens} tokens; pass one entry per token "
+            f"([{num_tokens}], e.g. attention_mask.reshape(-1).bool())"
+        )
+    if device is not None and mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but the tokens are on {device}; move it with .to({str(device)!r})")
+
+
+def sequence_length(s, num_tokens: int) -> None:
+    """``sequence_length`` of the sequence-level aux loss: a positive int dividing T."""
+    if s is None:
+        return
+    if not is_int(s):
+        raise TypeError(f"sequence_length must be an int or None, got {type(s).__name__} {s!r}")
+    if s < 1:
+        raise ValueError(f"sequence_length={s} must be >= 1 (tokens per sequence)")
+    if num_tokens % s:
+        raise ValueError(
+            f"sequence_length={s} does not divide the {num_tokens} tokens; the tokens are read as [B, S] flattened "
+            f"batch-major, so T must be B * sequence_length (pad the batch, or pass the right length)"
+        )
 
 
 def route_values(logits: torch.Tensor, score_func: str, expert_bias) -> None:
