@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tritonmoe.comm.errors import backend_errors, new_group
+from tritonmoe.comm.fused import GradientBuckets, plan_buckets
 from tritonmoe.comm.priority import DEFAULT_CHUNK_BYTES, CommScheduler, GradSyncState, scheduled_allreduce_hook
 
 from .mesh import ROLES, MoEMesh, as_moe_mesh, group_ranks
@@ -125,7 +126,8 @@ class DataParallelState:
     Attributes:
         mesh: the layout.
         scheduler: the rank's :class:`~tritonmoe.comm.CommScheduler` (exchanges and gradients).
-        expert_sync: the expert-gradient hooks.
+        expert_sync: the expert-gradient hooks (:class:`ExpertGradSync`, or
+            :class:`~tritonmoe.comm.GradientBuckets` with ``fuse_bytes``).
         expert_names: fully qualified names of the parameters DDP ignores (the experts of
             expert-parallel layers).
         dense_group, expert_group: the reduction groups of the gradient lane.
@@ -133,7 +135,7 @@ class DataParallelState:
 
     mesh: MoEMesh
     scheduler: CommScheduler
-    expert_sync: ExpertGradSync
+    expert_sync: "ExpertGradSync | GradientBuckets"
     expert_names: list[str]
     dense_group: Any
     expert_group: Any
@@ -146,6 +148,7 @@ def data_parallel(
     comm: str = "fifo",
     chunk_bytes: Optional[int] = DEFAULT_CHUNK_BYTES,
     reduction: str = "allreduce",
+    fuse_bytes: Optional[int] = None,
     **ddp_kwargs,
 ) -> DistributedDataParallel:
     """Wrap ``model`` (containing :class:`~tritonmoe.MoELayer`\\ s built on ``mesh``) for data
@@ -161,6 +164,13 @@ def data_parallel(
             whole (priority only). Ignored by "fifo".
         reduction: "allreduce" (the backend's) or "ordered" (bitwise independent of bucketing
             and chunking; see :func:`tritonmoe.comm.priority.ordered_all_reduce_`).
+        fuse_bytes: SE-MoE's fusion (PAPERS.md 2.3): expert gradients go through
+            :class:`~tritonmoe.comm.GradientBuckets` of at most ``fuse_bytes`` (the biases and other
+            small expert tensors share one reduction, a large one travels alone; the plan is
+            agreed across the expert-data-parallel group here), and under "lina" consecutive
+            small dense gradients of a DDP bucket share one micro-op of at most ``chunk_bytes``
+            while large ones are partitioned (``CommScheduler(fuse=True)``). None: one
+            reduction per expert parameter and per Lina piece, as before.
         ddp_kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``,
             ``find_unused_parameters``, ``gradient_as_bucket_view``, ...).
 
@@ -180,7 +190,11 @@ def data_parallel(
     world = dist.get_world_size()
     if mesh.device_mesh.mesh.numel() != world:
         raise ValueError(f"the mesh spans {mesh.device_mesh.mesh.numel()} ranks but the world has {world}; use a mesh over every rank")
-    scheduler = CommScheduler.lina(chunk_bytes, reduction=reduction) if comm == "lina" else CommScheduler.fifo(reduction=reduction)
+    if fuse_bytes is not None:
+        plan_buckets([], fuse_bytes)  # validates it before any collective
+    fuse = fuse_bytes is not None
+    scheduler = (CommScheduler.lina(chunk_bytes, reduction=reduction, fuse=fuse) if comm == "lina"
+                 else CommScheduler.fifo(reduction=reduction))
 
     ep_ranks = mesh.ranks("ep")
     expert_layers = []
@@ -217,7 +231,13 @@ def data_parallel(
                 with backend_errors("the broadcast of expert replicas in data_parallel", mesh.expert_dp_group):
                     dist.broadcast(p.data, src=src, group=mesh.expert_dp_group)
 
-    sync = ExpertGradSync([p for _, p in expert_named], scheduler, expert_group, D, ddp)
+    if fuse_bytes is None:
+        sync = ExpertGradSync([p for _, p in expert_named], scheduler, expert_group, D, ddp)
+    else:  # autograd readies gradients roughly in reverse registration order
+        sync = GradientBuckets([p for _, p in expert_named][::-1], fuse_bytes, expert_group, scheduler=scheduler,
+                               divisor=D, enabled=lambda: ddp.require_backward_grad_sync)
+        for layer in expert_layers:
+            sync.watch(layer)
     for layer in expert_layers:
         layer.comm_scheduler = scheduler
     ddp._tritonmoe_data_parallel = DataParallelState(mesh, scheduler, sync, expert_names, dense_group, expert_group)
