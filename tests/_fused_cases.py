@@ -33,6 +33,7 @@ _OPS = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_to_all
 
 class Counter:
     """Wraps the collectives of ``_OPS`` in this process; ``log`` holds (op, ranks, nbytes, ptr)
+    / dtype / shape
     tuples and whatever else the test appends (e.g. ("ready", i))."""
 
     def __init__(self) -> None:
@@ -58,7 +59,7 @@ class Counter:
             group = kwargs.get("group")
             with self._lock:
                 self.log.append((name.replace("_into_tensor", "").replace("_single", "") if name.startswith("all_gather") else name,
-                                 ranks(group), t.numel() * t.element_size(), t.data_ptr()))
+                                 ranks(group), t.numel() * t.element_size(), t.data_ptr(), t.dtype, tuple(t.shape)))
             return real(*args, **kwargs)
 
         return fn

@@ -16,12 +16,16 @@ that would corrupt expert-parallel layers.
   ``torch.distributed.checkpoint`` reshards across expert-parallel sizes;
   :func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` do the same for the
   optimizer's per-expert states.
+* :class:`PartitionedEmbedding` (:mod:`.embedding`): SE-MoE's embedding partition in data
+  parallelism: the table's rows split over the data-parallel ranks, looked up through two
+  all-to-alls (one in backward), no all-reduce of its gradient; checkpoints as a global table.
 * :class:`ExpertParallelWrapError` (:mod:`.guard`): raised when plain DDP or FSDP would treat
   different experts as replicas.
 * :mod:`.init`: per-expert generators (expert e's weights depend on the seed and e alone).
 """
 
 from .checkpoint import full_state_dict, load_full_state_dict, load_optimizer_state_dict, optimizer_state_dict
+from .embedding import PartitionedEmbedding, shard_range
 from .data_parallel import COMM_POLICIES, DataParallelState, ExpertGradSync, data_parallel
 from .fsdp import fully_shard_moe
 from .guard import ExpertParallelWrapError
@@ -35,6 +39,8 @@ __all__ = [
     "ExpertGradSync",
     "ExpertParallelWrapError",
     "MoEMesh",
+    "PartitionedEmbedding",
+    "shard_range",
     "as_moe_mesh",
     "data_parallel",
     "expert_parameters",

@@ -141,6 +141,22 @@ class DataParallelState:
     expert_group: Any
 
 
+def _partitioned(model: torch.nn.Module, mesh: MoEMesh) -> list[tuple[str, torch.nn.Module]]:
+    """The row-partitioned modules of ``model``; each must be partitioned over the dense group."""
+    out = []
+    dense = mesh.ranks("dense")
+    for name, m in model.named_modules():
+        if getattr(type(m), "partitioned_parameter_names", None):
+            ranks = group_ranks(m.group) if m.group is not None else list(range(dist.get_world_size()))
+            if ranks != dense:
+                raise ValueError(
+                    f"{name!r} is partitioned over ranks {ranks} but the mesh's data-parallel (dense) group of this rank "
+                    f"is {dense}; build it with group=mesh.dense_group"
+                )
+            out.append((name, m))
+    return out
+
+
 def data_parallel(
     model: torch.nn.Module,
     mesh,
@@ -217,7 +233,13 @@ def data_parallel(
     dense_group = _new_groups(_enumerate_groups(mesh, "dense"))
     expert_group = _new_groups(_enumerate_groups(mesh, "expert_dp")) if mesh.expert_dp_mesh is not None else None
 
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
+    # Row-partitioned tables (PartitionedEmbedding) reduce nothing: their gradients reach the
+    # owners through the all-to-alls; they take the data-parallel divisor like DDP's.
+    partitioned = _partitioned(model, mesh)
+    for _, m in partitioned:
+        m.grad_divisor = float(mesh.data_parallel_size)
+    ignored = expert_names + [f"{n}.{pn}" if n else pn for n, m in partitioned for pn in type(m).partitioned_parameter_names]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model, process_group=mesh.dense_group, **ddp_kwargs)
     D = mesh.data_parallel_size
     ddp.register_comm_hook(GradSyncState(scheduler, dense_group, D), scheduled_allreduce_hook)
