@@ -216,3 +216,57 @@ def new_ckdir() -> str:
     import tempfile
 
     return os.path.join(tempfile.mkdtemp(prefix="tm_emb_ck_"), "ck")
+
+
+# ---------------------------------------------------------------------------------------------
+# With data_parallel: an MoE model whose input is a partitioned embedding
+# ---------------------------------------------------------------------------------------------
+
+V_DP = 19
+
+
+class EmbNet(nn.Module):
+    def __init__(self, mesh, part: bool) -> None:
+        super().__init__()
+        import _parallel_cases as pc
+
+        torch.manual_seed(pc.SEED)
+        self.net = pc.Net(mesh if part else None)
+        torch.manual_seed(77)
+        full = nn.Embedding(V_DP, pc.D_MODEL, dtype=F64)
+        self.emb = PartitionedEmbedding.from_embedding(full, mesh.dense_group) if part else full
+
+    def forward(self, ids):
+        return self.net(self.emb(ids))
+
+
+def dp_case(rank: int, P: int) -> dict:
+    import _parallel_cases as pc
+    from tritonmoe.parallel import MoEMesh, data_parallel
+
+    failures: list[str] = []
+    g = torch.Generator().manual_seed(8)
+    ids = [torch.randint(0, V_DP, (pc.TOKENS,), generator=g) for _ in range(P)]
+    ids[-1][:] = ids[0][0]  # duplicates across ranks
+    tgt = [torch.randn(pc.TOKENS, pc.OUT, dtype=F64, generator=g) for _ in range(P)]
+    mesh = MoEMesh.build(dp=2, ep=P // 2)
+    ref = EmbNet(mesh, part=False)
+    pc.loss_fn(ref(torch.cat(ids)), torch.cat(tgt)).backward()
+    with torch.no_grad():
+        want = {n: p - 0.1 * p.grad for n, p in ref.named_parameters()}
+    model = EmbNet(mesh, part=True)
+    ddp = data_parallel(model, mesh, comm="lina", chunk_bytes=256, fuse_bytes=4096)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Counter() as c:
+        pc.loss_fn(ddp(ids[rank]), tgt[rank]).backward()
+    opt.step()
+    ddp._tritonmoe_data_parallel.scheduler.close()
+    emb = model.emb
+    if (emb.weight - want["emb.weight"][emb.row_start : emb.row_end]).abs().max().item() > 1e-12:
+        failures.append("the partitioned embedding's step differs from the single process's rows")
+    pc.compare(failures, "net", model.net, {n[4:]: v for n, v in want.items() if n.startswith("net.")})
+    # no all-reduce touched the embedding's gradient buffer
+    ptr = emb.weight.grad.data_ptr()
+    nbytes = emb.weight.grad.numel() * 8
+    touched = [e for e in c.log if e[0] == "all_reduce" and ptr <= e[3] < ptr + nbytes]
+    return {"failures": failures, "touched": len(touched), "reduces": sum(e[0] == "all_reduce" for e in c.log)}

@@ -102,3 +102,13 @@ def test_shard_ranges_tile_the_table(V, N):
     per = -(-V // N)
     assert all(b - a <= per for a, b in spans)  # at most ceil(V/N): 1/N of the table, +1 row
     assert [len(c) for c in torch.arange(V).chunk(N)] == [b - a for a, b in spans if b > a]  # torch.chunk's layout
+
+
+@pytest.mark.dist
+def test_with_data_parallel_and_moe_layers():
+    """An MoE model fed by a partitioned embedding under data_parallel (Lina + fused buckets):
+    one SGD step equals the single process on the global batch; no all-reduce touches the table."""
+    vals = values_or_fail(run_group(4, ec.dp_case, deadline_s=300, pg_timeout_s=60)[0])
+    failures = [f"rank {r}: {f}" for r, v in enumerate(vals) for f in v["failures"]]
+    assert not failures, "\n".join(failures)
+    assert all(v["touched"] == 0 and v["reduces"] > 0 for v in vals)

@@ -238,7 +238,9 @@ def data_parallel(
     partitioned = _partitioned(model, mesh)
     for _, m in partitioned:
         m.grad_divisor = float(mesh.data_parallel_size)
-    ignored = expert_names + [f"{n}.{pn}" if n else pn for n, m in partitioned for pn in type(m).partitioned_parameter_names]
+    # (their buffers -- the shard's row ids -- differ per rank: DDP must not broadcast them)
+    ignored = expert_names + [f"{n}.{pn}" if n else pn for n, m in partitioned
+                              for pn in type(m).partitioned_parameter_names + getattr(type(m), "partitioned_buffer_names", ())]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model, process_group=mesh.dense_group, **ddp_kwargs)
     D = mesh.data_parallel_size

@@ -89,6 +89,8 @@ class PartitionedEmbedding(nn.Module):
     """
 
     partitioned_parameter_names = ("weight",)
+    #: Buffers that differ per rank (data-parallel wrappers must not broadcast them).
+    partitioned_buffer_names = ("local_rows",)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None, padding_idx: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, device=None, *, dedup: bool = False, _init: bool = True) -> None:
