@@ -365,10 +365,6 @@ for _e in [
              blocked="placeholder: tritonmoe.plan.parm_calibration registers the simulated entry"),
     CalEntry("CAL-18", "SE-MoE 002 §5.2", "ring-memory offloading (inference)", "se-moe", ">=30% memory",
              blocked="inference offloading is not a simulated schedule"),
-    CalEntry("CAL-19", "SE-MoE 002 Table 3", "elastic multi-task allocation", "", "4/2/1/1",
-             blocked="a resource allocator, not a schedule"),
-    CalEntry("CAL-20", "SE-MoE 002 Table 4", "embedding partition memory", "", "-22..26%",
-             blocked="a memory model, not a time"),
 ]:
     register_calibration(_e)
 
@@ -419,3 +415,4 @@ def format_table(rows: list[dict]) -> str:
 
 # Parm and SE-MoE entries (tritonmoe/plan/parm_calibration.py): they register themselves here.
 from . import parm_calibration as _parm_calibration  # noqa: E402,F401
+from . import semoe_calibration as _semoe_calibration  # noqa: E402,F401
