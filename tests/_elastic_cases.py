@@ -115,3 +115,57 @@ def elastic_case(rank: int, P: int) -> dict:
             failures.append(f"task {layout2.task} step 1 after reallocation: parameter {i} differs from the single-task run")
     return {"failures": failures, "before": first, "after": (layout2.task, layout2.task_size),
             "allocation": layout2.allocation, "kept_objects": model2 is model}
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts shared by the tasks: one MoE layer expert-parallel over every rank, a head per task
+# ---------------------------------------------------------------------------------------------
+
+
+def _moe_cfg():
+    import tritonmoe as tm
+
+    return tm.MoEConfig(4, 6, 4, 2, activation="gelu", expert_ffn_bias=True)
+
+
+def _forward(shared, head, x):
+    return head(x + shared(x))
+
+
+def shared_experts_case(rank: int, P: int) -> dict:
+    import tritonmoe as tm
+    from tritonmoe.parallel import MoEMesh, sync_gradients
+
+    failures: list[str] = []
+    cfg = _moe_cfg()
+    # reference: one process, every expert, both heads, loss = sum over tasks of the task's mean loss
+    torch.manual_seed(7)
+    ref_shared = tm.MoELayer(cfg, dtype=F64)
+    ref_heads = [build_model(t) for t in range(2)]
+    total = sum(loss_fn(lambda x, t=t: _forward(ref_shared, ref_heads[t], x), *data(t, 0)) for t in range(2))
+    total.backward()
+    mesh = MoEMesh.build(dp=1, ep=P)
+    torch.manual_seed(7)
+    shared = tm.MoELayer(cfg, mesh=mesh, dtype=F64)
+    layout = task_layout(allocate_tasks([3, 1], P))
+    head = build_model(layout.task)
+    g = layout.task_size
+    x, y = data(layout.task, 0)
+    lo = layout.rank_in_task * (BATCH // g)
+    loss = loss_fn(lambda z: _forward(shared, head, z), x[lo : lo + BATCH // g], y[lo : lo + BATCH // g])
+    (loss * layout.loss_scale).backward()
+    expert_names = set(shared.expert_parameter_names)
+    dense = [p for n, p in shared.named_parameters() if n not in expert_names]
+    sync_gradients(layout, list(head.parameters()), dense, bucket_bytes=128)
+    for (n, p), w in zip(head.named_parameters(), ref_heads[layout.task].parameters()):
+        if not _close(p.grad, w.grad):
+            failures.append(f"task {layout.task} head {n}: gradient differs from the single process")
+    ref_params = dict(ref_shared.named_parameters())
+    for n, p in shared.named_parameters():
+        w = ref_params[n].grad
+        if n in expert_names:
+            w = w[shared.expert_start : shared.expert_start + shared.num_local_experts]
+        if p.grad is None or not _close(p.grad, w):
+            failures.append(f"shared {n}: gradient differs from the single process")
+    return {"failures": failures, "experts": shared.num_local_experts, "dense": [n for n, _ in shared.named_parameters()
+                                                                                 if n not in expert_names]}

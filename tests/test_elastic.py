@@ -106,3 +106,14 @@ def test_se_moe_calibration_entries():
     r = rows["CAL-19"]
     assert r["status"] == "simulated" and "[4, 2, 1, 1]" in r["detail"] and r["simulated"] == 2.0
     assert "1.00 when tasks run independently" in r["detail"]
+
+
+@pytest.mark.dist
+def test_experts_shared_by_tasks():
+    """Two tasks (3 + 1 ranks) with their own heads share one MoE layer, expert-parallel over all
+    4 ranks: with the loss scaled by layout.loss_scale and sync_gradients, every gradient (heads,
+    router, experts and their biases) equals the single process's on sum_t mean_t loss."""
+    vals = values_or_fail(run_group(4, ec.shared_experts_case, deadline_s=300, pg_timeout_s=60)[0])
+    failures = [f"rank {r}: {f}" for r, v in enumerate(vals) for f in v["failures"]]
+    assert not failures, "\n".join(failures)
+    assert all(v["experts"] == 1 and v["dense"] for v in vals)

@@ -29,7 +29,16 @@ that would corrupt expert-parallel layers.
 
 from .checkpoint import full_state_dict, load_full_state_dict, load_optimizer_state_dict, optimizer_state_dict
 from .embedding import PartitionedEmbedding, shard_range
-from .elastic import TaskLayout, TaskPlan, allocate_tasks, loads_from_throughput, plan_tasks, reallocate, task_layout
+from .elastic import (
+    TaskLayout,
+    TaskPlan,
+    allocate_tasks,
+    loads_from_throughput,
+    plan_tasks,
+    reallocate,
+    sync_gradients,
+    task_layout,
+)
 from .data_parallel import COMM_POLICIES, DataParallelState, ExpertGradSync, data_parallel
 from .fsdp import fully_shard_moe
 from .guard import ExpertParallelWrapError
@@ -50,6 +59,7 @@ __all__ = [
     "loads_from_throughput",
     "plan_tasks",
     "reallocate",
+    "sync_gradients",
     "task_layout",
     "shard_range",
     "as_moe_mesh",

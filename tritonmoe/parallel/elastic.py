@@ -14,6 +14,9 @@ by the busiest GPU, ``max_t w_t / g_t``.
   says why for every merge it made or refused.
 * :func:`task_layout` -- the run-time side: contiguous rank blocks per task and one
   data-parallel process group per task (:class:`TaskLayout`).
+* :func:`sync_gradients` -- per-task gradients (summed over the task's group) and gradients of
+  parameters the tasks share (summed over every rank); experts of an MoE layer that is
+  expert-parallel over every rank are shared by the tasks with no extra reduction.
 * :func:`reallocate` -- elastic re-allocation between steps: new loads from measured per-task
   throughput, a new allocation, and, when it differs, the ranks regrouped with every task's
   parameters and optimizer state carried through the checkpoint path
@@ -31,8 +34,10 @@ import torch
 import torch.distributed as dist
 
 from tritonmoe.comm.errors import backend_errors, new_group
+from tritonmoe.comm.fused import bucketed_all_reduce
 
-__all__ = ["TaskLayout", "TaskPlan", "allocate_tasks", "loads_from_throughput", "plan_tasks", "reallocate", "task_layout"]
+__all__ = ["TaskLayout", "TaskPlan", "allocate_tasks", "loads_from_throughput", "plan_tasks", "reallocate", "sync_gradients",
+           "task_layout"]
 
 
 def _check_loads(loads: Any) -> list[float]:
@@ -187,6 +192,13 @@ class TaskLayout:
     def rank_in_task(self) -> int:
         return self.ranks[self.task].index(dist.get_rank())
 
+    @property
+    def loss_scale(self) -> float:
+        """Multiply this rank's loss (the mean over its samples) by it: the sum over the task's
+        ranks is then the task's mean loss, and the sum over every rank the sum of the tasks'
+        mean losses (the objective :func:`sync_gradients` reduces for)."""
+        return 1.0 / self.task_size
+
 
 def task_layout(allocation: Sequence[int]) -> TaskLayout:
     """Contiguous rank blocks per task (task 0 first) and one process group per task (with the
@@ -209,6 +221,31 @@ def task_layout(allocation: Sequence[int]) -> TaskLayout:
         if me in rs:
             mine, task = g, t
     return TaskLayout(alloc, ranks, task, mine)
+
+
+def sync_gradients(layout: TaskLayout, task_params: Sequence[torch.nn.Parameter],
+                   shared_params: Sequence[torch.nn.Parameter] = (), *, bucket_bytes: int = 25 * 2**20) -> None:
+    """Reduce gradients after ``(loss * layout.loss_scale).backward()`` on every rank, so that
+    every gradient is that of the sum over tasks of each task's mean loss:
+
+    * ``task_params`` (this rank's task's model): summed over the task's group;
+    * ``shared_params`` (dense parameters every rank holds, e.g. the router of an MoE layer
+      shared by the tasks): summed over every rank (the default group), identical everywhere;
+    * the experts of an MoE layer that is expert-parallel over every rank need nothing: its
+      all-to-alls already bring every rank's (scaled) gradient to the expert's owner.
+
+    One ``bucketed_all_reduce`` per group (:mod:`tritonmoe.comm.fused`); a parameter without a
+    gradient on this rank contributes zeros (and gets the reduced gradient). Collective over
+    the task's group, then the default group."""
+    for group, params in ((layout.group, list(task_params)), (None, list(shared_params))):
+        if not params:
+            continue
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for p, red in zip(params, bucketed_all_reduce(grads, group, bucket_bytes)):
+            if p.grad is None:
+                p.grad = red
+            else:
+                p.grad.copy_(red)
 
 
 def loads_from_throughput(samples_per_step: Sequence[float], samples_per_s: Sequence[float], allocation: Sequence[int]) -> list[float]:
