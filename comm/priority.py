@@ -156,6 +156,19 @@ def fuse_micro_ops(ranges: Sequence[tuple[int, int]], itemsize: int, chunk_bytes
     return spans
 
 
+def _check_fuse(fuse) -> bool:
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
+    return fuse
+
+
+def _spans(ranges, itemsize: int, chunk_bytes: Optional[int], fuse: bool) -> list[tuple[int, int]]:
+    """The gradient lane's micro-ops of one buffer: SE-MoE's fused ones or Lina's partition."""
+    if fuse and chunk_bytes is not None:
+        return fuse_micro_ops(ranges, itemsize, chunk_bytes)
+    return [(a, b) for _, a, b in partition(ranges, itemsize, chunk_bytes)]
+
+
 def ordered_all_reduce_(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``t`` (contiguous) over ``group`` in place, every element in group-rank order
     ``((x_0 + x_1) + x_2) + ...``, independent of how the caller cut its buffers: rank r receives
@@ -252,11 +265,9 @@ class CommScheduler:
                 raise ValueError(f"chunk_bytes={chunk_bytes} must be positive (or None: no partitioning)")
         if not gate_timeout_s > 0:
             raise ValueError(f"gate_timeout_s={gate_timeout_s} must be > 0")
-        if not isinstance(fuse, bool):
-            raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
         self.priority = bool(priority)
         self.chunk_bytes = chunk_bytes
-        self.fuse = fuse
+        self.fuse = _check_fuse(fuse)
         self.gate_timeout_s = float(gate_timeout_s)
         self.reduction = reduction
         self.timeline: Optional[Timeline] = None
@@ -380,11 +391,7 @@ class CommScheduler:
             return fut
         base = flat.view(-1)
         ranges = _ranges(base, grads) if (self.chunk_bytes is not None and grads is not None) else [(0, base.numel())]
-        if self.fuse and self.chunk_bytes is not None:  # SE-MoE: small gradients share a micro-op
-            spans = fuse_micro_ops(ranges, base.element_size(), self.chunk_bytes)
-        else:
-            spans = [(a, b) for _, a, b in partition(ranges, base.element_size(), self.chunk_bytes)]
-        pieces = [base[a:b] for a, b in spans]
+        pieces = [base[a:b] for a, b in _spans(ranges, base.element_size(), self.chunk_bytes, self.fuse)]
         bucket = _Bucket(flat, len(pieces), fut, in_backward)
         if in_backward:
             self._pass_buckets.append(bucket)

@@ -310,13 +310,15 @@ def dp_fusion_table(rank: int, P: int) -> dict:
         ddp = data_parallel(model, mesh, comm=comm, chunk_bytes=chunk, fuse_bytes=fuse, gradient_as_bucket_view=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, t = data[0][rank]
-        with Counter() as c:
+        with Counter() as c, pc.Recorder() as rec:
             pc.loss_fn(ddp(x), t).backward()
         opt.step()
         state = ddp._tritonmoe_data_parallel
         state.scheduler.close()
         lab = f"{comm} chunk={chunk} fuse={fuse}"
         pc.compare(failures, lab, model, want)
+        if comm == "lina":  # fused buckets and micro-ops still yield to the all-to-alls, one at a time
+            info[lab + " priority"] = pc.check_priority(failures, lab, rec.calls)
         exp_ranks = tuple(dist.get_process_group_ranks(state.expert_group)) if state.expert_group is not None else None
         expert_reds = [e for e in c.log if e[0] == "all_reduce" and e[1] == exp_ranks]
         dense_reds = [e for e in c.log if e[0] == "all_reduce" and e[1] != exp_ranks]

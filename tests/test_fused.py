@@ -107,6 +107,8 @@ def test_data_parallel_fuse_bytes():
         lina_f, lina = info["lina chunk=1024 fuse=1000000"], info["lina chunk=1024 fuse=None"]
         assert lina_f["max_dense_bytes"] <= 1024 and lina["max_dense_bytes"] <= 1024
         assert lina_f["dense_reduces"] < lina["dense_reduces"]
+        pri = info["lina chunk=1024 fuse=1000000 priority"]
+        assert pri["a2a"] > 0 and pri["allreduce"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,3 +206,42 @@ def test_plan_buckets_rejects_bad_capacity():
         plan_buckets([1], 2.0)
     with pytest.raises(ValueError, match="negative"):
         plan_buckets([-1], 4)
+
+
+def test_scheduler_fuse_flag():
+    from tritonmoe.comm import CommScheduler
+
+    with pytest.raises(TypeError, match="fuse must be a bool"):
+        CommScheduler.lina(64, fuse="yes")
+    s = CommScheduler.lina(64, fuse=True)
+    assert s.fuse and "fuse=True" in repr(s)
+    s.close()
+
+
+def test_gradient_sync_ops_fuse_like_the_scheduler():
+    """The simulator's view of the gradient lane (issue_gradient_sync) issues the scheduler's
+    fused micro-ops: the same sizes as fuse_micro_ops over the gradients laid end to end."""
+    from tritonmoe.comm import VirtualTensor
+    from tritonmoe.comm.priority import issue_gradient_sync
+
+    class Ex:
+        def __init__(self):
+            self.sizes = []
+
+        def all_reduce(self, x, **kw):
+            self.sizes.append(x.shape[0])
+            return len(self.sizes)
+
+    import torch
+
+    grads = [VirtualTensor((n,), torch.float32) for n in (3, 2, 40, 1, 1)]
+    ex = Ex()
+    issue_gradient_sync(ex, grads, chunk_bytes=64, fuse=True)
+    ranges, off = [], 0
+    for g in grads:
+        ranges.append((off, g.shape[0]))
+        off += g.shape[0]
+    assert ex.sizes == [b - a for a, b in fuse_micro_ops(ranges, 4, 64)]
+    ex2 = Ex()
+    issue_gradient_sync(ex2, grads, chunk_bytes=64)
+    assert len(ex.sizes) < len(ex2.sizes) and sum(ex.sizes) == sum(ex2.sizes)
