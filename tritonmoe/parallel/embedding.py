@@ -156,12 +156,11 @@ class PartitionedEmbedding(nn.Module):
                 f"{self.world_size}" + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
                 + (", dedup" if self.dedup else ""))
 
-    def _exchange_counts(self, counts: torch.Tensor, flag: int) -> tuple[list[int], list[int]]:
-        """The split-size all-to-all (with the bad-id flag): (send splits, receive splits);
-        raises on every rank when any rank's flag is set."""
+    def _exchange_counts(self, counts: list[int], flag: int) -> list[int]:
+        """The split-size all-to-all (with the bad-id flag): the receive splits; raises on
+        every rank when any rank's flag is set."""
         P = self.world_size
-        send = torch.stack([counts.to(torch.int64).cpu(), torch.full((P,), flag, dtype=torch.int64)], 1)
-        send = send.to(comm_device(self.group)).contiguous()
+        send = torch.tensor([[c, flag] for c in counts], dtype=torch.int64, device=comm_device(self.group))
         recv = torch.empty_like(send)
         with backend_errors("PartitionedEmbedding's split-size exchange", self.group):
             dist.all_to_all_single(recv, send, group=self.group)
@@ -175,34 +174,34 @@ class PartitionedEmbedding(nn.Module):
             if any(flags[r] == _NOT_INT for r in bad):
                 raise TypeError(msg + (f"; this rank: {mine}" if mine else ""))
             raise IndexError(msg + (f"; this rank: {mine}" if mine else ""))
-        return [int(c) for c in counts.tolist()], [row[0] for row in table]
+        return [row[0] for row in table]
+
+    def _route(self, ids: torch.Tensor):
+        """(ids to send, owner-major; order or None; inverse or None; counts per owner; flag)."""
+        P, V = self.world_size, self.num_embeddings
+        flat = ids.reshape(-1)
+        if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
+            return flat.new_zeros(0, dtype=torch.int64), None, None, [0] * P, _NOT_INT
+        flat = flat.to(device=self.weight.device, dtype=torch.int64)
+        if self.dedup:
+            send_ids, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # sorted: owner-major already
+            order = None
+        else:
+            inverse = None
+            order = torch.argsort(flat.clamp(0, V - 1) // self.rows_per_shard, stable=True)
+            send_ids = flat[order]
+        counts = torch.bincount(send_ids.clamp(0, V - 1) // self.rows_per_shard, minlength=P)
+        bad = ((send_ids < 0) | (send_ids >= V)).any().to(torch.int64).view(1)
+        # host sync (one, with the split sizes, which must be Python ints): counts and the verdict
+        host = torch.cat([counts, bad]).tolist()
+        return send_ids, order, inverse, host[:P], _OUT_OF_RANGE if host[P] else _OK
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the global table for ``ids`` (any shape, integer): ``ids.shape + (H,)``."""
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
-        P, H = self.world_size, self.embedding_dim
-        dev = self.weight.device
-        flat = ids.reshape(-1)
-        flag = _OK
-        if flat.dtype.is_floating_point or flat.dtype.is_complex or flat.dtype == torch.bool:
-            flag, flat = _NOT_INT, flat.new_zeros(0).long()
-        else:
-            flat = flat.to(device=dev, dtype=torch.int64)
-            # host sync: the verdict must reach the other ranks with the split sizes
-            if flat.numel() and bool(((flat < 0) | (flat >= self.num_embeddings)).any()):
-                flag = _OUT_OF_RANGE
-        if self.dedup and flag == _OK:
-            send_ids, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # sorted: owner-major already
-            order = None
-        else:
-            inverse = None
-            owner0 = flat // self.rows_per_shard if flag == _OK else flat
-            order = torch.argsort(owner0, stable=True)
-            send_ids = flat[order]
-        owner = send_ids // self.rows_per_shard
-        counts = torch.bincount(owner, minlength=P) if flag == _OK else torch.zeros(P, dtype=torch.int64)
-        send_splits, recv_splits = self._exchange_counts(counts, flag)
+        send_ids, order, inverse, send_splits, flag = self._route(ids)
+        recv_splits = self._exchange_counts(send_splits, flag)
         recv_ids = all_to_all(send_ids, send_splits, recv_splits, group=self.group, check=False)  # all-to-all #1
         local_pad = None
         if self.padding_idx is not None and self.row_start <= self.padding_idx < self.row_end:
@@ -215,7 +214,7 @@ class PartitionedEmbedding(nn.Module):
             out = back[inverse]
         else:
             out = back.new_empty(back.shape).index_copy(0, order, back) if back.shape[0] else back
-        return out.reshape(tuple(ids.shape) + (H,))
+        return out.reshape(tuple(ids.shape) + (self.embedding_dim,))
 
 
 # ---------------------------------------------------------------------------------------------
