@@ -275,9 +275,12 @@ class BucketPlan:
         ``slots``: per tensor, (bucket, offset, numel) or None for an empty tensor.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int, group=None, *, agree: bool = True) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int, group=None, *, agree: bool = True,
+                 check_local=None) -> None:
         def local():
             ts = _check_tensors(tensors, "BucketPlan")
+            if check_local is not None:  # the caller's own checks: their verdict is agreed too
+                check_local(ts)
             return ts, plan_buckets([t.numel() * t.element_size() for t in ts], bucket_bytes, [_key(t) for t in ts])
 
         if agree:
@@ -356,18 +359,24 @@ class GradientBuckets:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], bucket_bytes: int, group=None, *, scheduler=None,
                  divisor: float = 1, enabled=None) -> None:
-        params = _check_tensors(params, "GradientBuckets")
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError("GradientBuckets: a parameter is listed twice")
-        if not isinstance(divisor, (int, float)) or isinstance(divisor, bool) or not divisor > 0:
-            raise ValueError(f"GradientBuckets: divisor={divisor!r} must be a positive number")
-        self.plan = BucketPlan(params, bucket_bytes, group)  # collective: agreed once, here
+        def check(ps: list) -> None:
+            if len({id(p) for p in ps}) != len(ps):
+                raise ValueError("GradientBuckets: a parameter is listed twice")
+            bad = [i for i, p in enumerate(ps) if not (p.is_leaf and p.requires_grad)]
+            if bad:
+                raise ValueError(f"GradientBuckets: params {bad[:8]} are not leaf tensors that require grad")
+            if not isinstance(divisor, (int, float)) or isinstance(divisor, bool) or not divisor > 0:
+                raise ValueError(f"GradientBuckets: divisor={divisor!r} must be a positive number")
+
+        # collective: the plan and every rank's verdict on its arguments are agreed once, here
+        self.plan = BucketPlan(params, bucket_bytes, group, check_local=check)
+        params = list(params)
         self.params = params
         self.group = group
         self.scheduler = scheduler
         self.divisor = divisor
         self._enabled = enabled
-        dev = params[0].device if params else torch.device("cpu")
+        dev = params[0].device if params else torch.device("cpu")  # one device: checked by BucketPlan
         self.buffers = [torch.zeros(n, dtype=params[b[0]].dtype, device=dev) for b, n in zip(self.plan.buckets, self.plan.bucket_numel)]
         self._left = [len(b) for b in self.plan.buckets]
         self._ready = [False] * len(params)

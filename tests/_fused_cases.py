@@ -278,6 +278,11 @@ def gradient_bucket_cases(rank: int, P: int, failures: list, info: dict) -> None
     if rank == 0:
         params = params[::-1]
     info["gb_mismatch"] = _raises(lambda: GradientBuckets(params, 400))
+    frozen = list(Small().parameters())
+    if rank == P - 1:
+        frozen[0].requires_grad_(False)
+    info["gb_frozen"] = _raises(lambda: GradientBuckets(frozen, 400))
+    info["gb_divisor"] = _raises(lambda: GradientBuckets(list(Small().parameters()), 400, divisor=0 if rank == 0 else 1))
 
 
 def fused_table(rank: int, P: int) -> dict:

@@ -60,6 +60,7 @@ def test_one_all_reduce_per_greedy_bucket(fused):
     ("gather_mismatch", "BucketPlanMismatchError"), ("gather_junk", "BucketPlanMismatchError"),
     ("reduce_mismatch", "BucketPlanMismatchError"), ("plan_extra", "BucketPlanMismatchError"),
     ("plan_cap", "BucketPlanMismatchError"), ("gb_mismatch", "BucketPlanMismatchError"),
+    ("gb_frozen", "BucketPlanMismatchError"), ("gb_divisor", "BucketPlanMismatchError"),
 ])
 def test_mismatch_raises_same_error_on_every_rank(fused, key, err):
     _, vals = fused
