@@ -466,7 +466,7 @@ class GradientBuckets:
                 self._queue_finish()
 
         def fwd_hook(_m, _inp, out):
-            for t in _flatten(out):
+            for t in _tensors_in(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda g: (on_output(g), None)[1])
             return None
@@ -478,11 +478,11 @@ class GradientBuckets:
             h.remove()
 
 
-def _flatten(out) -> list:
+def _tensors_in(out) -> list:
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _flatten(o)]
+        return [t for o in out for t in _tensors_in(o)]
     if isinstance(out, dict):
-        return [t for o in out.values() for t in _flatten(o)]
+        return [t for o in out.values() for t in _tensors_in(o)]
     return []
