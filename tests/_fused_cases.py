@@ -336,3 +336,28 @@ def dp_fusion_table(rank: int, P: int) -> dict:
         row["expert_params"] = len(state.expert_names)
         info[lab] = row
     return {"failures": failures, "info": info}
+
+
+def peer_dies_case(rank: int, P: int) -> dict:
+    """Rank P-1 leaves before the collectives: the others' fused collectives and the embedding's
+    exchange raise a typed ScheduleError within the group timeout instead of hanging."""
+    import os
+
+    from tritonmoe.parallel import PartitionedEmbedding
+
+    torch.manual_seed(0)
+    emb = PartitionedEmbedding(11, 3, dtype=F64)
+    dist.barrier()
+    if rank == P - 1:
+        os._exit(0)
+    out = {}
+    for name, fn in (("reduce", lambda: bucketed_all_reduce([torch.ones(3)], None, 64)),
+                     ("gather", lambda: fused_all_gather([torch.ones(3)])),
+                     ("embedding", lambda: emb(torch.tensor([1, 2])))):
+        t0 = time.monotonic()
+        try:
+            fn()
+            out[name] = ("returned", time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - inspected by the test
+            out[name] = (type(e).__name__, time.monotonic() - t0)
+    return out

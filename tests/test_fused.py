@@ -246,3 +246,13 @@ def test_gradient_sync_ops_fuse_like_the_scheduler():
     ex2 = Ex()
     issue_gradient_sync(ex2, grads, chunk_bytes=64)
     assert len(ex.sizes) < len(ex2.sizes) and sum(ex.sizes) == sum(ex2.sizes)
+
+
+@pytest.mark.dist
+def test_a_peer_that_leaves_raises_schedule_error():
+    results, _ = run_group(3, fc.peer_dies_case, deadline_s=120, pg_timeout_s=8)
+    for r in results[:2]:
+        assert r.status == "ok", r.value
+        for name, (kind, elapsed) in r.value.items():
+            assert kind == "ScheduleError", (r.rank, name, kind)
+            assert elapsed < 30, (name, elapsed)
