@@ -117,3 +117,15 @@ def test_experts_shared_by_tasks():
     failures = [f"rank {r}: {f}" for r, v in enumerate(vals) for f in v["failures"]]
     assert not failures, "\n".join(failures)
     assert all(v["experts"] == 1 and v["dense"] for v in vals)
+
+
+def test_cli_tasks(capsys):
+    from tritonmoe.plan.__main__ import main
+
+    assert main(["tasks", "--loads", "512,256,128,128", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "tasks [0]: 4 GPU(s)" in out and "tasks [3]: 1 GPU(s)" in out and "bottleneck 128" in out
+    assert main(["tasks", "--loads", "6,1,1", "--gpus", "3"]) == 0
+    assert "merged tasks [1] and [2]" in capsys.readouterr().out
+    assert main(["tasks", "--loads", "1,2,3", "--gpus", "2", "--no-merge"]) == 2
+    assert "cannot fit" in capsys.readouterr().err

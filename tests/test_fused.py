@@ -256,3 +256,14 @@ def test_a_peer_that_leaves_raises_schedule_error():
         for name, (kind, elapsed) in r.value.items():
             assert kind == "ScheduleError", (r.rank, name, kind)
             assert elapsed < 30, (name, elapsed)
+
+
+def test_cli_buckets(capsys):
+    from tritonmoe.plan.__main__ import main
+
+    assert main(["buckets", "--cluster", "se-moe", "--group", "8", "--sizes", "4096,4096,4096,1048576",
+                 "--backward-ms", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("bucket_bytes=") and "one reduction per tensor (4)" in out
+    assert main(["buckets", "--cluster", "se-moe", "--group", "8", "--sizes", "0"]) == 2
+    assert "nbytes" in capsys.readouterr().err
