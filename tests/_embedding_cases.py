@@ -257,9 +257,10 @@ def dp_case(rank: int, P: int) -> dict:
     model = EmbNet(mesh, part=True)
     ddp = data_parallel(model, mesh, comm="lina", chunk_bytes=256, fuse_bytes=4096)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Counter() as c:
+    with Counter() as c, pc.Recorder() as rec:
         pc.loss_fn(ddp(ids[rank]), tgt[rank]).backward()
     opt.step()
+    pri = pc.check_priority(failures, "lina with a partitioned embedding", rec.calls)
     ddp._tritonmoe_data_parallel.scheduler.close()
     emb = model.emb
     if (emb.weight - want["emb.weight"][emb.row_start : emb.row_end]).abs().max().item() > 1e-12:
@@ -269,4 +270,5 @@ def dp_case(rank: int, P: int) -> dict:
     ptr = emb.weight.grad.data_ptr()
     nbytes = emb.weight.grad.numel() * 8
     touched = [e for e in c.log if e[0] == "all_reduce" and ptr <= e[3] < ptr + nbytes]
-    return {"failures": failures, "touched": len(touched), "reduces": sum(e[0] == "all_reduce" for e in c.log)}
+    return {"failures": failures, "touched": len(touched), "reduces": sum(e[0] == "all_reduce" for e in c.log),
+            "priority": pri, "scheduler_set": emb.comm_scheduler is not None}

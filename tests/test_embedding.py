@@ -112,3 +112,5 @@ def test_with_data_parallel_and_moe_layers():
     failures = [f"rank {r}: {f}" for r, v in enumerate(vals) for f in v["failures"]]
     assert not failures, "\n".join(failures)
     assert all(v["touched"] == 0 and v["reduces"] > 0 for v in vals)
+    # Lina: no gradient micro-op started while an all-to-all (the layers' or the table's) was in flight
+    assert all(v["scheduler_set"] and v["priority"]["a2a"] > 0 for v in vals)

@@ -238,6 +238,7 @@ def data_parallel(
     partitioned = _partitioned(model, mesh)
     for _, m in partitioned:
         m.grad_divisor = float(mesh.data_parallel_size)
+        m.comm_scheduler = scheduler  # its backward exchange goes before gradient micro-ops (Lina)
     # (their buffers -- the shard's row ids -- differ per rank: DDP must not broadcast them)
     ignored = expert_names + [f"{n}.{pn}" if n else pn for n, m in partitioned
                               for pn in type(m).partitioned_parameter_names + getattr(type(m), "partitioned_buffer_names", ())]

@@ -72,6 +72,20 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
+class _Announce(torch.autograd.Function):
+    """Identity whose backward calls ``fn()``: marks where the backward reaches a point."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fn()
+        return g, None
+
+
 class PartitionedEmbedding(nn.Module):
     """An ``nn.Embedding`` whose rows are partitioned over a data-parallel group (see the module
     docstring). Collective: construction (one agreement check) and every forward and backward.
@@ -118,6 +132,9 @@ class PartitionedEmbedding(nn.Module):
         self.row_start, self.row_end = shard_range(num_embeddings, P, rank)
         self.dedup = bool(dedup)
         self.grad_divisor = 1.0
+        #: A :class:`~tritonmoe.comm.CommScheduler` (set by ``data_parallel``): under Lina's policy
+        #: the backward's all-to-all #3 holds gradient micro-ops back, like the MoE layers' exchanges.
+        self.comm_scheduler = None
         self.weight = nn.Parameter(torch.empty(self.row_end - self.row_start, embedding_dim, dtype=dtype, device=device))
         self.register_buffer("local_rows", torch.arange(self.row_start, self.row_end, device=device), persistent=False)
         if _init:
@@ -207,7 +224,12 @@ class PartitionedEmbedding(nn.Module):
         if self.padding_idx is not None and self.row_start <= self.padding_idx < self.row_end:
             local_pad = self.padding_idx - self.row_start
         rows = F.embedding(recv_ids - self.row_start, self.weight, padding_idx=local_pad)
+        sched = self.comm_scheduler
+        if sched is not None and rows.requires_grad:  # all-to-all #3 is over: gradient micro-ops may go
+            rows = _Announce.apply(rows, sched.exchanges_done)
         back = all_to_all(rows, recv_splits, send_splits, group=self.group, check=False)  # all-to-all #2 (#3 backward)
+        if sched is not None and back.requires_grad:  # Lina: hold gradient micro-ops before all-to-all #3
+            back = _Announce.apply(back, sched.exchange_imminent)
         if self.grad_divisor != 1:
             back = _ScaleGrad.apply(back, 1.0 / self.grad_divisor)
         if inverse is not None:
