@@ -19,6 +19,10 @@ package never imports the layer.
   communication hook :func:`scheduled_allreduce_hook`.
 * :class:`Timeline` - per-operation spans (rank, lane, kind, micro-op, phase), the pipelining
   efficiency and a step-time breakdown.
+* :func:`fused_all_gather` / :func:`bucketed_all_reduce` / :class:`BucketPlan` /
+  :class:`GradientBuckets` - SE-MoE's fusion communication: several tensors in one all-gather,
+  greedy buckets of small tensors in one all-reduce each, gradient buckets agreed across ranks
+  once (:mod:`.fused`).
 * :func:`saa` - Parm's simultaneous all-to-all and all-gather (two lanes, two process groups).
 * :func:`hierarchical_all_to_all` / :func:`hierarchical_groups` - SE-MoE's two-step all-to-all
   (intra-node, layout transform, inter-node among same-local-rank GPUs).
@@ -53,6 +57,15 @@ from .priority import (
     partition,
     scheduled_allreduce_hook,
 )
+from .fused import (
+    BucketPlan,
+    BucketPlanMismatchError,
+    GradientBuckets,
+    bucketed_all_reduce,
+    fused_all_gather,
+    plan_buckets,
+)
+from .priority import fuse_micro_ops
 from .timeline import Span, Timeline
 from tritonmoe.comm.programs.saa import saa
 from tritonmoe.comm.programs.hierarchical import (
@@ -62,6 +75,13 @@ from tritonmoe.comm.programs.hierarchical import (
 )
 
 __all__ = [
+    "BucketPlan",
+    "BucketPlanMismatchError",
+    "GradientBuckets",
+    "bucketed_all_reduce",
+    "fuse_micro_ops",
+    "fused_all_gather",
+    "plan_buckets",
     "AllToAllDispatcher",
     "CommScheduler",
     "DEFAULT_CHUNK_BYTES",

@@ -81,6 +81,7 @@ __all__ = [
     "CommScheduler",
     "GradSyncState",
     "partition",
+    "fuse_micro_ops",
     "ordered_all_reduce_",
     "scheduled_allreduce_hook",
     "issue_gradient_sync",
@@ -133,6 +134,40 @@ def partition(ranges: Sequence[tuple[int, int]], itemsize: int, chunk_bytes: Opt
             out.append((g, a, b))
             a = b
     return out
+
+
+def fuse_micro_ops(ranges: Sequence[tuple[int, int]], itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The micro-ops of gradients laid out in one buffer when large gradients are partitioned
+    (Lina) and small ones fused (SE-MoE): each gradient is cut as :func:`partition` cuts it (at
+    most ``chunk_bytes`` a piece), then consecutive pieces are merged greedily while the span
+    they cover (gaps between gradients included) stays within ``chunk_bytes``.
+
+    Args:
+        ranges: (first element, elements) of each gradient in the buffer.
+    Returns: (first, end) element spans in buffer order; every gradient element lies in exactly
+    one span and no span exceeds ``chunk_bytes``.
+    """
+    spans: list[tuple[int, int]] = []
+    limit = chunk_bytes // itemsize
+    for _, a, b in partition(sorted(ranges), itemsize, chunk_bytes):
+        if spans and b - spans[-1][0] <= limit:
+            spans[-1] = (spans[-1][0], b)
+        else:
+            spans.append((a, b))
+    return spans
+
+
+def _check_fuse(fuse) -> bool:
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
+    return fuse
+
+
+def _spans(ranges, itemsize: int, chunk_bytes: Optional[int], fuse: bool) -> list[tuple[int, int]]:
+    """The gradient lane's micro-ops of one buffer: SE-MoE's fused ones or Lina's partition."""
+    if fuse and chunk_bytes is not None:
+        return fuse_micro_ops(ranges, itemsize, chunk_bytes)
+    return [(a, b) for _, a, b in partition(ranges, itemsize, chunk_bytes)]
 
 
 def ordered_all_reduce_(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -261,6 +296,9 @@ class CommScheduler:
         chunk_bytes: cut each gradient into micro-ops of at most this many bytes (None: one
             reduction per submitted buffer).
         reduction: "allreduce" or "ordered" (see the module docstring).
+        fuse: with ``chunk_bytes``, consecutive small gradients of a submitted buffer share one
+            micro-op of at most ``chunk_bytes`` instead of one each (SE-MoE's fusion,
+            :func:`fuse_micro_ops`); large ones are still partitioned. One scheduler decides both.
         gate_timeout_s: how long queued gradient micro-ops may be held back by exchanges before
             the lane fails (every pending reduction then raises instead of waiting forever; an
             exchange itself is bounded by its group's timeout, so this only fires on a broken
@@ -277,7 +315,8 @@ class CommScheduler:
     """
 
     def __init__(
-        self, *, priority: bool, chunk_bytes: Optional[int] = None, reduction: str = "allreduce", gate_timeout_s: float = 300.0
+        self, *, priority: bool, chunk_bytes: Optional[int] = None, reduction: str = "allreduce", gate_timeout_s: float = 300.0,
+        fuse: bool = False,
     ) -> None:
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}; use one of {REDUCTIONS}")
@@ -289,6 +328,7 @@ class CommScheduler:
             raise ValueError(f"gate_timeout_s={gate_timeout_s} must be > 0")
         self.priority = bool(priority)
         self.chunk_bytes = chunk_bytes
+        self.fuse = _check_fuse(fuse)
         self.gate_timeout_s = float(gate_timeout_s)
         self.reduction = reduction
         self.timeline: Optional[Timeline] = None
@@ -321,7 +361,7 @@ class CommScheduler:
         return "lina" if self.priority else "fifo"
 
     def __repr__(self) -> str:
-        return f"CommScheduler({self.policy}, chunk_bytes={self.chunk_bytes}, reduction={self.reduction!r})"
+        return f"CommScheduler({self.policy}, chunk_bytes={self.chunk_bytes}, reduction={self.reduction!r}, fuse={self.fuse})"
 
     # -- the exchange lane ----------------------------------------------------------------------
 
@@ -394,7 +434,8 @@ class CommScheduler:
 
         ``grads``: the gradients laid out in ``flat`` (views of it; default: ``flat`` is one
         gradient). Under Lina each is cut into micro-ops of at most ``chunk_bytes``
-        (:func:`partition`); FIFO reduces ``flat`` whole. Must be called in the same order on
+        (:func:`partition`), and with ``fuse`` consecutive small ones share a micro-op of at most
+        ``chunk_bytes`` (:func:`fuse_micro_ops`); FIFO reduces ``flat`` whole. Must be called in the same order on
         every rank (the autograd hooks are)."""
         if not flat.is_contiguous():
             raise ValueError("reduce needs a contiguous buffer (reduce a contiguous copy and copy it back)")
@@ -409,7 +450,7 @@ class CommScheduler:
             return fut
         base = flat.view(-1)
         ranges = _ranges(base, grads) if (self.chunk_bytes is not None and grads is not None) else [(0, base.numel())]
-        pieces = [base[a:b] for _, a, b in partition(ranges, base.element_size(), self.chunk_bytes)]
+        pieces = [base[a:b] for a, b in _spans(ranges, base.element_size(), self.chunk_bytes, self.fuse)]
         bucket = _Bucket(flat, len(pieces), fut, in_backward)
         if in_backward:
             self._backward.track(bucket)
@@ -611,11 +652,13 @@ def issue_gradient_sync(
     lane: str = "comm2",
     kind: str = "allreduce",
     after: Sequence[Any] = (),
+    fuse: bool = False,
 ) -> list:
     """Issue the reduction of ``grads`` (tensors or :class:`~tritonmoe.comm.VirtualTensor`, in the
     order they became ready) through executor ``ex`` as the gradient lane runs it: with
     ``chunk_bytes`` (Lina) every gradient in micro-ops of at most ``chunk_bytes``
-    (:func:`partition`); without (FIFO) consecutive gradients fused into buckets of at most
+    (:func:`partition`), and with ``fuse`` too consecutive small gradients fused into one
+    micro-op of at most ``chunk_bytes`` (:func:`fuse_micro_ops`); without (FIFO) consecutive gradients fused into buckets of at most
     ``bucket_bytes`` as DDP does (one gradient per bucket when None), one all-reduce each. Every
     operation carries ``priority`` (:data:`PRIORITY_GRADIENT`: behind the exchanges under a
     priority policy) on ``lane``. Returns the handles in issue order."""
@@ -627,6 +670,14 @@ def issue_gradient_sync(
         handles.append(ex.all_reduce(x, group=group, kind=kind, micro_op=len(handles), lane=lane, priority=priority,
                                      after=after))
 
+    if chunk_bytes is not None and fuse and grads:  # the scheduler's fuse rule over one buffer
+        ranges, off = [], 0
+        for g in grads:
+            ranges.append((off, g.numel()))
+            off += g.numel()
+        for a, b in fuse_micro_ops(ranges, grads[0].dtype.itemsize, chunk_bytes):
+            issue(grads[0], b - a)
+        return handles
     if chunk_bytes is not None:
         for g in grads:
             for _, a, b in partition([(0, g.numel())], g.dtype.itemsize, chunk_bytes):

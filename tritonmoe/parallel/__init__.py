@@ -16,12 +16,29 @@ that would corrupt expert-parallel layers.
   ``torch.distributed.checkpoint`` reshards across expert-parallel sizes;
   :func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` do the same for the
   optimizer's per-expert states.
+* :class:`PartitionedEmbedding` (:mod:`.embedding`): SE-MoE's embedding partition in data
+  parallelism: the table's rows split over the data-parallel ranks, looked up through two
+  all-to-alls (one in backward), no all-reduce of its gradient; checkpoints as a global table.
+* :func:`allocate_tasks` / :func:`plan_tasks` / :func:`task_layout` / :func:`reallocate`
+  (:mod:`.elastic`): SE-MoE's elastic multi-task training: GPUs per task by load (greedy
+  min-max), a data-parallel group per task, re-allocation between steps through checkpoints.
 * :class:`ExpertParallelWrapError` (:mod:`.guard`): raised when plain DDP or FSDP would treat
   different experts as replicas.
 * :mod:`.init`: per-expert generators (expert e's weights depend on the seed and e alone).
 """
 
 from .checkpoint import full_state_dict, load_full_state_dict, load_optimizer_state_dict, optimizer_state_dict
+from .embedding import PartitionedEmbedding, shard_range
+from .elastic import (
+    TaskLayout,
+    TaskPlan,
+    allocate_tasks,
+    loads_from_throughput,
+    plan_tasks,
+    reallocate,
+    sync_gradients,
+    task_layout,
+)
 from .data_parallel import COMM_POLICIES, DataParallelState, ExpertGradSync, data_parallel
 from .fsdp import fully_shard_moe
 from .guard import ExpertParallelWrapError
@@ -35,6 +52,16 @@ __all__ = [
     "ExpertGradSync",
     "ExpertParallelWrapError",
     "MoEMesh",
+    "PartitionedEmbedding",
+    "TaskLayout",
+    "TaskPlan",
+    "allocate_tasks",
+    "loads_from_throughput",
+    "plan_tasks",
+    "reallocate",
+    "sync_gradients",
+    "task_layout",
+    "shard_range",
     "as_moe_mesh",
     "data_parallel",
     "expert_parameters",

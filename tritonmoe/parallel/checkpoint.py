@@ -41,6 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from tritonmoe.comm.errors import backend_errors
 from tritonmoe.parallel.params import moe_layers
 
+from .embedding import to_global as partitioned_to_global
+from .embedding import to_local as partitioned_to_local
+
 __all__ = [
     "expert_state_dict_hook",
     "expert_load_pre_hook",
@@ -177,6 +180,16 @@ def _expert_fqns(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str
     return out
 
 
+def _partitioned_fqns(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Canonical FQN -> module of every row-partitioned parameter
+    (:class:`~tritonmoe.parallel.PartitionedEmbedding`'s ``weight``) on a group of several ranks."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    owners = {id(m.weight): m for m in model.modules()
+              if getattr(type(m), "partitioned_parameter_names", None) and m.world_size > 1}
+    return {fqn: owners[id(p)] for name, p in model.named_parameters() if id(p) in owners for fqn in _get_fqns(model, name)}
+
+
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state dict keyed by parameter FQN
     (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``), with the per-expert
@@ -196,6 +209,10 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
                 osd["state"][fqn][k] = _to_global(layer, name, v)
             elif isinstance(v, DTensor) and v.placements == getattr(param, "placements", None) and v.shape == param.shape:
                 osd["state"][fqn][k] = _to_global(layer, name, v)
+    for fqn, module in _partitioned_fqns(model).items():  # per-row states of a partitioned table
+        for k, v in osd["state"].get(fqn, {}).items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == module.weight.shape:
+                osd["state"][fqn][k] = partitioned_to_global(module, v)
     return osd
 
 
@@ -210,6 +227,13 @@ def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opt
         for k, v in list(st.items()):
             if isinstance(v, torch.Tensor):
                 local = _to_local(layer, name, v, f"state[{fqn!r}][{k!r}]")
+                if local is not None:
+                    st[k] = local
+    for fqn, module in _partitioned_fqns(model).items():
+        st = state_dict["state"].get(fqn, {})
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor):
+                local = partitioned_to_local(module, v, f"state[{fqn!r}][{k!r}]")
                 if local is not None:
                     st[k] = local
     set_optimizer_state_dict(model, optimizer, state_dict)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tritonmoe.comm.errors import backend_errors, new_group
+from tritonmoe.comm.fused import GradientBuckets, plan_buckets
 from tritonmoe.comm.priority import DEFAULT_CHUNK_BYTES, CommScheduler, GradSyncState, scheduled_allreduce_hook
 
 from .mesh import ROLES, MoEMesh, as_moe_mesh, group_ranks
@@ -125,7 +126,8 @@ class DataParallelState:
     Attributes:
         mesh: the layout.
         scheduler: the rank's :class:`~tritonmoe.comm.CommScheduler` (exchanges and gradients).
-        expert_sync: the expert-gradient hooks.
+        expert_sync: the expert-gradient hooks (:class:`ExpertGradSync`, or
+            :class:`~tritonmoe.comm.GradientBuckets` with ``fuse_bytes``).
         expert_names: fully qualified names of the parameters DDP ignores (the experts of
             expert-parallel layers).
         dense_group, expert_group: the reduction groups of the gradient lane.
@@ -133,10 +135,26 @@ class DataParallelState:
 
     mesh: MoEMesh
     scheduler: CommScheduler
-    expert_sync: ExpertGradSync
+    expert_sync: "ExpertGradSync | GradientBuckets"
     expert_names: list[str]
     dense_group: Any
     expert_group: Any
+
+
+def _partitioned(model: torch.nn.Module, mesh: MoEMesh) -> list[tuple[str, torch.nn.Module]]:
+    """The row-partitioned modules of ``model``; each must be partitioned over the dense group."""
+    out = []
+    dense = mesh.ranks("dense")
+    for name, m in model.named_modules():
+        if getattr(type(m), "partitioned_parameter_names", None):
+            ranks = group_ranks(m.group) if m.group is not None else list(range(dist.get_world_size()))
+            if ranks != dense:
+                raise ValueError(
+                    f"{name!r} is partitioned over ranks {ranks} but the mesh's data-parallel (dense) group of this rank "
+                    f"is {dense}; build it with group=mesh.dense_group"
+                )
+            out.append((name, m))
+    return out
 
 
 def data_parallel(
@@ -146,6 +164,7 @@ def data_parallel(
     comm: str = "fifo",
     chunk_bytes: Optional[int] = DEFAULT_CHUNK_BYTES,
     reduction: str = "allreduce",
+    fuse_bytes: Optional[int] = None,
     **ddp_kwargs,
 ) -> DistributedDataParallel:
     """Wrap ``model`` (containing :class:`~tritonmoe.MoELayer`\\ s built on ``mesh``) for data
@@ -161,6 +180,13 @@ def data_parallel(
             whole (priority only). Ignored by "fifo".
         reduction: "allreduce" (the backend's) or "ordered" (bitwise independent of bucketing
             and chunking; see :func:`tritonmoe.comm.priority.ordered_all_reduce_`).
+        fuse_bytes: SE-MoE's fusion (PAPERS.md 2.3): expert gradients go through
+            :class:`~tritonmoe.comm.GradientBuckets` of at most ``fuse_bytes`` (the biases and other
+            small expert tensors share one reduction, a large one travels alone; the plan is
+            agreed across the expert-data-parallel group here), and under "lina" consecutive
+            small dense gradients of a DDP bucket share one micro-op of at most ``chunk_bytes``
+            while large ones are partitioned (``CommScheduler(fuse=True)``). None: one
+            reduction per expert parameter and per Lina piece, as before.
         ddp_kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``,
             ``find_unused_parameters``, ``gradient_as_bucket_view``, ...).
 
@@ -180,7 +206,11 @@ def data_parallel(
     world = dist.get_world_size()
     if mesh.device_mesh.mesh.numel() != world:
         raise ValueError(f"the mesh spans {mesh.device_mesh.mesh.numel()} ranks but the world has {world}; use a mesh over every rank")
-    scheduler = CommScheduler.lina(chunk_bytes, reduction=reduction) if comm == "lina" else CommScheduler.fifo(reduction=reduction)
+    if fuse_bytes is not None:
+        plan_buckets([], fuse_bytes)  # validates it before any collective
+    fuse = fuse_bytes is not None
+    scheduler = (CommScheduler.lina(chunk_bytes, reduction=reduction, fuse=fuse) if comm == "lina"
+                 else CommScheduler.fifo(reduction=reduction))
 
     ep_ranks = mesh.ranks("ep")
     expert_layers = []
@@ -203,7 +233,16 @@ def data_parallel(
     dense_group = _new_groups(_enumerate_groups(mesh, "dense"))
     expert_group = _new_groups(_enumerate_groups(mesh, "expert_dp")) if mesh.expert_dp_mesh is not None else None
 
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
+    # Row-partitioned tables (PartitionedEmbedding) reduce nothing: their gradients reach the
+    # owners through the all-to-alls; they take the data-parallel divisor like DDP's.
+    partitioned = _partitioned(model, mesh)
+    for _, m in partitioned:
+        m.grad_divisor = float(mesh.data_parallel_size)
+        m.comm_scheduler = scheduler  # its backward exchange goes before gradient micro-ops (Lina)
+    # (their buffers -- the shard's row ids -- differ per rank: DDP must not broadcast them)
+    ignored = expert_names + [f"{n}.{pn}" if n else pn for n, m in partitioned
+                              for pn in type(m).partitioned_parameter_names + getattr(type(m), "partitioned_buffer_names", ())]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model, process_group=mesh.dense_group, **ddp_kwargs)
     D = mesh.data_parallel_size
     ddp.register_comm_hook(GradSyncState(scheduler, dense_group, D), scheduled_allreduce_hook)
@@ -217,7 +256,13 @@ def data_parallel(
                 with backend_errors("the broadcast of expert replicas in data_parallel", mesh.expert_dp_group):
                     dist.broadcast(p.data, src=src, group=mesh.expert_dp_group)
 
-    sync = ExpertGradSync([p for _, p in expert_named], scheduler, expert_group, D, ddp)
+    if fuse_bytes is None:
+        sync = ExpertGradSync([p for _, p in expert_named], scheduler, expert_group, D, ddp)
+    else:  # autograd readies gradients roughly in reverse registration order
+        sync = GradientBuckets([p for _, p in expert_named][::-1], fuse_bytes, expert_group, scheduler=scheduler,
+                               divisor=D, enabled=lambda: ddp.require_backward_grad_sync)
+        for layer in expert_layers:
+            sync.watch(layer)
     for layer in expert_layers:
         layer.comm_scheduler = scheduler
     ddp._tritonmoe_data_parallel = DataParallelState(mesh, scheduler, sync, expert_names, dense_group, expert_group)

@@ -10,6 +10,9 @@
 * :mod:`.engine`: the discrete-event engine (lanes, dependencies, collectives matched across
   ranks, fair-share links, interference).
 * :func:`simulate` (:mod:`.simulate`): one layer step of every rank -> :class:`SimTimeline`.
+* :func:`choose_bucket_bytes` (:mod:`.fusion`): SE-MoE's gradient bucket size from the
+  alpha-beta fit; :func:`allocate_tasks` / :func:`plan_tasks` (from
+  :mod:`tritonmoe.parallel.elastic`): SE-MoE's GPUs per task.
 * :func:`choose` (:mod:`.planner`): evaluate candidates (registered schedules and dimensions,
   :mod:`.schedules`) and pick the fastest -> :class:`Plan`.
 """
@@ -49,8 +52,15 @@ from tritonmoe.sim.memory_model import (
     paper_memory,
     search_joint,
 )
+from .fusion import FusionChoice, choose_bucket_bytes
+from tritonmoe.parallel.elastic import TaskPlan, allocate_tasks, plan_tasks
 
 __all__ = [
+    "FusionChoice",
+    "TaskPlan",
+    "allocate_tasks",
+    "choose_bucket_bytes",
+    "plan_tasks",
     "Cluster",
     "GPU",
     "GPUS",

@@ -160,7 +160,49 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     cal.add_argument("--only", default=None, help="comma-separated entry ids (e.g. CAL-13,CAL-14)")
     sub.add_parser("clusters", help="list the built-in cluster descriptions")
+    bk = sub.add_parser("buckets", help="SE-MoE's gradient bucket size from the alpha-beta model",
+                        description="Play the backward pass on greedy buckets of every candidate size (a bucket starts "
+                        "when its last gradient is ready and the previous one ended; it lasts the fitted all-reduce "
+                        "time) and print the size whose last reduction ends first, and why.")
+    src = bk.add_mutually_exclusive_group(required=True)
+    src.add_argument("--cluster", help="a built-in cluster (python -m tritonmoe.plan clusters)")
+    src.add_argument("--cost-model", help="a cost model JSON from `profile`")
+    bk.add_argument("--nodes", type=int, default=None, help="nodes of the cluster (default: the preset's)")
+    bk.add_argument("--dtype", default="bfloat16", help="dtype of the cluster's cost model (default bfloat16)")
+    bk.add_argument("--group", type=int, required=True, help="ranks of the reduction group")
+    bk.add_argument("--sizes", type=_ints, required=True, help="gradient bytes, in the order they become ready")
+    bk.add_argument("--backward-ms", type=float, default=0.0, help="backward duration the gradients spread over")
+    tk = sub.add_parser("tasks", help="SE-MoE's GPUs per task (greedy min-max, light tasks merged)",
+                        description="GPUs per task minimising the busiest GPU's load, with light tasks merged onto "
+                        "shared GPUs when memory allows; prints the allocation and why.")
+    tk.add_argument("--loads", type=_ints, required=True, help="each task's load per step (e.g. samples)")
+    tk.add_argument("--gpus", type=int, required=True, help="GPUs to share")
+    tk.add_argument("--task-bytes", type=_ints, default=None, help="each task's memory (bytes)")
+    tk.add_argument("--gpu-bytes", type=_positive_bytes, default=None, help="memory of one GPU")
+    tk.add_argument("--no-merge", action="store_true", help="one task per unit (allocate_tasks only)")
     return p
+
+
+def _buckets(args) -> int:
+    from .cluster import Cluster
+    from .cost_model import CostModel
+    from .fusion import choose_bucket_bytes
+
+    cm = Cluster.preset(args.cluster, nodes=args.nodes).cost_model(args.dtype) if args.cluster else CostModel.load(args.cost_model)
+    print(choose_bucket_bytes(args.sizes, cm, args.group, backward_s=args.backward_ms / 1e3).describe())
+    return 0
+
+
+def _tasks(args) -> int:
+    from tritonmoe.parallel.elastic import plan_tasks
+
+    plan = plan_tasks(args.loads, args.gpus, merge=not args.no_merge, task_bytes=args.task_bytes, gpu_bytes=args.gpu_bytes)
+    for u, g in zip(plan.units, plan.gpus):
+        print(f"tasks {u}: {g} GPU(s), load {sum(args.loads[t] for t in u) / g:.4g} per GPU")
+    print(f"bottleneck {plan.bottleneck:.4g} per GPU")
+    for r in plan.reasons:
+        print(f"  {r}")
+    return 0
 
 
 def _profile(args) -> int:
@@ -286,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"profile": _profile, "simulate": _simulate, "plan": _plan, "calibrate": _calibrate,
-                "clusters": _clusters}[args.cmd](args)
+                "clusters": _clusters, "buckets": _buckets, "tasks": _tasks}[args.cmd](args)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"python -m tritonmoe.plan {args.cmd}: {exc}", file=sys.stderr)
         return 2

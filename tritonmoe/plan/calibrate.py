@@ -19,6 +19,7 @@ import torch
 
 from .calibration_table import CALIBRATIONS, CalEntry, format_table, register_calibration, run_calibration
 from .parm_calibration import ENTRIES as PARM_ENTRIES
+from .semoe_calibration import ENTRIES as SEMOE_ENTRIES
 from tritonmoe.config import MoEConfig
 from tritonmoe.sim.simulate import simulate
 from tritonmoe.sim.cost_model import Cluster
@@ -328,15 +329,11 @@ for _e in [
              blocked="placeholder: tritonmoe.plan.parm_calibration registers the simulated entry"),
     CalEntry("CAL-18", "SE-MoE 002 §5.2", "ring-memory offloading (inference)", "se-moe", ">=30% memory",
              blocked="inference offloading is not a simulated schedule"),
-    CalEntry("CAL-19", "SE-MoE 002 Table 3", "elastic multi-task allocation", "", "4/2/1/1",
-             blocked="a resource allocator, not a schedule"),
-    CalEntry("CAL-20", "SE-MoE 002 Table 4", "embedding partition memory", "", "-22..26%",
-             blocked="a memory model, not a time"),
 ]:
     register_calibration(_e)
 
 
-# Parm and SE-MoE entries (tritonmoe/plan/parm_calibration.py): CAL-01..06 and CAL-17 replace the
-# placeholders above that waited for their schedules.
-for _e in PARM_ENTRIES:
+# Parm and SE-MoE entries (tritonmoe/plan/parm_calibration.py, semoe_calibration.py): CAL-01..06,
+# CAL-17, CAL-19 and CAL-20 replace the placeholders above that waited for their mechanisms.
+for _e in (*PARM_ENTRIES, *SEMOE_ENTRIES):
     register_calibration(_e)
