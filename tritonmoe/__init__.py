@@ -27,10 +27,11 @@ from .functional import (
     unpermute,
     z_loss,
 )
+from .fp8 import FP8Experts, fp8_moe_ffn, load_fp8_experts, quantize_experts
 from .layer import MoELayer
 from .parm_layout import LayoutError, ParmGroups, ParmLayout
 from .types import PermuteInfo, Routing
-from . import comm, parallel, reference
+from . import comm, fp8, parallel, reference
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,11 @@ __all__ = [
     "expert_bias_finite",
     "update_expert_bias",
     "ExpertBiasError",
+    "FP8Experts",
+    "fp8",
+    "fp8_moe_ffn",
+    "load_fp8_experts",
+    "quantize_experts",
     "MoEConfig",
     "MoELayer",
     "LayoutError",

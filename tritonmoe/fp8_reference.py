@@ -103,7 +103,7 @@ def quantize_rows(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
     if fmt == "e4m3_block128":
         xg = _group(xf, BLOCK)  # [M, G, 128]
         s = _scale_from_amax(xg.abs().amax(-1))  # [M, G]
-        q = _quantize(xg, s[..., None]).reshape(M, -1)[:, :K]
+        q = _quantize(xg, s[..., None]).reshape(M, xg.shape[1] * BLOCK)[:, :K]
         return q.contiguous(), s
     if fmt == "e4m3_rowwise":
         amax = xf.abs().amax(-1, keepdim=True) if K else torch.zeros(M, 1)
@@ -130,7 +130,8 @@ def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tens
         wg = _group(wg.transpose(-1, -3), BLOCK)  # [..., 128(k), GK, GN, 128(n)]
         s = _scale_from_amax(wg.abs().amax(dim=(-4, -1)))  # [..., GK, GN]
         q = _quantize(wg, s[..., None, :, :, None])  # [..., 128k, GK, GN, 128n]
-        q = q.reshape(*q.shape[:-2], -1)[..., :N].transpose(-1, -3).reshape(*lead, N, -1)[..., :K]
+        gk, gn = wg.shape[-3], wg.shape[-2]
+        q = q.reshape(*q.shape[:-2], gn * BLOCK)[..., :N].transpose(-1, -3).reshape(*lead, N, gk * BLOCK)[..., :K]
         return q.contiguous(), s.transpose(-1, -2).contiguous()
     if fmt == "e4m3_rowwise":
         amax = wf.abs().amax(-1) if K else torch.zeros(*lead, N)
