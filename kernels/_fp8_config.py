@@ -7,11 +7,12 @@ Kinds: ``"fp8_swiglu"`` (GEMM1: two e4m3 accumulators, SwiGLU epilogue, e4m3 1x1
   the scale index inside the K loop), BN=128 for GEMM1 (its quantizing epilogue needs one 1x128
   group per row per tile) and 32 for GEMM2.
 * sm89/sm90 (FP8 tensor cores): BK = 128 = one scale block per K step (DeepGEMM's recipe: one
-  fp32 partial per block, scaled and added), BN = 128. By average rows per expert: >= 256: BM 128,
-  8 warps (two wgmma warpgroups), 3 stages for GEMM1 (3 x 48 KiB of e4m3 operand tiles) and 4 for
-  GEMM2 (4 x 32 KiB); 64..255: BM 64, 4 warps, 4 stages; fewer (decode): BM = 16/32/64 covering
-  the expert's rows, 4 stages, GEMM2 N tiles of 64 so that more programs stream the weights.
-  Compiled offline for sm_90a (tests/test_aot_fp8.py); speed NOT measured (no GPU run yet).
+  fp32 partial per block, scaled and added), BN = 128. By average rows per expert: >= 64 rows:
+  GEMM1 64x128 over 8 warps, 4 stages (4 x 40 KiB of e4m3 operand tiles; 128x128 spills, see
+  :func:`_policy`); >= 256 rows: GEMM2 128x128, 8 warps (two wgmma warpgroups), 4 stages
+  (4 x 32 KiB); 64..255: GEMM2 BM 64, 4 warps, 4 stages; fewer (decode): BM = 16/32/64 covering the expert's rows (mma.sync below 64),
+  4 stages, GEMM2 N tiles of 64 so that more programs stream the weights. Compiled offline for
+  sm_90a (tests/test_aot_compile.py, ``fp8_*`` variants); speed NOT measured (no GPU run yet).
 * Older GPUs: no FP8 tensor cores; the launchers refuse them (TypeError naming the capability).
 
 :func:`tritonmoe.kernels._gemm_config.override` with a ``"mm"`` / ``"swiglu"`` config also
@@ -43,19 +44,26 @@ def fp8_supported(device: torch.device) -> bool:
     return arch is None or tuple(arch) >= (8, 9)
 
 
-def _policy(kind: str, avg_rows: float, device: torch.device) -> C.TileConfig:
+def _policy(kind: str, avg_rows: float, rowwise: bool, device: torch.device) -> C.TileConfig:
     if C._arch(device) is None:
         return INTERPRETER_FP8[kind]
     dual = kind == "fp8_swiglu"
-    if avg_rows >= 256:
-        return C.TileConfig(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3 if dual else 4)
     if avg_rows >= 64:
-        return C.TileConfig(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=4 if not dual else 3)
+        if dual:
+            # Block-scaled SwiGLU holds the gate and up accumulators plus each K step's two fp32
+            # partials: at 128x128 (8 warps) that is 4 x 64 fp32 registers a thread and ptxas
+            # spills ~490 bytes inside the K loop (rowwise: 64-80 bytes in the epilogue); 64x128
+            # over 8 warps fits (254 registers, no spill).
+            return C.TileConfig(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
+        if avg_rows >= 256:
+            return C.TileConfig(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
+        return C.TileConfig(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=4)
     bm = 16 if avg_rows <= 16 else (32 if avg_rows <= 32 else 64)
     return C.TileConfig(BM=bm, BN=128 if dual else 64, BK=128, GROUP_M=4, num_warps=4, num_stages=4)
 
 
-def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, device: torch.device) -> C.TileConfig:
+def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, rowwise: bool,
+               device: torch.device) -> C.TileConfig:
     """The config of one FP8 GEMM (see the module docstring); tiles clamped to the problem like
     :func:`tritonmoe.kernels._gemm_config.select`, BK kept a divisor of 128 (one scale block per
     K step or several steps per block) and GEMM1's BN kept 128 (its quantizing epilogue)."""
@@ -65,7 +73,7 @@ def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, device
     table = C._override.get()
     cfg = (table or {}).get("swiglu" if kind == "fp8_swiglu" else "mm")
     if cfg is None:
-        cfg = _policy(kind, avg_rows, device)
+        cfg = _policy(kind, avg_rows, rowwise, device)
     cfg = replace(cfg, variant="tile", SPLIT_K=1)
     bm = min(cfg.BM, max(16, next_power_of_2(max(1, int(avg_rows)))))
     bk = min(cfg.BK, 128, max(32, next_power_of_2(max(1, k))))  # fp8 MMAs are 32 deep

@@ -122,7 +122,7 @@ def _mm8(a, a_s, space: RowSpace, w_ENK, w_s, fmt, out, out_s=None, *, swiglu=Fa
     dev = a.device
     kind = "fp8_swiglu" if swiglu else "fp8_mm"
     if cfg is None:
-        cfg = select_fp8(kind, rows=rows, n=N, k=K, num_experts=E, device=dev)
+        cfg = select_fp8(kind, rows=rows, n=N, k=K, num_experts=E, rowwise=fmt != "e4m3_block128", device=dev)
     tm = space.tile_map(cfg.BM)
     b = w_ENK.transpose(1, 2)
     rowwise = fmt != "e4m3_block128"
@@ -210,7 +210,8 @@ def fp8_moe_ffn(x_TD, routing: Routing, w1, w1_scale, w2, w2_scale, fmt, out_dty
         return out
     with _on(dev):
         x_q, x_s = fp8_quantize(x_TD, fmt)
-        cfg1 = select_fp8("fp8_swiglu", rows=T * k, n=F, k=D, num_experts=E, device=dev)
+        cfg1 = select_fp8("fp8_swiglu", rows=T * k, n=F, k=D, num_experts=E, rowwise=fmt != "e4m3_block128",
+                          device=dev)
         space = route_rows(ids, routing.counts, E, cfg1.BM)
         a_q, a_s = _gemm1(x_q, x_s, space, w1, w1_scale, fmt, F, gather_a=True, cfg=cfg1)
         w_S = w_TK.reshape(-1)
