@@ -152,10 +152,36 @@ def load_fp8_experts(state_dict: Mapping[str, torch.Tensor], prefix: str, num_ex
     return FP8Experts(*out, fmts.pop())
 
 
+def _expert_shapes(ex: FP8Experts) -> None:
+    """The layouts of :mod:`tritonmoe.fp8_reference` (an FP8Experts built by hand may not have them)."""
+    if ex.format not in FORMATS:
+        raise ValueError(f"experts.format={ex.format!r}; use one of {FORMATS}")
+    for name in ("w1", "w2"):
+        t = getattr(ex, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != FP8 or t.dim() != 3:
+            raise TypeError(f"experts.{name} must be a 3-D torch.float8_e4m3fn tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    E, N1, D = ex.w1.shape
+    F = N1 // 2
+    if N1 % 2 or tuple(ex.w2.shape) != (E, D, F):
+        raise ValueError(f"experts.w1 {tuple(ex.w1.shape)} and w2 {tuple(ex.w2.shape)} are not [E, 2f, d] and "
+                         "[E, d, f] (the checkpoint layout, gate rows then up rows)")
+    if ex.format == "e4m3_block128":
+        want1, want2 = (E, 2 * _cdiv(F, BLOCK), _cdiv(D, BLOCK)), (E, _cdiv(D, BLOCK), _cdiv(F, BLOCK))
+    else:
+        want1, want2 = (E, 2 * F), (E, D)
+    for name, want in (("w1_scale", want1), ("w2_scale", want2)):
+        t = getattr(ex, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want:
+            raise ValueError(f"experts.{name} must be fp32 {list(want)} for {ex.format}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+
+
 def _check_experts(experts, x: torch.Tensor, d: int) -> FP8Experts:
     if not isinstance(experts, FP8Experts):
         raise TypeError(f"experts must be tritonmoe.fp8.FP8Experts (from quantize_experts / load_fp8_experts), "
                         f"got {type(experts).__name__}")
+    _expert_shapes(experts)
     if experts.d_model != d:
         raise ValueError(f"the experts' d_model is {experts.d_model} but the input has {d} columns")
     V.same_device(x=x, w1=experts.w1, w2=experts.w2, w1_scale=experts.w1_scale, w2_scale=experts.w2_scale)
