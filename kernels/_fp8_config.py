@@ -11,7 +11,9 @@ Kinds: ``"fp8_swiglu"`` (GEMM1: two e4m3 accumulators, SwiGLU epilogue, e4m3 1x1
   GEMM1 64x128 over 8 warps, 4 stages (4 x 40 KiB of e4m3 operand tiles; 128x128 spills, see
   :func:`_policy`); >= 256 rows: GEMM2 128x128, 8 warps (two wgmma warpgroups), 4 stages
   (4 x 32 KiB); 64..255: GEMM2 BM 64, 4 warps, 4 stages; fewer (decode): BM = 16/32/64 covering the expert's rows (mma.sync below 64),
-  4 stages, GEMM2 N tiles of 64 so that more programs stream the weights. Compiled offline for
+  4 stages, GEMM2 N tiles of 64 so that more programs stream the weights; the fused path's decode
+  calls (T <= 64) take BM = next_pow2(T) (16..64: one M tile holds an expert's rows, so its
+  weights stream once; 64 rows use wgmma). Compiled offline for
   sm_90a (tests/test_aot_compile.py, ``fp8_*`` variants); speed NOT measured (no GPU run yet).
 * Older GPUs: no FP8 tensor cores; the launchers refuse them (TypeError naming the capability).
 
@@ -59,11 +61,18 @@ def _policy(kind: str, avg_rows: float, rowwise: bool, device: torch.device) -> 
             return C.TileConfig(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
         return C.TileConfig(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=4)
     bm = 16 if avg_rows <= 16 else (32 if avg_rows <= 32 else 64)
-    return C.TileConfig(BM=bm, BN=128 if dual else 64, BK=128, GROUP_M=4, num_warps=4, num_stages=4)
+    return _decode_tiles(bm, dual)
+
+
+def _decode_tiles(bm: int, dual: bool) -> C.TileConfig:
+    """Few rows per expert: BM covers them, GEMM2 N tiles of 64 (more programs stream the
+    weights); 64-row SwiGLU tiles need 8 warps (4 spill ~400 bytes)."""
+    return C.TileConfig(BM=bm, BN=128 if dual else 64, BK=128, GROUP_M=4, num_warps=8 if (dual and bm >= 64) else 4,
+                        num_stages=4)
 
 
 def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, rowwise: bool,
-               device: torch.device) -> C.TileConfig:
+               device: torch.device, decode_tokens: int | None = None) -> C.TileConfig:
     """The config of one FP8 GEMM (see the module docstring); tiles clamped to the problem like
     :func:`tritonmoe.kernels._gemm_config.select`, BK kept a divisor of 128 (one scale block per
     K step or several steps per block) and GEMM1's BN kept 128 (its quantizing epilogue)."""
@@ -72,10 +81,18 @@ def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, rowwis
     avg_rows = rows / max(1, num_experts)
     table = C._override.get()
     cfg = (table or {}).get("swiglu" if kind == "fp8_swiglu" else "mm")
+    bm_cap = max(16, next_power_of_2(max(1, int(avg_rows))))
+    if decode_tokens is not None:
+        # the fused path's decode calls (T <= 64 tokens): an expert holds at most T rows (a
+        # token's k ids are distinct), so a BM of next_pow2(T) covers them in one M tile and each
+        # expert's weights are streamed once
+        bm_cap = min(64, max(16, next_power_of_2(max(1, decode_tokens))))
+        if cfg is None and C._arch(device) is not None:
+            cfg = _decode_tiles(bm_cap, kind == "fp8_swiglu")
     if cfg is None:
         cfg = _policy(kind, avg_rows, rowwise, device)
     cfg = replace(cfg, variant="tile", SPLIT_K=1)
-    bm = min(cfg.BM, max(16, next_power_of_2(max(1, int(avg_rows)))))
+    bm = min(cfg.BM, bm_cap) if decode_tokens is None else bm_cap
     bk = min(cfg.BK, 128, max(32, next_power_of_2(max(1, k))))  # fp8 MMAs are 32 deep
     bn = 128 if kind == "fp8_swiglu" else min(cfg.BN, max(16, next_power_of_2(max(1, n))))
     return replace(cfg, BM=bm, BN=bn, BK=bk)

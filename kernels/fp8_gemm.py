@@ -210,15 +210,19 @@ def fp8_moe_ffn(x_TD, routing: Routing, w1, w1_scale, w2, w2_scale, fmt, out_dty
         return out
     with _on(dev):
         x_q, x_s = fp8_quantize(x_TD, fmt)
-        cfg1 = select_fp8("fp8_swiglu", rows=T * k, n=F, k=D, num_experts=E, rowwise=fmt != "e4m3_block128",
-                          device=dev)
-        space = route_rows(ids, routing.counts, E, cfg1.BM)
+        decode = C.decode_path(T, k)
+        sel = dict(rows=T * k, num_experts=E, rowwise=fmt != "e4m3_block128", device=dev,
+                   decode_tokens=T if decode else None)
+        cfg1 = select_fp8("fp8_swiglu", n=F, k=D, **sel)
+        cfg2 = select_fp8("fp8_mm", n=D, k=F, **sel)
+        # T <= 64: one program builds the row map, offsets and tile map (the decode metadata kernel)
+        space = route_rows(ids, routing.counts, E, cfg1.BM, decode=decode)
         a_q, a_s = _gemm1(x_q, x_s, space, w1, w1_scale, fmt, F, gather_a=True, cfg=cfg1)
         w_S = w_TK.reshape(-1)
         if k == 1:
-            _mm8(a_q, a_s, space, w2, w2_scale, fmt, out, scatter=True, scale=w_S)
+            _mm8(a_q, a_s, space, w2, w2_scale, fmt, out, scatter=True, scale=w_S, cfg=cfg2)
         else:
             y = torch.empty(T * k, D, device=dev, dtype=out_dtype)
-            _mm8(a_q, a_s, space, w2, w2_scale, fmt, y, scatter=True)
+            _mm8(a_q, a_s, space, w2, w2_scale, fmt, y, scatter=True, cfg=cfg2)
             _combine(y, w_TK, ids, E, T, k, out)
     return out

@@ -49,8 +49,9 @@ def _gemm(name, dev, *, T, model, gemm1, fmt, gather=False, scatter=False, scale
     rows = T * k
     K, N = (D, F) if gemm1 else (F, D)
     NW = 2 * N if gemm1 else N
+    decode = gather or scatter  # the fused moe_ffn path: T <= 64 takes the decode tiles
     cfg = FC.select_fp8("fp8_swiglu" if gemm1 else "fp8_mm", rows=rows, n=N, k=K, num_experts=E, rowwise=rowwise,
-                        device=dev)
+                        device=dev, decode_tokens=T if (decode and C.decode_path(T, k)) else None)
     gk, gn = -(-K // 128), -(-NW // 128)
     quant = gemm1 and not rowwise
     args = dict(
@@ -91,7 +92,7 @@ def fp8_cases(dev: torch.device) -> list[FP8Case]:
     out = []
     for model in _MODELS:
         for fmt in ("e4m3_block128", "e4m3_rowwise"):
-            for T in (16384, 64):
+            for T in (16384, 64, 8):
                 out.append(_gemm("moe", dev, T=T, model=model, gemm1=True, fmt=fmt, gather=True))
                 out.append(_gemm("moe", dev, T=T, model=model, gemm1=False, fmt=fmt, scatter=True))
             out.append(_gemm("grouped", dev, T=16384, model=model, gemm1=True, fmt=fmt))

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import tritonmoe as tm
 from tritonmoe import fp8_reference as R
 from tritonmoe import reference as ref
+from tritonmoe.kernels import _gemm_config as C
 from tritonmoe.kernels import fp8_gemm as K8
 from tritonmoe.types import Routing
 
@@ -387,8 +388,9 @@ def test_fp8_grouped_ffn_matches_reference(fmt):
 
 @pytest.mark.parametrize("fmt", R.FORMATS)
 @pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fp8_moe_ffn_matches_reference(fmt, k, dtype):
+@pytest.mark.parametrize("dtype,decode", [(torch.float32, False), (torch.float16, False), (torch.float32, True)])
+def test_fp8_moe_ffn_matches_reference(fmt, k, dtype, decode):
+    """Both metadata paths: the decode kernel (T <= 64 by default) and the sort + tile map."""
     g = torch.Generator().manual_seed(9 + k)
     T, E, D, F = 11, 4, 136, 128
     x = _group_scaled((T, D), g, 6).to(dtype)
@@ -402,7 +404,8 @@ def test_fp8_moe_ffn_matches_reference(fmt, k, dtype):
     routing = _routing(ids, torch.rand(T, k, generator=g), E)
     rd = Routing(*(t.to(DEV) for t in (routing.topk_ids, routing.topk_weights, routing.counts, routing.counts)))
     exd = R.FP8Experts(*(t.to(DEV) for t in (ex.w1, ex.w1_scale, ex.w2, ex.w2_scale)), fmt)
-    got = tm.fp8_moe_ffn(x.to(DEV), rd, exd, backend="triton").cpu()
+    with C.force_decode(decode):
+        got = tm.fp8_moe_ffn(x.to(DEV), rd, exd, backend="triton").cpu()
     want = tm.fp8_moe_ffn(x, routing, ex, backend="torch")
     assert got.dtype == dtype and torch.isfinite(got).all()
     tol = 1e-3 if dtype == torch.float32 else 4e-3
