@@ -14,7 +14,8 @@ Kinds: ``"fp8_swiglu"`` (GEMM1: two e4m3 accumulators, SwiGLU epilogue, e4m3 1x1
   4 stages, GEMM2 N tiles of 64 so that more programs stream the weights; the fused path's decode
   calls (T <= 64) take BM = next_pow2(T) (16..64: one M tile holds an expert's rows, so its
   weights stream once; 64 rows use wgmma). Compiled offline for
-  sm_90a (tests/test_aot_compile.py, ``fp8_*`` variants); speed NOT measured (no GPU run yet).
+  sm_90a with Triton 3.9 and 3.6 (tests/test_aot_compile.py, ``fp8_*`` variants: e4m3 wgmma, no
+  spill on either); speed NOT measured (no GPU run yet).
 * Older GPUs: no FP8 tensor cores; the launchers refuse them (TypeError naming the capability).
 
 :func:`tritonmoe.kernels._gemm_config.override` with a ``"mm"`` / ``"swiglu"`` config also
