@@ -252,9 +252,12 @@ def _fp8_grouped_mm_kernel(
                         b_up = tl.load(b_ptrs + up_cols * stride_bn, mask=(offs_k[:, None] < k_left) & col_ok[None, :],
                                        other=0.0)
                 if ROWWISE:
-                    acc = tl.dot(a, b, acc)
+                    # sm90's FP8 MMAs accumulate with ~14 mantissa bits (Triton's default there:
+                    # never promote); promote into the fp32 accumulator every K step (<= 128
+                    # products), as the block path's fresh partial per step does
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
                     if SWIGLU:
-                        acc_up = tl.dot(a, b_up, acc_up)
+                        acc_up = tl.dot(a, b_up, acc_up, max_num_imprecise_acc=BK)
                 else:
                     kb = (kk * BK) // 128  # scale block of this K step (BK divides 128: a shift)
                     sa = tl.load(as_ptrs + kb * stride_asg, mask=row_ok, other=0.0)

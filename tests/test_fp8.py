@@ -8,7 +8,8 @@ What is exact and what is not:
   rounding ties, subnormals and the 448 clamp (the kernels round in fp32 before the cast);
 * GEMMs equal the reference to fp32 summation order: the kernel sums a fp32 partial per K step
   times its scales, the reference multiplies dequantized fp32 matrices. The tolerance is
-  ``1e-5 * (|deq a| @ |deq w|)`` per element, and the scales vary per 128-block by powers of two
+  ``1e-5 * (|deq a| @ |deq w|)`` per element (``GEMM_RTOL``: looser on a GPU, whose FP8 tensor
+  cores sum each K step in reduced precision), and the scales vary per 128-block by powers of two
   up to 2^12, so reading a neighbouring block's scale is an error of at least ~2x.
   ``test_tolerance_catches_a_wrong_scale_block`` checks that the tolerance rejects it.
 * Poisoning: scale tensors are strided views into buffers whose other entries are NaN, so a
@@ -34,6 +35,13 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 FP8 = torch.float8_e4m3fn
 BLOCK = "e4m3_block128"
 ROW = "e4m3_rowwise"
+#: GEMM tolerance relative to |a| @ |w|: fp32 summation order in the interpreter; on sm90 the
+#: FP8 tensor cores add each K step's <= 128 products with ~14 mantissa bits before the fp32
+#: promotion (DeepSeek-V3's report), so a few 2**-14 of the bound (not measured: no GPU yet).
+GEMM_RTOL = 2e-3 if HAS_CUDA else 1e-5
+#: FFN / moe_ffn tolerance relative to the row maximum: the activation is requantized between the
+#: GEMMs, so a rounding difference can move one e4m3 step in a rare element (more often on GPU).
+FFN_RTOL = 1e-2 if HAS_CUDA else 1e-3
 
 
 def _routing(ids: torch.Tensor, weights: torch.Tensor, E: int) -> Routing:
@@ -78,7 +86,7 @@ def _bound(a_abs: torch.Tensor, w_abs_EKN: torch.Tensor, offsets: list[int]) -> 
     return out
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, rtol: float = 1e-5) -> bool:
+def _close(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, rtol: float = GEMM_RTOL) -> bool:
     err = (got.double().cpu() - want.double().cpu()).abs()
     return bool(torch.isfinite(got).all()) and bool((err <= rtol * bound + 1e-30).all())
 
@@ -340,7 +348,7 @@ def test_fp8_grouped_mm_matches_reference(fmt, swiglu):
     tail = int(offs[-1])
     assert (got[tail:] == 0).all()
     if swiglu:  # the error bound of SwiGLU: compare the pre-activations' bounds loosely
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+        assert torch.allclose(got, want, rtol=10 * GEMM_RTOL, atol=GEMM_RTOL * float(want.abs().max()))
     else:
         wd = R.dequantize_weight(ex.w1[:, : ex.d_ffn], ex.w1_scale[:, : (2 if fmt == BLOCK else ex.d_ffn)], fmt)
         bound = _bound(R.dequantize_rows(xq, xs, fmt).abs(), wd.abs().transpose(1, 2), offs.tolist())
@@ -356,7 +364,7 @@ def test_tolerance_catches_a_wrong_scale_block():
     wrong = R.fp8_grouped_mm(xq, xs[:, [1, 0]].contiguous(), offs, w, ws, BLOCK, torch.float32)
     wd = R.dequantize_weight(w, ws, BLOCK)
     bound = _bound(R.dequantize_rows(xq, xs, BLOCK).abs(), wd.abs().transpose(1, 2), offs.tolist())
-    assert _close(want, want, bound) and not _close(wrong, want, bound)
+    assert _close(want, want, bound) and not _close(wrong, want, bound, rtol=2e-3)  # not even GPU's
 
 
 @pytest.mark.parametrize("fmt", R.FORMATS)
@@ -383,7 +391,7 @@ def test_fp8_grouped_ffn_matches_reference(fmt):
     # A is requantized between the GEMMs: an fp32 rounding difference may move one e4m3 step
     # in rare elements, far below a wrong scale's factor >= 2
     err = (got - want).abs().amax(1)
-    assert (err <= 1e-3 * want.abs().amax(1) + 1e-6).all(), err.max()
+    assert (err <= FFN_RTOL * want.abs().amax(1) + 1e-6).all(), err.max()
 
 
 @pytest.mark.parametrize("fmt", R.FORMATS)
@@ -408,7 +416,7 @@ def test_fp8_moe_ffn_matches_reference(fmt, k, dtype, decode):
         got = tm.fp8_moe_ffn(x.to(DEV), rd, exd, backend="triton").cpu()
     want = tm.fp8_moe_ffn(x, routing, ex, backend="torch")
     assert got.dtype == dtype and torch.isfinite(got).all()
-    tol = 1e-3 if dtype == torch.float32 else 4e-3
+    tol = FFN_RTOL if dtype == torch.float32 else FFN_RTOL + 3e-3
     err = (got.float() - want.float()).abs().amax(1)
     assert (err <= tol * want.float().abs().amax(1) + 1e-6).all(), err.max()
 
@@ -433,7 +441,7 @@ def test_fp8_moe_ffn_property(T, k, E, D, F, fmt, seed):
     want = tm.fp8_moe_ffn(x, routing, ex, backend="torch")
     assert got.shape == (T, D) and torch.isfinite(got).all()
     err = (got - want).abs().amax(1) if T else torch.zeros(0)
-    assert (err <= 1e-3 * want.abs().amax(1) + 1e-6).all(), err.max()
+    assert (err <= FFN_RTOL * want.abs().amax(1) + 1e-6).all(), err.max()
     unrouted = (ids < 0).all(1)
     assert (got[unrouted] == 0).all()
 
