@@ -290,3 +290,52 @@ def _fp8_grouped_mm_kernel(
                     w = tl.load(w_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
                     out = out.to(c_ptr.dtype.element_ty).to(tl.float32) * w[:, None]
                 tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _fp8_wgrad_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, offs_ptr,
+    R, M, N,
+    stride_am, stride_ar, stride_asm, stride_asg,
+    stride_bn, stride_br, stride_bsn, stride_bsg,
+    stride_ce, stride_cm, stride_cn,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """FP8 weight gradient ``C[e] = sum over rows r of segment e of deq(A)[:, r] deq(B)[:, r]^T``
+    (``[M, N]`` per expert), fp32 accumulation.
+
+    A is X^T as e4m3 ``[M, R]`` and B is dY^T as e4m3 ``[N, R]``, both quantized 1x128 along
+    the rows R (scales ``[M, cdiv(R,128)]`` / ``[N, cdiv(R,128)]``: the 128x1 activation blocks of
+    DeepSeek-V3's wgrad, taken over the global row blocks of the buffer), so the reduction runs
+    along their contiguous dimension (K-major operands, as FP8 wgmma needs). Grid
+    ``(cdiv(M, BM) * cdiv(N, BN), E)``: one program owns one output tile of expert e and steps
+    over the expert's rows from the BK-aligned row at or below its first (BK divides 128, so a
+    step lies inside one scale block), rows outside the segment masked to zero; each step's fp32
+    partial is scaled by its block's scales and added (fixed order, no atomics). An empty
+    expert stores zeros. Example: offsets [0, 200, 300], BK = 128: expert 1 steps rows 128..255
+    (only 200..255 count) and 256..299.
+    """
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = _swizzle(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    seg_start = tl.minimum(tl.maximum(tl.load(offs_ptr + e).to(tl.int64), 0), R)
+    seg_end = tl.minimum(tl.maximum(tl.load(offs_ptr + e + 1).to(tl.int64), seg_start), R)
+    cols_m = pid_m * BM + tl.arange(0, BM).to(tl.int64)
+    cols_n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
+    m_ok = cols_m < M
+    n_ok = cols_n < N
+    offs_r = tl.arange(0, BK).to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for r0 in range((seg_start // BK) * BK, seg_end, BK):
+        rows = r0 + offs_r
+        r_ok = (rows >= seg_start) & (rows < seg_end)
+        a = tl.load(a_ptr + cols_m[:, None] * stride_am + rows[None, :] * stride_ar,
+                    mask=m_ok[:, None] & r_ok[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(b_ptr + rows[:, None] * stride_br + cols_n[None, :] * stride_bn,
+                    mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+        g = r0 // 128  # the step's scale block (a shift)
+        sa = tl.load(as_ptr + cols_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)
+        sb = tl.load(bs_ptr + cols_n * stride_bsn + g * stride_bsg, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    c_ptrs = c_ptr + e * stride_ce + cols_m[:, None] * stride_cm + cols_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -77,6 +77,8 @@ OPS: dict[str, OpSpec] = {
     "fp8_grouped_mm": OpSpec(fp8_reference.fp8_grouped_mm, "fp8_gemm", "fp8_grouped_mm"),
     "fp8_grouped_ffn": OpSpec(fp8_reference.fp8_grouped_ffn, "fp8_gemm", "fp8_grouped_ffn"),
     "fp8_moe_ffn": OpSpec(fp8_reference.fp8_moe_ffn, "fp8_gemm", "fp8_moe_ffn", _F16_BF16_F32),
+    "fp8_grouped_ffn_train": OpSpec(fp8_reference.fp8_grouped_ffn_train, "fp8_train", "fp8_grouped_ffn_train",
+                                    _F16_BF16_F32),
 }
 
 #: Resolved kernel callables (None: the module does not import, e.g. no triton).
@@ -95,6 +97,8 @@ def _import_kernel_module(name: str):
         from .kernels import partition as m
     elif name == "fp8_gemm":
         from .kernels import fp8_gemm as m
+    elif name == "fp8_train":
+        from .kernels import fp8_train as m
     else:  # pragma: no cover - OPS names only the modules above
         raise KeyError(name)
     return m

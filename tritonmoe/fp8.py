@@ -32,6 +32,7 @@ __all__ = [
     "FP8Experts",
     "dequantize_gate_up",
     "fp8_grouped_ffn",
+    "fp8_grouped_ffn_train",
     "fp8_moe_ffn",
     "fp8_permute",
     "fp8_quantize",
@@ -253,3 +254,34 @@ def fp8_moe_ffn(x: torch.Tensor, routing: Routing, experts: FP8Experts, *, backe
         V.counts_values(routing)
     impl = implementation("fp8_moe_ffn", backend, x.device, x.dtype)
     return impl(x, routing, ex.w1, ex.w1_scale, ex.w2, ex.w2_scale, ex.format, x.dtype)
+
+
+def fp8_grouped_ffn_train(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
+                          backend: str | None = None) -> torch.Tensor:
+    """SwiGLU expert FFN over a permuted buffer with FP8 compute in forward and backward
+    (DeepSeek-V3's recipe, "e4m3_block128"), differentiable in x, w1 and w2, which stay in their
+    own dtype (master weights): each call quantizes the weights in 128x128 blocks, activations
+    and output gradients in 1x128 groups for the forward and dgrad GEMMs and in 128x1 blocks for
+    the weight gradients (see :func:`tritonmoe.fp8_reference.fp8_grouped_ffn_train`).
+
+    Args:
+        x: [R, d] permuted rows (fp16 / bf16 / fp32; fp64 runs the reference).
+        expert_offsets: [E+1] segment starts (rows at or past offsets[E] give zeros).
+        w1: [E, d, 2f] (gate, then up), w2: [E, f, d], with f a multiple of 128.
+    """
+    V.float_tensor("x", x, 2)
+    V.float_tensor("w1", w1, 3)
+    V.float_tensor("w2", w2, 3)
+    E, D, N1 = w1.shape
+    if x.shape[1] != D or N1 % 2 or tuple(w2.shape) != (E, N1 // 2, D):
+        raise ValueError(f"x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}: expected x [R, d], "
+                         "w1 [E, d, 2f] and w2 [E, f, d] (SwiGLU experts)")
+    if (N1 // 2) % BLOCK:
+        raise ValueError(f"d_ffn={N1 // 2} is not a multiple of {BLOCK}: FP8 training needs the gate and up "
+                         "128x128 blocks to tile 2*d_ffn (dgrad quantizes dH in 128-column groups of it)")
+    V.same_device(x=x, w1=w1, w2=w2)
+    V.offsets_args("expert_offsets", expert_offsets, E)
+    if validation_enabled():
+        V.offsets_values("expert_offsets", expert_offsets, x.shape[0], allow_tail=True)
+    impl = implementation("fp8_grouped_ffn_train", backend, x.device, x.dtype)
+    return impl(x, expert_offsets, w1, w2)

@@ -49,6 +49,7 @@ __all__ = [
     "dequantize_rows",
     "dequantize_weight",
     "fp8_grouped_ffn",
+    "fp8_grouped_ffn_train",
     "fp8_grouped_mm",
     "fp8_moe_ffn",
     "fp8_permute",
@@ -57,6 +58,7 @@ __all__ = [
     "quantize_rows",
     "quantize_weight",
     "scale_groups",
+    "swiglu_backward",
 ]
 
 #: Largest finite float8_e4m3fn value.
@@ -303,3 +305,92 @@ def fp8_moe_ffn(x, routing: Routing, w1, w1_scale, w2, w2_scale, fmt, out_dtype=
     for j in range(k):
         out += w[:, j, None] * y[:, j]
     return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (DeepSeek-V3's recipe, block-128 only): FP8 forward, dgrad and wgrad
+# ---------------------------------------------------------------------------------------------
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """dH [R, 2F] of ``A = silu(gate) * up`` from the fp32 pre-activation H and dA (fp32)."""
+    F = h.shape[1] // 2
+    g, u = h[:, :F], h[:, F:]
+    sg = torch.sigmoid(g)
+    return torch.cat([da * u * (sg * (1.0 + g * (1.0 - sg))), da * (g * sg)], 1)
+
+
+def _seg_mm(a: torch.Tensor, w_EKN: torch.Tensor, segs) -> torch.Tensor:
+    """Rows of segment e times w[e] (fp32), rows outside the segments zero."""
+    out = torch.zeros(a.shape[0], w_EKN.shape[2], dtype=torch.float32, device=a.device)
+    for e, (lo, hi) in enumerate(segs):
+        if hi > lo:
+            out[lo:hi] = a[lo:hi] @ w_EKN[e]
+    return out
+
+
+def _deq_t(x: torch.Tensor) -> torch.Tensor:
+    """x^T [C, R] quantized 1x128 along R (the 128x1 blocks of x) and dequantized (fp32)."""
+    q, s = quantize_rows(x.t(), "e4m3_block128")
+    return dequantize_rows(q, s, "e4m3_block128")
+
+
+def _wgrad(a_t: torch.Tensor, b_t: torch.Tensor, segs, dtype: torch.dtype) -> torch.Tensor:
+    """Per expert a_t[:, seg] @ b_t[:, seg]^T -> [E, M, N]."""
+    out = torch.zeros(len(segs), a_t.shape[0], b_t.shape[0], dtype=torch.float32, device=a_t.device)
+    for e, (lo, hi) in enumerate(segs):
+        if hi > lo:
+            out[e] = a_t[:, lo:hi] @ b_t[:, lo:hi].t()
+    return out.to(dtype)
+
+
+class _FP8GroupedFFNTrain(torch.autograd.Function):
+    """The reference of :func:`fp8_grouped_ffn_train` (see there)."""
+
+    @staticmethod
+    def forward(ctx, x, expert_offsets, w1, w2):
+        fmt = "e4m3_block128"
+        segs = _segments(expert_offsets, x.shape[0])
+        ex = quantize_experts(w1.detach(), w2.detach(), fmt)
+        w1d, w2d = ex.dequantize(torch.float32)
+        xq, xs = quantize_rows(x.detach(), fmt)
+        h = _seg_mm(dequantize_rows(xq, xs, fmt), w1d, segs)
+        a = _swiglu(h)
+        aq, as_ = quantize_rows(a, fmt)
+        y = _seg_mm(dequantize_rows(aq, as_, fmt), w2d, segs)
+        ctx.save_for_backward(x, h, w1, w2)
+        ctx.segs = segs
+        return y.to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        fmt = "e4m3_block128"
+        x, h, w1, w2 = ctx.saved_tensors
+        segs = ctx.segs
+        ex = quantize_experts(w1.detach(), w2.detach(), fmt)
+        w1d, w2d = ex.dequantize(torch.float32)
+        dyq, dys = quantize_rows(dy, fmt)
+        da = _seg_mm(dequantize_rows(dyq, dys, fmt), w2d.transpose(1, 2), segs)
+        dh = swiglu_backward(h, da)
+        dhq, dhs = quantize_rows(dh, fmt)
+        dx = _seg_mm(dequantize_rows(dhq, dhs, fmt), w1d.transpose(1, 2), segs).to(x.dtype)
+        dw1 = _wgrad(_deq_t(x), _deq_t(dh), segs, w1.dtype)
+        dw2 = _wgrad(_deq_t(_swiglu(h)), _deq_t(dy), segs, w2.dtype)
+        return dx, None, dw1, dw2
+
+
+def fp8_grouped_ffn_train(x, expert_offsets, w1, w2):
+    """SwiGLU expert FFN over a permuted buffer with FP8 compute and master weights w1 [E, D, 2F],
+    w2 [E, F, D] (any float dtype), differentiable in x, w1, w2 (DeepSeek-V3's recipe, block-128):
+
+    * forward: weights quantized 128x128 at each call, x and A 1x128, as the inference path (but
+      the pre-activation H is kept in fp32 for backward);
+    * dgrad: dY and dH quantized 1x128 along their columns, times the same weight blocks
+      transposed (``dA = dY W2^T``, ``dH = swiglu'(H) dA``, ``dX = dH W1^T``);
+    * wgrad: X, dH, A and dY quantized in 128x1 blocks (1x128 groups of their transposes along
+      the rows of the buffer), ``dW1[e] = X_e^T dH_e``, ``dW2[e] = A_e^T dY_e``, fp32 sums rounded
+      to the weights' dtype.
+
+    dX and y in x's dtype. Requires F % 128 == 0 (the gate / up blocks then tile 2F)."""
+    return _FP8GroupedFFNTrain.apply(x, expert_offsets, w1, w2)
