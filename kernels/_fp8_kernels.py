@@ -326,7 +326,9 @@ def _fp8_wgrad_kernel(
     n_ok = cols_n < N
     offs_r = tl.arange(0, BK).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for r0 in range((seg_start // BK) * BK, seg_end, BK):
+    r_first = (seg_start // BK) * BK
+    for i in range(0, tl.cdiv(seg_end - r_first, BK).to(tl.int32)):  # an int32 trip count: pipelined
+        r0 = r_first + i * BK
         rows = r0 + offs_r
         r_ok = (rows >= seg_start) & (rows < seg_end)
         a = tl.load(a_ptr + cols_m[:, None] * stride_am + rows[None, :] * stride_ar,

@@ -18,9 +18,12 @@ offsets).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import _gemm_config as C
+from ._fp8_config import select_fp8
 from ._fp8_kernels import _fp8_wgrad_kernel
 from ._host import cdiv
 from .fp8_gemm import FP8, _check_device, _mm8, _on, fp8_quantize
@@ -30,7 +33,11 @@ __all__ = ["fp8_grouped_ffn_train"]
 
 _FMT = "e4m3_block128"
 _INTERPRETER_WGRAD = C.TileConfig(BM=64, BN=128, BK=32, GROUP_M=2, num_warps=1, num_stages=1)
-_SM90_WGRAD = C.TileConfig(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
+#: sm90 weight-gradient tiles: 64x128 over 8 warps (128x128 spills 152 bytes in the K loop: the
+#: accumulator and each step's fp32 partial). Its loads are NOT pipelined (cp.async moves >= 4
+#: bytes, and the segment mask runs along the contiguous e4m3 rows element by element): see
+#: docs/fp8.md.
+_SM90_WGRAD = C.TileConfig(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def _quantize_weight(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +66,22 @@ def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     return torch.cat([da * u * (sg * (1.0 + g * (1.0 - sg))), da * (g * sg)], 1)
 
 
+def gemm_config(rows: int, n: int, k: int, num_experts: int, out_dtype: torch.dtype, device: torch.device):
+    """The plain block-scaled GEMMs of training (H, dA, dX): the policy's "fp8_mm" tiles, 64 columns
+    wide where a 128-row tile writes fp32 (128x128 fp32 spills 24 bytes in the epilogue on sm90)."""
+    cfg = select_fp8("fp8_mm", rows=rows, n=n, k=k, num_experts=num_experts, rowwise=False, device=device)
+    if out_dtype == torch.float32 and cfg.BM >= 128 and C._arch(device) is not None:
+        cfg = replace(cfg, BN=min(cfg.BN, 64))
+    return cfg
+
+
 def _gemm(a: torch.Tensor, space: RowSpace, w_ENK: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype):
     """Block-scaled grouped GEMM of a [rows, K] (quantized here) with w [E, N, K] -> [rows, N]."""
     a_q, a_s = fp8_quantize(a, _FMT)
-    out = torch.empty(space.rows, w_ENK.shape[1], device=a.device, dtype=dtype)
-    _mm8(a_q, a_s, space, w_ENK, w_s, _FMT, out)
+    E, N, K = w_ENK.shape
+    out = torch.empty(space.rows, N, device=a.device, dtype=dtype)
+    cfg = gemm_config(space.rows, N, K, E, dtype, a.device)
+    _mm8(a_q, a_s, space, w_ENK, w_s, _FMT, out, cfg=cfg)
     return out
 
 
@@ -96,8 +114,7 @@ class _FP8GroupedFFNTrainFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RD, offsets, w1_EDN, w2_EFD):
         R = x_RD.shape[0]
-        E, _, N1 = w1_EDN.shape
-        F = N1 // 2
+        E = w1_EDN.shape[0]
         space = RowSpace(offsets, R, E)
         w1t = w1_EDN.detach().transpose(1, 2)  # [E, 2F, D]: gate rows, then up rows
         q1, s1 = _quantize_weight(w1t)  # F % 128 == 0: the gate / up blocks tile 2F
@@ -107,7 +124,6 @@ class _FP8GroupedFFNTrainFn(torch.autograd.Function):
         y = _gemm(a, space, q2, s2, x_RD.dtype)
         ctx.save_for_backward(x_RD, h, q1, s1, q2, s2)
         ctx.space, ctx.w_dtypes = space, (w1_EDN.dtype, w2_EFD.dtype)
-        del F
         return y
 
     @staticmethod

@@ -23,6 +23,7 @@ from aot_compile import Ptr as P
 from tritonmoe.kernels import _fp8_config as FC
 from tritonmoe.kernels import _fp8_kernels as FK
 from tritonmoe.kernels import _gemm_config as C
+from tritonmoe.kernels import fp8_train as FT
 
 __all__ = ["FP8Case", "fp8_cases"]
 
@@ -36,6 +37,7 @@ class FP8Case:
     num_stages: int
     gemm: bool
     wgmma: bool = False
+    pipelined: bool = True  # every operand load through cp.async
 
 
 _MODELS = {"dsv3": (7168, 2048, 256, 8), "qwen3_30b": (2048, 768, 128, 8)}
@@ -87,6 +89,51 @@ def _quant(name, *, D, fmt, scatter, k=8, dtype="bf16") -> FP8Case:
     return FP8Case(f"fp8_{name}[{tag}]", FK._quant_rows_kernel, args, 4, 3, False)
 
 
+def _wgrad(model: str, *, T: int, second: bool) -> FP8Case:
+    """kernels/fp8_train.py::_wgrad: dW1 = X^T dH ([d, 2f] per expert) or dW2 = A^T dY ([f, d])
+    over T*k rows, operands e4m3 [M, R] / [N, R] with 1x128 scales along R."""
+    D, F, E, k = _MODELS[model]
+    R = T * k
+    M, N = (F, D) if second else (D, 2 * F)
+    cfg = FT._SM90_WGRAD
+    gr = -(-R // 128)
+    args = dict(
+        a_ptr=P("fp8e4nv"), as_ptr=P("fp32"), b_ptr=P("fp8e4nv"), bs_ptr=P("fp32"), c_ptr=P("bf16"),
+        offs_ptr=P("i64"), R=R, M=M, N=N,
+        stride_am=R, stride_ar=1, stride_asm=gr, stride_asg=1,
+        stride_bn=R, stride_br=1, stride_bsn=gr, stride_bsg=1,
+        stride_ce=M * N, stride_cm=N, stride_cn=1,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    )
+    name = f"fp8_wgrad[{'dw2' if second else 'dw1'},{model},T{T},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]"
+    return FP8Case(name, FK._fp8_wgrad_kernel, args, cfg.num_warps, cfg.num_stages, True, wgmma=True, pipelined=False)
+
+
+def _dgrad(model: str, dev, *, T: int, dx: bool) -> FP8Case:
+    """kernels/fp8_train.py::_gemm in backward: dA = dY W2^T (K = d) or dX = dH W1^T (K = 2f),
+    the weights' transposed e4m3 copies K-major, fp32 / bf16 output."""
+    D, F, E, k = _MODELS[model]
+    rows = T * k
+    K, N = (2 * F, D) if dx else (D, F)
+    cfg = FT.gemm_config(rows, N, K, E, torch.bfloat16 if dx else torch.float32, dev)
+    gk, gn = -(-K // 128), -(-N // 128)
+    args = dict(
+        a_ptr=P("fp8e4nv"), as_ptr=P("fp32"), b_ptr=P("fp8e4nv"), bs_ptr=P("fp32"),
+        c_ptr=P("bf16" if dx else "fp32"), cs_ptr=P("fp32"),
+        tiles_ptr=P("i32"), count_ptr=P("i32"), row_map_ptr=P("i64"), w_ptr=P("fp32"),
+        N=N, K=K, ROWS_HINT=C.rows_hint(rows, E),
+        stride_am=K, stride_ak=1, stride_asm=gk, stride_asg=1,
+        stride_be=N * K, stride_bk=1, stride_bn=K,
+        # the scales are the forward's [E, K-blocks, N-blocks] transposed (a strided view)
+        stride_bse=gn * gk, stride_bsn=1, stride_bsk=gn,
+        stride_cm=N, stride_cn=1, stride_csm=gk, stride_csg=1,
+        SWIGLU=False, ROWWISE=False, QUANT_OUT=False, GATHER_A=False, SCATTER_C=False, SCALE=False, TOPK=1,
+        EVEN_K=K % cfg.BK == 0, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    )
+    name = f"fp8_dgrad[{'dx' if dx else 'da'},{model},T{T},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]"
+    return FP8Case(name, FK._fp8_grouped_mm_kernel, args, cfg.num_warps, cfg.num_stages, True, wgmma=cfg.BM >= 64)
+
+
 def fp8_cases(dev: torch.device) -> list[FP8Case]:
     """Every FP8 launch site at sm90 configs (``dev`` is the patched sm90 device of the caller)."""
     out = []
@@ -103,4 +150,7 @@ def fp8_cases(dev: torch.device) -> list[FP8Case]:
         out.append(_quant("quantize", D=7168, fmt=fmt, scatter=False))
         out.append(_quant("permute", D=7168, fmt=fmt, scatter=True))
     out.append(_quant("quantize", D=2048, fmt="e4m3_rowwise", scatter=False, dtype="fp32"))  # rowwise A of GEMM1
+    for model in _MODELS:  # training (kernels/fp8_train.py)
+        out += [_wgrad(model, T=16384, second=False), _wgrad(model, T=16384, second=True)]
+        out += [_dgrad(model, dev, T=16384, dx=False), _dgrad(model, dev, T=16384, dx=True)]
     return out

@@ -676,15 +676,18 @@ def persistent_variants(dev: torch.device) -> list[Variant]:
 
 
 def fp8_variants(dev: torch.device) -> list[Variant]:
-    """kernels/fp8_gemm.py's launch sites (tests/_aot_fp8_cases.py): the GEMMs with no spill at
-    all and every operand pipelined (their FP8 MMA kind: test_fp8_gemms_use_e4m3_tensor_cores),
-    the quantization kernels with no spill."""
+    """kernels/fp8_gemm.py's and fp8_train.py's launch sites (tests/_aot_fp8_cases.py): the GEMMs
+    with no spill at all and every operand pipelined (except the weight gradient's, see
+    kernels/fp8_train.py; their FP8 MMA kind: test_fp8_gemms_use_e4m3_tensor_cores), the
+    quantization kernels with no spill."""
     out = []
     for c in fp8_cases(dev):
         expect = dict(max_stack_bytes=0, spill_free_loops=True)
         if c.gemm:
-            expect.update(wgmma=c.wgmma, mma_sync=not c.wgmma, async_loads=3 if c.args["SWIGLU"] else 2,
-                          main_loop_int_divs=0, min_pipeline_buffers=c.num_stages - (0 if c.wgmma else 1))
+            n_ops = 3 if c.args.get("SWIGLU") else 2
+            expect.update(wgmma=c.wgmma, mma_sync=not c.wgmma, async_loads=n_ops if c.pipelined else 0,
+                          main_loop_int_divs=0,
+                          min_pipeline_buffers=c.num_stages - (0 if c.wgmma else 1) if c.pipelined else 0)
         out.append(Variant(c.name, c.fn, c.args, c.num_warps, c.num_stages, **expect))
     return out
 
@@ -808,7 +811,7 @@ def test_persistent_gemm_uses_tma_and_overlaps_the_epilogue(compiled, name):
         assert rec["mma_loop_stores"] == 0, f"stores inside the MMA loop of an unfused launch: {facts}"
 
 
-FP8_GEMMS = [v.name for v in VARIANTS.values() if v.fn is FK._fp8_grouped_mm_kernel]
+FP8_GEMMS = [v.name for v in VARIANTS.values() if v.fn in (FK._fp8_grouped_mm_kernel, FK._fp8_wgrad_kernel)]
 
 
 @pytest.mark.slow
