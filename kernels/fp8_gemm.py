@@ -21,7 +21,8 @@ block, activation quantized from fp32 (as the reference). No host syncs (the row
 from the device offsets, grids from shapes), except :func:`fp8_permute` with ``num_rows=None``,
 which reads R back like :func:`tritonmoe.kernels.permute.permute`.
 
-Not here yet: a backward (training), a split-K decode GEMM2, a persistent / TMA variant.
+Training (forward and backward over a permuted buffer) is in :mod:`.fp8_train`. Not built: a
+split-K decode GEMM2, a persistent / TMA variant, a backward of the fused ``fp8_moe_ffn``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,12 @@
   into its scatter), :func:`fp8_grouped_ffn` (over a quantized permuted buffer) and
   :func:`fp8_moe_ffn` (routing in, combined output out).
 
+* :func:`fp8_grouped_ffn_train` - training: the FFN over a permuted buffer with FP8 forward,
+  dgrad and wgrad (DeepSeek-V3's recipe), master weights in their own dtype.
+
 Formats: ``"e4m3_block128"`` (DeepSeek-V3: 1x128 activation groups, 128x128 weight blocks) and
-``"e4m3_rowwise"`` (per activation row, per weight output channel). Inference only: these ops
-have no backward (training in FP8 is not built yet).
+``"e4m3_rowwise"`` (per activation row, per weight output channel). The inference ops have no
+backward (they refuse inputs that require grad).
 """
 
 from __future__ import annotations
