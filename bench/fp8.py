@@ -16,9 +16,10 @@ only, at the Mixtral-like (T=16384) and Qwen3-30B-A3B-like (T=32768) presets and
   ``torch._scaled_grouped_mm`` rowwise (x and the SwiGLU output quantized per row in PyTorch,
   inside the time; unavailable where this torch or GPU lacks it).
 
-Speed: each FP8 row's ``extra["speedup_vs_bf16"]`` is its median-time ratio to our bf16 kernels (targets of the FP8 issue:
->= 1.6x at T=16k/32k, >= 1.7x at T=64) and ``roof_frac`` the fraction of the bf16 dense matmul
-roof (FP8's tensor-core peak is twice it, so 0.5 of it is FP8's peak). Accuracy, in each FP8 row's
+Speed: each FP8 row's ``extra["speedup_vs_bf16"]`` is its median-time ratio to our bf16 kernels
+(targets of the FP8 issue: >= 1.6x at T=16k/32k, >= 1.7x at T=64) and ``roof_frac`` the fraction
+of the run dtype's dense matmul roof measured at the start (FP8's tensor-core peak is twice
+bf16's, so an FP8 row at that peak would show about 2). Accuracy, in each FP8 row's
 ``extra["accuracy"]``: the output's relative error against the bf16 path on the original weights
 (``rel_fro``: ||fp8 - bf16|| / ||bf16||) and the distribution of the per-token relative errors
 (p50, p90, p99, max), computed once per case (untimed) on the same inputs.

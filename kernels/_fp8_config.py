@@ -10,11 +10,11 @@ Kinds: ``"fp8_swiglu"`` (GEMM1: two e4m3 accumulators, SwiGLU epilogue, e4m3 1x1
   fp32 partial per block, scaled and added), BN = 128. By average rows per expert: >= 64 rows:
   GEMM1 64x128 over 8 warps, 4 stages (4 x 40 KiB of e4m3 operand tiles; 128x128 spills, see
   :func:`_policy`); >= 256 rows: GEMM2 128x128, 8 warps (two wgmma warpgroups), 4 stages
-  (4 x 32 KiB); 64..255: GEMM2 BM 64, 4 warps, 4 stages; fewer (decode): BM = 16/32/64 covering the expert's rows (mma.sync below 64),
-  4 stages, GEMM2 N tiles of 64 so that more programs stream the weights; the fused path's decode
-  calls (T <= 64) take BM = next_pow2(T) (16..64: one M tile holds an expert's rows, so its
-  weights stream once; 64 rows use wgmma). Compiled offline for
-  sm_90a with Triton 3.9 and 3.6 (tests/test_aot_compile.py, ``fp8_*`` variants: e4m3 wgmma, no
+  (4 x 32 KiB); 64..255: GEMM2 BM 64, 4 warps, 4 stages; fewer (decode): BM = 16/32/64
+  covering the expert's rows (mma.sync below 64), 4 stages, GEMM2 N tiles of 64 so that more
+  programs stream the weights; the fused path's decode calls (T <= 64) take BM = next_pow2(T)
+  (16..64: one M tile holds an expert's rows, so its weights stream once; 64 rows use wgmma).
+  Compiled offline for sm_90a with Triton 3.9 and 3.6 (tests/test_aot_compile.py, ``fp8_*`` variants: e4m3 wgmma, no
   spill on either); speed NOT measured (no GPU run yet).
 * Older GPUs: no FP8 tensor cores; the launchers refuse them (TypeError naming the capability).
 

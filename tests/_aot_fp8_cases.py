@@ -105,7 +105,8 @@ def _wgrad(model: str, *, T: int, second: bool) -> FP8Case:
         stride_ce=M * N, stride_cm=N, stride_cn=1,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
     )
-    name = f"fp8_wgrad[{'dw2' if second else 'dw1'},{model},T{T},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]"
+    tiles = f"{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}"
+    name = f"fp8_wgrad[{'dw2' if second else 'dw1'},{model},T{T},{tiles}]"
     return FP8Case(name, FK._fp8_wgrad_kernel, args, cfg.num_warps, cfg.num_stages, True, wgmma=True, pipelined=False)
 
 
