@@ -304,8 +304,8 @@ def _fp8_wgrad_kernel(
     """FP8 weight gradient ``C[e] = sum over rows r of segment e of deq(A)[:, r] deq(B)[:, r]^T``
     (``[M, N]`` per expert), fp32 accumulation.
 
-    A is X^T as e4m3 ``[M, R]`` and B is dY^T as e4m3 ``[N, R]``, both quantized 1x128 along
-    the rows R (scales ``[M, cdiv(R,128)]`` / ``[N, cdiv(R,128)]``: the 128x1 activation blocks of
+    A is X^T as e4m3 ``[M, R']`` and B is dY^T as e4m3 ``[N, R']`` (R' = R rounded up to BK,
+    the padding columns zero), both quantized 1x128 along the rows R (scales ``[M, cdiv(R,128)]`` / ``[N, cdiv(R,128)]``: the 128x1 activation blocks of
     DeepSeek-V3's wgrad, taken over the global row blocks of the buffer), so the reduction runs
     along their contiguous dimension (K-major operands, as FP8 wgmma needs). Grid
     ``(cdiv(M, BM) * cdiv(N, BN), E)``: one program owns one output tile of expert e and steps
@@ -331,10 +331,15 @@ def _fp8_wgrad_kernel(
         r0 = r_first + i * BK
         rows = r0 + offs_r
         r_ok = (rows >= seg_start) & (rows < seg_end)
-        a = tl.load(a_ptr + cols_m[:, None] * stride_am + rows[None, :] * stride_ar,
-                    mask=m_ok[:, None] & r_ok[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(b_ptr + rows[:, None] * stride_br + cols_n[None, :] * stride_bn,
-                    mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+        # Both operands hold the buffer's rows along their contiguous dimension, padded to a
+        # multiple of BK: the loads need no mask along it (a per-element mask there would keep
+        # cp.async, which moves >= 4 bytes, from pipelining them); the rows of other experts are
+        # zeroed in A's registers (wgmma reads A from registers, B from shared memory).
+        a = tl.load(a_ptr + cols_m[:, None] * stride_am + rows[None, :] * stride_ar, mask=m_ok[:, None],
+                    other=0.0)  # [BM, BK]
+        a = tl.where(r_ok[None, :], a, tl.zeros_like(a))
+        b = tl.load(b_ptr + rows[:, None] * stride_br + cols_n[None, :] * stride_bn, mask=n_ok[None, :],
+                    other=0.0)  # [BK, BN]
         g = r0 // 128  # the step's scale block (a shift)
         sa = tl.load(as_ptr + cols_m * stride_asm + g * stride_asg, mask=m_ok, other=0.0)
         sb = tl.load(bs_ptr + cols_n * stride_bsn + g * stride_bsg, mask=n_ok, other=0.0)

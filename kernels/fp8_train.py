@@ -26,18 +26,17 @@ from . import _gemm_config as C
 from ._fp8_config import select_fp8
 from ._fp8_kernels import _fp8_wgrad_kernel
 from ._host import cdiv
-from .fp8_gemm import FP8, _check_device, _mm8, _on, fp8_quantize
+from .fp8_gemm import FP8, _check_device, _mm8, _on, _quant_launch, fp8_quantize
 from .grouped_gemm import RowSpace
 
 __all__ = ["fp8_grouped_ffn_train"]
 
 _FMT = "e4m3_block128"
 _INTERPRETER_WGRAD = C.TileConfig(BM=64, BN=128, BK=32, GROUP_M=2, num_warps=1, num_stages=1)
-#: sm90 weight-gradient tiles: 64x128 over 8 warps (128x128 spills 152 bytes in the K loop: the
-#: accumulator and each step's fp32 partial). Its loads are NOT pipelined (cp.async moves >= 4
-#: bytes, and the segment mask runs along the contiguous e4m3 rows element by element): see
-#: docs/fp8.md.
-_SM90_WGRAD = C.TileConfig(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
+#: sm90 weight-gradient tiles: 64x128 over 8 warps, 4 stages (pipelined; A, masked in registers,
+#: has one shared-memory buffer fewer); 128x128 spills ~300 bytes in the K loop (the accumulator
+#: and each step's fp32 partial).
+_SM90_WGRAD = C.TileConfig(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 def _quantize_weight(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +84,19 @@ def _gemm(a: torch.Tensor, space: RowSpace, w_ENK: torch.Tensor, w_s: torch.Tens
     return out
 
 
+def _quantize_t(a: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """a^T [C, R] quantized 1x128 along R into a buffer of R' = cdiv(R, bk) * bk columns whose
+    padding is zero (the weight-gradient kernel's loads run unmasked along R)."""
+    R, Cc = a.shape
+    Rp = cdiv(R, bk) * bk
+    q = torch.empty(Cc, Rp, device=a.device, dtype=FP8)
+    q[:, R:].zero_()
+    s = torch.empty(Cc, cdiv(R, 128), device=a.device, dtype=torch.float32)
+    with _on(a.device):
+        _quant_launch(a.t(), q, s, _FMT)
+    return q, s
+
+
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, dtype: torch.dtype) -> torch.Tensor:
     """Per expert a_e^T @ b_e -> [E, M, N] (a [R, M], b [R, N]) with 128x1 FP8 blocks."""
     R, M = a.shape
@@ -92,9 +104,9 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, dtyp
     out = torch.empty(E, M, N, device=a.device, dtype=dtype)
     if M == 0 or N == 0:
         return out
-    a_q, a_s = fp8_quantize(a.t(), _FMT)  # [M, R], 1x128 along R
-    b_q, b_s = fp8_quantize(b.t(), _FMT)  # [N, R]
     cfg = _INTERPRETER_WGRAD if not a.is_cuda else _SM90_WGRAD
+    a_q, a_s = _quantize_t(a, cfg.BK)  # [M, R'], 1x128 along R
+    b_q, b_s = _quantize_t(b, cfg.BK)  # [N, R']
     cfg = C.TileConfig(BM=min(cfg.BM, max(16, 1 << (M - 1).bit_length())),
                        BN=min(cfg.BN, max(16, 1 << (N - 1).bit_length())), BK=cfg.BK, GROUP_M=cfg.GROUP_M,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)

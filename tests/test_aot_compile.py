@@ -677,17 +677,15 @@ def persistent_variants(dev: torch.device) -> list[Variant]:
 
 def fp8_variants(dev: torch.device) -> list[Variant]:
     """kernels/fp8_gemm.py's and fp8_train.py's launch sites (tests/_aot_fp8_cases.py): the GEMMs
-    with no spill at all and every operand pipelined (except the weight gradient's, see
-    kernels/fp8_train.py; their FP8 MMA kind: test_fp8_gemms_use_e4m3_tensor_cores), the
-    quantization kernels with no spill."""
+    with no spill at all and every operand pipelined (their FP8 MMA kind:
+    test_fp8_gemms_use_e4m3_tensor_cores), the quantization kernels with no spill."""
     out = []
     for c in fp8_cases(dev):
         expect = dict(max_stack_bytes=0, spill_free_loops=True)
         if c.gemm:
             n_ops = 3 if c.args.get("SWIGLU") else 2
-            expect.update(wgmma=c.wgmma, mma_sync=not c.wgmma, async_loads=n_ops if c.pipelined else 0,
-                          main_loop_int_divs=0,
-                          min_pipeline_buffers=c.num_stages - (0 if c.wgmma else 1) if c.pipelined else 0)
+            expect.update(wgmma=c.wgmma, mma_sync=not c.wgmma, async_loads=n_ops, main_loop_int_divs=0,
+                          min_pipeline_buffers=c.num_stages - (0 if c.wgmma and not c.a_in_registers else 1))
         out.append(Variant(c.name, c.fn, c.args, c.num_warps, c.num_stages, **expect))
     return out
 
