@@ -272,7 +272,7 @@ SCHEMA: dict = {
                 "bytes", "tflops", "gbps", "roof_frac", "roof_bound", "speedup", "memory", "telemetry", "extra",
             ],
             "properties": {
-                "suite": {"type": "string", "enum": ["route", "permute", "ffn", "gemm", "layer", "ep", "plan", "lina", "parm", "inference", "memory"]},
+                "suite": {"type": "string", "enum": ["route", "permute", "ffn", "gemm", "fp8", "layer", "ep", "plan", "lina", "parm", "inference", "memory"]},
                 "name": {"type": "string"},
                 "case": {"type": "string"},
                 "mode": {"type": "string"},

@@ -187,6 +187,8 @@ class KernelFacts:
     barriers: CTA-wide barriers (``bar.sync`` / ``barrier.sync``) in the PTX; a reduction over an
     axis that the layout spreads over several warps goes through shared memory between two of
     them.
+    mma_types: the distinct operand-type suffixes of the PTX MMAs, accumulator first, e.g.
+    ``("wgmma.f32.e4m3.e4m3",)`` for FP8 wgmma or ``("mma.f32.bf16.bf16.f32",)``.
     mma_loop_stores (only with ``compile_kernel(..., loop_facts=True)``, else None): global
     stores (STG, UTMASTG) inside the innermost loop that issues the tensor-core MMAs; > 0 means
     the epilogue runs inside the pipelined loop (a persistent kernel whose tile and K loops
@@ -213,6 +215,7 @@ class KernelFacts:
     tma_stores: int = 0
     mma_loop_stores: Optional[int] = None
     barriers: int = 0
+    mma_types: tuple = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -257,7 +260,7 @@ def _main_loop_mask(positions: list[int], is_mma: list[bool], loops: list[tuple[
     return [lp in mains for lp in inner]
 
 
-_SASS_MMA = re.compile(r"\b(HGMMA|HMMA)\b")
+_SASS_MMA = re.compile(r"\b(HGMMA|HMMA|QGMMA|QMMA)\b")
 
 
 def _local_memory_ops(sass: str) -> tuple[int, int]:
@@ -280,7 +283,7 @@ def _local_memory_ops(sass: str) -> tuple[int, int]:
     return len(local), sum(main[i] for i in local)
 
 
-_MMA = re.compile(r"^(@!?U?P\w+\s+)?(HGMMA|HMMA)\b")
+_MMA = re.compile(r"^(@!?U?P\w+\s+)?(HGMMA|HMMA|QGMMA|QMMA)\b")
 _GLOBAL_STORE = re.compile(r"^(@!?U?P\w+\s+)?(STG|UTMASTG)\b")
 
 
@@ -315,6 +318,8 @@ _PTX_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 _PTX_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 _PTX_MMA = re.compile(r"\bwgmma\.mma_async\.|\bmma\.sync\.")
 _PTX_INT_DIV = re.compile(r"^\s*(?:@!?%p\d+\s+)?(div|rem)\.(s|u)(16|32|64)\b")
+_PTX_WGMMA_TYPES = re.compile(r"\bwgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.(\w+)\.(\w+)\.(\w+)")
+_PTX_MMA_TYPES = re.compile(r"\bmma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col\.(\w+)\.(\w+)\.(\w+)\.(\w+)")
 _PTX_WGMMA_WAIT = re.compile(r"\bwgmma\.wait_group\.sync\.aligned\s+(\d+)")
 _TTGIR_BUFFERS = re.compile(r"local_alloc\b[^\n]*?memdesc<(\d+)x(\d+)x(\d+)x")
 
@@ -418,5 +423,7 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
         tma_loads=len(_TMA_LOAD.findall(ptx)),
         tma_stores=len(_TMA_STORE.findall(ptx)),
         barriers=len(_BARRIER.findall(ptx)),
+        mma_types=tuple(sorted({"wgmma." + ".".join(m) for m in _PTX_WGMMA_TYPES.findall(ptx)}
+                               | {"mma." + ".".join(m) for m in _PTX_MMA_TYPES.findall(ptx)})),
         mma_loop_stores=_mma_loop_stores(_cuobjdump(kernel.asm["cubin"], "-sass")) if loop_facts else None,
     )

@@ -47,7 +47,9 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import aot_compile as aot  # noqa: E402
+from _aot_fp8_cases import fp8_cases  # noqa: E402
 
+from tritonmoe.kernels import _fp8_kernels as FK  # noqa: E402
 from tritonmoe.kernels import _gemm_config as C  # noqa: E402
 from tritonmoe.kernels import _grouped_gemm_kernels as GK  # noqa: E402
 from tritonmoe.kernels import _grouped_gemm_persistent as PG  # noqa: E402
@@ -61,7 +63,7 @@ from tritonmoe.kernels import permute as kp  # noqa: E402
 from tritonmoe.kernels import routing as kr  # noqa: E402
 
 ARCH = 90
-KERNEL_MODULES = (RK, PK, XK, GK, PGK)
+KERNEL_MODULES = (RK, PK, XK, GK, PGK, FK)
 H100_SMS = 132  # H100 SXM and H200 both have 132 SMs
 
 P = aot.Ptr
@@ -673,10 +675,26 @@ def persistent_variants(dev: torch.device) -> list[Variant]:
     ]
 
 
+def fp8_variants(dev: torch.device) -> list[Variant]:
+    """kernels/fp8_gemm.py's and fp8_train.py's launch sites (tests/_aot_fp8_cases.py): the GEMMs
+    with no spill at all and every operand pipelined (their FP8 MMA kind:
+    test_fp8_gemms_use_e4m3_tensor_cores), the quantization kernels with no spill."""
+    out = []
+    for c in fp8_cases(dev):
+        expect = dict(max_stack_bytes=0, spill_free_loops=True)
+        if c.gemm:
+            n_ops = 3 if c.args.get("SWIGLU") else 2
+            expect.update(wgmma=c.wgmma, mma_sync=not c.wgmma, async_loads=n_ops, main_loop_int_divs=0,
+                          min_pipeline_buffers=c.num_stages - (0 if c.wgmma and not c.a_in_registers else 1))
+        out.append(Variant(c.name, c.fn, c.args, c.num_warps, c.num_stages, **expect))
+    return out
+
+
 def all_variants() -> list[Variant]:
     with sm90_device() as dev:
         variants = routing_variants() + permute_variants(dev) + partition_variants() + gemm_variants(dev)
         variants += persistent_variants(dev)
+        variants += fp8_variants(dev)
     names = [v.name for v in variants]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -789,6 +807,27 @@ def test_persistent_gemm_uses_tma_and_overlaps_the_epilogue(compiled, name):
         assert rec["mma_loop_stores"] > 0, f"the epilogue is not inside the pipelined MMA loop: {facts}"
     else:
         assert rec["mma_loop_stores"] == 0, f"stores inside the MMA loop of an unfused launch: {facts}"
+
+
+FP8_GEMMS = [v.name for v in VARIANTS.values() if v.fn in (FK._fp8_grouped_mm_kernel, FK._fp8_wgrad_kernel)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FP8_GEMMS)
+def test_fp8_gemms_use_e4m3_tensor_cores(compiled, name):
+    """Besides test_compiles_for_sm90's checks: wgmma tiles (BM >= 64) multiply e4m3 operands
+    into fp32 (``wgmma...f32.e4m3.e4m3``, QGMMA); the decode tiles (BM < 64) run mma.sync, for
+    which Triton converts the e4m3 tiles to f16 in registers on sm90 (the weights still stream as
+    e4m3: half the bytes of bf16), with fp32 accumulation; registers fit one CTA per SM."""
+    v = VARIANTS[name]
+    rec = compiled[name]
+    assert rec["ok"], rec["error"]
+    kinds = rec["mma_types"]
+    if v.wgmma:
+        assert kinds == ["wgmma.f32.e4m3.e4m3"], kinds
+    else:
+        assert kinds and all(k.startswith("mma.f32.") and k.endswith(".f32") for k in kinds), kinds
+    assert rec["stack_bytes"] == 0 and rec["registers"] * 32 * v.num_warps <= 65536, rec
 
 
 def test_variants_cover_every_kernel():

@@ -38,7 +38,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("tritonmoe.core",)),
     ("kernels", ("tritonmoe.kernels",)),
     ("ops", ("tritonmoe.reference", "tritonmoe.meta", "tritonmoe.backends", "tritonmoe.functional",
-             "tritonmoe.custom_ops")),
+             "tritonmoe.custom_ops", "tritonmoe.fp8", "tritonmoe.fp8_reference")),
     ("comm", ("tritonmoe.comm",)),
     ("programs", ("tritonmoe.comm.programs", "tritonmoe.comm.dispatcher", "=tritonmoe.comm")),
     ("parallel", ("tritonmoe.parallel", "tritonmoe.parm_layout", "tritonmoe.bias")),

@@ -29,10 +29,11 @@ from .functional import (
     unpermute,
     z_loss,
 )
+from .fp8 import FP8Experts, fp8_moe_ffn, load_fp8_experts, quantize_experts
 from .layer import MoELayer
 from .parm_layout import LayoutError, ParmGroups, ParmLayout
 from tritonmoe.core.types import PermuteInfo, Routing
-from . import comm, parallel, reference
+from . import comm, fp8, parallel, reference
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,11 @@ __all__ = [
     "interpreter_enabled",
     "update_expert_bias",
     "ExpertBiasError",
+    "FP8Experts",
+    "fp8",
+    "fp8_moe_ffn",
+    "load_fp8_experts",
+    "quantize_experts",
     "MoEConfig",
     "MoELayer",
     "LayoutError",

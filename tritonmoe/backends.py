@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tritonmoe import reference
+from tritonmoe import fp8_reference, reference
 from tritonmoe.core import settings as _settings
 from tritonmoe.core.settings import resolve_backend
 from tritonmoe import meta
@@ -72,6 +72,15 @@ OPS: dict[str, OpSpec] = {
     "moe_ffn_train_backward": OpSpec(reference.moe_ffn_train_backward, "grouped_gemm", "moe_ffn_train_backward",
                                      _F16_BF16_F32),
     "copy_segments": OpSpec(reference.copy_segments, "partition", "copy_segments"),
+    # FP8 experts (tritonmoe.fp8): e4m3 operands, fp32 scales; x of fp8_quantize / fp8_permute /
+    # fp8_moe_ffn is 16/32-bit, the operands of fp8_grouped_mm / fp8_grouped_ffn are e4m3
+    "fp8_quantize": OpSpec(fp8_reference.fp8_quantize, "fp8_gemm", "fp8_quantize", _F16_BF16_F32),
+    "fp8_permute": OpSpec(fp8_reference.fp8_permute, "fp8_gemm", "fp8_permute", _F16_BF16_F32),
+    "fp8_grouped_mm": OpSpec(fp8_reference.fp8_grouped_mm, "fp8_gemm", "fp8_grouped_mm"),
+    "fp8_grouped_ffn": OpSpec(fp8_reference.fp8_grouped_ffn, "fp8_gemm", "fp8_grouped_ffn"),
+    "fp8_moe_ffn": OpSpec(fp8_reference.fp8_moe_ffn, "fp8_gemm", "fp8_moe_ffn", _F16_BF16_F32),
+    "fp8_grouped_ffn_train": OpSpec(fp8_reference.fp8_grouped_ffn_train, "fp8_train", "fp8_grouped_ffn_train",
+                                    _F16_BF16_F32),
 }
 
 #: Resolved kernel callables (None: the module does not import, e.g. no triton).

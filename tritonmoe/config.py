@@ -174,6 +174,15 @@ class MoEConfig:
             (double-buffered like DI: one more MI buffer, and the MI copies of "offload" /
             "recomm" can run beside the next micro-op's compute). Needs a memory strategy other
             than "keep"; ``memory_strategy="auto"`` plans with this count (it does not switch).
+        expert_dtype: None (the experts compute in the layer's dtype) or "fp8_e4m3": the routed
+            experts run through :mod:`tritonmoe.fp8` with the layer's weights as master weights
+            (quantized at each call; the state dict keeps the master weights): inference by
+            :func:`tritonmoe.fp8_moe_ffn`, training (a backward follows) by permute ->
+            :func:`tritonmoe.fp8.fp8_grouped_ffn_train` -> unpermute. SwiGLU experts without
+            expert biases, on the local expert path (no expert parallelism), eager (not under
+            torch.compile); training needs fp8_recipe="block128" and d_ffn a multiple of 128.
+        fp8_recipe: "block128" (DeepSeek-V3: 1x128 activation groups, 128x128 weight blocks) or
+            "rowwise" (inference only).
     """
 
     d_model: int
@@ -210,6 +219,8 @@ class MoEConfig:
     aux_loss_type: str | tuple = "switch"
     aux_loss_mode: str = "tensor"
     drop_policy: str = "slot"
+    expert_dtype: Optional[str] = None
+    fp8_recipe: str = "block128"
 
     def __post_init__(self) -> None:
         V.positive_int("d_model", self.d_model)
@@ -250,6 +261,7 @@ class MoEConfig:
         if self.backend is not None:
             V.choice("backend", self.backend, BACKENDS)
         V.choice("ffn_path", self.ffn_path, FFN_PATHS)
+        self._check_fp8()
         V.choice("group_score", self.group_score, V.GROUP_SCORES)
         rsf = self.routed_scaling_factor
         if not V.is_real(rsf):
@@ -331,6 +343,15 @@ class MoEConfig:
         if self.capacity_factor is not None:
             ratio = Fraction(repr(self.capacity_factor)).as_integer_ratio()
         object.__setattr__(self, "_capacity_ratio", ratio)
+
+    def _check_fp8(self) -> None:
+        if self.expert_dtype is None:
+            return
+        V.choice("expert_dtype", self.expert_dtype, ("fp8_e4m3",))
+        V.choice("fp8_recipe", self.fp8_recipe, ("block128", "rowwise"))
+        if self.activation != "swiglu" or self.expert_ffn_bias:
+            raise ValueError(f"expert_dtype='fp8_e4m3' runs SwiGLU experts without biases; this config has "
+                             f"activation={self.activation!r}, expert_ffn_bias={self.expert_ffn_bias}")
 
     @property
     def aux_losses(self) -> dict:

@@ -97,6 +97,10 @@ def _run_parm_suite(ctx: Context, progress=None) -> list[dict]:
     return importlib.import_module("bench.parm").run_parm_suite(ctx, progress)
 
 
+def _run_fp8_suite(ctx: Context, progress=None) -> list[dict]:
+    return importlib.import_module("bench.fp8").run_fp8_suite(ctx, progress)
+
+
 @dataclass(frozen=True)
 class Suite:
     """A suite either plans cases (run entry by entry by :func:`run_case`) or runs itself
@@ -122,6 +126,9 @@ SUITES: dict[str, Suite] = {
         Suite("layer", "MoELayer forward (inference) and forward+backward", plan=plan_layer),
         Suite("gemm", "grouped-GEMM kernel variants (tile, persistent TMA) vs torch._grouped_mm, forward; GPU only",
               plan=plan_gemm),
+        Suite("fp8", "FP8 experts (e4m3 block-128 / rowwise) vs our bf16 kernels and torch._scaled_grouped_mm: "
+              "moe_ffn and grouped_ffn forward, speed and accuracy; GPU only, not default", run=_run_fp8_suite,
+              default=False),
         Suite("ep", "expert parallelism over torch.distributed (gloo on CPU): dispatch/combine all-to-all "
               "and the layer per world size and pipeline degree", run=run_ep_suite, describe=describe_ep),
         Suite("parm", "Parm's schedules of an MP+EP+ESP layer over gloo, and the pick of parm_schedule='auto'", run=_run_parm_suite, default=False),

@@ -90,6 +90,10 @@ def make_expert_path(
 ) -> ExpertPath:
     """The expert path of a layer with this config and layout."""
     dtype = dtype if dtype is not None else torch.get_default_dtype()
+    if config.expert_dtype is not None and any(
+            g is not None for g in (ep_group, mp_group, esp_group, ep_esp_group, parm_groups)):
+        raise ValueError(f"expert_dtype={config.expert_dtype!r} runs on the local expert path only; expert "
+                         "parallelism with FP8 experts is not built yet (use expert_dtype=None)")
     parm = parm_groups is not None or mp_group is not None or esp_group is not None or ep_esp_group is not None
     if config.memory_strategy is not None and parm:
         raise ValueError(

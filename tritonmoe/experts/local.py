@@ -11,7 +11,8 @@ from tritonmoe import custom_ops as ops
 from tritonmoe import reference
 from tritonmoe.backends import implementation
 from tritonmoe.core.specs import ffn_options
-from tritonmoe.core.types import Routing
+from tritonmoe import fp8, fp8_reference
+from tritonmoe.core.types import Routing, max_permuted_rows
 
 from .base import ExpertPath, ExpertWeights
 
@@ -47,9 +48,33 @@ class LocalExperts(ExpertPath):
         return _local_ffn_path(c.ffn_path, c.backend, x_TD.device.type, x_TD.dtype,
                                _needs_backward(x_TD, routing, weights))
 
+    def fp8_forward(self, x_TD: torch.Tensor, routing: Routing, w: ExpertWeights) -> torch.Tensor:
+        """``config.expert_dtype="fp8_e4m3"``: the layer's weights are the master weights."""
+        c = self.config
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("expert_dtype='fp8_e4m3' runs eagerly only (the FP8 ops are not custom ops "
+                                      "yet); call the layer outside torch.compile")
+        if _needs_backward(x_TD, routing, w):
+            if c.fp8_recipe != "block128" or c.d_ffn % 128:
+                raise ValueError(f"FP8 training needs fp8_recipe='block128' and d_ffn a multiple of 128; this layer "
+                                 f"has {c.fp8_recipe!r} and d_ffn={c.d_ffn} (run it under torch.no_grad() for "
+                                 "inference)")
+            self.path_used = "fp8_train"
+            T, k = routing.topk_ids.shape
+            rows = max_permuted_rows(T, k, c.num_experts)
+            x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts, num_rows=rows)
+            y_perm = fp8.fp8_grouped_ffn_train(x_perm, info.expert_offsets, w.w1, w.w2, backend=c.backend)
+            return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
+        self.path_used = "fp8"
+        # the layer's weights, quantized without quantize_experts' finiteness check (a host sync)
+        experts = fp8_reference.quantize_experts(w.w1.detach(), w.w2.detach(), "e4m3_" + c.fp8_recipe)
+        return fp8.fp8_moe_ffn(x_TD, routing, experts, backend=c.backend)
+
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
         c = self.config
         w, kw = weights, ffn_options(c)
+        if c.expert_dtype is not None:
+            return self.fp8_forward(x_TD, routing, w)
         path = self.choose(x_TD, routing, w)
         self.path_used = path
         # Traced by torch.compile: the custom ops (tritonmoe.custom_ops; one opaque node each, no graph
