@@ -99,7 +99,7 @@ def ffn_work(T: int, k: int, d: int, f: int, Ea: int, elem: float) -> Work:
 
 def plan_fp8(ctx) -> list:
     """Cases of the suite (see the module docstring); none in CPU mode."""
-    from .suites import Case, Entry, case_params
+    from .suites.common import Case, Entry, case_params
 
     if not ctx.is_cuda:
         ctx.log("fp8: skipped in CPU mode (it times the FP8 GPU kernels against bf16 and torch._scaled_grouped_mm)")
@@ -124,7 +124,7 @@ def plan_fp8(ctx) -> list:
 
 
 def _builder(ctx, p: Preset, T: int, spec: RoutingSpec) -> Callable[[], dict]:
-    from .suites import active_experts, ffn_weights, make_routing
+    from .suites.common import active_experts, ffn_weights, make_routing
 
     def build() -> dict:
         if p.activation != "swiglu":
@@ -183,7 +183,7 @@ def _make(ctx, p: Preset, T: int, op: str, impl: str, acc: dict):
 
 def run_fp8_suite(ctx, progress=None) -> list[dict]:
     """Run the planned cases and attach each FP8 row's accuracy (``extra["accuracy"]``)."""
-    from .suites import run_case
+    from .suites.runner import run_case
 
     rows = []
     for case in plan_fp8(ctx):

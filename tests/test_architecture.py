@@ -67,7 +67,7 @@ DEPRECATED = {
 #: Function-local import statements of tritonmoe's own modules allowed in the library. A ratchet:
 #: lower it when one goes; the lazy imports of triton-using modules (``import tritonmoe`` must not
 #: import triton) are most of what remains.
-LOCAL_IMPORT_LIMIT = 50
+LOCAL_IMPORT_LIMIT = 10
 CLASS_LIMIT = 300
 FUNCTION_LIMIT = 120
 

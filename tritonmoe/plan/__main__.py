@@ -27,6 +27,8 @@ from tritonmoe.sim.planner import choose
 from tritonmoe.comm.programs.memory_reuse import check_mi_buffers
 from tritonmoe.plan.calibrate import format_table, run_calibration
 from tritonmoe.sim.cost_model import PRESETS
+from tritonmoe.plan.fusion import choose_bucket_bytes
+from tritonmoe.parallel.elastic import plan_tasks
 
 __all__ = ["main"]
 
@@ -184,9 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _buckets(args) -> int:
-    from .cluster import Cluster
-    from .cost_model import CostModel
-    from .fusion import choose_bucket_bytes
 
     cm = Cluster.preset(args.cluster, nodes=args.nodes).cost_model(args.dtype) if args.cluster else CostModel.load(args.cost_model)
     print(choose_bucket_bytes(args.sizes, cm, args.group, backward_s=args.backward_ms / 1e3).describe())
@@ -194,7 +193,6 @@ def _buckets(args) -> int:
 
 
 def _tasks(args) -> int:
-    from tritonmoe.parallel.elastic import plan_tasks
 
     plan = plan_tasks(args.loads, args.gpus, merge=not args.no_merge, task_bytes=args.task_bytes, gpu_bytes=args.gpu_bytes)
     for u, g in zip(plan.units, plan.gpus):
