@@ -83,6 +83,147 @@ def _router_loss_options(cfg) -> None:
                           cfg.topk_groups, group_score=cfg.group_score)
 
 
+def _check_routing(c: "MoEConfig") -> None:
+    """The sizes and the router's options (routing, capacity, losses)."""
+    V.positive_int("d_model", c.d_model)
+    V.positive_int("d_ffn", c.d_ffn)
+    V.positive_int("num_experts", c.num_experts)
+    V.choice("activation", c.activation, V.ACTIVATIONS)
+    V.routing_options(
+        c.num_experts, c.top_k, c.score_func, c.renormalize, c.n_groups, c.topk_groups
+    )
+    if c.capacity_factor is not None:
+        cf = c.capacity_factor
+        if not V.is_real(cf):
+            raise TypeError(f"capacity_factor must be a number or None, got {type(cf).__name__}")
+        if not (math.isfinite(cf) and cf > 0):
+            raise ValueError(f"capacity_factor={cf} must be a finite number > 0 (or None for dropless)")
+    _router_loss_options(c)
+    for name in ("z_loss_coef",):
+        v = getattr(c, name)
+        if not V.is_real(v):
+            raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name}={v} must be finite and >= 0")
+
+
+def _check_layout(c: "MoEConfig") -> None:
+    """The expert-parallel layout options: expert bias, pipeline degree, cost model, backend, FFN path, FP8."""
+    if not isinstance(c.expert_bias, bool):
+        raise TypeError(f"expert_bias must be a bool, got {type(c.expert_bias).__name__}")
+    if isinstance(c.pipeline_degree, str):
+        V.choice("pipeline_degree", c.pipeline_degree, PIPELINE_DEGREE_MODES)
+    elif not V.is_int(c.pipeline_degree):
+        raise TypeError(
+            f"pipeline_degree must be a positive int, 'auto' or 'search', got {type(c.pipeline_degree).__name__} "
+            f"{c.pipeline_degree!r}"
+        )
+    else:
+        V.positive_int("pipeline_degree", c.pipeline_degree)
+    if c.cost_model is not None:
+        if not isinstance(c.cost_model, (str, os.PathLike)):
+            raise TypeError(f"cost_model must be a file path or None, got {type(c.cost_model).__name__}")
+        object.__setattr__(c, "cost_model", os.fspath(c.cost_model))
+    if c.backend is not None:
+        V.choice("backend", c.backend, BACKENDS)
+    V.choice("ffn_path", c.ffn_path, FFN_PATHS)
+    c._check_fp8()
+
+
+def _check_ffn(c: "MoEConfig") -> None:
+    """The experts' and the shared expert's options."""
+    V.choice("group_score", c.group_score, V.GROUP_SCORES)
+    rsf = c.routed_scaling_factor
+    if not V.is_real(rsf):
+        raise TypeError(f"routed_scaling_factor must be a number, got {type(rsf).__name__}")
+    if not (math.isfinite(rsf) and rsf > 0):
+        raise ValueError(f"routed_scaling_factor={rsf} must be finite and > 0")
+    V.swiglu_options(c.activation, c.swiglu_limit, c.swiglu_alpha)
+    for name in ("expert_ffn_bias", "router_bias", "shared_expert_gate"):
+        if not isinstance(getattr(c, name), bool):
+            raise TypeError(f"{name} must be a bool, got {type(getattr(c, name)).__name__}")
+    if c.router_dtype is not None and (
+        not isinstance(c.router_dtype, torch.dtype) or c.router_dtype not in V.FLOAT_DTYPES
+    ):
+        raise TypeError(f"router_dtype={c.router_dtype!r}; use None or one of {V.FLOAT_DTYPES}")
+    if not V.is_int(c.shared_d_ffn) or c.shared_d_ffn < 0:
+        raise ValueError(f"shared_d_ffn={c.shared_d_ffn!r} must be an int >= 0 (0: no shared expert)")
+    if c.ep_capacity is not None:
+        V.positive_int("ep_capacity", c.ep_capacity)
+        object.__setattr__(c, "ep_capacity", int(c.ep_capacity))
+        if c.capacity_factor is not None:
+            raise ValueError(
+                f"ep_capacity={c.ep_capacity} and capacity_factor={c.capacity_factor}: the static mode's "
+                "capacity is ep_capacity; drop capacity_factor"
+            )
+        if c.pipeline_degree != 1:
+            raise ValueError(
+                f"ep_capacity (the static expert-parallel mode) runs one micro-op; use pipeline_degree=1, not "
+                f"{c.pipeline_degree!r}"
+            )
+    if c.shared_expert_gate and c.shared_d_ffn == 0:
+        raise ValueError("shared_expert_gate=True needs a shared expert: set shared_d_ffn > 0")
+
+
+def _check_memory(c: "MoEConfig") -> None:
+    """Parm's schedule and MPMoE's memory options."""
+    V.choice("parm_schedule", c.parm_schedule, PARM_SCHEDULES)
+
+    check_memory_strategy(c.memory_strategy)
+    if c.memory_budget_bytes is not None:
+        b = c.memory_budget_bytes
+        if not V.is_int(b):
+            raise TypeError(f"memory_budget_bytes must be an int or None, got {type(b).__name__} {b!r}")
+        if b <= 0:
+            raise ValueError(f"memory_budget_bytes={b} must be > 0 (or None for no budget)")
+        if c.memory_strategy != "auto":
+            raise ValueError(
+                f"memory_budget_bytes={b} is used by memory_strategy='auto' (the planner's choice under the budget); "
+                f"got memory_strategy={c.memory_strategy!r}"
+            )
+        object.__setattr__(c, "memory_budget_bytes", int(b))
+
+    object.__setattr__(c, "memory_mi_buffers", check_mi_buffers(c.memory_mi_buffers))
+    if c.memory_mi_buffers != 1 and c.memory_strategy in (None, "keep"):
+        raise ValueError(
+            f"memory_mi_buffers={c.memory_mi_buffers} sets the shared MI buffers of a memory reuse strategy; "
+            f"memory_strategy={c.memory_strategy!r} shares none: use memory_strategy='offload', 'recomm', "
+            "'recompute', 'recomm_recompute' or 'auto', or leave memory_mi_buffers=1"
+        )
+    if c.memory_strategy is not None:
+        if c.ep_capacity is not None:
+            raise ValueError(
+                f"memory_strategy={c.memory_strategy!r} manages the pipelined expert-parallel path; the static "
+                "mode (ep_capacity) runs one micro-op and keeps nothing to reuse: drop one of them"
+            )
+        if c.pipeline_degree == "search" and c.memory_budget_bytes is not None:
+            raise ValueError(
+                f"memory_budget_bytes={c.memory_budget_bytes} with pipeline_degree='search': the profile-based "
+                "search measures time only; use pipeline_degree='auto' (the model checks the budget) or an int degree"
+            )
+
+
+def _normalize(c: "MoEConfig") -> None:
+    """Plain Python numbers (numpy scalars pass validation but must not reach kernels), and
+    capacity_factor as an exact ratio."""
+    # Store plain Python numbers (numpy scalars pass validation but must not reach kernels).
+    for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree",
+                 "shared_d_ffn"):
+        v = getattr(c, name)
+        if v is not None and not isinstance(v, str):
+            object.__setattr__(c, name, int(v))
+    for name in ("capacity_factor", "z_loss_coef", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha"):
+        v = getattr(c, name)
+        if v is not None:
+            object.__setattr__(c, name, float(v))
+    # capacity_factor as an exact ratio of Python ints (its shortest decimal form: 1.1 is
+    # 11/10), computed once here so that capacity() is integer arithmetic only.
+    ratio = None
+    if c.capacity_factor is not None:
+        ratio = Fraction(repr(c.capacity_factor)).as_integer_ratio()
+    object.__setattr__(c, "_capacity_ratio", ratio)
+
+
 @suggest_unknown_kwargs
 @dataclass(frozen=True)
 class MoEConfig:
@@ -223,126 +364,11 @@ class MoEConfig:
     fp8_recipe: str = "block128"
 
     def __post_init__(self) -> None:
-        V.positive_int("d_model", self.d_model)
-        V.positive_int("d_ffn", self.d_ffn)
-        V.positive_int("num_experts", self.num_experts)
-        V.choice("activation", self.activation, V.ACTIVATIONS)
-        V.routing_options(
-            self.num_experts, self.top_k, self.score_func, self.renormalize, self.n_groups, self.topk_groups
-        )
-        if self.capacity_factor is not None:
-            cf = self.capacity_factor
-            if not V.is_real(cf):
-                raise TypeError(f"capacity_factor must be a number or None, got {type(cf).__name__}")
-            if not (math.isfinite(cf) and cf > 0):
-                raise ValueError(f"capacity_factor={cf} must be a finite number > 0 (or None for dropless)")
-        _router_loss_options(self)
-        for name in ("z_loss_coef",):
-            v = getattr(self, name)
-            if not V.is_real(v):
-                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name}={v} must be finite and >= 0")
-        if not isinstance(self.expert_bias, bool):
-            raise TypeError(f"expert_bias must be a bool, got {type(self.expert_bias).__name__}")
-        if isinstance(self.pipeline_degree, str):
-            V.choice("pipeline_degree", self.pipeline_degree, PIPELINE_DEGREE_MODES)
-        elif not V.is_int(self.pipeline_degree):
-            raise TypeError(
-                f"pipeline_degree must be a positive int, 'auto' or 'search', got {type(self.pipeline_degree).__name__} "
-                f"{self.pipeline_degree!r}"
-            )
-        else:
-            V.positive_int("pipeline_degree", self.pipeline_degree)
-        if self.cost_model is not None:
-            if not isinstance(self.cost_model, (str, os.PathLike)):
-                raise TypeError(f"cost_model must be a file path or None, got {type(self.cost_model).__name__}")
-            object.__setattr__(self, "cost_model", os.fspath(self.cost_model))
-        if self.backend is not None:
-            V.choice("backend", self.backend, BACKENDS)
-        V.choice("ffn_path", self.ffn_path, FFN_PATHS)
-        self._check_fp8()
-        V.choice("group_score", self.group_score, V.GROUP_SCORES)
-        rsf = self.routed_scaling_factor
-        if not V.is_real(rsf):
-            raise TypeError(f"routed_scaling_factor must be a number, got {type(rsf).__name__}")
-        if not (math.isfinite(rsf) and rsf > 0):
-            raise ValueError(f"routed_scaling_factor={rsf} must be finite and > 0")
-        V.swiglu_options(self.activation, self.swiglu_limit, self.swiglu_alpha)
-        for name in ("expert_ffn_bias", "router_bias", "shared_expert_gate"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.router_dtype is not None and (
-            not isinstance(self.router_dtype, torch.dtype) or self.router_dtype not in V.FLOAT_DTYPES
-        ):
-            raise TypeError(f"router_dtype={self.router_dtype!r}; use None or one of {V.FLOAT_DTYPES}")
-        if not V.is_int(self.shared_d_ffn) or self.shared_d_ffn < 0:
-            raise ValueError(f"shared_d_ffn={self.shared_d_ffn!r} must be an int >= 0 (0: no shared expert)")
-        if self.ep_capacity is not None:
-            V.positive_int("ep_capacity", self.ep_capacity)
-            object.__setattr__(self, "ep_capacity", int(self.ep_capacity))
-            if self.capacity_factor is not None:
-                raise ValueError(
-                    f"ep_capacity={self.ep_capacity} and capacity_factor={self.capacity_factor}: the static mode's "
-                    "capacity is ep_capacity; drop capacity_factor"
-                )
-            if self.pipeline_degree != 1:
-                raise ValueError(
-                    f"ep_capacity (the static expert-parallel mode) runs one micro-op; use pipeline_degree=1, not "
-                    f"{self.pipeline_degree!r}"
-                )
-        if self.shared_expert_gate and self.shared_d_ffn == 0:
-            raise ValueError("shared_expert_gate=True needs a shared expert: set shared_d_ffn > 0")
-        V.choice("parm_schedule", self.parm_schedule, PARM_SCHEDULES)
-
-        check_memory_strategy(self.memory_strategy)
-        if self.memory_budget_bytes is not None:
-            b = self.memory_budget_bytes
-            if not V.is_int(b):
-                raise TypeError(f"memory_budget_bytes must be an int or None, got {type(b).__name__} {b!r}")
-            if b <= 0:
-                raise ValueError(f"memory_budget_bytes={b} must be > 0 (or None for no budget)")
-            if self.memory_strategy != "auto":
-                raise ValueError(
-                    f"memory_budget_bytes={b} is used by memory_strategy='auto' (the planner's choice under the budget); "
-                    f"got memory_strategy={self.memory_strategy!r}"
-                )
-            object.__setattr__(self, "memory_budget_bytes", int(b))
-
-        object.__setattr__(self, "memory_mi_buffers", check_mi_buffers(self.memory_mi_buffers))
-        if self.memory_mi_buffers != 1 and self.memory_strategy in (None, "keep"):
-            raise ValueError(
-                f"memory_mi_buffers={self.memory_mi_buffers} sets the shared MI buffers of a memory reuse strategy; "
-                f"memory_strategy={self.memory_strategy!r} shares none: use memory_strategy='offload', 'recomm', "
-                "'recompute', 'recomm_recompute' or 'auto', or leave memory_mi_buffers=1"
-            )
-        if self.memory_strategy is not None:
-            if self.ep_capacity is not None:
-                raise ValueError(
-                    f"memory_strategy={self.memory_strategy!r} manages the pipelined expert-parallel path; the static "
-                    "mode (ep_capacity) runs one micro-op and keeps nothing to reuse: drop one of them"
-                )
-            if self.pipeline_degree == "search" and self.memory_budget_bytes is not None:
-                raise ValueError(
-                    f"memory_budget_bytes={self.memory_budget_bytes} with pipeline_degree='search': the profile-based "
-                    "search measures time only; use pipeline_degree='auto' (the model checks the budget) or an int degree"
-                )
-        # Store plain Python numbers (numpy scalars pass validation but must not reach kernels).
-        for name in ("d_model", "d_ffn", "num_experts", "top_k", "n_groups", "topk_groups", "pipeline_degree",
-                     "shared_d_ffn"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, str):
-                object.__setattr__(self, name, int(v))
-        for name in ("capacity_factor", "z_loss_coef", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha"):
-            v = getattr(self, name)
-            if v is not None:
-                object.__setattr__(self, name, float(v))
-        # capacity_factor as an exact ratio of Python ints (its shortest decimal form: 1.1 is
-        # 11/10), computed once here so that capacity() is integer arithmetic only.
-        ratio = None
-        if self.capacity_factor is not None:
-            ratio = Fraction(repr(self.capacity_factor)).as_integer_ratio()
-        object.__setattr__(self, "_capacity_ratio", ratio)
+        _check_routing(self)
+        _check_layout(self)
+        _check_ffn(self)
+        _check_memory(self)
+        _normalize(self)
 
     def _check_fp8(self) -> None:
         if self.expert_dtype is None:

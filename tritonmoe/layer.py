@@ -93,8 +93,126 @@ class SharedExperts(nn.Module):
         return y
 
 
+def _make_parameters(layer: "MoELayer", config: MoEConfig, device, dtype) -> None:
+    """The layer's parameters and buffers, shaped by its expert path (this rank's experts, or
+    their shards): the gate, ``w1``/``w2`` (and ``b1``/``b2``), the shared experts and the expert
+    bias; left uninitialized (``reset_parameters`` fills them)."""
+    factory = {"device": device, "dtype": dtype}
+    E, d = config.num_experts, config.d_model
+    w1_shape, w2_shape = layer.expert_path.weight_shapes()
+    # Built without initializing (reset_parameters does, once): the initialization consumes the
+    # default generator the same way whether the layer is built here or on meta + to_empty.
+    layer.router = torch.nn.utils.skip_init(
+        Router, d, E, bias=config.router_bias, device=device if device is not None else torch.get_default_device(),
+        dtype=config.router_dtype if config.router_dtype is not None else dtype,
+    )
+    layer.w1 = nn.Parameter(torch.empty(*w1_shape, **factory))
+    layer.w2 = nn.Parameter(torch.empty(*w2_shape, **factory))
+    if config.expert_ffn_bias:
+        layer.b1 = nn.Parameter(torch.empty(w1_shape[0], w1_shape[2], **factory))
+        layer.b2 = nn.Parameter(torch.empty(w2_shape[0], d, **factory))
+    else:
+        layer.b1 = layer.b2 = None
+    layer.shared_experts = SharedExperts(config, **factory) if config.shared_d_ffn > 0 else None
+    if config.expert_bias:
+        layer.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32))
+    else:
+        layer.expert_bias = None
+
+
+class _LayerRouting:
+    """The routing side of :class:`MoELayer`: the per-forward :class:`~tritonmoe.router.RouteStep`
+    built from the layer's config, gate, expert bias and balance-loss state, and the routing
+    methods of earlier versions, each one step of it."""
+
+    def route_step(self) -> RouteStep:
+        """This forward's routing step (:class:`~tritonmoe.router.RouteStep`): what an expert
+        path that routes by itself is handed instead of the layer."""
+        st = self._step
+        return RouteStep(self.config, self.router, self.expert_bias, self._record_logits,
+                         padding_mask=st.padding_mask, sequence_length=st.sequence_length,
+                         global_balance=self._global_balance, aux_loss_group=self.aux_loss_group)
+
+    def _record_logits(self, logits_TE: torch.Tensor) -> None:
+        self._step.logits = logits_TE
+
+    def route_options(self) -> dict:
+        """The keyword options of the route op for this layer (every routed layout uses them)."""
+        return self.route_step().options()
+
+    def router_input(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The router's input: ``x`` in the router's dtype (``config.router_dtype``)."""
+        return self.route_step().input(x_TD)
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """Router logits and routing for flattened tokens."""
+        return self.route_step().route(x_TD)
+
+    def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return self.route_step().aux_loss(logits_TE, routing)
+
+    def reset_aux_loss_state(self) -> None:
+        """Start a new global batch for the "global" balance loss: zero its accumulated token
+        counts (call at each optimizer step, after the last micro-batch's backward)."""
+        self._global_balance.reset()
+
+    @property
+    def global_balance_state(self) -> GlobalBalanceState:
+        """The accumulated counts of the "global" balance loss since the last reset."""
+        return self._global_balance
+
+
+
+class _LayerStepOutputs:
+    """What a forward of :class:`MoELayer` leaves for the caller, kept outside the module's state
+    (in ``_step``, see :class:`_StepState`): the auxiliary loss, the router logits, the routing
+    and the accumulated expert load."""
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """``aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss`` of the last forward (a
+        zero tensor before the first or when both coefficients are 0). Held outside the module's
+        state: ``copy.deepcopy`` and ``AveragedModel`` of a layer after a training forward work
+        (the copy starts without it)."""
+        a = self._step.aux_loss
+        return a if a is not None else torch.zeros((), device=self.w1.device)
+
+    @aux_loss.setter
+    def aux_loss(self, value: torch.Tensor) -> None:
+        self._step.aux_loss = value
+
+    @property
+    def last_router_logits(self) -> torch.Tensor | None:
+        """The router logits ``[T, E]`` of the last forward (in the autograd graph: a loss on them
+        trains the router, e.g. transformers' load-balancing loss through
+        :class:`tritonmoe.hf.HFMoEBlock`); None before the first. Parm's S1: this MP rank's
+        slice of the tokens. Kept outside the module's state, like ``aux_loss``."""
+        return self._step.logits
+
+    @property
+    def last_routing(self) -> Routing | None:
+        """The :class:`Routing` of the last forward (None before the first)."""
+        return self._step.routing
+
+    @last_routing.setter
+    def last_routing(self, value: Routing | None) -> None:
+        self._step.routing = value
+
+    def expert_load(self, reset: bool = False) -> torch.Tensor:
+        """Tokens this rank routed to each global expert (kept slots, int64 [E]) summed over the
+        forwards since the last reset, on the layer's device; no host sync (log it where the loop
+        synchronizes anyway). ``reset``: zero the count after reading it (the aux-loss-free bias
+        update, :func:`tritonmoe.update_expert_bias`, does)."""
+        load = self._step.load
+        if load is None:
+            load = torch.zeros(self.config.num_experts, dtype=torch.int64, device=self.w1.device)
+        if reset:
+            self._step.load = torch.zeros_like(load)
+        return load
+
+
 @suggest_unknown_kwargs
-class MoELayer(nn.Module):
+class MoELayer(_LayerRouting, _LayerStepOutputs, nn.Module):
     """Mixture-of-Experts FFN: ``forward(x[..., d_model]) -> [..., d_model]``.
 
     Parameters: ``router`` (nn.Linear(d_model, E, bias=False)), ``w1`` [E_local, d_model, n1]
@@ -202,27 +320,8 @@ class MoELayer(nn.Module):
             config, ep_group=ep_group, mp_group=mp_group, esp_group=esp_group, ep_esp_group=ep_esp_group,
             parm_groups=parm_groups, dtype=dtype,
         )
-        factory = {"device": device, "dtype": dtype}
-        E, d = config.num_experts, config.d_model
-        w1_shape, w2_shape = self.expert_path.weight_shapes()
-        # Built without initializing (reset_parameters does, once): the initialization consumes the
-        # default generator the same way whether the layer is built here or on meta + to_empty.
-        self.router = torch.nn.utils.skip_init(
-            Router, d, E, bias=config.router_bias, device=device if device is not None else torch.get_default_device(),
-            dtype=config.router_dtype if config.router_dtype is not None else dtype,
-        )
-        self.w1 = nn.Parameter(torch.empty(*w1_shape, **factory))
-        self.w2 = nn.Parameter(torch.empty(*w2_shape, **factory))
-        if config.expert_ffn_bias:
-            self.b1 = nn.Parameter(torch.empty(w1_shape[0], w1_shape[2], **factory))
-            self.b2 = nn.Parameter(torch.empty(w2_shape[0], d, **factory))
-        else:
-            self.b1 = self.b2 = None
-        self.shared_experts = SharedExperts(config, **factory) if config.shared_d_ffn > 0 else None
-        if config.expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32))
-        else:
-            self.expert_bias = None
+        E = config.num_experts
+        _make_parameters(self, config, device, dtype)
         self._step = _StepState()
         self._global_balance = GlobalBalanceState(E, device=device)
         self._step.load = torch.zeros(E, dtype=torch.int64, device=device)  # a tensor from the start (no
@@ -338,90 +437,8 @@ class MoELayer(nn.Module):
             f"activation={c.activation}, score_func={c.score_func}"
         )
 
-    # -- the steps of a forward ----------------------------------------------------------------
-
-    def route_step(self) -> RouteStep:
-        """This forward's routing step (:class:`~tritonmoe.router.RouteStep`): what an expert
-        path that routes by itself is handed instead of the layer."""
-        st = self._step
-        return RouteStep(self.config, self.router, self.expert_bias, self._record_logits,
-                         padding_mask=st.padding_mask, sequence_length=st.sequence_length,
-                         global_balance=self._global_balance, aux_loss_group=self.aux_loss_group)
-
-    def _record_logits(self, logits_TE: torch.Tensor) -> None:
-        self._step.logits = logits_TE
-
-    def route_options(self) -> dict:
-        """The keyword options of the route op for this layer (every routed layout uses them)."""
-        return self.route_step().options()
-
-    def router_input(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """The router's input: ``x`` in the router's dtype (``config.router_dtype``)."""
-        return self.route_step().input(x_TD)
-
-    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-        """Router logits and routing for flattened tokens."""
-        return self.route_step().route(x_TD)
-
-    def compute_aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
-        return self.route_step().aux_loss(logits_TE, routing)
-
-    def reset_aux_loss_state(self) -> None:
-        """Start a new global batch for the "global" balance loss: zero its accumulated token
-        counts (call at each optimizer step, after the last micro-batch's backward)."""
-        self._global_balance.reset()
-
-    @property
-    def global_balance_state(self) -> GlobalBalanceState:
-        """The accumulated counts of the "global" balance loss since the last reset."""
-        return self._global_balance
-
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.w1, self.w2, self.b1, self.b2)
-
-    # -- per-step outputs (kept out of the module's state) --------------------------------------
-
-    @property
-    def aux_loss(self) -> torch.Tensor:
-        """``aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss`` of the last forward (a
-        zero tensor before the first or when both coefficients are 0). Held outside the module's
-        state: ``copy.deepcopy`` and ``AveragedModel`` of a layer after a training forward work
-        (the copy starts without it)."""
-        a = self._step.aux_loss
-        return a if a is not None else torch.zeros((), device=self.w1.device)
-
-    @aux_loss.setter
-    def aux_loss(self, value: torch.Tensor) -> None:
-        self._step.aux_loss = value
-
-    @property
-    def last_router_logits(self) -> torch.Tensor | None:
-        """The router logits ``[T, E]`` of the last forward (in the autograd graph: a loss on them
-        trains the router, e.g. transformers' load-balancing loss through
-        :class:`tritonmoe.hf.HFMoEBlock`); None before the first. Parm's S1: this MP rank's
-        slice of the tokens. Kept outside the module's state, like ``aux_loss``."""
-        return self._step.logits
-
-    @property
-    def last_routing(self) -> Routing | None:
-        """The :class:`Routing` of the last forward (None before the first)."""
-        return self._step.routing
-
-    @last_routing.setter
-    def last_routing(self, value: Routing | None) -> None:
-        self._step.routing = value
-
-    def expert_load(self, reset: bool = False) -> torch.Tensor:
-        """Tokens this rank routed to each global expert (kept slots, int64 [E]) summed over the
-        forwards since the last reset, on the layer's device; no host sync (log it where the loop
-        synchronizes anyway). ``reset``: zero the count after reading it (the aux-loss-free bias
-        update, :func:`tritonmoe.update_expert_bias`, does)."""
-        load = self._step.load
-        if load is None:
-            load = torch.zeros(self.config.num_experts, dtype=torch.int64, device=self.w1.device)
-        if reset:
-            self._step.load = torch.zeros_like(load)
-        return load
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [..., d_model]; ``padding_mask`` (optional, bool ``x.shape[:-1]``, True = a real

@@ -500,27 +500,29 @@ class _Engine:
             for r in sorted(touched):
                 self.dispatch(r)
         if self.done != self.total:
-            raise ScheduleHangError(self.hang_report())
+            raise ScheduleHangError(_hang_report(self))
 
-    def hang_report(self) -> str:
-        lines = []
-        for r, prog in sorted(self.progs.items()):
-            tim = self.timings[r]
-            stuck = next((o for o in prog.ops if math.isnan(tim[o.index].end)), None)
-            if stuck is None:
-                continue
-            why = ""
-            key = self.op_match.get((r, stuck.index))
-            if key is not None and key in self.matches:
-                m = self.matches[key]
-                missing = [q for q in stuck.group.ranks if q in self.progs and q not in m.ops]
-                why = f"waits in collective #{key[1]} on group {key[0]}; never issued by ranks {missing}"
-            elif self.pending[r][stuck.index]:
-                why = "waits for a dependency that never ends"
-            else:
-                why = "never started"
-            lines.append(f"rank {r}: op {stuck.index} {stuck.op} '{stuck.kind}' (micro-op {stuck.micro_op}, {stuck.phase}) {why}")
-        return "the schedule never finishes (a real run would hang): " + "; ".join(lines[:8])
+
+def _hang_report(self: _Engine) -> str:
+    """Where each stuck rank waits, for the ScheduleHangError."""
+    lines = []
+    for r, prog in sorted(self.progs.items()):
+        tim = self.timings[r]
+        stuck = next((o for o in prog.ops if math.isnan(tim[o.index].end)), None)
+        if stuck is None:
+            continue
+        why = ""
+        key = self.op_match.get((r, stuck.index))
+        if key is not None and key in self.matches:
+            m = self.matches[key]
+            missing = [q for q in stuck.group.ranks if q in self.progs and q not in m.ops]
+            why = f"waits in collective #{key[1]} on group {key[0]}; never issued by ranks {missing}"
+        elif self.pending[r][stuck.index]:
+            why = "waits for a dependency that never ends"
+        else:
+            why = "never started"
+        lines.append(f"rank {r}: op {stuck.index} {stuck.op} '{stuck.kind}' (micro-op {stuck.micro_op}, {stuck.phase}) {why}")
+    return "the schedule never finishes (a real run would hang): " + "; ".join(lines[:8])
 
 
 def run(
