@@ -29,9 +29,14 @@ from dataclasses import replace
 import torch
 
 from . import _gemm_config as C
+from . import config as CF
 from ._host import next_power_of_2
 
 __all__ = ["FP8_KINDS", "fp8_supported", "select_fp8"]
+
+for _k in ("swiglu", "mm"):
+    CF.register(f"fp8.{_k}", C.TileConfig, probe=C.INTERPRETER_CONFIG,
+                doc=f"FP8 grouped GEMM kind {_k!r} (select_fp8; tiles still clamped to the problem)")
 
 FP8_KINDS = ("fp8_swiglu", "fp8_mm")
 
@@ -80,8 +85,7 @@ def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, rowwis
     if kind not in FP8_KINDS:
         raise ValueError(f"unknown FP8 GEMM kind {kind!r}; use one of {FP8_KINDS}")
     avg_rows = rows / max(1, num_experts)
-    table = C._override.get()
-    cfg = (table or {}).get("swiglu" if kind == "fp8_swiglu" else "mm")
+    cfg = None
     bm_cap = max(16, next_power_of_2(max(1, int(avg_rows))))
     if decode_tokens is not None:
         # the fused path's decode calls (T <= 64 tokens): an expert holds at most T rows (a
@@ -92,6 +96,8 @@ def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, rowwis
             cfg = _decode_tiles(bm_cap, kind == "fp8_swiglu")
     if cfg is None:
         cfg = _policy(kind, avg_rows, rowwise, device)
+    # an override("fp8.swiglu" / "fp8.mm", ...) pins or changes the tiles (still clamped below)
+    cfg, _ = CF.resolve("fp8.swiglu" if kind == "fp8_swiglu" else "fp8.mm", cfg)
     cfg = replace(cfg, variant="tile", SPLIT_K=1)
     bm = min(cfg.BM, bm_cap) if decode_tokens is None else bm_cap
     bk = min(cfg.BK, 128, max(32, next_power_of_2(max(1, k))))  # fp8 MMAs are 32 deep

@@ -146,6 +146,7 @@ FAMILIES = (
     "tritonmoe.kernels.permute",
     "tritonmoe.kernels.routing",
     "tritonmoe.kernels.partition",
+    "tritonmoe.kernels._fp8_config",
 )
 
 

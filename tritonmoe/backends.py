@@ -97,6 +97,10 @@ def _import_kernel_module(name: str):
         from tritonmoe.kernels import grouped_gemm as m
     elif name == "partition":
         from tritonmoe.kernels import partition as m
+    elif name == "fp8_gemm":
+        from tritonmoe.kernels import fp8_gemm as m
+    elif name == "fp8_train":
+        from tritonmoe.kernels import fp8_train as m
     else:  # pragma: no cover - OPS names only the modules above
         raise KeyError(name)
     return m
