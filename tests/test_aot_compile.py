@@ -136,6 +136,7 @@ class _Router:
     aux: bool = False
     renormalize: bool = True
     dtype: str = "bf16"
+    sqrtsp: bool = False  # score_func="sqrtsoftplus" (softmax False)
 
 
 # Routers of real models, and the odd shapes the tests pin (prime-ish E, groups, no renorm).
@@ -150,6 +151,7 @@ ROUTERS = [
     _Router("E67_k5_fp16", 67, 5, dtype="fp16"),
     _Router("E60_k4_g6_sigmoid_capacity_aux", 60, 4, G=6, topk_groups=3, softmax=False, capacity=True, aux=True),
     _Router("E512_k8", 512, 8),
+    _Router("E64_k4_sqrtsoftplus_aux", 64, 4, softmax=False, aux=True, sqrtsp=True),
     _Router("E8192_k8_max_lanes", 8192, 8),
 ]
 
@@ -194,7 +196,31 @@ def routing_variants(T: int = 4096) -> list[Variant]:
                 sel_ids_ptr=P("i32"), offsets_ptr=P("i32"), ids_ptr=P("i32"), w_ptr=P("fp32"), T=T, NB=NB,
                 capacity=T * r.k // r.E, E=r.E, K=r.k, BLOCK_T=cfg.block_t, BLOCK_KC=block_kc,
             ), cfg.num_warps))
+            # drop_policy="position": the keep pass after a K = 1 scan (kernels/routing.py)
+            out.append(Variant(f"position_keep[{r.name}]", RK._position_keep_kernel, dict(
+                sel_ids_ptr=P("i32"), offsets_ptr=P("i32"), ids_ptr=P("i32"), w_ptr=P("fp32"), T=T,
+                capacity=T * r.k // r.E, E=r.E, K=r.k, BLOCK_T=cfg.block_t, BLOCK_E=_np2(r.E),
+            ), cfg.num_warps))
+        if r.aux:
+            # the per-sequence / padded balance-score sums and their backward (balance_score_sums),
+            # with the launcher's tiles: BLOCK_E = next_pow2(E), BLOCK_T = min(64, 4096 // BLOCK_E)
+            be = _np2(r.E)
+            bt = max(1, min(64, 4096 // be))
+            kinds = dict(SOFTMAX=r.softmax, SQRTSP=r.sqrtsp, HAS_MASK=True,
+                         E=r.E, BLOCK_T=bt, BLOCK_E=be)
+            out.append(Variant(f"balance_sums_fwd[{r.name}]", RK._balance_sums_fwd_kernel, dict(
+                logits_ptr=P(r.dtype), mask_ptr=P("i8"), part_ptr=P("fp32"), T=T, S=T // 4, NC=-(-(T // 4) // bt),
+                stride_lt=r.E, stride_le=1, **kinds,
+            ), 4))
+            out.append(Variant(f"balance_sums_bwd[{r.name}]", RK._balance_sums_bwd_kernel, dict(
+                logits_ptr=P(r.dtype), mask_ptr=P("i8"), g_ptr=P("fp32"), dlogits_ptr=P(r.dtype), T=T, S=T // 4,
+                stride_lt=r.E, stride_le=1, **kinds,
+            ), 4))
     return out
+
+
+def _np2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------
