@@ -17,6 +17,7 @@ from tritonmoe.core import validation as V
 from tritonmoe.core.settings import BACKENDS
 from tritonmoe.policy.memory_strategy import check_memory_strategy
 from tritonmoe.comm.programs.memory_reuse import check_mi_buffers
+from tritonmoe.core.specs import FFNSpec, RouterSpec
 from tritonmoe.core.suggest import suggest_unknown_kwargs
 
 #: Values of MoEConfig.ffn_path.
@@ -222,6 +223,11 @@ def _normalize(c: "MoEConfig") -> None:
     if c.capacity_factor is not None:
         ratio = Fraction(repr(c.capacity_factor)).as_integer_ratio()
     object.__setattr__(c, "_capacity_ratio", ratio)
+    # the frozen option specs the layer and the expert paths take the ops' options from
+    object.__setattr__(c, "router_spec", RouterSpec(
+        c.top_k, c.score_func, c.renormalize, c.n_groups, c.topk_groups, c.group_score, c.routed_scaling_factor,
+        c.drop_policy))
+    object.__setattr__(c, "ffn_spec", FFNSpec(c.activation, c.swiglu_limit, c.swiglu_alpha))
 
 
 @suggest_unknown_kwargs

@@ -78,14 +78,7 @@ class RouteStep:
 
     def options(self) -> dict:
         """The keyword options of the route op (every routed layout uses them)."""
-        c = self.config
-        opts = dict(
-            score_func=c.score_func, renormalize=c.renormalize, expert_bias=self.expert_bias, n_groups=c.n_groups,
-            topk_groups=c.topk_groups, group_score=c.group_score, routed_scaling_factor=c.routed_scaling_factor,
-        )
-        if c.drop_policy != "slot":
-            opts["drop_policy"] = c.drop_policy
-        return opts
+        return self.config.router_spec.options(self.expert_bias)
 
     def input(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The router's input: ``x`` in the router's dtype (``config.router_dtype``)."""
