@@ -118,6 +118,111 @@ class HostLFUCache:
         return out
 
 
+# -- the constructor's parts: the stack's checks, the expert record, the host and disk tiers -----
+
+def _check_stack(layers: Sequence[torch.nn.Module], slots) -> tuple[list, list, dict]:
+    """Check the layers of a stack and its number of slots (TypeError / ValueError naming the
+    argument). Returns ``(layers, names, shapes)``: the layers as a list, the names of their expert
+    tensors (w1, w2 and the biases present) and name -> (shape, dtype), the same in every layer."""
+    layers = list(layers)
+    if not layers:
+        raise ValueError("layers is empty; pass the MoE layers of the model in execution order")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not a tritonmoe.MoELayer")
+        if layer.expert_parallel:
+            raise ValueError(f"layers[{i}] is expert-parallel; offloading serves local layers")
+        if is_released(layer):
+            raise ValueError(f"layers[{i}]'s experts were already moved to host memory by another wrapper; call "
+                             "tritonmoe.inference.restore_experts(layer) (after closing that wrapper) first")
+    N = len(layers)
+    if not isinstance(slots, int) or isinstance(slots, bool):
+        raise TypeError(f"layer_slots must be an int, got {type(slots).__name__}")
+    if slots < 1 or slots >= N:
+        raise ValueError(
+            f"layer_slots={slots} for {N} layers: use 1 <= layer_slots < {N} (as many slots as layers offloads "
+            "nothing: keep the layers resident)"
+        )
+    names = [n for n in ("w1", "w2", "b1", "b2") if getattr(layers[0], n) is not None]
+    shapes = {n: (tuple(getattr(layers[0], n).shape), getattr(layers[0], n).dtype) for n in names}
+    for i, layer in enumerate(layers):
+        mine = {n: (tuple(getattr(layer, n).shape), getattr(layer, n).dtype)
+                for n in names if getattr(layer, n) is not None}
+        if mine != shapes:
+            raise ValueError(f"layers[{i}] has expert tensors {mine}, layers[0] {shapes}: the slots hold one shape")
+    return layers, names, shapes
+
+
+def _record_layout(shapes: dict) -> tuple[list, int]:
+    """The byte layout of one expert's record (the disk tier's unit and a host cache entry): its
+    tensors one after the other. Returns ``(parts, record_bytes)``, parts: (name, byte offset in
+    the record, bytes, dtype, shape of one expert) per tensor."""
+    parts, off = [], 0
+    for n, (shape, dt) in shapes.items():
+        nb = int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dt).element_size()
+        parts.append((n, off, nb, dt, shape[1:]))
+        off += nb
+    return parts, off
+
+
+def _disk_cache(disk: bool, cache_bytes, cache_options, num_experts: int, record_bytes: int, *,
+                pin: bool) -> Optional[HostLFUCache]:
+    """The host cache in front of the disk tier (``disk``; default two layers' experts, at least
+    one layer's), or None without it (then ``cache_bytes`` / ``cache_options`` are refused)."""
+    if not disk:
+        if cache_bytes is not None or cache_options is not None:
+            raise ValueError("cache_bytes / cache_options size the host cache of the disk tier; pass disk_path= too")
+        return None
+    layer_bytes = num_experts * record_bytes
+    cache_bytes = 2 * layer_bytes if cache_bytes is None else cache_bytes
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int):
+        raise TypeError(f"cache_bytes must be an int, got {type(cache_bytes).__name__}")
+    if cache_bytes < layer_bytes:
+        raise ValueError(
+            f"cache_bytes={cache_bytes} is smaller than one layer's experts ({layer_bytes} bytes = {num_experts} experts "
+            f"x {record_bytes} bytes); a layer is staged whole in the host cache: use cache_bytes >= {layer_bytes}"
+        )
+    return HostLFUCache(cache_bytes // record_bytes, record_bytes, pin=pin, **(cache_options or {}))
+
+
+def _write_disk_tier(path: str, layers: list, parts: list, num_experts: int) -> None:
+    """Write the layers' experts to ``path`` (overwritten): layer-major, then expert, then the
+    record's tensors (:func:`_record_layout`)."""
+    with open(path, "wb") as f:
+        for layer in layers:
+            # host copies: writing the disk tier once, at construction (no forward runs here)
+            ts = [getattr(layer, n).detach().cpu().contiguous() for n, *_ in parts]
+            for e in range(num_experts):
+                for t in ts:
+                    f.write(t[e].reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _host_copies(layers: list, names: list, *, pin: bool) -> list[dict]:
+    """Per layer, a host copy of its expert tensors (pinned when ``pin``)."""
+    out = []
+    for layer in layers:
+        h = {}
+        for n in names:
+            t = getattr(layer, n).detach().to("cpu", copy=True)
+            h[n] = t.pin_memory() if pin else t
+        out.append(h)
+    return out
+
+
+def _wait_all(ready, timeout_s: float, *, ignore_errors: bool = False) -> None:
+    """Wait for the copies in ``ready`` (futures of the copy thread, or CUDA events); their errors
+    are raised unless ``ignore_errors``."""
+    for r in list(ready):
+        try:
+            if isinstance(r, Future):
+                r.result(timeout=timeout_s)
+            else:
+                r.synchronize()
+        except Exception:
+            if not ignore_errors:
+                raise
+
+
 class OffloadedExperts:
     """Serve ``layers`` (local :class:`~tritonmoe.MoELayer`\\ s of one shape, called in this
     order) from ``layer_slots`` device slots, each holding one layer's experts; see the module docstring.
@@ -154,79 +259,22 @@ class OffloadedExperts:
         if slots is None:
             raise TypeError("OffloadedExperts() needs layer_slots=K: the device slots, one layer's experts each")
 
-        layers = list(layers)
-        if not layers:
-            raise ValueError("layers is empty; pass the MoE layers of the model in execution order")
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, MoELayer):
-                raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not a tritonmoe.MoELayer")
-            if layer.expert_parallel:
-                raise ValueError(f"layers[{i}] is expert-parallel; offloading serves local layers")
-            if is_released(layer):
-                raise ValueError(f"layers[{i}]'s experts were already moved to host memory by another wrapper; call "
-                                 "tritonmoe.inference.restore_experts(layer) (after closing that wrapper) first")
-        N = len(layers)
-        if not isinstance(slots, int) or isinstance(slots, bool):
-            raise TypeError(f"layer_slots must be an int, got {type(slots).__name__}")
-        if slots < 1 or slots >= N:
-            raise ValueError(
-                f"layer_slots={slots} for {N} layers: use 1 <= layer_slots < {N} (as many slots as layers offloads "
-                "nothing: keep the layers resident)"
-            )
-        self.names = [n for n in ("w1", "w2", "b1", "b2") if getattr(layers[0], n) is not None]
-        shapes = {n: (tuple(getattr(layers[0], n).shape), getattr(layers[0], n).dtype) for n in self.names}
-        for i, layer in enumerate(layers):
-            mine = {n: (tuple(getattr(layer, n).shape), getattr(layer, n).dtype)
-                    for n in self.names if getattr(layer, n) is not None}
-            if mine != shapes:
-                raise ValueError(f"layers[{i}] has expert tensors {mine}, layers[0] {shapes}: the slots hold one shape")
+        layers, self.names, shapes = _check_stack(layers, slots)
         self.layers = layers
         self.device = layers[0].w1.device
         self.timeout_s = float(timeout_s)
         cuda = self.device.type == "cuda"
         E = shapes["w1"][0][0]
         self.num_experts = E
-        self._parts = []  # (name, byte offset in an expert's record, bytes, dtype, shape of one expert)
-        off = 0
-        for n, (shape, dt) in shapes.items():
-            nb = int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dt).element_size()
-            self._parts.append((n, off, nb, dt, shape[1:]))
-            off += nb
-        self.expert_bytes = off
-        layer_bytes = E * off
+        self._parts, self.expert_bytes = _record_layout(shapes)
         self.disk_path = None if disk_path is None else os.fspath(disk_path)
-        self.cache = None
+        self.cache = _disk_cache(self.disk_path is not None, cache_bytes, cache_options, E, self.expert_bytes, pin=cuda)
         self._fd = None
-        if self.disk_path is not None:
-            cache_bytes = 2 * layer_bytes if cache_bytes is None else cache_bytes
-            if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int):
-                raise TypeError(f"cache_bytes must be an int, got {type(cache_bytes).__name__}")
-            if cache_bytes < layer_bytes:
-                raise ValueError(
-                    f"cache_bytes={cache_bytes} is smaller than one layer's experts ({layer_bytes} bytes = {E} experts x "
-                    f"{off} bytes); a layer is staged whole in the host cache: use cache_bytes >= {layer_bytes}"
-                )
-            self.cache = HostLFUCache(cache_bytes // off, off, pin=cuda, **(cache_options or {}))
-        elif cache_bytes is not None or cache_options is not None:
-            raise ValueError("cache_bytes / cache_options size the host cache of the disk tier; pass disk_path= too")
         with torch.no_grad():
-            self.host = None if self.disk_path is not None else []
             if self.disk_path is not None:
-                with open(self.disk_path, "wb") as f:
-                    for layer in layers:
-                        # host copies: writing the disk tier once, at construction (no forward runs here)
-                        ts = [getattr(layer, n).detach().cpu().contiguous() for n, *_ in self._parts]
-                        for e in range(E):
-                            for t in ts:
-                                f.write(t[e].reshape(-1).view(torch.uint8).numpy().tobytes())
+                _write_disk_tier(self.disk_path, layers, self._parts, E)
                 self._fd = os.open(self.disk_path, os.O_RDONLY)
-            else:
-                for layer in layers:
-                    h = {}
-                    for n in self.names:
-                        t = getattr(layer, n).detach().to("cpu", copy=True)
-                        h[n] = t.pin_memory() if cuda else t
-                    self.host.append(h)
+            self.host = None if self.disk_path is not None else _host_copies(layers, self.names, pin=cuda)
             self.slots = [{n: torch.empty(s, dtype=dt, device=self.device) for n, (s, dt) in shapes.items()}
                           for _ in range(slots)]
             self._placeholder = {n: torch.empty(0, dtype=dt, device=self.device) for n, (_, dt) in shapes.items()}
@@ -282,11 +330,7 @@ class OffloadedExperts:
     def _write_host(self, layer: int, values: dict) -> None:
         """``load_state_dict`` into layer ``layer``: the new weights into its host copy; an open
         ring then reloads its slots (the copies in flight finish first)."""
-        for r in list(self._ready.values()):  # a copy in flight may read the host copy
-            if isinstance(r, Future):
-                r.result(timeout=self.timeout_s)
-            else:
-                r.synchronize()
+        _wait_all(self._ready.values(), self.timeout_s)  # a copy in flight may read the host copy
         with torch.no_grad():
             for n, v in values.items():
                 self.host[layer][n].copy_(v.detach())
@@ -409,14 +453,8 @@ class OffloadedExperts:
         for n in self.names:
             for layer in self.layers:
                 getattr(layer, n).data = self._placeholder[n]
-        for r in list(self._ready.values()):
-            try:
-                if isinstance(r, Future):
-                    r.result(timeout=self.timeout_s)
-                else:
-                    r.synchronize()
-            except Exception:  # the failed copy is redone below; its error was (or is) raised elsewhere
-                pass
+        # the failed copy is redone below; its error was (or is) raised elsewhere
+        _wait_all(self._ready.values(), self.timeout_s, ignore_errors=True)
         self._ready.clear()
         self._slot_of.clear()
         after = None
@@ -444,11 +482,7 @@ class OffloadedExperts:
     def close(self) -> None:
         """Wait for the copies in flight, remove the hooks and stop the copy thread (the layers'
         experts stay offloaded)."""
-        for r in list(self._ready.values()):
-            if isinstance(r, Future):
-                r.result(timeout=self.timeout_s)
-            else:
-                r.synchronize()
+        _wait_all(self._ready.values(), self.timeout_s)
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -252,6 +252,134 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
+# -- ReplicatedMoELayer's parts: its argument checks, its host copy, the rows it exchanges --------
+
+def _check_expert_slots(slots) -> None:
+    """``expert_slots``: None or an int >= 1."""
+    if slots is not None:
+        if isinstance(slots, bool) or not isinstance(slots, int):
+            raise TypeError(f"expert_slots must be an int or None, got {type(slots).__name__}")
+        if slots < 1:
+            raise ValueError(f"expert_slots={slots} must be >= 1 (or None: as many as the placement hosts)")
+
+
+def _check_scheduler(scheduler, layer_index, world_size: int, num_experts: int, expert_slots: Optional[int]) -> None:
+    """A :class:`LinaScheduler` fits the layer: the group's size, the experts, a ``layer_index``
+    in its stack, and (fixed slots) room for the placements it may plan."""
+    if not isinstance(scheduler, LinaScheduler):
+        raise TypeError(f"scheduler must be a LinaScheduler, got {type(scheduler).__name__}")
+    if scheduler.num_devices != world_size:
+        raise ValueError(f"scheduler plans for {scheduler.num_devices} devices, the group has {world_size}")
+    if scheduler.estimator.num_experts != num_experts:
+        raise ValueError(f"scheduler's estimator has {scheduler.estimator.num_experts} experts, the layer {num_experts}")
+    if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not (
+            0 <= layer_index < scheduler.estimator.num_layers):
+        raise ValueError(f"layer_index={layer_index!r}: give this layer's position in the stack, "
+                         f"0 <= layer_index < {scheduler.estimator.num_layers}")
+    if expert_slots is not None and scheduler.max_per_device > expert_slots:
+        raise ValueError(f"expert_slots={expert_slots} is below the scheduler's max_per_device={scheduler.max_per_device}: "
+                         f"its placements may host {scheduler.max_per_device} experts on a device; use "
+                         f"expert_slots >= {scheduler.max_per_device}")
+
+
+def _check_placement(placement, num_experts: int, world_size: int, expert_slots: Optional[int]) -> None:
+    """A :class:`Placement` fits the layer: its experts, the group's size, and (fixed slots) at
+    most ``expert_slots`` experts per device. Reads only the placement (the same on every rank)."""
+    E = num_experts
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be a tritonmoe.inference.Placement, got {type(placement).__name__}")
+    for d, h in enumerate(placement.hosted):
+        for e in h:
+            if e >= E:
+                raise ValueError(f"the placement hosts expert {e} on device {d}; the layer's experts are "
+                                 f"[0, {E}): plan the placement for {E} experts")
+    if placement.num_experts != E or placement.num_devices != world_size:
+        raise ValueError(f"placement is for {placement.num_experts} experts on {placement.num_devices} devices; "
+                         f"the layer has {E} experts on a group of {world_size}")
+    if expert_slots is not None:
+        for d, h in enumerate(placement.hosted):
+            if len(h) > expert_slots:
+                raise ValueError(f"the placement hosts {len(h)} experts on device {d}, more than its expert_slots={expert_slots}; "
+                                 f"use a placement with at most {expert_slots} experts per device or more expert_slots")
+
+
+def _host_source(layer, names: Sequence[str], host_experts, *, pin: bool) -> dict:
+    """A :class:`ReplicatedMoELayer`'s host copy of ``layer``'s expert tensors ``names``: name ->
+    the full [E, ...] tensor in host memory (pinned when ``pin``: serving on CUDA). From
+    ``host_experts`` (checked against the layer), else the copy an earlier wrapper released to
+    host memory, else the layer's own CPU tensors, else a new released copy
+    (:func:`release_to_host`)."""
+    if host_experts is not None:
+        if not isinstance(host_experts, Mapping):
+            raise TypeError(f"host_experts must be a mapping of tensor names to tensors, got "
+                            f"{type(host_experts).__name__}")
+        if set(host_experts) != set(names):
+            raise ValueError(f"host_experts has {sorted(host_experts)}; the layer's expert tensors are "
+                             f"{names}: pass exactly those")
+        out = {}
+        for n in names:
+            t, ref = host_experts[n], getattr(layer, n)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"host_experts[{n!r}] must be a tensor, got {type(t).__name__}")
+            if t.device.type != "cpu":
+                raise ValueError(f"host_experts[{n!r}] is on {t.device}; the host copy lives in CPU memory")
+            if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
+                raise ValueError(f"host_experts[{n!r}] is {tuple(t.shape)} {t.dtype}; the layer's is "
+                                 f"{tuple(ref.shape)} {ref.dtype}")
+            t = t.detach()
+            out[n] = t.pin_memory() if pin and not t.is_pinned() else t
+        return out
+    if layer in _RELEASED:
+        return _RELEASED[layer]
+    if is_released(layer):
+        raise ValueError("layer's experts were moved to host memory by another wrapper (an OffloadedExperts stack); "
+                         "close it and call tritonmoe.inference.restore_experts(layer) first")
+    ts = {n: getattr(layer, n).detach() for n in names}
+    if all(t.device.type == "cpu" for t in ts.values()):
+        # the layer's CPU copy is the shared source (pinned copies when serving on CUDA)
+        return {n: (t.pin_memory() if pin and not t.is_pinned() else t) for n, t in ts.items()}
+    return release_to_host(layer, names, pin=True)
+
+
+def _rebind_host(host: dict, layer, names: Sequence[str], *, pin: bool) -> None:
+    """After load_state_dict: when the host copy ``host`` is not the layer's own storage (an
+    explicit ``host_experts``) and the layer holds its expert tensors, ``host`` is rebound to a
+    copy of them (pinned when ``pin``; the caller's ``host_experts`` tensors are not written)."""
+    with torch.no_grad():
+        for n in names:
+            t, h = getattr(layer, n), host[n]
+            if t.shape != h.shape or t.untyped_storage().data_ptr() == h.untyped_storage().data_ptr():
+                continue  # released device copy (the host is the truth) or the same storage
+            c = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host[n] = c.copy_(t.detach())
+
+
+def _send_plan(pl: Placement, counts: Sequence[int], rank: int, P: int, num_experts: int):
+    """What this rank sends: its permuted rows (grouped by expert, ``counts[e]`` rows each) split
+    over each expert's replicas (:meth:`Placement.split`). Returns ``(send_splits, chunks)``: the
+    rows per destination device, and the (start row, rows) chunks in sending order (device, then
+    the expert's position among the device's hosted ones)."""
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + n)
+    pos = [{e: j for j, e in enumerate(h)} for h in pl.hosted]
+    seg = [[(0, 0)] * pl.max_hosted for _ in range(P)]  # (start row, rows) per (device, hosted slot)
+    for e in range(num_experts):
+        start = offsets[e]
+        for d, n in pl.split(e, counts[e], rank):
+            seg[d][pos[d][e]] = (start, n)
+            start += n
+    return [sum(n for _, n in row) for row in seg], [(s, n) for row in seg for s, n in row if n]
+
+
+def _recv_counts(pl: Placement, table: list, hosted: Sequence[int], rank: int, P: int) -> torch.Tensor:
+    """int64 [P, len(hosted)]: the rows every source rank sends to this rank's ``hosted`` experts
+    (the split each source computes, recomputed here from the gathered counts ``table[s][e]``)."""
+    return torch.tensor(
+        [[dict(pl.split(e, table[s][e], s)).get(rank, 0) for e in hosted] for s in range(P)], dtype=torch.int64
+    ).view(P, len(hosted))
+
+
 class ReplicatedMoELayer(nn.Module):
     """Serve a local :class:`~tritonmoe.MoELayer` (all E experts, identical on every rank) over
     the expert-parallel group ``group`` with a :class:`Placement` (see the module docstring).
@@ -323,32 +451,15 @@ class ReplicatedMoELayer(nn.Module):
         self.group = group
         self.layer = layer
         E = layer.config.num_experts
-        if slots is not None:
-            if isinstance(slots, bool) or not isinstance(slots, int):
-                raise TypeError(f"expert_slots must be an int or None, got {type(slots).__name__}")
-            if slots < 1:
-                raise ValueError(f"expert_slots={slots} must be >= 1 (or None: as many as the placement hosts)")
+        _check_expert_slots(slots)
         self.expert_slots = slots
         if scheduler is not None:
-            if not isinstance(scheduler, LinaScheduler):
-                raise TypeError(f"scheduler must be a LinaScheduler, got {type(scheduler).__name__}")
-            if scheduler.num_devices != self.world_size:
-                raise ValueError(f"scheduler plans for {scheduler.num_devices} devices, the group has {self.world_size}")
-            if scheduler.estimator.num_experts != E:
-                raise ValueError(f"scheduler's estimator has {scheduler.estimator.num_experts} experts, the layer {E}")
-            if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not (
-                    0 <= layer_index < scheduler.estimator.num_layers):
-                raise ValueError(f"layer_index={layer_index!r}: give this layer's position in the stack, "
-                                 f"0 <= layer_index < {scheduler.estimator.num_layers}")
-            if slots is not None and scheduler.max_per_device > slots:
-                raise ValueError(f"expert_slots={slots} is below the scheduler's max_per_device={scheduler.max_per_device}: "
-                                 f"its placements may host {scheduler.max_per_device} experts on a device; use "
-                                 f"expert_slots >= {scheduler.max_per_device}")
+            _check_scheduler(scheduler, layer_index, self.world_size, E, slots)
         self.scheduler = scheduler
         self.layer_index = layer_index
         self.device = layer.router.weight.device
         self.names = [n for n in EXPERT_TENSORS if getattr(layer, n) is not None]
-        self.host = self._host_source(layer, host_experts)
+        self.host = _host_source(layer, self.names, host_experts, pin=self.device.type == "cuda")
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -370,21 +481,8 @@ class ReplicatedMoELayer(nn.Module):
 
     @staticmethod
     def _after_load_state_dict(module, incompatible_keys) -> None:
-        module._sync_host_from_layer()
+        _rebind_host(module.host, module.layer, module.names, pin=module.device.type == "cuda")
         module.refresh_experts()
-
-    def _sync_host_from_layer(self) -> None:
-        """After load_state_dict: when the host copy is not the layer's own storage (an explicit
-        ``host_experts``) and the layer holds its expert tensors, the host copy is rebound to a
-        copy of them (the caller's ``host_experts`` tensors are not written)."""
-        pin = self.device.type == "cuda"
-        with torch.no_grad():
-            for n in self.names:
-                t, h = getattr(self.layer, n), self.host[n]
-                if t.shape != h.shape or t.untyped_storage().data_ptr() == h.untyped_storage().data_ptr():
-                    continue  # released device copy (the host is the truth) or the same storage
-                c = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-                self.host[n] = c.copy_(t.detach())
 
     def refresh_experts(self) -> None:
         """Reload every hosted slot from the host copy. Called after ``load_state_dict``; call it
@@ -409,40 +507,6 @@ class ReplicatedMoELayer(nn.Module):
                 for t in bufs.values():
                     t.record_stream(stream)
 
-    def _host_source(self, layer, host_experts) -> dict:
-        """name -> the full [E, ...] expert tensor in host memory (pinned when serving on CUDA)."""
-        pin = self.device.type == "cuda"
-        if host_experts is not None:
-            if not isinstance(host_experts, Mapping):
-                raise TypeError(f"host_experts must be a mapping of tensor names to tensors, got "
-                                f"{type(host_experts).__name__}")
-            if set(host_experts) != set(self.names):
-                raise ValueError(f"host_experts has {sorted(host_experts)}; the layer's expert tensors are "
-                                 f"{self.names}: pass exactly those")
-            out = {}
-            for n in self.names:
-                t, ref = host_experts[n], getattr(layer, n)
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"host_experts[{n!r}] must be a tensor, got {type(t).__name__}")
-                if t.device.type != "cpu":
-                    raise ValueError(f"host_experts[{n!r}] is on {t.device}; the host copy lives in CPU memory")
-                if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
-                    raise ValueError(f"host_experts[{n!r}] is {tuple(t.shape)} {t.dtype}; the layer's is "
-                                     f"{tuple(ref.shape)} {ref.dtype}")
-                t = t.detach()
-                out[n] = t.pin_memory() if pin and not t.is_pinned() else t
-            return out
-        if layer in _RELEASED:
-            return _RELEASED[layer]
-        if is_released(layer):
-            raise ValueError("layer's experts were moved to host memory by another wrapper (an OffloadedExperts stack); "
-                             "close it and call tritonmoe.inference.restore_experts(layer) first")
-        ts = {n: getattr(layer, n).detach() for n in self.names}
-        if all(t.device.type == "cpu" for t in ts.values()):
-            # the layer's CPU copy is the shared source (pinned copies when serving on CUDA)
-            return {n: (t.pin_memory() if pin and not t.is_pinned() else t) for n, t in ts.items()}
-        return release_to_host(layer, self.names, pin=True)
-
     # -- placement -----------------------------------------------------------------------------
 
     def set_placement(self, placement: Placement, *, check: bool = True) -> None:
@@ -452,24 +516,8 @@ class ReplicatedMoELayer(nn.Module):
         mismatched exchange in the next forward); pass False only when every rank provably holds
         the same placement (the scheduler's own changes skip it). The checks on the placement itself run before any collective and
         raise on every rank (they read only the placement, the same on every rank)."""
-        if not isinstance(placement, Placement):
-            raise TypeError(f"placement must be a tritonmoe.inference.Placement, got {type(placement).__name__}")
-        E = self.layer.config.num_experts
-        for d, h in enumerate(placement.hosted):
-            for e in h:
-                if e >= E:
-                    raise ValueError(f"the placement hosts expert {e} on device {d}; the layer's experts are "
-                                     f"[0, {E}): plan the placement for {E} experts")
-        if placement.num_experts != E or placement.num_devices != self.world_size:
-            raise ValueError(f"placement is for {placement.num_experts} experts on {placement.num_devices} devices; "
-                             f"the layer has {E} experts on a group of {self.world_size}")
-        if self.expert_slots is not None:
-            for d, h in enumerate(placement.hosted):
-                if len(h) > self.expert_slots:
-                    raise ValueError(f"the placement hosts {len(h)} experts on device {d}, more than its expert_slots={self.expert_slots}; "
-                                     f"use a placement with at most {self.expert_slots} experts per device or more expert_slots")
+        _check_placement(placement, self.layer.config.num_experts, self.world_size, self.expert_slots)
         if check and self.world_size > 1:
-
             check_agreement({"placement": hash((placement.hosted, placement.weights)) % (2**61)}, group=self.group,
                             what="the placement (pass the same Placement on every rank)")
         self._load(placement.hosted[self.rank])
@@ -589,27 +637,13 @@ class ReplicatedMoELayer(nn.Module):
         impl = layer.expert_path.impl
         x_perm, info = impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts)
         table = counts_PE.to(torch.int64).tolist()
-        counts = table[rank]
-        offsets = [0]
-        for n in counts:
-            offsets.append(offsets[-1] + n)
-        M = pl.max_hosted
-        pos = [{e: j for j, e in enumerate(h)} for h in pl.hosted]
-        seg = [[(0, 0)] * M for _ in range(P)]  # (start row in x_perm, rows) per (device, hosted slot)
-        for e in range(c.num_experts):
-            start = offsets[e]
-            for d, n in pl.split(e, counts[e], rank):
-                seg[d][pos[d][e]] = (start, n)
-                start += n
-        send_splits = [sum(n for _, n in row) for row in seg]
-        idx = [torch.arange(s, s + n) for row in seg for s, n in row if n]
+        send_splits, chunks = _send_plan(pl, table[rank], rank, P, c.num_experts)
+        idx = [torch.arange(s, s + n) for s, n in chunks]
         idx = torch.cat(idx).to(x_perm.device) if idx else torch.zeros(0, dtype=torch.int64, device=x_perm.device)
         x_send = x_perm.index_select(0, idx)
         # what every source sends to this rank's hosted experts: the same split, computed here
         mine = self._hosted
-        recv_counts_PM = torch.tensor(
-            [[dict(pl.split(e, table[s][e], s)).get(rank, 0) for e in mine] for s in range(P)], dtype=torch.int64
-        ).view(P, len(mine))
+        recv_counts_PM = _recv_counts(pl, table, mine, rank, P)
         Md = len(mine)
         recv_splits = recv_counts_PM.sum(1).tolist()
         recv, _ = all_to_all_raw(x_send, send_splits, recv_splits, self.group) if P > 1 else (x_send, None)
