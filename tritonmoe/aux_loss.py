@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import reference
 from tritonmoe.backends import implementation
+from tritonmoe.comm.errors import backend_errors
 from tritonmoe.core.types import Routing
 
 __all__ = ["attach_aux_loss", "set_aux_loss_scale", "aux_loss_scale", "GlobalBalanceState", "balance_losses",
@@ -115,7 +116,8 @@ class GlobalBalanceState:
             dev = self.counts.device
             if dist.get_backend(group) == "nccl" and vec.device.type != "cuda":
                 vec = vec.cuda()
-            dist.all_reduce(vec, group=group)
+            with backend_errors("the global balance loss's count all-reduce", group):
+                dist.all_reduce(vec, group=group)
             vec = vec.to(dev)
         if self.counts.device != vec.device:  # the layer moved since the last reset
             self.counts, self.tokens = self.counts.to(vec.device), self.tokens.to(vec.device)
