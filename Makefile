@@ -61,7 +61,7 @@ gpu-profile: setup
 # memory model, and how much of the offload copies ran behind compute, beside the simulator's
 # prediction, at a GPT-XL-like and a wider "overlap" shape (about 1-2 minutes; prints a table).
 gpu-memory: setup
-	$(PY) -m bench.memory --single $(MEMORY_ARGS)
+	$(PY) -m bench.memory_strategies --single $(MEMORY_ARGS)
 
 # What gpu-check leaves out, for a second device call beside it (a few minutes): the grouped-GEMM
 # variants (tile, persistent TMA, torch._grouped_mm) at the issue's presets, and gpu-memory;
@@ -69,7 +69,7 @@ gpu-memory: setup
 gpu-extras: setup
 	$(PY) -m bench gemm --json bench/results/gemm-variants-$$(date -u +%F).json \
 		--markdown bench/results/gemm-variants-$$(date -u +%F).md
-	$(PY) -m bench.memory --single --json bench/results/gpu-memory-$$(date -u +%F).json $(MEMORY_ARGS)
+	$(PY) -m bench.memory_strategies --single --json bench/results/gpu-memory-$$(date -u +%F).json $(MEMORY_ARGS)
 
 # The prepared device script (scripts/gpu_device.sh, docs/benchmarking.md), two device calls of a
 # 15-minute lease; results in $(OUT) (commit them to bench/results/ with the commit they measured).

@@ -100,7 +100,7 @@ part2() {
   local gpu; gpu=$(gpu_slug)
   step gpu-tests 140 "$PY" -m bench gpu-tests --shards "${SHARDS:-8}" --deadline-s 125 --test-timeout-s 45 \
       --out "$OUT/$gpu-$day-gpu-tests" --logs-dir "$OUT/logs/gpu-tests"
-  step gpu-memory 75 "$PY" -m bench.memory --single --json "$OUT/gpu-memory-$day.json"
+  step gpu-memory 75 "$PY" -m bench.memory_strategies --single --json "$OUT/gpu-memory-$day.json"
 }
 
 {

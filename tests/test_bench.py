@@ -586,13 +586,13 @@ def test_unpermute_split_variant_is_the_same_op(monkeypatch):
 
 
 def test_single_device_memory_check_runs_and_accounts(tmp_path):
-    """``python -m bench.memory --single`` (make gpu-memory) on its CPU stand-in: every (degree,
+    """``python -m bench.memory_strategies --single`` (make gpu-memory) on its CPU stand-in: every (degree,
     strategy) measured, the bytes saved for backward (counted by hooks) and copied to the host
     equal to the memory model's, and every reuse strategy below keep."""
     import subprocess
 
     out = tmp_path / "m.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.memory", "--single", "--device", "cpu", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.memory_strategies", "--single", "--device", "cpu", "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
@@ -632,7 +632,7 @@ def test_single_device_check_predictions():
     the GPT-XL-like shape the offload copies outlast the compute (so the issue's "80% hidden"
     condition, a copy shorter than the compute, does not hold there), at the overlap shape they
     do not; a second MI buffer puts more of the copies beside compute at both."""
-    from bench import memory as bm
+    from bench import memory_strategies as bm
 
     xl = bm.predict_single(bm.SINGLE_GPU, 4, "offload", 1)
     wide = [bm.predict_single(bm.SINGLE_GPU_OVERLAP, 8, "offload", mi) for mi in (1, 2)]
@@ -643,13 +643,13 @@ def test_single_device_check_predictions():
 
 
 def test_step_diagnosis_counts_what_it_reports():
-    """bench.memory.diagnose_step on CPU: a step of 3 matmuls, an add and a sum is 5 top-level
+    """bench.memory_strategies.diagnose_step on CPU: a step of 3 matmuls, an add and a sum is 5 top-level
     aten operator calls (the ops they call inside not counted), no kernel launches and no
     host-sync count (CPU has none); a warning about a synchronizing operation is attributed to
     the project line that issued it."""
     import warnings
 
-    from bench.memory import diagnose_step
+    from bench.memory_strategies import diagnose_step
 
     a = torch.randn(8, 8)
 
@@ -673,7 +673,7 @@ def test_step_diagnosis_labels_by_module_not_by_folder_name(tmp_path):
     import importlib.util
     import warnings
 
-    from bench.memory import diagnose_step
+    from bench.memory_strategies import diagnose_step
 
     for folder in ("tritonmoe", "bench", "comm"):
         src = tmp_path / folder / "tests" / f"probe_{folder}.py"
@@ -686,8 +686,8 @@ def test_step_diagnosis_labels_by_module_not_by_folder_name(tmp_path):
             d = diagnose_step(mod.syncing, cuda=False)
         assert d["sync_sites"][0][0] == f"probe_{folder}.py:4", d
     # and a project module is labelled by its place in the package
-    from bench.memory import _project_label
+    from bench.memory_strategies import _project_label
 
     assert _project_label("tritonmoe.kernels.permute") == "kernels/permute.py"
     assert _project_label("tritonmoe.experts.local") == "tritonmoe/experts/local.py"
-    assert _project_label("bench.memory") is None and _project_label("torch.nn") is None
+    assert _project_label("bench.memory_strategies") is None and _project_label("torch.nn") is None

@@ -368,7 +368,7 @@ def test_mi_buffer_edge_cases():
     configurations pair "keep" with one buffer and two buffers only from n = 3."""
     import numpy as np
 
-    from bench.memory import configurations
+    from bench.memory_strategies import configurations
     from tritonmoe.hf import _config_fields
     from tritonmoe.plan import Cluster
 

@@ -45,20 +45,20 @@ def run_lina_suite(ctx: Context, progress=None) -> list[dict]:
 
 
 def describe_memory(ctx: Context) -> list[str]:
-    from .. import memory
+    from .. import memory_strategies as memory
 
     d = memory.DEFAULTS
     return [f"P=2 T/rank={d['tokens']} d={d['d_model']} f={d['d_ffn']} E={d['num_experts']} k={d['top_k']} "
             f"{d['activation']}, n in {d['degrees']}, strategies {', '.join(d['strategies'])} "
             f"with MI buffers {', '.join(str(m) for m in d['mi_buffers'])} (two from n = 3: impl +mi2) "
-            "[bench.memory.run_memory, float32, gloo on CPU processes]"]
+            "[bench.memory_strategies.run_memory, float32, gloo on CPU processes]"]
 
 
 def run_memory_suite(ctx: Context, progress=None) -> list[dict]:
-    """``bench.memory.run_memory`` (2 gloo ranks on CPU): per (degree, memory strategy), forward +
+    """``bench.memory_strategies.run_memory`` (2 gloo ranks on CPU): per (degree, memory strategy), forward +
     backward time and the expert block's saved bytes (counted with saved_tensors_hooks) against
     "keep"."""
-    from .. import memory
+    from .. import memory_strategies as memory
 
     if progress is not None:
         progress.step("memory P=2")

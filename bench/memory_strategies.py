@@ -15,10 +15,10 @@ memory strategy) on P spawned gloo ranks (CPU) and measures, round-robin per rep
   ranks; on CPU the copy lane is a worker thread sharing the cores);
 * both against ``"keep"`` at the same degree (``time_vs_keep``, ``saved_vs_keep``).
 
-``python -m bench memory`` runs it through the harness; ``python -m bench.memory`` standalone
+``python -m bench memory`` runs it through the harness; ``python -m bench.memory_strategies`` standalone
 (prints a markdown table).
 
-``run_single(...)`` / ``python -m bench.memory --single`` is the device-memory check of one GPU
+``run_single(...)`` / ``python -m bench.memory_strategies --single`` is the device-memory check of one GPU
 (``make gpu-memory``; PAPERS.md 4.2, verification 3): an expert-parallel group of one rank in
 this process (NCCL on CUDA, gloo on CPU; the all-to-alls degenerate to local copies, the
 pipelined block, its buffers and its restores run as on P ranks), and per (degree, strategy)
@@ -185,7 +185,7 @@ def run_memory(*, world_size: int = 2, timeout_s: float = 180.0, **overrides) ->
     spec.update(overrides)
     spec["degrees"], spec["strategies"] = tuple(spec["degrees"]), tuple(spec["strategies"])
     spec["mi_buffers"] = tuple(spec["mi_buffers"])
-    per_rank = run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.memory")
+    per_rank = run_spawned(world_size, spec, timeout_s, measure=_measure_rank, what="bench.memory_strategies")
     results = []
     for j, first in enumerate(per_rank[0]):
         ranks = [pr[j] for pr in per_rank]
@@ -552,7 +552,7 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.memory_strategies", description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=DEFAULTS["tokens"])
     ap.add_argument("--reps", type=int, default=DEFAULTS["reps"])
