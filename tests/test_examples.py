@@ -106,3 +106,28 @@ def test_inference_example_matches_plain_layers():
     rep = _floats(r"max \|replicated - plain\| = " + NUM, out)
     off = _floats(r"max \|offloaded - resident\| = " + NUM, out)
     assert len(rep) == 2 and len(off) == 2 and max(rep + off) <= 1e-5, out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_se_moe_fusion_example():
+    out = run("se_moe_fusion.py", nproc=2)
+    assert "buckets of 64 bytes:" in out and "reduced[0] = [3.0, 3.0, 3.0]" in out, out  # 1 + 2 over 2 ranks
+    assert "trained 3 steps" in out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_se_moe_embedding_example():
+    out = run("se_moe_embedding.py", nproc=2)
+    rows = re.findall(r"rows \[(\d+), (\d+)\) of 1000", out)
+    assert sorted((int(a), int(b)) for a, b in rows) == [(0, 500), (500, 1000)], out
+    assert "full table: (1000," in out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_se_moe_elastic_example_regroups_3_1_into_2_2():
+    out = run("se_moe_elastic.py", nproc=4)
+    tasks = re.findall(r"task (\d) on (\d) ranks", out)
+    assert sorted(tasks) == [("0", "2"), ("0", "2"), ("1", "2"), ("1", "2")], out
