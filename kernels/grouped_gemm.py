@@ -60,6 +60,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.autograd.function import once_differentiable
 
+from tritonmoe.core.settings import validation_enabled
+
 from ._host import cdiv, device_ctx, next_power_of_2
 from tritonmoe.core.types import Routing
 from . import _gemm_config as C
@@ -191,12 +193,11 @@ def route_rows(topk_ids_TK: torch.Tensor, counts_E: torch.Tensor, num_experts: i
     dev = topk_ids_TK.device
     offsets = torch.empty(E + 1, device=dev, dtype=torch.int64)
     ids_S = topk_ids_TK.reshape(-1)
-    if not decode:
+    if not decode and not validation_enabled():
         # Ids outside [-1, E) are "not routed" (the validation-off contract; with validation on
-        # the public API has refused them and this is the identity): map them to -1 so that the
-        # stable sort puts them in the unrouted head that offsets[0] = T*k - sum(counts) assumes.
-        # Always applied (one elementwise op over T*k ids), so the launcher never reads the
-        # process-wide validation flag. The decode kernel does this in registers.
+        # the public API has refused them): map them to -1 so that the stable sort puts them in
+        # the unrouted head that offsets[0] = T*k - sum(counts) assumes (five elementwise
+        # launches, paid only with validation off). The decode kernel does this in registers.
         ids_S = torch.where((ids_S >= 0) & (ids_S < E), ids_S, torch.full_like(ids_S, -1))
     if decode and S > 0:
         row_map = torch.empty(S, device=dev, dtype=torch.int64)

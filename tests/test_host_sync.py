@@ -75,7 +75,7 @@ DYNAMIC_SYNCS = {
     ("comm/splits.py", "exchange_counts"),
     ("tritonmoe/reference.py", "copy_segments"),
     ("tritonmoe/reference.py", "clamped_offsets"),
-    ("tritonmoe/exact.py", "flush"),
+    ("tritonmoe/core/exact.py", "flush"),
 }
 
 
