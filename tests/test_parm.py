@@ -104,7 +104,7 @@ def test_hierarchical_all_to_all_equals_flat(table):
         ("n_mp does not divide P", "LayoutError", "n_mp=3 does not divide"),
         ("experts do not fit the EP size", "LayoutError", "is not divisible by the expert-parallel size"),
         ("d_ffn does not divide over ESP", "LayoutError", "d_ffn=25 is not divisible by the expert-sharding size"),
-        ("config differs on one rank", "LayoutError", "parm_schedule: rank 0=2, rank 1=3"),
+        ("config differs on one rank", "LayoutError", "parm_schedule: rank 0='s1', rank 1='s2'"),
         ("mismatched groups", "LayoutError", "every member of a group must pass that same group"),
         ("layout differs on one rank", "LayoutError", "passed another layout than rank 0"),
     ],

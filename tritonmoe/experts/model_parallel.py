@@ -786,12 +786,15 @@ def _agreed_groups(config: MoEConfig, dtype: torch.dtype, groups: Optional[ParmG
         )
     values = _config_values(config, dtype)
     if groups is None:
-        return groups_from_process_groups(
-            **process_groups, values=values, what="MoELayer(ep_group=..., mp_group=..., esp_group=...)",
+        # the layout first (its exchange compares the sizes that shape the groups), then every
+        # field, with each rank's value as written
+        groups = groups_from_process_groups(
+            **process_groups, values={k: values[k] for k in ("num_experts", "d_model", "d_ffn", "dtype")},
+            what="MoELayer(ep_group=..., mp_group=..., esp_group=...)",
         )
-    if not isinstance(groups, ParmGroups):
+    elif not isinstance(groups, ParmGroups):
         raise TypeError(f"parm_groups must be a ParmGroups, got {type(groups).__name__}")
-    _check_config_agreement(groups, values)
+    _check_config_agreement(groups, values, {**config.agreement_labels(), "dtype": str(dtype)})
     return groups
 
 
@@ -801,12 +804,13 @@ def _config_values(config: MoEConfig, dtype: torch.dtype) -> dict[str, int]:
     return {**config.agreement_values(), "dtype": dtype_code(dtype)}
 
 
-def _check_config_agreement(groups: ParmGroups, values: dict[str, int]) -> None:
-    """Every rank of the layout passes the same config values (one small collective)."""
+def _check_config_agreement(groups: ParmGroups, values: dict[str, int], labels: Optional[dict] = None) -> None:
+    """Every rank of the layout passes the same config values (one small collective; on a
+    disagreement one more, naming each rank's value as written)."""
 
     if groups.ep_esp is None:
         return
     try:
-        check_agreement(values, group=groups.ep_esp, what="the Parm MoEConfig")
+        check_agreement(values, group=groups.ep_esp, what="the Parm MoEConfig", labels=labels)
     except ValueError as e:
         raise LayoutError(str(e)) from None
