@@ -1,6 +1,6 @@
 """Triton kernels and their thin launchers (installed as ``tritonmoe.kernels``).
 
-Each public op file (``routing.py``, ``permute.py``, ``grouped_gemm.py``, ``partition.py``)
+Each public op file (``routing.py``, ``permute.py``, ``grouped_gemm.py``, ``grouped_ffn.py``, ``partition.py``)
 holds launchers with the same signature as the op's reference in :mod:`tritonmoe.reference`; the
 ``@triton.jit`` kernels live in private ``_*_kernels.py`` files beside them. Launchers assume
 validated arguments and never choose a backend: :mod:`tritonmoe.backends` decides which of a

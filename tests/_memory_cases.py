@@ -268,12 +268,12 @@ def auto_and_errors(rank: int, P: int) -> dict:
 
 class KernelCalls:
     """Counts the grouped FFN kernels' forward / backward entry points
-    (``kernels.grouped_gemm.ffn_forward`` / ``ffn_backward``, shared by the eager autograd
+    (``kernels.grouped_ffn.ffn_forward`` / ``ffn_backward``, shared by the eager autograd
     function and the training ops) and the managed block's per-expert torch fallback
     (``comm.memory._input_grad``) while active."""
 
     def __init__(self) -> None:
-        from tritonmoe.kernels import grouped_gemm as kg
+        from tritonmoe.kernels import grouped_ffn as kg
 
         self.mods = [(kg, "ffn_forward"), (kg, "ffn_backward"), (memory_mod, "_input_grad")]
         self.counts = {name: 0 for _, name in self.mods}

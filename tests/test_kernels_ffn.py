@@ -33,6 +33,7 @@ from tritonmoe.core.exact import WeightGradStore
 from tritonmoe.kernels import _gemm_config as C
 from tritonmoe.kernels import config as CF
 from tritonmoe.kernels import _grouped_gemm_kernels as GK
+from tritonmoe.kernels import grouped_ffn as KF
 from tritonmoe.kernels import grouped_gemm as K
 
 HAS_CUDA = torch.cuda.is_available()
@@ -717,7 +718,7 @@ def test_moe_ffn_forward_launches(monkeypatch, k, decode, want):
     w1, w2 = _weights(E, d, f, "swiglu_oai", torch.float32, gen)
     b1, b2 = _biases(E, 2 * f, d, torch.float32, gen)
     with torch.no_grad(), CF.override("ffn.decode", decode), _count_launches(monkeypatch) as (launches, ops):
-        K.moe_ffn(x, r, w1, w2, "swiglu_oai", b1, b2)
+        KF.moe_ffn(x, r, w1, w2, "swiglu_oai", b1, b2)
     moving = [op for op in ops if op not in _FREE_OPS]
     assert launches == want
     assert moving == ([] if decode else ["sort"]), moving
@@ -741,7 +742,7 @@ def test_grid_covers_active_experts_only(monkeypatch):
     x = _randn((T, d), torch.float32, gen)
     w1, w2 = _weights(E, d, f, "swiglu", torch.float32, gen)
     with torch.no_grad(), CF.override("ffn.decode", True):
-        K.moe_ffn(x, r, w1, w2)
+        KF.moe_ffn(x, r, w1, w2)
     assert len(grids) == 2
     assert grids[1][2].SPLIT_K == 2  # the interpreter's decode config splits GEMM2's 48-deep K
     for (_, grid, cfg), n in zip(grids, (f, d)):

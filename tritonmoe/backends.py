@@ -62,14 +62,14 @@ OPS: dict[str, OpSpec] = {
     "permute_metadata": OpSpec(reference.permute_metadata, "permute", "permute_metadata"),
     "unpermute": OpSpec(reference.unpermute, "permute", "unpermute"),
     "grouped_gemm": OpSpec(reference.grouped_gemm, "grouped_gemm", "grouped_gemm", _F16_BF16_F32),
-    "grouped_ffn": OpSpec(reference.grouped_ffn, "grouped_gemm", "grouped_ffn", _F16_BF16_F32),
-    "moe_ffn": OpSpec(reference.moe_ffn, "grouped_gemm", "moe_ffn", _F16_BF16_F32),
+    "grouped_ffn": OpSpec(reference.grouped_ffn, "grouped_ffn", "grouped_ffn", _F16_BF16_F32),
+    "moe_ffn": OpSpec(reference.moe_ffn, "grouped_ffn", "moe_ffn", _F16_BF16_F32),
     # the training forms (tritonmoe.custom_ops' *_train custom ops): forward with saved activations, backward from them
-    "grouped_ffn_train": OpSpec(reference.grouped_ffn_train, "grouped_gemm", "grouped_ffn_train", _F16_BF16_F32),
-    "grouped_ffn_train_backward": OpSpec(reference.grouped_ffn_train_backward, "grouped_gemm",
+    "grouped_ffn_train": OpSpec(reference.grouped_ffn_train, "grouped_ffn", "grouped_ffn_train", _F16_BF16_F32),
+    "grouped_ffn_train_backward": OpSpec(reference.grouped_ffn_train_backward, "grouped_ffn",
                                          "grouped_ffn_train_backward", _F16_BF16_F32),
-    "moe_ffn_train": OpSpec(reference.moe_ffn_train, "grouped_gemm", "moe_ffn_train", _F16_BF16_F32),
-    "moe_ffn_train_backward": OpSpec(reference.moe_ffn_train_backward, "grouped_gemm", "moe_ffn_train_backward",
+    "moe_ffn_train": OpSpec(reference.moe_ffn_train, "grouped_ffn", "moe_ffn_train", _F16_BF16_F32),
+    "moe_ffn_train_backward": OpSpec(reference.moe_ffn_train_backward, "grouped_ffn", "moe_ffn_train_backward",
                                      _F16_BF16_F32),
     "copy_segments": OpSpec(reference.copy_segments, "partition", "copy_segments"),
     # FP8 experts (tritonmoe.fp8): e4m3 operands, fp32 scales; x of fp8_quantize / fp8_permute /
@@ -95,6 +95,8 @@ def _import_kernel_module(name: str):
         from tritonmoe.kernels import permute as m
     elif name == "grouped_gemm":
         from tritonmoe.kernels import grouped_gemm as m
+    elif name == "grouped_ffn":
+        from tritonmoe.kernels import grouped_ffn as m
     elif name == "partition":
         from tritonmoe.kernels import partition as m
     elif name == "fp8_gemm":

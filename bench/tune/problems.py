@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from tritonmoe import reference as ref
 from tritonmoe.kernels import gemm_kinds as GK
+from tritonmoe.kernels import grouped_ffn as kf
 from tritonmoe.kernels import grouped_gemm as kg
 from tritonmoe.kernels import permute as kp
 from tritonmoe.kernels import routing as kr
@@ -171,7 +172,7 @@ def _decode(job: Job, device, gen) -> Problem:
 
     def run():  # the launcher itself: the public op's value checks would sync (no graph capture)
         with torch.no_grad():
-            return kg.moe_ffn(x, routing, w1, w2, L.activation)
+            return kf.moe_ffn(x, routing, w1, w2, L.activation)
 
     def reference():
         r64 = dataclasses.replace(routing, topk_weights=routing.topk_weights.double())
