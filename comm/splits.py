@@ -219,7 +219,8 @@ def check_agreement(values: dict[str, int], *, group=None, what: str = "settings
 
     ``labels``: readable values of the settings (e.g. hashes' originals); on a disagreement the
     ranks exchange the labels of the differing settings (one more collective, on the failure path
-    only, every rank taking it) so that the error shows each rank's value as written."""
+    only, every rank taking it) so that the error shows each rank's value as written. Give
+    ``labels`` on every rank or on none: the exchange is a collective."""
     _, P = group_rank_size(group)
     names = list(values)
     vec = torch.tensor([int(values[k]) for k in names], dtype=torch.int64, device=comm_device(group))

@@ -323,6 +323,12 @@ def _damage(d: dict, where: str, value) -> dict:
         d["interference"] = [{"y": "comm", "x": "comp", "retained": value}]
     elif where == "host_op_s":
         d["host_op_s"] = value
+    elif where == "threads":
+        d["threads_per_rank"] = value
+    elif where == "x_range":
+        d["collectives"][0]["x_range"] = value
+    elif where == "group_size":
+        d["collectives"][0]["group_size"] = value
     return d
 
 
@@ -331,6 +337,8 @@ def _damage(d: dict, where: str, value) -> dict:
     ("beta", float("nan"), "beta"), ("flops", 0.0, "flops_per_s"), ("flops", -5.0, "flops_per_s"),
     ("flops", float("nan"), "flops_per_s"), ("launch", float("inf"), "launch_s"), ("launch", -1.0, "launch_s"),
     ("interference", 0.0, "interference"), ("interference", 1.5, "interference"), ("host_op_s", float("nan"), "host_op_s"),
+    ("threads", 0, "threads_per_rank"), ("x_range", [1e9, 1.0], "x_range"), ("x_range", [float("nan"), 1.0], "x_range"),
+    ("group_size", 0, "group_size"),
 ])
 def test_damaged_values_are_refused_at_load(tmp_path, where, value, field):
     import json

@@ -443,11 +443,15 @@ def agreement_code(value: Any) -> int:
     if isinstance(value, bool):
         text = f"b:{int(value)}"
     elif isinstance(value, numbers.Integral):
-        text = f"r:{float(value).hex()}" if abs(int(value)) < 2**53 else f"i:{int(value)}"
+        text = f"r:{float(value).hex()}" if abs(int(value)) <= 2**53 else f"i:{int(value)}"
     elif isinstance(value, numbers.Real):
-        text = f"r:{float(value).hex()}"
+        text = f"r:{(float(value) + 0.0).hex()}"  # + 0.0: -0.0 and 0.0 agree
     elif value is None:
         text = "none"
+    elif isinstance(value, str):
+        text = f"s:{str.__str__(value)}"  # a str subclass (a str Enum) agrees with its plain value
+    elif isinstance(value, (tuple, list)):
+        text = "t:" + ",".join(str(agreement_code(v)) for v in value)
     else:
         text = f"{type(value).__name__}:{value!r}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")

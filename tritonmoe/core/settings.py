@@ -7,7 +7,9 @@ should prefer, so a failing test cannot leak a setting into the next one).
 
 A block's setting has :mod:`contextvars` semantics: it holds for the thread (or asyncio task)
 that entered the block, for the block's extent, and is restored on exit however blocks of
-different threads overlap; other threads keep the process default. Under ``torch.compile`` the
+different threads overlap; other threads keep the process default. Within one thread, blocks
+nest (exit them in the reverse order of entry, as ``with`` does; a generator that holds a block
+across ``yield`` lends its setting to its caller while suspended). Under ``torch.compile`` the
 process default applies (the value is read at trace time, and dynamo cannot read a context
 variable without a graph break): pass ``backend=`` explicitly to a compiled op to choose another
 one. tritonmoe's own worker threads (host copies, gradient reductions) read neither setting.

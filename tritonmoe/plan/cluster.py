@@ -9,3 +9,15 @@ warnings.warn(
     DeprecationWarning,
     stacklevel=2,
 )
+
+
+def __getattr__(name: str):
+    """Every name of the new module(s), also those outside their ``__all__`` (the old module
+    defined or imported them)."""
+    import importlib
+
+    for target in ('tritonmoe.sim.cost_model',):
+        module = importlib.import_module(target)
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -448,6 +448,10 @@ def _positive_rate(v: Any) -> bool:
 def _check_fit(where: str, name: str, f: Any) -> None:
     if not isinstance(f, LinearFit) or not f.pieces:
         raise _bad(where, name, f, "a LinearFit with at least one piece")
+    if f.x_range is not None:
+        lo, hi = f.x_range
+        if not (_finite_nonneg(lo) and _finite_nonneg(hi) and lo <= hi):
+            raise _bad(where, f"{name}.x_range", f.x_range, "finite sizes >= 0, the smaller first")
     prev = 0.0
     for i, (upper, a, b) in enumerate(f.pieces):
         if not (isinstance(upper, (int, float)) and not math.isnan(upper) and upper > prev):
@@ -472,6 +476,9 @@ def check_model_values(model: "CostModel") -> None:
     where = f"cost model file {model.path}" if model.path else "cost model"
     for key, f in model.collectives.items():
         _check_fit(where, f"collectives[{key}]", f)
+        size = key[1] if isinstance(key, tuple) and len(key) == 3 else None
+        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+            raise _bad(where, f"collectives[{key}].group_size", size, "an int >= 1")
     for key, f in model.copies.items():
         _check_fit(where, f"copies[{key!r}]", f)
     for key, r in model.compute.items():
@@ -492,15 +499,18 @@ def check_model_values(model: "CostModel") -> None:
     for attr in ("host_op_s", "compute_op_s"):
         if not _finite_nonneg(getattr(model, attr)):
             raise _bad(where, attr, getattr(model, attr), "finite and >= 0 seconds")
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
     for key, v in model.lane_slots.items():
-        if not (isinstance(v, int) and v >= 1):
+        if not count(v):
             raise _bad(where, f"lane_slots[{key!r}]", v, "an int >= 1")
-    if not (isinstance(model.threads_per_rank, int) and model.threads_per_rank >= 1):
+    if not count(model.threads_per_rank):
         raise _bad(where, "threads_per_rank", model.threads_per_rank, "an int >= 1")
-    for attr in ("ranks_per_node", "host_cores"):
-        v = getattr(model, attr)
-        if v is not None and not (_finite_nonneg(v) and v > 0):
-            raise _bad(where, attr, v, "None or a finite number > 0")
+    if model.ranks_per_node is not None and not count(model.ranks_per_node):
+        raise _bad(where, "ranks_per_node", model.ranks_per_node, "None or an int >= 1")
+    if model.host_cores is not None and not (_finite_nonneg(model.host_cores) and model.host_cores > 0):
+        raise _bad(where, "host_cores", model.host_cores, "None or a finite number > 0")
 
 
 def _model_to_json(model: CostModel) -> dict:
