@@ -529,7 +529,7 @@ class ParmExperts(ExpertPath):
         g = self.groups.ep_esp
         vec = torch.cat([torch.tensor([tokens], dtype=torch.int64, device=counts_E.device), counts_E.to(torch.int64)])
         if g is None:
-            return [vec.tolist()]
+            return [vec.tolist()]  # host sync: split sizes are host ints (one rank: no exchange)
         dev = comm_device(g)
         ex = RealExecutor(dev, timeline=self.timeline)
         out = run_collective(ex, "all_gather", vec.to(dev), group=g, kind="counts")

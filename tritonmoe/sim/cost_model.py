@@ -40,10 +40,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from tritonmoe.comm.executor import Work
-
 from tritonmoe.core.suggest import suggest_unknown_kwargs
 
-from .fits import *  # noqa: F401,F403 - the fits are part of the model's face
 from .fits import (
     COLLECTIVES, COPIES, LINK_CLASSES, OP_CLASSES, CommSample, ComputeRate, ComputeSample, CostModelError, HostSample,
     InterferenceSample, LinearFit, fit_linear, fit_host, fit_compute, sample_from_json,
