@@ -187,6 +187,8 @@ class KernelFacts:
     barriers: CTA-wide barriers (``bar.sync`` / ``barrier.sync``) in the PTX; a reduction over an
     axis that the layout spreads over several warps goes through shared memory between two of
     them.
+    tcgen05_kinds: on sm_100a, the distinct ``cta_group::N.kind::K`` of the PTX's ``tcgen05.mma``
+    (Blackwell's tensor-core MMA into tensor memory), e.g. ``("cta_group::1.kind::f16",)``.
     mma_types: the distinct operand-type suffixes of the PTX MMAs, accumulator first, e.g.
     ``("wgmma.f32.e4m3.e4m3",)`` for FP8 wgmma or ``("mma.f32.bf16.bf16.f32",)``.
     mma_loop_stores (only with ``compile_kernel(..., loop_facts=True)``, else None): global
@@ -216,6 +218,7 @@ class KernelFacts:
     mma_loop_stores: Optional[int] = None
     barriers: int = 0
     mma_types: tuple = ()
+    tcgen05_kinds: tuple = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -227,6 +230,9 @@ _BRA = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _TMA_LOAD = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.shared::(?:cta|cluster)\.global\b")
 _TMA_STORE = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b")
 _BARRIER = re.compile(r"\b(?:bar|barrier)\.sync\b")
+#: Blackwell's (sm_100a) tensor-core MMA issued from one thread into tensor memory, e.g.
+#: ``tcgen05.mma.cta_group::1.kind::f16`` (16-bit operands) or ``kind::f8f6f4`` (FP8).
+_TCGEN05_MMA = re.compile(r"\btcgen05\.mma\.(cta_group::\d)\.(kind::\w+)")
 _LOCAL_MEM = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 
 
@@ -426,4 +432,5 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
         mma_types=tuple(sorted({"wgmma." + ".".join(m) for m in _PTX_WGMMA_TYPES.findall(ptx)}
                                | {"mma." + ".".join(m) for m in _PTX_MMA_TYPES.findall(ptx)})),
         mma_loop_stores=_mma_loop_stores(_cuobjdump(kernel.asm["cubin"], "-sass")) if loop_facts else None,
+        tcgen05_kinds=tuple(sorted({".".join(m) for m in _TCGEN05_MMA.findall(ptx)})),
     )
