@@ -34,6 +34,7 @@ from typing import Any, Mapping, Optional
 __all__ = [
     "SM90_MAX_SHARED",
     "Desc",
+    "GluonDesc",
     "KernelFacts",
     "Ptr",
     "compile_kernel",
@@ -73,6 +74,19 @@ class Desc:
     @property
     def signature(self) -> str:
         return f"tensordesc<{self.dtype}[{', '.join(str(b) for b in self.block_shape)}]>"
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonDesc(Desc):
+    """A Gluon host-side tensor descriptor (``triton.experimental.gluon.nvidia.hopper.TensorDescriptor``):
+    a launch specializes it by dtype, box and its shared-memory ``layout`` (an
+    ``NVMMASharedLayout``): ``tensordesc<bf16[128,64],NVMMASharedLayout(...)>``."""
+
+    layout: Any = None
+
+    @property
+    def signature(self) -> str:
+        return f"tensordesc<{self.dtype}[{','.join(str(b) for b in self.block_shape)}],{self.layout!r}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,6 +203,9 @@ class KernelFacts:
     them.
     tcgen05_kinds: on sm_100a, the distinct ``cta_group::N.kind::K`` of the PTX's ``tcgen05.mma``
     (Blackwell's tensor-core MMA into tensor memory), e.g. ``("cta_group::1.kind::f16",)``.
+    setmaxnreg: the ``setmaxnreg`` register reallocations of a warp-specialized kernel, in PTX
+    order, e.g. ``("inc 240", "dec 232", "inc 40", "dec 24")`` (empty for a kernel whose warps all
+    run the same code). wgmma_shapes: the distinct ``mMnNkK`` shapes of its wgmma instructions.
     mma_types: the distinct operand-type suffixes of the PTX MMAs, accumulator first, e.g.
     ``("wgmma.f32.e4m3.e4m3",)`` for FP8 wgmma or ``("mma.f32.bf16.bf16.f32",)``.
     mma_loop_stores (only with ``compile_kernel(..., loop_facts=True)``, else None): global
@@ -219,6 +236,8 @@ class KernelFacts:
     barriers: int = 0
     mma_types: tuple = ()
     tcgen05_kinds: tuple = ()
+    setmaxnreg: tuple = ()
+    wgmma_shapes: tuple = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -232,6 +251,8 @@ _TMA_STORE = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b
 _BARRIER = re.compile(r"\b(?:bar|barrier)\.sync\b")
 #: Blackwell's (sm_100a) tensor-core MMA issued from one thread into tensor memory, e.g.
 #: ``tcgen05.mma.cta_group::1.kind::f16`` (16-bit operands) or ``kind::f8f6f4`` (FP8).
+_SETMAXNREG = re.compile(r"\bsetmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
+_WGMMA_SHAPE = re.compile(r"\bwgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)")
 _TCGEN05_MMA = re.compile(r"\btcgen05\.mma\.(cta_group::\d)\.(kind::\w+)")
 _LOCAL_MEM = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 
@@ -394,7 +415,12 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs = specialize(fn, args)
-    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel (triton.experimental.gluon)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    else:
+        src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     t0 = time.perf_counter()
     # enable_fp_fusion=True is the launch default; saying so silences triton 3.9's warning about it
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -433,4 +459,6 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
                                | {"mma." + ".".join(m) for m in _PTX_MMA_TYPES.findall(ptx)})),
         mma_loop_stores=_mma_loop_stores(_cuobjdump(kernel.asm["cubin"], "-sass")) if loop_facts else None,
         tcgen05_kinds=tuple(sorted({".".join(m) for m in _TCGEN05_MMA.findall(ptx)})),
+        setmaxnreg=tuple(f"{d} {n}" for d, n in _SETMAXNREG.findall(ptx)),
+        wgmma_shapes=tuple(sorted(set(_WGMMA_SHAPE.findall(ptx)))),
     )

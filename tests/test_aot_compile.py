@@ -733,22 +733,54 @@ def all_variants() -> list[Variant]:
 # ---------------------------------------------------------------------------------------------
 
 
+_TO_COMPILE: dict = {}  # name -> Variant, filled by main() before its workers fork
+
+
+def _compile_one(name: str) -> dict:
+    v = _TO_COMPILE[name]
+    rec: dict = {"name": v.name}
+    try:
+        facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
+                                   name=v.name, loop_facts=v.fn is PGK._grouped_mm_persistent_kernel)
+        rec.update(ok=True, **facts.as_dict())
+    except Exception as exc:  # report every variant, then fail
+        rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
+    return rec
+
+
+def compile_jobs() -> int:
+    """Worker processes for the compile: ``TRITONMOE_AOT_JOBS``, else one per CPU this process
+    may use (Triton compiles one kernel on one core; the variants are independent)."""
+    env = os.environ.get("TRITONMOE_AOT_JOBS")
+    if env:
+        return max(1, int(env))
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
 def main(filters: list[str]) -> int:
+    """Compile the variants (those whose name contains one of ``filters``, or all) in
+    :func:`compile_jobs` forked workers; one JSON line per variant as each finishes, then a
+    ``done`` line."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
     t0 = time.perf_counter()
+    _TO_COMPILE.clear()
+    _TO_COMPILE.update({v.name: v for v in all_variants() if not filters or any(f in v.name for f in filters)})
+    names = list(_TO_COMPILE)
+    jobs = min(compile_jobs(), max(1, len(names)))
     failed = 0
-    for v in all_variants():
-        if filters and not any(f in v.name for f in filters):
-            continue
-        rec: dict = {"name": v.name}
-        try:
-            facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
-                                       name=v.name, loop_facts=v.fn is PGK._grouped_mm_persistent_kernel)
-            rec.update(ok=True, **facts.as_dict())
-        except Exception as exc:  # report every variant, then fail
-            rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
-            failed += 1
+    if jobs == 1:
+        records = map(_compile_one, names)
+    else:
+        pool = cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
+        records = (f.result() for f in cf.as_completed([pool.submit(_compile_one, n) for n in names]))
+    for rec in records:
+        failed += not rec["ok"]
         print(json.dumps(rec), flush=True)
-    print(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    if jobs > 1:
+        pool.shutdown()
+    print(json.dumps({"done": True, "jobs": jobs, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     return 1 if failed else 0
 
 
