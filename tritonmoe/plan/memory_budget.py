@@ -290,26 +290,36 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
     keeps for backward on a rank with ``tokens`` input tokens whose experts receive ``rows`` rows,
     split evenly over ``pipeline_degree`` micro-ops. What the layer's code saves:
 
-    * the router: the fp32 routing probabilities [T, E], the top-k ids (int64) and fp32
-      weights [T, k], two fp32 per-token statistics of the softmax (8 B per token);
+    * the router: the fp32 routing probabilities [T, E] (saved) and the fp32 logits [T, E] the
+      layer keeps for its auxiliary losses (``MoELayer``'s step state), the top-k ids (int64)
+      and fp32 weights [T, k], two fp32 per-token statistics of the softmax (8 B per token);
     * per micro-op, the combine (unpermute): each slot's ids (int64), kept mask (bool), fp32
       weight and expert output row ([T_i, k, d] in the layer's dtype), and the expert block's
       int64 row index of R_i + 1 entries;
-    * the expert block: DI and MI by strategy, :func:`tritonmoe.sim.memory_model.expert_block_bytes`.
+    * the expert block: DI and MI by strategy, :func:`tritonmoe.sim.memory_model.expert_block_bytes`,
+      and each micro-op's expert output [R_i, d] in expert-major order, which the block holds
+      until backward differentiates it (``_MemoryPipelinedExperts``' micro-op graphs);
+    * ``host``: the DI / MI copies an offloading strategy keeps in host memory.
+
+    Not counted: the CPU reference routing's top-k ids are a view of its [T, E] int64 sort
+    (T*(E-k)*8 more bytes on CPU than the GPU kernels' [T, k] ids).
 
     Returns ``{"router", "combine", "experts", "host", "total"}`` (device bytes but host)."""
     n = _pos_int("pipeline_degree", pipeline_degree)
     es = _itemsize(dtype)
     T, E, K, d = tokens, m.num_experts, m.top_k, m.d_model
-    base, extra = divmod(rows, n)
-    rows_i = [base + (1 if i < extra else 0) for i in range(n)]
     tb, te = divmod(T, n)
-    toks_i = [tb + (1 if i < te else 0) for i in range(n)]
-    router = T * E * 4 + T * K * (8 + 4) + T * 8
+    toks_i = [tb + (1 if i < te else 0) for i in range(n)]  # the layer's micro-batch bounds
+    # each micro-op's rows: its share of the rank's rows (its tokens' k slots when T*k arrive)
+    rows_i = [(rows * t) // T for t in toks_i] if T else [0] * n
+    for i in range(rows - sum(rows_i)):
+        rows_i[i % n] += 1
+    router = 2 * T * E * 4 + T * K * (8 + 4) + T * 8
     combine = sum(t * K * (8 + 1 + 4 + d * es) for t in toks_i) + sum((r + 1) * 8 for r in rows_i)
     eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
-    return {"router": router, "combine": combine, "experts": eb["device"], "host": eb["host"],
-            "total": router + combine + eb["device"]}
+    experts = eb["device"] + rows * d * es
+    return {"router": router, "combine": combine, "experts": experts, "host": eb["host"],
+            "total": router + combine + experts}
 
 
 def attention_saved_elements(m: ModelSpec) -> tuple:
