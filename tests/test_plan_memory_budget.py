@@ -156,8 +156,20 @@ def test_what_would_fit_is_the_rerun_estimate():
     e16 = memory_per_gpu("qwen3-30b-a3b", world_size=16, ep_size=16, tokens_per_gpu=8192, seq_len=4096)
     assert any(s.startswith("ep_size 16 instead of 8") and f"saves {(est.total_bytes - e16.total_bytes) / GiB:.1f}"
                in s for s in sentences), sentences
-    savings = [float(s.split(" saves ")[1].split(" GiB")[0]) for s in sentences]
+    single = [s for s in sentences if not s.startswith("together")]
+    savings = [float(s.split(" saves ")[1].split(" GiB")[0]) for s in single]
     assert savings == sorted(savings, reverse=True) and all(x > 0 for x in savings)
+    # the combination of the numerics-preserving changes, re-run as one estimate
+    both = memory_per_gpu("qwen3-30b-a3b", world_size=16, ep_size=16, tokens_per_gpu=8192, seq_len=4096,
+                          setup=TrainingSetup(shard_optimizer=True, activation_checkpointing=True),
+                          memory_strategy="recomm_recompute", pipeline_degree=8)
+    assert sentences[-1] == (f"together (ZeRO-1, checkpointing, memory_strategy='recomm_recompute' at pipeline_degree=8, "
+                             f"ep_size 16) they save {(est.total_bytes - both.total_bytes) / GiB:.1f} GiB "
+                             f"({both.total_bytes / GiB:.1f} GiB: fits)"), sentences
+    roomy = memory_per_gpu("qwen3-30b-a3b", world_size=16, ep_size=8, tokens_per_gpu=1024,
+                           seq_len=1024).what_would_fit(10**15)
+    assert roomy and all(s.endswith("fits)") for s in roomy) and not any(s.startswith("together") for s in roomy)
+
 
 
 @settings(max_examples=25)

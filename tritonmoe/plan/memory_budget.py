@@ -36,12 +36,28 @@ whole (gradient accumulation holds both; without it gradients grow as activation
 Not counted: the CUDA context and the allocator's fragmentation (say ~1-3 GiB on an H100), the
 communication buffers of NCCL, temporary workspaces of one op.
 
-Example (the table :meth:`MemoryEstimate.table` prints)::
+Example: Qwen3-30B-A3B on 16 H100s (two DGX nodes), EP 8 x DP 2, 4096 tokens per GPU, ZeRO-1,
+MoE layers with "recompute" at pipeline degree 4::
 
-    >>> from tritonmoe.plan.models import get_model
-    >>> est = memory_per_gpu(get_model("qwen3-30b-a3b"), world_size=16, ep_size=8, tokens_per_gpu=8192,
-    ...                      seq_len=4096)
-    >>> print(est.table())      # doctest: +SKIP
+    from tritonmoe.plan import TrainingSetup, device_memory_bytes, memory_per_gpu
+    est = memory_per_gpu("qwen3-30b-a3b", world_size=16, ep_size=8, tokens_per_gpu=4096, seq_len=4096,
+                         setup=TrainingSetup(shard_optimizer=True), memory_strategy="recompute",
+                         pipeline_degree=4)
+    print(est.table(device_memory_bytes("dgx-h100")))
+
+                                                GiB  provenance  note
+    weights: dense (replicated)                2.87  exact       1.541B params x 2 B
+    weights: routed experts                    6.75  exact       16 of 128 experts x 48 MoE layers
+    gradients                                  9.62  exact       2 B per parameter
+    fp32 master weights                        7.11  exact       4 B per parameter, sharded over DP (dense / 16, experts / 2)
+    optimizer state (adam)                    14.22  exact       Adam's two moments x 4 B + a 4 B step per tensor, sharded over DP (dense / 16, experts / 2)
+    activations: attention + dense MLPs        6.40  formula     Korthikanti et al. 2022 adapted: 17408 values/token/layer (FlashAttention, no dropout)
+    activations: MoE layers                   16.36  formula     memory_strategy='recompute', pipeline_degree=4: 32768 rows per layer (tritonmoe's layer: router, combine, expert block)
+    activations: logits + loss                 3.48  formula     [4096, 151936] logits and their fp32 log-softmax
+    total                                     66.81
+    host (offloaded)                           6.00
+    capacity                                  79.19
+    headroom                                  12.38  fits
 """
 
 from __future__ import annotations
@@ -350,13 +366,13 @@ def dense_mlp_saved_elements(m: ModelSpec) -> int:
 
 
 def _routed_rows(m: ModelSpec, tokens: int, capacity_factor: Optional[float], imbalance: float) -> int:
-    """Rows a rank's experts receive for ``tokens`` tokens per rank: T * k under balanced routing
-    (every rank sends T * k rows, a rank receives as many on average), times ``imbalance``
-    (assumed) for dropless routing, capped at ``capacity_factor * T * k`` with a capacity."""
-    rows = tokens * m.top_k
-    if capacity_factor is not None:
-        return int(math.ceil(capacity_factor * rows))
-    return int(math.ceil(imbalance * rows))
+    """Rows the most loaded rank's experts receive for ``tokens`` tokens per rank: T * k under
+    balanced routing (every rank sends T * k rows; a rank receives as many on average) times
+    ``imbalance`` (assumed), at most ``capacity_factor * T * k`` with a capacity (the layer drops
+    the slots past each expert's capacity and pads nothing: a capacity caps the rows, it does not
+    add any)."""
+    ratio = imbalance if capacity_factor is None else min(imbalance, capacity_factor)
+    return int(math.ceil(ratio * tokens * m.top_k))
 
 
 def _check_inputs(model, world_size, ep_size, tokens_per_gpu, seq_len, setup, memory_strategy, pipeline_degree,
@@ -445,9 +461,10 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
     rows.extend(_activation_rows(m, S, tokens_per_gpu, seq_len, memory_strategy, pipeline_degree, capacity_factor,
                                  routing_imbalance, mi_buffers, assumptions))
     host = rows.pop()  # _activation_rows returns the host bytes last
-    if routing_imbalance != 1.0 or capacity_factor is None:
-        assumptions.append(f"routing: the most loaded rank receives {routing_imbalance:g} x T*k rows (dropless)"
-                           if capacity_factor is None else "")
+    R = _routed_rows(m, tokens_per_gpu, capacity_factor, routing_imbalance)
+    assumptions.append(f"routing: the most loaded rank's experts receive {R} rows per MoE layer "
+                       f"({routing_imbalance:g} x T*k" + (f", capacity factor {capacity_factor:g}" if capacity_factor
+                                                          else ", dropless") + ")")
     params = dict(world_size=world_size, ep_size=ep_size, tokens_per_gpu=tokens_per_gpu, seq_len=seq_len,
                   memory_strategy=memory_strategy, pipeline_degree=pipeline_degree, capacity_factor=capacity_factor,
                   expert_replicas=expert_replicas, routing_imbalance=routing_imbalance, mi_buffers=mi_buffers)
@@ -525,12 +542,13 @@ def _variants(est: MemoryEstimate) -> list:
                 if n > p["tokens_per_gpu"] or (s, n) == (p["memory_strategy"], p["pipeline_degree"]):
                     continue
                 q = dict(p, memory_strategy=s, pipeline_degree=n)
-                b = memory_per_gpu(m, setup=S, **q).total_bytes
+                x = memory_per_gpu(m, setup=S, **q)
+                b = (x.total_bytes, x.host_bytes)  # equal device bytes: the one keeping least on the host
                 if best is None or b < best[0]:
                     best = (b, s, n, q)
         if best is not None:
-            out.append((f"memory_strategy={best[1]!r} with pipeline_degree={best[2]} (MPMoE's buffer reuse)", S,
-                        best[3]))
+            out.append((f"memory_strategy={best[1]!r} with pipeline_degree={best[2]} (MPMoE's buffer reuse; every "
+                        "reuse strategy keeps the same device buffers)", S, best[3]))
     for e in _divisors(world):
         if e > ep and (not S.training and p.get("expert_replicas") is None or m.num_experts % e == 0):
             out.append((f"ep_size {e} instead of {ep} (DP {world // e})", S, dict(p, ep_size=e, expert_replicas=None)))
@@ -557,4 +575,31 @@ def _alternatives(est: MemoryEstimate, cap: int) -> list:
         verdict = "fits" if new.fits(cap) else f"still {new.shortfall(cap) / GiB:.1f} GiB short"
         found.append((saved, f"{desc} saves {saved / GiB:.1f} GiB ({new.total_bytes / GiB:.1f} GiB: {verdict})"))
     found.sort(key=lambda x: -x[0])
+    if len(found) > 1 and not est.fits(cap):
+        # everything but the numerics-changing and the batch-changing ones, together
+        S, p = est.setup, dict(est.params)
+        if S.training:
+            S = replace(S, shard_optimizer=S.shard_optimizer or p["world_size"] > 1, activation_checkpointing=True)
+        for desc, S2, p2 in _variants(est):
+            if desc.startswith("memory_strategy=") or desc.startswith("ep_size"):
+                p.update({k: p2[k] for k in ("memory_strategy", "pipeline_degree", "ep_size", "expert_replicas")
+                          if p2[k] != est.params[k]})
+        try:
+            new = memory_per_gpu(est.model, setup=S, **p)
+        except ValueError:
+            return found
+        saved = est.total_bytes - new.total_bytes
+        verdict = "fits" if new.fits(cap) else f"still {new.shortfall(cap) / GiB:.1f} GiB short"
+        what = []
+        if S.shard_optimizer != est.setup.shard_optimizer:
+            what.append("ZeRO-1")
+        if S.activation_checkpointing != est.setup.activation_checkpointing:
+            what.append("checkpointing")
+        if p["memory_strategy"] != est.params["memory_strategy"] or p["pipeline_degree"] != est.params["pipeline_degree"]:
+            what.append(f"memory_strategy={p['memory_strategy']!r} at pipeline_degree={p['pipeline_degree']}")
+        if p["ep_size"] != est.params["ep_size"]:
+            what.append(f"ep_size {p['ep_size']}")
+        if len(what) > 1:
+            found.append((saved, f"together ({', '.join(what)}) they save {saved / GiB:.1f} GiB "
+                                 f"({new.total_bytes / GiB:.1f} GiB: {verdict})"))
     return found
