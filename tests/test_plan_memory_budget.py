@@ -110,6 +110,12 @@ def test_bad_input_is_typed():
         memory_per_gpu("mixtral-8x7b", **dict(kw, tokens_per_gpu=1.5))
     with pytest.raises(ValueError, match="memory_strategy='recompte'.*did you mean 'recompute'"):
         memory_per_gpu("mixtral-8x7b", **kw, memory_strategy="recompte")
+    with pytest.raises(ValueError, match="memory_strategy=None .* is not modelled.*'keep'"):
+        memory_per_gpu("mixtral-8x7b", **kw, memory_strategy=None)
+    with pytest.raises(TypeError, match="master_weights must be a bool"):
+        TrainingSetup(master_weights=1)
+    with pytest.raises(TypeError, match="param_dtype must be a floating"):
+        TrainingSetup(param_dtype=torch.int8)
     with pytest.raises(ValueError, match="optimizer='adamw'"):
         TrainingSetup(optimizer="adamw")
     est = memory_per_gpu("mixtral-8x7b", **kw)
@@ -133,6 +139,16 @@ def test_serving_replicates_experts_where_E_does_not_divide():
     with pytest.raises(ValueError, match="expert_replicas=3"):
         memory_per_gpu(m, world_size=16, ep_size=16, tokens_per_gpu=256, seq_len=256,
                        setup=TrainingSetup(optimizer="none"), expert_replicas=3)
+
+
+def test_serving_rows():
+    m = MODEL_PRESETS["deepseek-v3"]
+    e = memory_per_gpu(m, world_size=64, ep_size=64, tokens_per_gpu=1000, seq_len=1000,
+                       setup=TrainingSetup(optimizer="none"))
+    names = [r.name for r in e.rows]
+    assert "gradients" not in names and not any(n.startswith("optimizer") for n in names)
+    assert e.row("KV cache").bytes == 61 * 1000 * (512 + 64) * 2  # MLA caches the latent and the rope key
+    assert e.row("weights: routed experts").bytes == 58 * 4 * (m.expert_params_per_layer() // 256) * 2
 
 
 def test_device_memory_and_table():

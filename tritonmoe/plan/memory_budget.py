@@ -127,6 +127,11 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        for f in ("master_weights", "shard_optimizer", "activation_checkpointing"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"TrainingSetup.{f} must be a bool, got {getattr(self, f)!r}")
+        if not isinstance(self.param_dtype, torch.dtype) or not self.param_dtype.is_floating_point:
+            raise TypeError(f"TrainingSetup.param_dtype must be a floating torch.dtype, got {self.param_dtype!r}")
         for f in ("param_dtype", "grad_dtype"):
             v = getattr(self, f)
             if v is not None and not isinstance(v, torch.dtype):
@@ -387,6 +392,10 @@ def _check_inputs(model, world_size, ep_size, tokens_per_gpu, seq_len, setup, me
     _pos_int("seq_len", seq_len)
     if not isinstance(setup, TrainingSetup):
         raise TypeError(f"setup must be a TrainingSetup, got {type(setup).__name__}")
+    if memory_strategy is None:
+        raise ValueError("memory_strategy=None (the layer's unmanaged default path) is not modelled: its grouped FFN "
+                         "also keeps the activation's output and, expert-parallel, one more [rows, d_model] buffer per "
+                         "layer; pass one of " + ", ".join(STRATEGIES) + " ('keep' keeps every micro-op's DI and MI)")
     if memory_strategy not in STRATEGIES:
         raise ValueError(f"memory_strategy={memory_strategy!r}{did_you_mean(str(memory_strategy), STRATEGIES)}; "
                          f"use one of {', '.join(STRATEGIES)}")
