@@ -304,9 +304,9 @@ def _experts_per_rank(m: ModelSpec, world: int, ep: int, training: bool, replica
 # ---------------------------------------------------------------------------------------------
 
 
-def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strategy: str = "keep",
+def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strategy: Optional[str] = "keep",
                           pipeline_degree: int = 1, dtype: torch.dtype = torch.bfloat16,
-                          mi_buffers: int = 1) -> dict:
+                          mi_buffers: int = 1, expert_parallel: bool = True) -> dict:
     """Bytes one tritonmoe MoE layer (the expert-parallel path, :mod:`tritonmoe.comm.programs.memory_reuse`)
     keeps for backward on a rank with ``tokens`` input tokens whose experts receive ``rows`` rows,
     split evenly over ``pipeline_degree`` micro-ops. What the layer's code saves:
@@ -321,6 +321,13 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
       and each micro-op's expert output [R_i, d] in expert-major order, which the block holds
       until backward differentiates it (``_MemoryPipelinedExperts``' micro-op graphs);
     * ``host``: the DI / MI copies an offloading strategy keeps in host memory.
+
+    ``memory_strategy=None`` is the layer's default, unmanaged path (the unfused grouped FFN
+    under autograd, as ``ffn_path="auto"`` trains): each micro-op keeps its DI [R_i, d], the
+    first GEMM's output [R_i, n1], the activation's output [R_i, f] that the second GEMM saves
+    and, for gated activations, the SiLU / GELU output [R_i, f] the product saves; expert-parallel
+    (``expert_parallel``) it also holds each micro-op's expert output until backward, as the
+    managed block does; the local layer (``ep_size=1``) does not.
 
     Not counted: the CPU reference routing's top-k ids are a view of its [T, E] int64 sort
     (T*(E-k)*8 more bytes on CPU than the GPU kernels' [T, k] ids).
@@ -337,8 +344,12 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
         rows_i[i % n] += 1
     router = 2 * T * E * 4 + T * K * (8 + 4) + T * 8
     combine = sum(t * K * (8 + 1 + 4 + d * es) for t in toks_i) + sum((r + 1) * 8 for r in rows_i)
-    eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
-    experts = eb["device"] + rows * d * es
+    if memory_strategy is None:
+        per_row = d + m.n1 + (2 * m.d_ffn if m.gated else m.d_ffn)
+        eb = {"device": rows * per_row * es, "host": 0}
+    else:
+        eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
+    experts = eb["device"] + (rows * d * es if expert_parallel or memory_strategy is not None else 0)
     return {"router": router, "combine": combine, "experts": experts, "host": eb["host"],
             "total": router + combine + experts}
 
@@ -392,11 +403,7 @@ def _check_inputs(model, world_size, ep_size, tokens_per_gpu, seq_len, setup, me
     _pos_int("seq_len", seq_len)
     if not isinstance(setup, TrainingSetup):
         raise TypeError(f"setup must be a TrainingSetup, got {type(setup).__name__}")
-    if memory_strategy is None:
-        raise ValueError("memory_strategy=None (the layer's unmanaged default path) is not modelled: its grouped FFN "
-                         "also keeps the activation's output and, expert-parallel, one more [rows, d_model] buffer per "
-                         "layer; pass one of " + ", ".join(STRATEGIES) + " ('keep' keeps every micro-op's DI and MI)")
-    if memory_strategy not in STRATEGIES:
+    if memory_strategy is not None and memory_strategy not in STRATEGIES:
         raise ValueError(f"memory_strategy={memory_strategy!r}{did_you_mean(str(memory_strategy), STRATEGIES)}; "
                          f"use one of {', '.join(STRATEGIES)}")
     _pos_int("pipeline_degree", pipeline_degree)
@@ -420,7 +427,8 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
 
     Args:
         setup: the :class:`TrainingSetup` (optimizer, dtypes, ZeRO-1, checkpointing).
-        memory_strategy, pipeline_degree, mi_buffers: the MoE layers' memory strategy
+        memory_strategy, pipeline_degree, mi_buffers: the MoE layers' memory strategy (None: the
+            layer's default unmanaged path)
             (:data:`~tritonmoe.comm.programs.memory_reuse.STRATEGIES`) and micro-op count.
         capacity_factor: None (dropless) or the expert capacity factor.
         expert_replicas: copies of each expert when serving with E not divisible by ep_size
@@ -468,7 +476,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
         rows.append(MemoryRow(f"optimizer state ({S.optimizer})", owned * k * se + steps, "exact",
                               f"{what} x {se} B" + (" + a 4 B step per tensor" if steps else "") + shard_note))
     rows.extend(_activation_rows(m, S, tokens_per_gpu, seq_len, memory_strategy, pipeline_degree, capacity_factor,
-                                 routing_imbalance, mi_buffers, assumptions))
+                                 routing_imbalance, mi_buffers, ep_size))
     host = rows.pop()  # _activation_rows returns the host bytes last
     R = _routed_rows(m, tokens_per_gpu, capacity_factor, routing_imbalance)
     assumptions.append(f"routing: the most loaded rank's experts receive {R} rows per MoE layer "
@@ -480,7 +488,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
     return MemoryEstimate(tuple(rows), m, S, params, host, tuple(a for a in assumptions if a))
 
 
-def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, mi_buffers, assumptions) -> list:
+def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, mi_buffers, ep) -> list:
     """The activation rows (and, last, the host bytes as a bare int)."""
     es = _itemsize(S.param_dtype)
     V = m.vocab_size
@@ -513,7 +521,7 @@ def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, 
     rows.append(MemoryRow("activations: attention + dense MLPs", attn, "formula", note))
     R = _routed_rows(m, T, capacity_factor, imbalance)
     moe = moe_layer_saved_bytes(m, T, R, memory_strategy=strategy, pipeline_degree=n, dtype=S.param_dtype,
-                                mi_buffers=mi_buffers)
+                                mi_buffers=mi_buffers, expert_parallel=ep > 1)
     shared = T * 4 * m.n_shared_experts * m.shared_d_ffn * es if m.n_shared_experts else 0
     rows.append(MemoryRow("activations: MoE layers", m.moe_layers * (moe["total"] + shared), "formula",
                           f"memory_strategy={strategy!r}, pipeline_degree={n}: {R} rows per layer "
