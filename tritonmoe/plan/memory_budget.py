@@ -88,13 +88,14 @@ __all__ = ["TrainingSetup", "MemoryRow", "MemoryEstimate", "memory_per_gpu", "de
 GiB = 2 ** 30
 PROVENANCES = ("exact", "measured", "formula", "assumed")
 OPTIMIZERS = ("adam", "sgd", "none")
-#: the usable device memory (``torch.cuda.get_device_properties(i).total_memory``) of the GPUs
-#: the simulator describes, where known: an H100 SXM5 80GB (80 GB of HBM3) reports 85,029,158,912
-#: bytes (79.19 GiB); an H200 (141 GB of HBM3e) 150,754,820,096 (140.4 GiB). Others: the
+#: the usable device memory (``torch.cuda.get_device_properties(i).total_memory``, what torch's
+#: out-of-memory messages call "total capacity") of the GPUs the simulator describes, where
+#: known: an H100 SXM5 80GB (80 GB of HBM3) reports about 79.19 GiB (79.1-79.3 GiB by driver:
+#: 85,029,158,912 bytes used here), an H200 (141 GB of HBM3e) 139.80 GiB (to 0.01 GiB). Others: the
 #: description's nominal ``memory``.
 USABLE_MEMORY = {
     "H100-SXM5-80GB": 85_029_158_912,
-    "H200-SXM-141GB": 150_754_820_096,
+    "H200-SXM-141GB": round(139.80 * 2**30),
 }
 
 
