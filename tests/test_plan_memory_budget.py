@@ -95,6 +95,10 @@ def test_master_weights_and_sharding_arithmetic():
     # ZeRO-1: dense state over the world (16), expert state over the experts' DP group (2)
     assert z.row("fp32 master weights").bytes == 4 * (math.ceil(dense / 16) + math.ceil(experts // 8 / 2))
     assert z.total_bytes < e.total_bytes
+    fp32 = memory_per_gpu(m, world_size=16, ep_size=8, tokens_per_gpu=4096, seq_len=4096,
+                          setup=TrainingSetup(param_dtype=torch.float32))  # fp32 weights: no second copy
+    assert "fp32 master weights" not in [r.name for r in fp32.rows]
+    assert fp32.row("optimizer state (adam)").bytes == e.row("optimizer state (adam)").bytes
 
 
 def test_bad_input_is_typed():

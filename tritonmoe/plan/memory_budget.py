@@ -112,9 +112,9 @@ class TrainingSetup:
             parameter tensor), "sgd" (SGD with momentum: one buffer) or "none" (inference: no
             gradients, no optimizer state, no activations kept for backward).
         param_dtype: the dtype of the weights the model computes with (default bfloat16).
-        master_weights: an fp32 master copy of every parameter (mixed precision); the optimizer
-            state is then fp32 too; without it the state has the parameters' dtype (as
-            torch.optim keeps it).
+        master_weights: an fp32 master copy of every parameter (mixed precision; none when
+            ``param_dtype`` is fp32 already); the optimizer state is then fp32 too; without it
+            the state has the parameters' dtype (as torch.optim keeps it).
         grad_dtype: the gradients' dtype (None: param_dtype).
         shard_optimizer: ZeRO-1: optimizer state and master weights sharded over each
             parameter's data-parallel group (experts over their DP replicas, dense parameters
@@ -147,6 +147,11 @@ class TrainingSetup:
     @property
     def training(self) -> bool:
         return self.optimizer != "none"
+
+    @property
+    def keeps_master_copy(self) -> bool:
+        """Whether a separate fp32 master copy exists (not when the parameters are fp32 already)."""
+        return self.master_weights and self.training and self.param_dtype != torch.float32
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -474,7 +479,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
         shard_exp = dp if S.shard_optimizer else 1
         owned = math.ceil(dense_params / shard_dense) + math.ceil(expert_params / shard_exp)
         shard_note = f", sharded over DP (dense / {shard_dense}, experts / {shard_exp})" if S.shard_optimizer else ""
-        if S.master_weights:
+        if S.keeps_master_copy:
             rows.append(MemoryRow("fp32 master weights", owned * 4, "exact", "4 B per parameter" + shard_note))
         se = _itemsize(S.state_dtype)
         k = S.optimizer_states
@@ -557,7 +562,7 @@ def _variants(est: MemoryEstimate) -> list:
         if not S.activation_checkpointing:
             out.append(("activation checkpointing of the attention / dense part", replace(S, activation_checkpointing=True),
                         p))
-        if S.master_weights:
+        if S.keeps_master_copy:
             out.append((f"no fp32 master weights (optimizer state in {str(S.param_dtype).replace('torch.', '')}; "
                          "changes the numerics)", replace(S, master_weights=False), p))
         best = None
