@@ -69,6 +69,7 @@ __all__ = [
     "Outcome",
     "Row",
     "CASES",
+    "REFUSED_ROWS",
     "register",
     "inject",
     "InjectedFault",
@@ -544,6 +545,101 @@ def _grad_lane_cannot_start(ctx: RankCtx) -> dict:
     return _lina_step(ctx)
 
 
+def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: bool = False) -> dict:
+    """One forward of an expert-parallel layer (pipeline degree 2; Parm S2 with MP = 2 when
+    ``parm``) in which the victims call ``layer(*bad(rank, x))`` instead of ``layer(x)``: input
+    that the layer refuses on those ranks only. Every rank must end in the same
+    ``RankInputError`` (raised at the counts exchange, which carries the refusal)."""
+    import tritonmoe as tm
+
+    P = ctx.world_size
+    torch.manual_seed(SEED)
+    cfg = tm.MoEConfig(D_MODEL, D_FFN, 2 * P, TOP_K, pipeline_degree=1 if parm else 2,
+                       **({"parm_schedule": "s2"} if parm else {}))
+    if parm:
+        from tritonmoe.parm_layout import ParmLayout
+
+        lay = ParmLayout.make(2, P, 1)
+        groups = lay.process_groups()
+        layer = tm.MoELayer(cfg, parm_groups=groups, dtype=torch.float64)
+        seed = SEED + lay.mp_group[groups.rank]  # the MP group's ranks hold the same tokens
+    else:
+        layer, seed = tm.MoELayer(cfg, ep_group=ctx.group, dtype=torch.float64), SEED + ctx.rank
+    x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    args = bad(ctx.rank, x) if ctx.is_victim else (x,)
+    ctx.start_clock()
+    layer(*args)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}  # a refused input must never return
+
+
+def _refused_dtype(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x.float(),))
+
+
+def _refused_shape(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x[:, :-1],))
+
+
+def _refused_mask(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x, torch.ones(x.shape[0], dtype=torch.int64)))
+
+
+def _refused_two_ranks(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x.float(),) if r == 0 else (x[:, :3],))
+
+
+def _refused_parm(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x.float(),), parm=True)
+
+
+def _replicated(ctx: RankCtx, *, seed: int = SEED, activation: str = "swiglu"):
+    import tritonmoe as tm
+    from tritonmoe.inference import ReplicatedMoELayer
+
+    torch.manual_seed(seed)
+    layer = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 2 * ctx.world_size, TOP_K, activation=activation),
+                        dtype=torch.float64)
+    ctx.start_clock()
+    return ReplicatedMoELayer(layer, ctx.group)
+
+
+def _replicated_refused(ctx: RankCtx) -> dict:
+    rep = _replicated(ctx)
+    x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + ctx.rank))
+    ctx.start_clock()
+    with torch.no_grad():
+        rep(x.float() if ctx.is_victim else x)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}
+
+
+def _replicated_seed(ctx: RankCtx) -> dict:
+    _replicated(ctx, seed=SEED + ctx.is_victim)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}
+
+
+def _replicated_activation(ctx: RankCtx) -> dict:
+    _replicated(ctx, activation="relu" if ctx.is_victim else "gelu")
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}
+
+
+#: The rows of one rank's refused input (and of replicas that differ), with the error class
+#: every rank must raise and the text its message must hold (tests/test_faults.py checks them).
+REFUSED_ROWS = {
+    "input dtype differs": ("RankTypeError", "x is torch.float32 but the layer's parameters are torch.float64"),
+    "input shape differs": ("RankValueError", "x has shape (6, 7); the last dimension must be d_model=8"),
+    "padding_mask refused on one rank": ("RankTypeError", "padding_mask must be a bool tensor"),
+    "two ranks refuse their inputs": ("RankTypeError", "x is torch.float32"),
+    "Parm: input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "replicated: input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "replicated: weights differ": ("ValueError", "weights:w1: rank 0="),
+    "replicated: activation differs": ("ValueError", "activation: rank 0='gelu', rank 1='relu'"),
+}
+
+
 for _case in (
     FaultCase("zero tokens on a rank", "rank 0 has no tokens (it still takes part in every exchange)",
               _zero_tokens, legal=True, shared=True),
@@ -567,8 +663,8 @@ for _case in (
               _exit_mid_backward, victims=(1,)),
     FaultCase("dtype cast after construction", "rank 1 casts its layer and input to fp32 after construction",
               _cast_after_construction, victims=(1,)),
-    FaultCase("input dtype differs", "rank 1 feeds fp32 tokens to its fp64 layer (refused locally)",
-              _input_dtype, victims=(1,)),
+    FaultCase("input dtype differs", "rank 1 feeds fp32 tokens to its fp64 layer (refused; the counts exchange "
+              "carries the refusal to every rank)", _input_dtype, victims=(1,), shared=True),
     FaultCase("exit in a Lina allreduce", "rank 1 dies in its first gradient micro-op of a Lina-scheduled "
               "data-parallel step (data_parallel(..., comm='lina'))", _exit_in_lina_allreduce, victims=(1,)),
     FaultCase("exit in SAA", "rank 1 dies inside Parm S2's SAA collective (MP = 2)", _exit_in_saa, victims=(1,)),
@@ -591,6 +687,20 @@ for _case in (
               "and rail groups", _hier_exit, victims=(1,)),
     FaultCase("gradient lane cannot start", "rank 1's Lina gradient lane cannot start its thread (LaneStartError) "
               "in a data-parallel step", _grad_lane_cannot_start, victims=(1,)),
+    FaultCase("input shape differs", "rank 1's tokens have d_model - 1 features", _refused_shape, victims=(1,),
+              shared=True),
+    FaultCase("padding_mask refused on one rank", "rank 1 passes an int64 padding_mask", _refused_mask, victims=(1,),
+              shared=True),
+    FaultCase("two ranks refuse their inputs", "rank 0 feeds fp32 tokens, rank 1 tokens of 3 features",
+              _refused_two_ranks, victims=(0, 1), shared=True),
+    FaultCase("Parm: input dtype differs", "Parm S2 (MP = 2): rank 1 feeds fp32 tokens to its fp64 layer",
+              _refused_parm, victims=(1,), shared=True),
+    FaultCase("replicated: input dtype differs", "ReplicatedMoELayer: rank 1 feeds fp32 tokens (its counts "
+              "all-gather carries the refusal)", _replicated_refused, victims=(1,), shared=True),
+    FaultCase("replicated: weights differ", "ReplicatedMoELayer: rank 1's layer is built from another seed "
+              "(refused at construction)", _replicated_seed, victims=(1,), shared=True),
+    FaultCase("replicated: activation differs", "ReplicatedMoELayer: rank 1's layer uses relu, the others gelu",
+              _replicated_activation, victims=(1,), shared=True),
 ):
     register(_case)
 

@@ -53,6 +53,27 @@ def test_fault_row(table, case, world_size):
     assert not row.ok, f"{case} now meets the goal: remove it from KNOWN_GAPS ({row.describe()})"
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", list(faults.REFUSED_ROWS))
+def test_refused_input_ends_every_rank_alike(table, case, world_size):
+    """One rank's refused input (or replicas that differ): every rank raises the same error class
+    with the same message, naming the failing rank, at once (far inside the timeout: the refusal
+    rides in the step's first exchange, or in the construction's agreement check)."""
+    row = table[(case, world_size)]
+    cls, text = faults.REFUSED_ROWS[case]
+    excs = {o.exc for o in row.outcomes}
+    messages = {o.message for o in row.outcomes}
+    assert len(excs) == 1 and excs.pop().endswith("." + cls), row.describe()
+    assert len(messages) == 1, row.describe()
+    message = messages.pop()
+    assert text in message, row.describe()
+    if cls.startswith("Rank"):
+        assert message.startswith(text) and "of the group refused its input" in message, row.describe()
+        first = min(faults.CASES[case].victims)
+        assert f"rank {first} of the group refused its input" in message, row.describe()
+    assert all(o.seconds < PG_TIMEOUT_S for o in row.outcomes), row.describe()
+
+
 def _victim_never_returns(ctx: faults.RankCtx) -> dict:
     """The victim sleeps outside any collective; its peers wait for it in a barrier."""
     ctx.start_clock()

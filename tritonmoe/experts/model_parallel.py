@@ -52,6 +52,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from tritonmoe.comm.errors import input_status, raise_rank_input_error
 from tritonmoe.comm.executor import RealExecutor
 from tritonmoe.comm.partition import transpose_chunks_unchecked
 from tritonmoe.comm.programs.model_parallel import (
@@ -523,18 +524,33 @@ class ParmExperts(ExpertPath):
 
     # -- metadata ----------------------------------------------------------------------------------
 
+    @property
+    def reports_input_errors(self) -> bool:
+        """The counts all-gather (:meth:`_table`) is the first exchange whose sizes depend on the
+        batch in every fixed schedule (S1's MP exchanges before it have fixed sizes), so a rank's
+        refused input travels in it. Not under ``"auto"`` before its fit (the fit's probes run
+        on the batch): that rank raises alone and its peers end in ``ScheduleError`` at the
+        group's timeout."""
+        return self.config.parm_schedule != "auto" or self.schedule_policy.cost_model is not None
+
     def _table(self, tokens: int, counts_E: torch.Tensor) -> list[list[int]]:
-        """Every rank's [tokens, rows per expert]: one all-gather over the P ranks (the only host
-        sync of the step besides the backend's): every split of the step derives from it."""
+        """Every rank's [tokens, rows per expert] (its status word, the refused input's, dropped
+        once checked): one all-gather over the P ranks (the only host sync of the step besides
+        the backend's): every split of the step derives from it."""
         g = self.groups.ep_esp
-        vec = torch.cat([torch.tensor([tokens], dtype=torch.int64, device=counts_E.device), counts_E.to(torch.int64)])
+        head = [tokens, input_status(self.input_error)]
+        vec = torch.cat([torch.tensor(head, dtype=torch.int64, device=counts_E.device), counts_E.to(torch.int64)])
         if g is None:
-            return [vec.tolist()]  # host sync: split sizes are host ints (one rank: no exchange)
+            if self.input_error is not None:
+                raise self.input_error
+            return [[tokens] + vec[2:].tolist()]  # host sync: split sizes are host ints (one rank: no exchange)
         dev = comm_device(g)
         ex = RealExecutor(dev, timeline=self.timeline)
         out = run_collective(ex, "all_gather", vec.to(dev), group=g, kind="counts")
         _record(self, ex)
-        return out.view(self.layout.P, -1).tolist()  # host sync: split sizes are host ints
+        rows = out.view(self.layout.P, -1).tolist()  # host sync: split sizes are host ints
+        raise_rank_input_error([r[1] for r in rows], self.input_error, g, "Parm's counts all-gather")
+        return [[r[0]] + r[2:] for r in rows]
 
     # -- S1: pause MP before the gate ---------------------------------------------------------------
 
