@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import pickle
 import signal
@@ -957,6 +958,12 @@ def run_table(
             timeout of the default group the harness itself uses.
         hang_slack_s: how far past its limit a rank may run before it is killed as a hang.
     """
+    for name, v in (("pg_timeout_s", pg_timeout_s), ("init_timeout_s", init_timeout_s), ("hang_slack_s", hang_slack_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive finite number of seconds (a timeout of {v!r} would "
+                             "fail or hang every row; e.g. 10)")
+    if parallel is not None and (isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1):
+        raise ValueError(f"parallel={parallel!r} must be an int >= 1 (groups running at once) or None (all)")
     chosen: list[FaultCase] = []
     for c in (list(CASES) if cases is None else list(cases)):
         if isinstance(c, FaultCase):
@@ -1024,6 +1031,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         sizes = [int(s) for s in args.world_sizes.split(",") if s.strip()]
     except ValueError:
         p.error(f"--world-sizes {args.world_sizes!r} must be comma-separated integers")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        p.error(f"--timeout {args.timeout:g} must be a positive number of seconds (the process-group timeout of "
+                "every case; e.g. --timeout 10)")
+    if args.parallel is not None and args.parallel < 1:
+        p.error(f"--parallel {args.parallel} must be >= 1 (groups running at once; leave it out for all)")
     cases = [c.strip() for c in args.cases.split(",")] if args.cases else None
     t0 = time.monotonic()
     try:

@@ -148,6 +148,22 @@ def test_unknown_case_is_refused():
         faults.run_table((2,), cases=["nope"])
 
 
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_cli_refuses_a_timeout_that_is_not_positive(capsys, value):
+    with pytest.raises(SystemExit) as e:
+        faults.main(["--timeout", value, "--world-sizes", "2"])
+    assert e.value.code == 2
+    assert f"--timeout {float(value):g} must be a positive number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw", [dict(pg_timeout_s=-1.0), dict(pg_timeout_s=float("nan")), dict(hang_slack_s=0),
+                                dict(pg_timeout_s=True), dict(parallel=0)])
+def test_run_table_refuses_bad_timeouts(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name}="):
+        faults.run_table((2,), cases=["zero tokens on a rank"], **kw)
+
+
 def test_cli_lists_the_cases(capsys):
     assert faults.main(["--list"]) == 0
     out = capsys.readouterr().out
