@@ -208,6 +208,46 @@ def replica_fingerprint(layer, host: Mapping[str, torch.Tensor]) -> tuple[dict[s
     return values, labels
 
 
+def _check_input(rep: "ReplicatedMoELayer", x) -> None:
+    """A forward's input checks (typed errors; local, no collective)."""
+    c = rep.layer.config
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != c.d_model:
+        raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
+    dtype = rep.host[rep.names[0]].dtype
+    if x.dtype != dtype:
+        raise TypeError(f"x is {x.dtype} but the layer's parameters are {dtype}; cast one of them")
+    if x.device != rep.device:
+        raise ValueError(f"x is on {x.device} but the layer is on {rep.device}; move one of them")
+
+
+def _check_replicas(layer, host: Mapping[str, torch.Tensor], group) -> None:
+    """Replicas must compute the same thing: every config field that changes what a rank
+    computes and a digest of every served tensor (:func:`replica_fingerprint`), compared once at
+    construction (one collective; on a disagreement a second one gathers every rank's readable
+    values, and every rank raises the same ValueError)."""
+    values, labels = replica_fingerprint(layer, host)
+    check_agreement(values, group=group, labels=labels,
+                    what="the replicated layers' MoEConfig and weights (every rank must wrap a bitwise copy of the same "
+                         "layer: build it from the same seed or load the same checkpoint)")
+
+
+def _gather_counts(group, P: int, vec: torch.Tensor, refused: Optional[BaseException]) -> torch.Tensor:
+    """:meth:`ReplicatedMoELayer._exchange_counts`' all-gather of every rank's [2E + 1] vector;
+    a non-zero status word (the last entry: a rank that refused its input) raises the same
+    RankInputError on every rank. Returns [P, 2E] (the words dropped)."""
+    dev = comm_device(group)  # NCCL gathers CUDA tensors
+    vec = vec.to(dev)
+    parts = [torch.empty_like(vec) for _ in range(P)]
+    with backend_errors("the replicated layer's counts all-gather", group):
+        dist.all_gather(parts, vec, group=group)
+    table = torch.stack(parts).cpu()  # host sync: the splits and the placement are host values
+    raise_rank_input_error([int(v) for v in table[:, -1].tolist()], refused, group,
+                           "the replicated layer's counts all-gather")
+    return table[:, :-1]
+
+
 def _identity(x):
     return x
 
@@ -511,13 +551,7 @@ class ReplicatedMoELayer(nn.Module):
         self._hosted: tuple = ()
         self.placement = None
         if self.world_size > 1:
-            # replicas must compute the same thing: every config field that changes what a rank
-            # computes and a digest of every served tensor, compared once here (one collective;
-            # on a disagreement a second one gathers every rank's readable values)
-            values, labels = replica_fingerprint(layer, self.host)
-            check_agreement(values, group=group, labels=labels,
-                            what="the replicated layers' MoEConfig and weights (every rank must wrap a bitwise copy of "
-                                 "the same layer: build it from the same seed or load the same checkpoint)")
+            _check_replicas(layer, self.host, group)
         self.set_placement(placement if placement is not None else Placement.contiguous(E, self.world_size), check=True)
         # load_state_dict writes the layer's expert tensors: reload the slots from them afterwards
         self.register_load_state_dict_post_hook(ReplicatedMoELayer._after_load_state_dict)
@@ -635,19 +669,10 @@ class ReplicatedMoELayer(nn.Module):
             choices = top_choices(routing.topk_ids).cpu()
             sch.history = sch.history[:l] + [choices]
             if l + 1 < sch.estimator.num_layers:  # phase one for the next layer, piggybacked
-                vec[E:] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
+                vec[E : 2 * E] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
         if self.world_size == 1:
             return vec[: 2 * E].view(1, -1)
-
-        dev = comm_device(self.group)  # NCCL gathers CUDA tensors
-        vec = vec.to(dev)
-        parts = [torch.empty_like(vec) for _ in range(self.world_size)]
-        with backend_errors("the replicated layer's counts all-gather", self.group):
-            dist.all_gather(parts, vec, group=self.group)
-        table = torch.stack(parts).cpu()  # host sync: the splits and the placement are host values
-        raise_rank_input_error([int(v) for v in table[:, 2 * E].tolist()], refused, self.group,
-                               "the replicated layer's counts all-gather")
-        return table[:, : 2 * E]
+        return _gather_counts(self.group, self.world_size, vec, refused)
 
     def _schedule(self, table: torch.Tensor) -> None:
         """Phase two for this layer, phase one for the next, from the gathered counts."""
@@ -659,22 +684,10 @@ class ReplicatedMoELayer(nn.Module):
             sch.phase_one(l + 1, tot[E:])
         self.set_placement(placement, check=False)  # planned from the all-gathered counts: the same on every rank
 
-    def _check_input(self, x) -> None:
-        layer, c = self.layer, self.layer.config
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != c.d_model:
-            raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
-        dtype = self.host[self.names[0]].dtype
-        if x.dtype != dtype:
-            raise TypeError(f"x is {x.dtype} but the layer's parameters are {dtype}; cast one of them")
-        if x.device != self.device:
-            raise ValueError(f"x is on {x.device} but the layer is on {self.device}; move one of them")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer, c = self.layer, self.layer.config
         try:
-            self._check_input(x)
+            _check_input(self, x)
         except (TypeError, ValueError, IndexError) as exc:
             if self.world_size > 1:  # the others wait in the counts all-gather: take it, then all raise
                 self._exchange_counts(None, refused=exc)
