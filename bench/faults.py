@@ -546,9 +546,9 @@ def _grad_lane_cannot_start(ctx: RankCtx) -> dict:
     return _lina_step(ctx)
 
 
-def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: bool = False) -> dict:
-    """One forward of an expert-parallel layer (pipeline degree 2; Parm S2 with MP = 2 when
-    ``parm``) in which the victims call ``layer(*bad(rank, x))`` instead of ``layer(x)``: input
+def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: Optional[str] = None) -> dict:
+    """One forward of an expert-parallel layer (pipeline degree 2; Parm with MP = 2 and schedule
+    ``parm`` when given) in which the victims call ``layer(*bad(rank, x))`` instead of ``layer(x)``: input
     that the layer refuses on those ranks only. Every rank must end in the same
     ``RankInputError`` (raised at the counts exchange, which carries the refusal)."""
     import tritonmoe as tm
@@ -556,7 +556,7 @@ def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: bool
     P = ctx.world_size
     torch.manual_seed(SEED)
     cfg = tm.MoEConfig(D_MODEL, D_FFN, 2 * P, TOP_K, pipeline_degree=1 if parm else 2,
-                       **({"parm_schedule": "s2"} if parm else {}))
+                       **({"parm_schedule": parm} if parm else {}))
     if parm:
         from tritonmoe.parm_layout import ParmLayout
 
@@ -591,7 +591,11 @@ def _refused_two_ranks(ctx: RankCtx) -> dict:
 
 
 def _refused_parm(ctx: RankCtx) -> dict:
-    return _refused(ctx, lambda r, x: (x.float(),), parm=True)
+    return _refused(ctx, lambda r, x: (x.float(),), parm="s2")
+
+
+def _refused_parm_baseline(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x.float(),), parm="baseline")
 
 
 def _replicated(ctx: RankCtx, *, seed: int = SEED, activation: str = "swiglu"):
@@ -627,6 +631,39 @@ def _replicated_activation(ctx: RankCtx) -> dict:
     return {"correct": False, "max_err": float("nan")}
 
 
+#: torch.distributed functions that are collectives (what :func:`_healthy_step_collectives` counts)
+_COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                "all_reduce", "broadcast", "broadcast_object_list", "barrier", "reduce_scatter_tensor", "send", "recv",
+                "isend", "irecv", "batch_isend_irecv", "gather", "scatter")
+
+
+def _healthy_step_collectives(ctx: RankCtx) -> dict:
+    """A healthy expert-parallel step (pipeline degree 2, forward + backward) with every
+    ``torch.distributed`` collective counted by a wrapper: the refusal's status word rides in the
+    counts exchange, so the step makes exactly the calls it made before the word existed -- the
+    clock's barrier, 1 counts exchange + 2 x 2 forward and 2 x 2 backward all-to-alls -- and
+    nothing else. Right when the result is right and the counts are exactly these."""
+    counts: dict[str, int] = {}
+    originals = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    for n, fn in originals.items():
+        setattr(dist, n, counted(n, fn))
+    try:
+        out = ep_step(ctx, pipeline_degree=2)
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    want = {"barrier": 1, "all_to_all_single": 1 + 2 * 2 + 2 * 2}
+    return {"correct": out["correct"] and counts == want, "max_err": out["max_err"], "collectives": counts}
+
+
 #: The rows of one rank's refused input (and of replicas that differ), with the error class
 #: every rank must raise and the text its message must hold (tests/test_faults.py checks them).
 REFUSED_ROWS = {
@@ -635,6 +672,7 @@ REFUSED_ROWS = {
     "padding_mask refused on one rank": ("RankTypeError", "padding_mask must be a bool tensor"),
     "two ranks refuse their inputs": ("RankTypeError", "x is torch.float32"),
     "Parm: input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "Parm baseline: input dtype differs": ("RankTypeError", "x is torch.float32"),
     "replicated: input dtype differs": ("RankTypeError", "x is torch.float32"),
     "replicated: weights differ": ("ValueError", "weights:w1: rank 0="),
     "replicated: activation differs": ("ValueError", "activation: rank 0='gelu', rank 1='relu'"),
@@ -696,12 +734,19 @@ for _case in (
               _refused_two_ranks, victims=(0, 1), shared=True),
     FaultCase("Parm: input dtype differs", "Parm S2 (MP = 2): rank 1 feeds fp32 tokens to its fp64 layer",
               _refused_parm, victims=(1,), shared=True),
+    FaultCase("Parm baseline: input dtype differs", "Parm's baseline schedule (MP = 2): rank 1 feeds fp32 tokens",
+              _refused_parm_baseline, victims=(1,), shared=True),
     FaultCase("replicated: input dtype differs", "ReplicatedMoELayer: rank 1 feeds fp32 tokens (its counts "
               "all-gather carries the refusal)", _replicated_refused, victims=(1,), shared=True),
     FaultCase("replicated: weights differ", "ReplicatedMoELayer: rank 1's layer is built from another seed "
               "(refused at construction)", _replicated_seed, victims=(1,), shared=True),
     FaultCase("replicated: activation differs", "ReplicatedMoELayer: rank 1's layer uses relu, the others gelu",
               _replicated_activation, victims=(1,), shared=True),
+    FaultCase("step after refused inputs", "a healthy step on the group the refused-input rows left (shared): the "
+              "refusals end symmetrically, so the group stays usable", _ragged, legal=True, shared=True),
+    FaultCase("healthy step: collectives counted", "the status word adds no collective: a healthy step's calls, "
+              "counted by a wrapper around torch.distributed, are exactly the ones before it",
+              _healthy_step_collectives, legal=True, shared=True),
 ):
     register(_case)
 
