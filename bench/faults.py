@@ -598,6 +598,30 @@ def _refused_parm_baseline(ctx: RankCtx) -> dict:
     return _refused(ctx, lambda r, x: (x.float(),), parm="baseline")
 
 
+def _refused_counts(ctx: RankCtx, *, wrong_experts: bool) -> dict:
+    """The dispatcher's counts exchange called directly (``AllToAllDispatcher.exchange_counts``,
+    2 micro-ops): the victim passes float counts, or counts for one expert too many."""
+    from tritonmoe.comm import AllToAllDispatcher
+
+    E = 2 * ctx.world_size
+    disp = AllToAllDispatcher(E, ctx.group)
+    counts = torch.randint(0, 4, (2, E), generator=torch.Generator().manual_seed(SEED + ctx.rank))
+    if ctx.is_victim:
+        counts = torch.ones(2, E + 1, dtype=torch.int64) if wrong_experts else counts.double()
+    ctx.start_clock()
+    disp.exchange_counts(counts)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}
+
+
+def _refused_float_counts(ctx: RankCtx) -> dict:
+    return _refused_counts(ctx, wrong_experts=False)
+
+
+def _refused_expert_count(ctx: RankCtx) -> dict:
+    return _refused_counts(ctx, wrong_experts=True)
+
+
 def _replicated(ctx: RankCtx, *, seed: int = SEED, activation: str = "swiglu"):
     import tritonmoe as tm
     from tritonmoe.inference import ReplicatedMoELayer
@@ -674,6 +698,8 @@ REFUSED_ROWS = {
     "two ranks refuse their inputs": ("RankTypeError", "x is torch.float32"),
     "Parm: input dtype differs": ("RankTypeError", "x is torch.float32"),
     "Parm baseline: input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "counts exchange: float counts": ("RankValueError", "counts must be an integer tensor of shape"),
+    "counts exchange: wrong expert count": ("RankValueError", "counts have "),
     "replicated: input dtype differs": ("RankTypeError", "x is torch.float32"),
     "replicated: weights differ": ("ValueError", "weights:w1: rank 0="),
     "replicated: activation differs": ("ValueError", "activation: rank 0='gelu', rank 1='relu'"),
@@ -737,6 +763,10 @@ for _case in (
               _refused_parm, victims=(1,), shared=True),
     FaultCase("Parm baseline: input dtype differs", "Parm's baseline schedule (MP = 2): rank 1 feeds fp32 tokens",
               _refused_parm_baseline, victims=(1,), shared=True),
+    FaultCase("counts exchange: float counts", "AllToAllDispatcher.exchange_counts called directly; rank 1 passes "
+              "float64 counts", _refused_float_counts, victims=(1,), shared=True),
+    FaultCase("counts exchange: wrong expert count", "AllToAllDispatcher.exchange_counts called directly; rank 1 "
+              "passes counts for E + 1 experts", _refused_expert_count, victims=(1,), shared=True),
     FaultCase("replicated: input dtype differs", "ReplicatedMoELayer: rank 1 feeds fp32 tokens (its counts "
               "all-gather carries the refusal)", _replicated_refused, victims=(1,), shared=True),
     FaultCase("replicated: weights differ", "ReplicatedMoELayer: rank 1's layer is built from another seed "

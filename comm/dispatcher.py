@@ -84,8 +84,13 @@ class AllToAllDispatcher:
         ``row_dtype``/``row_width`` (the rows the exchanges will move) every rank checks that
         all ranks agree; ``status``: this rank's input-validation error, which the exchange
         carries so that every rank raises it (see :func:`comm.splits.exchange_counts`)."""
-        if counts_NE.shape[-1] != self.num_experts:
-            raise ValueError(f"counts have {counts_NE.shape[-1]} experts, the dispatcher {self.num_experts}")
+        if isinstance(counts_NE, torch.Tensor) and counts_NE.dim() in (1, 2) and counts_NE.shape[-1] != self.num_experts:
+            # refused on this rank only: it still takes the exchange (zero counts of the right
+            # shape) carrying the refusal, so every rank raises it instead of waiting for this one
+            refused = ValueError(f"counts have {counts_NE.shape[-1]} experts, the dispatcher {self.num_experts}")
+            status = status if status is not None else refused
+            shape = (self.num_experts,) if counts_NE.dim() == 1 else (counts_NE.shape[0], self.num_experts)
+            counts_NE = torch.zeros(shape, dtype=torch.int64, device=counts_NE.device)
         return exchange_counts(counts_NE, group=self.group, row_dtype=row_dtype, row_width=row_width, status=status)
 
     def dispatch(self, x_perm: torch.Tensor, plan: DispatchPlan, i: int = 0) -> torch.Tensor:

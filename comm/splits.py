@@ -337,11 +337,16 @@ def exchange_counts(
         raise TypeError(f"counts must be a torch.Tensor, got {type(counts_NE).__name__}")
     if counts_NE.dim() == 1:
         counts_NE = counts_NE.unsqueeze(0)
-    if counts_NE.dim() != 2 or counts_NE.dtype.is_floating_point or counts_NE.dtype == torch.bool:
-        raise ValueError(
-            f"counts must be an integer tensor of shape [micro_ops, num_experts], got {counts_NE.dtype} "
-            f"{tuple(counts_NE.shape)}"
-        )
+    if counts_NE.dim() != 2:
+        raise ValueError(f"counts must be an integer tensor of shape [micro_ops, num_experts], got {counts_NE.dtype} "
+                         f"{tuple(counts_NE.shape)}")
+    if counts_NE.dtype.is_floating_point or counts_NE.dtype == torch.bool or counts_NE.dtype.is_complex:
+        # refused on this rank only: the exchange still runs (zero counts of the same shape) and
+        # carries the refusal, so every rank raises it instead of waiting for this one
+        refused = ValueError(f"counts must be an integer tensor of shape [micro_ops, num_experts], got "
+                             f"{counts_NE.dtype} {tuple(counts_NE.shape)}")
+        status = status if status is not None else refused
+        counts_NE = torch.zeros(counts_NE.shape, dtype=torch.int64, device=counts_NE.device)
     N, E = counts_NE.shape
     if E % P != 0:
         raise ValueError(f"num_experts={E} is not divisible by the expert-parallel group size {P}")
