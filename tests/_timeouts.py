@@ -13,6 +13,9 @@ its phases (setup, call, teardown) under :func:`time_limit`:
   ``python -m bench gpu-tests`` then reruns the shard's remaining tests in a new shard).
 
 Where ``SIGALRM`` is unavailable (not the main thread, not POSIX) only the hard limit applies.
+Where pytest's own ``faulthandler_timeout`` is set (``python -m bench gpu-tests`` sets it, and
+kills the shard of a test past its limit) the hard limit is left to it: faulthandler keeps one
+timer per process, and pytest's dumps the stuck test's stacks into the shard's log.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ def limit_of(item) -> Optional[float]:
 
 
 @contextlib.contextmanager
-def time_limit(seconds: Optional[float], what: str, *, hard_grace_s: float = HARD_GRACE_S) -> Iterator[None]:
+def time_limit(seconds: Optional[float], what: str, *, hard_grace_s: Optional[float] = HARD_GRACE_S) -> Iterator[None]:
     """Run the body under a soft limit (``TestTimeLimit`` raised by ``SIGALRM``) and a hard one
-    (faulthandler's stack dump and exit, ``hard_grace_s`` later). ``seconds`` None: no limit."""
+    (faulthandler's stack dump and exit, ``hard_grace_s`` later; None: no hard limit, e.g. when
+    pytest's own ``faulthandler_timeout`` is armed: faulthandler has one timer per process).
+    ``seconds`` None: no limit."""
     if seconds is None:
         yield
         return
@@ -69,11 +74,13 @@ def time_limit(seconds: Optional[float], what: str, *, hard_grace_s: float = HAR
 
         previous = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
-    faulthandler.dump_traceback_later(seconds + hard_grace_s, exit=True)
+    if hard_grace_s is not None:
+        faulthandler.dump_traceback_later(seconds + hard_grace_s, exit=True)
     try:
         yield
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        if hard_grace_s is not None:
+            faulthandler.cancel_dump_traceback_later()
         if soft:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)

@@ -88,7 +88,11 @@ def _limited(phase: str):
         if seconds is not None and item.config.pluginmanager.hasplugin("timeout") \
                 and item.get_closest_marker("timeout") is not None:
             seconds = None
-        with time_limit(seconds, f"{item.nodeid} ({phase})"):
+        try:
+            pytest_faulthandler = float(item.config.getini("faulthandler_timeout") or 0) > 0
+        except (ValueError, TypeError):
+            pytest_faulthandler = False
+        with time_limit(seconds, f"{item.nodeid} ({phase})", hard_grace_s=None if pytest_faulthandler else 30.0):
             yield
 
     return hook

@@ -22,6 +22,12 @@ def test_a_phase_past_its_limit_fails_with_the_limit():
     assert time.monotonic() - t0 < 2.5
 
 
+def test_soft_limit_alone_leaves_faulthandler_to_pytest():
+    with pytest.raises(TestTimeLimit):
+        with time_limit(0.2, "soft only", hard_grace_s=None):
+            time.sleep(3)
+
+
 def test_the_limit_is_disarmed_after_the_phase():
     before = signal.getsignal(signal.SIGALRM)
     with time_limit(0.2, "quick"):
