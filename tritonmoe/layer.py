@@ -462,22 +462,19 @@ class MoELayer(_LayerRouting, _LayerStepOutputs, nn.Module):
 
     def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != c.d_model:
-            raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
-        if x.dtype != self.w1.dtype:
-            raise TypeError(f"x is {x.dtype} but the layer's parameters are {self.w1.dtype}; cast one of them")
-        if x.device != self.w1.device:
-            raise ValueError(f"x is on {x.device} but the layer is on {self.w1.device}; move one of them")
+        x, padding_mask, refused = refused_input(self, x, padding_mask)
         if self.expert_parallel:
             check_ddp(self)  # before any collective: plain DDP over different experts is refused
         x_TD = x.reshape(-1, c.d_model)
         self._step.padding_mask, self._step.sequence_length = token_options(c.aux_losses, x, padding_mask)
+        self.expert_path.input_error = refused
         try:
             out_TD, routing, aux = self.expert_path.step(x_TD, self.route_step(), self.expert_weights())
         finally:
             mask, self._step.padding_mask = self._step.padding_mask, None
+            self.expert_path.input_error = None
+        if refused is not None:  # the path's first exchange raises first; never return a result for refused input
+            raise refused
         if c.aux_loss_mode == "attach":
             out_TD = attach_aux_loss(out_TD, aux)
             aux = aux.detach()
@@ -504,6 +501,37 @@ class MoELayer(_LayerRouting, _LayerStepOutputs, nn.Module):
         if rd is not None and self.router.weight.dtype != rd:
             self.router._apply(lambda t: t.to(rd) if t.is_floating_point() else t)
         return self
+
+
+def check_input(layer: "MoELayer", x: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
+    """A forward's input checks (typed errors; local, no collective)."""
+    c = layer.config
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != c.d_model:
+        raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
+    if x.dtype != layer.w1.dtype:
+        raise TypeError(f"x is {x.dtype} but the layer's parameters are {layer.w1.dtype}; cast one of them")
+    if x.device != layer.w1.device:
+        raise ValueError(f"x is on {x.device} but the layer is on {layer.w1.device}; move one of them")
+    token_options(c.aux_losses, x, padding_mask)
+
+
+def refused_input(layer: "MoELayer", x, padding_mask) -> tuple[torch.Tensor, torch.Tensor | None, BaseException | None]:
+    """(x, padding_mask, None) when the input passes :func:`check_input`. Otherwise, on a path
+    that reports refused inputs to its group (:attr:`ExpertPath.reports_input_errors`: the other
+    ranks are about to wait for this one in the step's first exchange), an empty batch of the
+    layer's dtype and device, no mask, and the error: the step runs on the empty batch up to its
+    first exchange, which raises the error on every rank
+    (:class:`~tritonmoe.comm.errors.RankInputError`). Elsewhere the error is raised here."""
+    try:
+        check_input(layer, x, padding_mask)
+        return x, padding_mask, None
+    except (TypeError, ValueError, IndexError) as exc:
+        if not layer.expert_path.reports_input_errors:
+            raise
+        d = layer.config.d_model
+        return layer.w1.new_zeros((0, 1, d) if "seq" in layer.config.aux_losses else (0, d)), None, exc
 
 
 #: Kept for callers of the v0 private helper.

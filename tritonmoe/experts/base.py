@@ -57,7 +57,15 @@ class ExpertPath:
         path_used: the variant the last call ran ("fused", "unfused", "expert_parallel", ...),
             None before the first call.
         timeline: a :class:`~tritonmoe.comm.Timeline` the path records its schedule into, or None.
+        input_error: set by the layer for one step when this rank refused its input while the
+            path reports refused inputs (:attr:`reports_input_errors`): the step then runs on an
+            empty batch and the path sends the error in the step's first exchange, which raises
+            it on every rank (:class:`~tritonmoe.comm.errors.RankInputError`).
     """
+
+    #: Whether the path carries a rank's refused input into its step's first exchange (so the
+    #: layer runs the step on an empty batch instead of raising on that rank alone).
+    reports_input_errors = False
 
     def __init__(self, config: MoEConfig) -> None:
         self.config = config
@@ -65,6 +73,7 @@ class ExpertPath:
         self.expert_start = 0
         self.path_used: Optional[str] = None
         self.timeline = None
+        self.input_error: Optional[BaseException] = None
 
     def impl(self, op: str, x: torch.Tensor):
         """The implementation of ``op`` for the layer's backend and ``x``'s device and dtype."""

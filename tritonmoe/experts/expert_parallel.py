@@ -77,6 +77,8 @@ class ExpertParallelExperts(ExpertPath):
             combine's backward (Lina's look-ahead stop), and the pipeline ends the announcement.
     """
 
+    reports_input_errors = True
+
     def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
         super().__init__(config)
 
@@ -245,8 +247,10 @@ class ExpertParallelExperts(ExpertPath):
                                    num_rows=(b - a) * routing.topk_ids.shape[1])
             sends.append(x_perm)
             infos.append(info)
+        # the step's first exchange (after the degree policy's all-reduce, if any); it carries
+        # this rank's refused input, if any, and then raises on every rank
         plan = disp.exchange_counts(torch.stack([info.counts for info in infos]), row_dtype=x_TD.dtype,
-                                    row_width=x_TD.shape[1])
+                                    row_width=x_TD.shape[1], status=self.input_error)
         # the rows each micro-op really sends (the split exchange's host sync has them)
         sends = [s if s.shape[0] == plan.send_rows(i) else s[: plan.send_rows(i)] for i, s in enumerate(sends)]
         if strategy is None:
