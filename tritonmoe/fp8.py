@@ -33,6 +33,7 @@ from tritonmoe.core.types import PermuteInfo, Routing
 __all__ = [
     "FORMATS",
     "FP8Experts",
+    "check_fp8_experts",
     "dequantize_gate_up",
     "fp8_grouped_ffn",
     "fp8_grouped_ffn_train",
@@ -156,8 +157,11 @@ def load_fp8_experts(state_dict: Mapping[str, torch.Tensor], prefix: str, num_ex
     return FP8Experts(*out, fmts.pop())
 
 
-def _expert_shapes(ex: FP8Experts) -> None:
-    """The layouts of :mod:`tritonmoe.fp8_reference` (an FP8Experts built by hand may not have them)."""
+def check_fp8_experts(ex: FP8Experts) -> None:
+    """Raise TypeError / ValueError unless ``ex`` has the layouts of :mod:`tritonmoe.fp8_reference`
+    (an FP8Experts built by hand may not have them)."""
+    if not isinstance(ex, FP8Experts):
+        raise TypeError(f"experts must be tritonmoe.fp8.FP8Experts, got {type(ex).__name__}")
     if ex.format not in FORMATS:
         raise ValueError(f"experts.format={ex.format!r}; use one of {FORMATS}")
     for name in ("w1", "w2"):
@@ -185,7 +189,7 @@ def _check_experts(experts, x: torch.Tensor, d: int) -> FP8Experts:
     if not isinstance(experts, FP8Experts):
         raise TypeError(f"experts must be tritonmoe.fp8.FP8Experts (from quantize_experts / load_fp8_experts), "
                         f"got {type(experts).__name__}")
-    _expert_shapes(experts)
+    check_fp8_experts(experts)
     if experts.d_model != d:
         raise ValueError(f"the experts' d_model is {experts.d_model} but the input has {d} columns")
     V.same_device(x=x, w1=experts.w1, w2=experts.w2, w1_scale=experts.w1_scale, w2_scale=experts.w2_scale)
