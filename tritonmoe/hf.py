@@ -241,9 +241,12 @@ def from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, loss_convention: st
 
 
 def _convert(block: nn.Module, *, aux_loss_coef=0.0, loss_convention="tritonmoe", backend=None,
-             ignore_router_jitter=False, verify=True, fp8: Optional[FP8Experts] = None
+             ignore_router_jitter=False, verify=True, fp8: Optional[tuple[Mapping, str]] = None
              ) -> tuple[MoELayer, BlockSpec, bool]:
+    """``fp8``: (an FP8 checkpoint's tensors, the block's experts prefix in it): the layer holds
+    those experts in e4m3 (see :func:`apply`)."""
     spec = _spec(block)
+    experts = _block_fp8_experts(*fp8, spec.experts.num_experts, block) if fp8 is not None else None
     cfg = config_from_hf(block, aux_loss_coef=aux_loss_coef, loss_convention=loss_convention, backend=backend,
                          spec=spec)
     if spec.jitter > 0 and not ignore_router_jitter:
@@ -259,8 +262,8 @@ def _convert(block: nn.Module, *, aux_loss_coef=0.0, loss_convention="tritonmoe"
         for name, t in hf_to_tensors(block, spec).items():
             own[name].copy_(t)
     returns_tuple = _probe(block, layer) if verify else False
-    if fp8 is not None:
-        layer = _fp8_layer(layer, fp8)
+    if experts is not None:
+        layer = _fp8_layer(layer, experts)
     return layer, spec, returns_tuple
 
 
@@ -499,7 +502,7 @@ def apply(model: nn.Module, *, backend: Optional[str] = None, aux_loss_coef: flo
     sd = checkpoint_tensors(fp8_experts) if fp8_experts is not None else None
     for name, block in targets:
         try:
-            fp8 = _block_fp8_experts(sd, f"{fp8_prefix}{name}.experts.", block) if sd is not None else None
+            fp8 = (sd, f"{fp8_prefix}{name}.experts.") if sd is not None else None
             made.append((name, HFMoEBlock.from_hf(block, backend=backend, aux_loss_coef=aux_loss_coef,
                                                   loss_convention=loss_convention, fp8=fp8)))
         except HFConversionError as e:
@@ -667,8 +670,7 @@ def checkpoint_tensors(source) -> Mapping:
     return _SafetensorsIndex(files)
 
 
-def _block_fp8_experts(sd: Mapping, prefix: str, block: nn.Module) -> FP8Experts:
-    n = inspect_block(block).experts.num_experts
+def _block_fp8_experts(sd: Mapping, prefix: str, n: int, block: nn.Module) -> FP8Experts:
     if f"{prefix}0.gate_proj.weight" not in sd:
         raise HFConversionError(f"the FP8 checkpoint has no experts under {prefix!r} (expected "
                                 f"'{prefix}0.gate_proj.weight'; pass fp8_prefix= if the model is a submodule of the "

@@ -51,18 +51,7 @@ class LocalExperts(ExpertPath):
     def fp8_forward(self, x_TD: torch.Tensor, routing: Routing, w: ExpertWeights) -> torch.Tensor:
         """``config.expert_dtype="fp8_e4m3"``: the layer's weights are the master weights."""
         c = self.config
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("expert_dtype='fp8_e4m3' runs eagerly only (the FP8 ops are not custom ops "
-                                      "yet); call the layer outside torch.compile")
-        if w.fp8 is not None and torch.is_grad_enabled() and (x_TD.requires_grad or routing.topk_weights.requires_grad):
-            raise ValueError("this layer's experts are held in e4m3 (hold_fp8_experts: an FP8 checkpoint's) and run "
-                             "without a backward; call it under torch.no_grad() (inference), or train a layer "
-                             "with 16-bit master weights and expert_dtype='fp8_e4m3'")
-        if w.fp8 is None and _needs_backward(x_TD, routing, w):
-            if c.fp8_recipe != "block128" or c.d_ffn % 128:
-                raise ValueError(f"FP8 training needs fp8_recipe='block128' and d_ffn a multiple of 128; this layer "
-                                 f"has {c.fp8_recipe!r} and d_ffn={c.d_ffn} (run it under torch.no_grad() for "
-                                 "inference)")
+        if fp8_training(c, x_TD, routing, w):
             self.path_used = "fp8_train"
             T, k = routing.topk_ids.shape
             rows = max_permuted_rows(T, k, c.num_experts)
@@ -105,6 +94,28 @@ class LocalExperts(ExpertPath):
         x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts, num_rows=rows)
         y_perm = self.impl("grouped_ffn", x_TD)(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
+
+
+def fp8_training(c, x_TD: torch.Tensor, routing: Routing, w: ExpertWeights) -> bool:
+    """Whether an FP8 expert call trains (a backward follows: ``fp8_grouped_ffn_train``) or not
+    (the inference ops); raises for what the FP8 paths do not run. Local checks, the same on
+    every rank of an expert-parallel group (grad mode and ``requires_grad`` are the model's)."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("expert_dtype='fp8_e4m3' runs eagerly only (the FP8 ops are not custom ops "
+                                  "yet); call the layer outside torch.compile")
+    if w.fp8 is not None:
+        if torch.is_grad_enabled() and (x_TD.requires_grad or routing.topk_weights.requires_grad):
+            raise ValueError("this layer's experts are held in e4m3 (hold_fp8_experts: an FP8 checkpoint's) and run "
+                             "without a backward; call it under torch.no_grad() (inference), or train a layer "
+                             "with 16-bit master weights and expert_dtype='fp8_e4m3'")
+        return False
+    if not _needs_backward(x_TD, routing, w):
+        return False
+    if c.fp8_recipe != "block128" or c.d_ffn % 128:
+        raise ValueError(f"FP8 training needs fp8_recipe='block128' and d_ffn a multiple of 128; this layer "
+                         f"has {c.fp8_recipe!r} and d_ffn={c.d_ffn} (run it under torch.no_grad() for "
+                         "inference)")
+    return True
 
 
 def fp8_experts_of(w: ExpertWeights, recipe: str) -> "fp8.FP8Experts":
