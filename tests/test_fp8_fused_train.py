@@ -99,3 +99,31 @@ def test_fused_training_epilogues_named_case():
        D=st.sampled_from([40, 128, 160]))
 def test_fused_training_epilogues_property(seed, counts, D):
     _check(seed, counts, D)
+
+
+def test_fp8_tuned_table_hook():
+    """select_fp8 reads the tuned table (targets fp8.swiglu / fp8.mm, key fp8_key, nearest
+    rows-per-expert bucket) before the policy; an override still wins; the choice is recorded."""
+    from tritonmoe.kernels import config as CF
+    from tritonmoe.kernels._fp8_config import fp8_key, select_fp8
+
+    dev = torch.device("cpu")
+    key = CF.bucket_key(fp8_key(False, 8, 256, 384))
+    doc = {"entries": {"fp8.mm": {key: {
+        "64": {"config": {"BM": 32, "BN": 64, "BK": 64, "GROUP_M": 4, "num_warps": 2, "num_stages": 2}},
+        "512": {"config": {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}}}}}}
+    tbl = CF.Table(doc)
+    kw = dict(n=256, k=384, num_experts=8, rowwise=False, device=dev)
+    base = select_fp8("fp8_mm", rows=8 * 100, **kw)
+    with CF.override("table", tbl), CF.recording() as ran:
+        near64 = select_fp8("fp8_mm", rows=8 * 100, **kw)  # 100 rows per expert: bucket 64
+        near512 = select_fp8("fp8_mm", rows=8 * 1000, **kw)
+        other = select_fp8("fp8_mm", rows=8 * 100, **{**kw, "rowwise": True})  # no entry: the policy
+        with CF.override("fp8.mm", BM=16):
+            forced = select_fp8("fp8_mm", rows=8 * 1000, **kw)
+    assert (near64.BM, near64.BN, near64.BK, near64.num_warps) == (32, 64, 64, 2) != (base.BM, base.BN, base.BK,
+                                                                                      base.num_warps)
+    assert (near512.BM, near512.BK, near512.num_stages) == (64, 128, 3)
+    assert other == select_fp8("fp8_mm", rows=8 * 100, **{**kw, "rowwise": True})
+    assert forced.BM == 16
+    assert [r.source for r in ran] == ["table", "table", "heuristic", "override"]
