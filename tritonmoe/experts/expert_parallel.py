@@ -24,6 +24,7 @@ from tritonmoe.policy.memory_strategy import (
 )
 
 from tritonmoe import fp8
+from tritonmoe.backends import implementation
 
 from .base import ExpertPath, ExpertWeights, dtype_code
 from .local import fp8_experts_of, fp8_training
@@ -319,7 +320,10 @@ class _FP8Exchange:
         rows = ids.shape[0] * ids.shape[1]  # the slot bound: no host sync (see the 16-bit path)
         if self.train:
             return self.path.impl("permute", x)(x, ids, c.num_experts, num_rows=rows)
-        q, s, info = fp8.fp8_permute(x, ids, c.num_experts, self.fmt, num_rows=rows, backend=c.backend)
+        # the ops' implementations, not the public ops: the layer's metadata is valid by
+        # construction, so no value check (a host sync each) runs per micro-op
+        q, s, info = implementation("fp8_permute", c.backend, x.device, x.dtype)(x, ids, c.num_experts, self.fmt,
+                                                                                 num_rows=rows)
         return fp8.pack_fp8_rows(q, s), info
 
     def expert_fn(self, plan):
@@ -330,10 +334,13 @@ class _FP8Exchange:
             offsets = disp.expert_offsets(plan, i)
             if self.train:
                 w = self.weights.with_params(params)
-                y_RD = fp8.fp8_grouped_ffn_train(x_RD, offsets, w.w1, w.w2, backend=c.backend)
+                y_RD = implementation("fp8_grouped_ffn_train", c.backend, x_RD.device, x_RD.dtype)(
+                    x_RD, offsets, w.w1, w.w2)
             else:
                 q, s = fp8.unpack_fp8_rows(x_RD, self.d)
-                y_RD = fp8.fp8_grouped_ffn(q, s, offsets, self.experts, out_dtype=self.dtype, backend=c.backend)
+                ex = self.experts
+                y_RD = implementation("fp8_grouped_ffn", c.backend, q.device, None)(
+                    q, s, offsets, ex.w1, ex.w1_scale, ex.w2, ex.w2_scale, ex.format, self.dtype)
             return disp.to_source_major(y_RD, plan, i)
 
         return experts
