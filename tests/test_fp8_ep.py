@@ -5,6 +5,8 @@ of FP8 rows for the all-to-all and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,6 +30,18 @@ def test_fp8_pack_rows_round_trip():
 def test_fp8_expert_parallel_refusals():
     cfg = tm.MoEConfig(16, 128, 4, 2, expert_dtype="fp8_e4m3")
     for kw in (dict(ep_capacity=4), dict(memory_strategy="keep")):
-        import dataclasses
         with pytest.raises(ValueError, match="expert_dtype"):
             tm.experts.make_expert_path(dataclasses.replace(cfg, **kw), ep_group=object())
+
+
+def test_packed_fp8_rows_relayout_on_triton():
+    """The expert-major re-layout of received packed rows (uint8) on the Triton copy kernel
+    equals the reference's (the dispatcher runs it on the packed FP8 rows)."""
+    from tritonmoe.comm.partition import transpose_chunks_unchecked
+
+    q, s = tm.fp8.fp8_quantize(torch.randn(10, 40))
+    x = tm.fp8.pack_fp8_rows(q, s)
+    counts = torch.tensor([[2, 1], [3, 4]])
+    got = transpose_chunks_unchecked(x, counts, "triton")
+    assert got.dtype == torch.uint8 and torch.equal(got, transpose_chunks_unchecked(x, counts, "torch"))
+    assert not torch.equal(got, x)

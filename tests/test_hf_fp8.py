@@ -52,6 +52,15 @@ def _model(seed: int):
     return m
 
 
+_CKPT = []
+
+
+def _source_checkpoint() -> dict[str, torch.Tensor]:
+    if not _CKPT:  # one per module (the tests do not modify it)
+        _CKPT.append(_checkpoint(_model(0)))
+    return _CKPT[0]
+
+
 def _checkpoint(model) -> dict[str, torch.Tensor]:
     """The model as an FP8 checkpoint as DeepSeek-V3 ships it: every linear weight of the
     decoder e4m3 + ``weight_scale_inv`` (128x128 blocks), per-expert projections, the router,
@@ -98,7 +107,7 @@ def _dequantized_model(sd, seed: int):
 
 
 def test_fp8_deepseek_v3_checkpoint_runs_in_fp8(tmp_path):
-    sd = _checkpoint(_model(0))
+    sd = _source_checkpoint()
     keys = sorted(sd)
     half = len(keys) // 2  # two shards, as a sharded checkpoint
     safetensors_torch.save_file({k: sd[k] for k in keys[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
@@ -167,7 +176,7 @@ def test_fp8_deepseek_v3_checkpoint_runs_in_fp8(tmp_path):
 
 
 def test_fp8_checkpoint_errors(tmp_path):
-    sd = _checkpoint(_model(0))
+    sd = _source_checkpoint()
     model = _model(3)
     bad = {k: v for k, v in sd.items() if not k.startswith("model.layers.1.mlp.experts.2.")}
     with pytest.raises(hf.HFConversionError, match="experts.2.gate_proj"):
