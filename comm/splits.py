@@ -294,8 +294,9 @@ class DispatchPlan:
 #: Integers after the counts in each block of :func:`exchange_counts`: row dtype, row width, status.
 _COUNTS_HEADER = 3
 
-#: Row dtypes :func:`exchange_counts` can compare across ranks (their index is the wire code).
-_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Row dtypes :func:`exchange_counts` can compare across ranks (their index is the wire code);
+#: uint8: packed FP8 rows (e4m3 values and their fp32 scales, :func:`tritonmoe.fp8.pack_fp8_rows`).
+_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8)
 
 
 def exchange_counts(

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 import tritonmoe as tm
+
+import _fp8_ep_cases
 from tritonmoe.comm import Timeline
 
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 12, 8
@@ -215,7 +217,10 @@ def layer_table(rank: int, P: int) -> dict:
         f, eff = run_case(rank, P, c)
         failures += f
         effs.setdefault(c.pipeline_degree, []).append(eff)
-    return {"failures": failures, "num_cases": len(table), "efficiency": effs, "errors": layer_errors(rank, P)}
+    # the FP8 expert-parallel checks ride on this group (tests/_fp8_ep_cases.py)
+    fp8 = _fp8_ep_cases.fp8_ep_table(rank, P)
+    return {"failures": failures, "num_cases": len(table), "efficiency": effs, "errors": layer_errors(rank, P),
+            "fp8_failures": fp8}
 
 
 def peer_exit(rank: int, P: int, victim: int) -> dict:

@@ -26,12 +26,15 @@ def dtype_code(dtype: torch.dtype) -> int:
 class ExpertWeights:
     """The expert parameters of a layer (this rank's experts under expert parallelism):
     ``w1`` [E_local, d_model, n1], ``w2`` [E_local, d_ffn, d_model], and the optional biases
-    ``b1`` [E_local, n1] and ``b2`` [E_local, d_model]."""
+    ``b1`` [E_local, n1] and ``b2`` [E_local, d_model]. ``fp8``: the layer's experts held in
+    e4m3 (:func:`tritonmoe.layer.hold_fp8_experts`; then ``w1``/``w2`` are empty placeholders and
+    the FP8 paths run these), else None."""
 
     w1: torch.Tensor
     w2: torch.Tensor
     b1: Optional[torch.Tensor] = None
     b2: Optional[torch.Tensor] = None
+    fp8: Optional[Any] = None
 
     def params(self) -> tuple[torch.Tensor, ...]:
         """The tensors a schedule differentiates (in a fixed order: w1, w2, then the biases
@@ -44,7 +47,7 @@ class ExpertWeights:
         rest = list(rest)
         b1 = rest.pop(0) if self.b1 is not None else None
         b2 = rest.pop(0) if self.b2 is not None else None
-        return ExpertWeights(w1, w2, b1, b2)
+        return ExpertWeights(w1, w2, b1, b2, self.fp8)
 
 
 class ExpertPath:
