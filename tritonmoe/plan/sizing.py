@@ -217,8 +217,10 @@ class SizingReport:
             out.append(
                 f"TIE: {len(self.tied)} candidates are within {100 * self.tie_tolerance:.1f}% of the winner, inside "
                 f"the simulator's own median error [{TIE_SOURCE}]; the prediction cannot tell them apart. "
-                f"Recommended: the simpler one, {rec.label()} ({_ms(rec.step_time)}, "
-                f"+{100 * (rec.step_time / w.step_time - 1):.1f}%); simpler means, in this order: {', '.join(SIMPLER)}.")
+                + (f"Recommended: the simpler one, {rec.label()} ({_ms(rec.step_time)}, "
+                   f"+{100 * (rec.step_time / w.step_time - 1):.1f}%)" if rec is not w else
+                   "Recommended: the winner, which is also the simplest of them")
+                + f"; simpler means, in this order: {', '.join(SIMPLER)}.")
         elif r is not None:
             out.append(f"The winner leads by more than the simulator's median error "
                        f"({100 * self.tie_tolerance:.1f}%) [{TIE_SOURCE}].")
