@@ -390,7 +390,7 @@ def dense_work(m: ModelSpec, T: int, seq_len: int) -> Work:
     ``T`` tokens: attention projections and (causal) scores, dense MLPs, shared experts, LM head
     (backward = twice the forward's FLOPs; the weights read three times in bf16)."""
     attn = m.attention_params_per_layer()
-    mlp = m._mlp(m.dense_d_ffn) if m.dense_layers else 0
+    mlp = (3 if m.gated else 2) * m.d_model * m.dense_d_ffn if m.dense_layers else 0
     shared = m.shared_params_per_layer()
     head_dim = (m.qk_nope_head_dim + m.qk_rope_head_dim) if m.mla else m.head_dim
     params = m.num_layers * attn + m.dense_layers * mlp + m.moe_layers * shared + m.vocab_size * m.d_model
