@@ -36,12 +36,28 @@ whole (gradient accumulation holds both; without it gradients grow as activation
 Not counted: the CUDA context and the allocator's fragmentation (say ~1-3 GiB on an H100), the
 communication buffers of NCCL, temporary workspaces of one op.
 
-Example (the table :meth:`MemoryEstimate.table` prints)::
+Example: Qwen3-30B-A3B on 16 H100s (two DGX nodes), EP 8 x DP 2, 4096 tokens per GPU, ZeRO-1,
+MoE layers with "recompute" at pipeline degree 4::
 
-    >>> from tritonmoe.plan.models import get_model
-    >>> est = memory_per_gpu(get_model("qwen3-30b-a3b"), world_size=16, ep_size=8, tokens_per_gpu=8192,
-    ...                      seq_len=4096)
-    >>> print(est.table())      # doctest: +SKIP
+    from tritonmoe.plan import TrainingSetup, device_memory_bytes, memory_per_gpu
+    est = memory_per_gpu("qwen3-30b-a3b", world_size=16, ep_size=8, tokens_per_gpu=4096, seq_len=4096,
+                         setup=TrainingSetup(shard_optimizer=True), memory_strategy="recompute",
+                         pipeline_degree=4)
+    print(est.table(device_memory_bytes("dgx-h100")))
+
+                                                GiB  provenance  note
+    weights: dense (replicated)                2.87  exact       1.541B params x 2 B
+    weights: routed experts                    6.75  exact       16 of 128 experts x 48 MoE layers
+    gradients                                  9.62  exact       2 B per parameter
+    fp32 master weights                        7.11  exact       4 B per parameter, sharded over DP (dense / 16, experts / 2)
+    optimizer state (adam)                    14.22  exact       Adam's two moments x 4 B + a 4 B step per tensor, sharded over DP (dense / 16, experts / 2)
+    activations: attention + dense MLPs        6.40  formula     Korthikanti et al. 2022 adapted: 17408 values/token/layer (FlashAttention, no dropout)
+    activations: MoE layers                   16.36  formula     memory_strategy='recompute', pipeline_degree=4: 32768 rows per layer (tritonmoe's layer: router, combine, expert block)
+    activations: logits + loss                 3.48  formula     [4096, 151936] logits and their fp32 log-softmax
+    total                                     66.81
+    host (offloaded)                           6.00
+    capacity                                  79.19
+    headroom                                  12.38  fits
 """
 
 from __future__ import annotations
@@ -111,6 +127,11 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        for f in ("master_weights", "shard_optimizer", "activation_checkpointing"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"TrainingSetup.{f} must be a bool, got {getattr(self, f)!r}")
+        if not isinstance(self.param_dtype, torch.dtype) or not self.param_dtype.is_floating_point:
+            raise TypeError(f"TrainingSetup.param_dtype must be a floating torch.dtype, got {self.param_dtype!r}")
         for f in ("param_dtype", "grad_dtype"):
             v = getattr(self, f)
             if v is not None and not isinstance(v, torch.dtype):
@@ -290,26 +311,36 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
     keeps for backward on a rank with ``tokens`` input tokens whose experts receive ``rows`` rows,
     split evenly over ``pipeline_degree`` micro-ops. What the layer's code saves:
 
-    * the router: the fp32 routing probabilities [T, E], the top-k ids (int64) and fp32
-      weights [T, k], two fp32 per-token statistics of the softmax (8 B per token);
+    * the router: the fp32 routing probabilities [T, E] (saved) and the fp32 logits [T, E] the
+      layer keeps for its auxiliary losses (``MoELayer``'s step state), the top-k ids (int64)
+      and fp32 weights [T, k], two fp32 per-token statistics of the softmax (8 B per token);
     * per micro-op, the combine (unpermute): each slot's ids (int64), kept mask (bool), fp32
       weight and expert output row ([T_i, k, d] in the layer's dtype), and the expert block's
       int64 row index of R_i + 1 entries;
-    * the expert block: DI and MI by strategy, :func:`tritonmoe.sim.memory_model.expert_block_bytes`.
+    * the expert block: DI and MI by strategy, :func:`tritonmoe.sim.memory_model.expert_block_bytes`,
+      and each micro-op's expert output [R_i, d] in expert-major order, which the block holds
+      until backward differentiates it (``_MemoryPipelinedExperts``' micro-op graphs);
+    * ``host``: the DI / MI copies an offloading strategy keeps in host memory.
+
+    Not counted: the CPU reference routing's top-k ids are a view of its [T, E] int64 sort
+    (T*(E-k)*8 more bytes on CPU than the GPU kernels' [T, k] ids).
 
     Returns ``{"router", "combine", "experts", "host", "total"}`` (device bytes but host)."""
     n = _pos_int("pipeline_degree", pipeline_degree)
     es = _itemsize(dtype)
     T, E, K, d = tokens, m.num_experts, m.top_k, m.d_model
-    base, extra = divmod(rows, n)
-    rows_i = [base + (1 if i < extra else 0) for i in range(n)]
     tb, te = divmod(T, n)
-    toks_i = [tb + (1 if i < te else 0) for i in range(n)]
-    router = T * E * 4 + T * K * (8 + 4) + T * 8
+    toks_i = [tb + (1 if i < te else 0) for i in range(n)]  # the layer's micro-batch bounds
+    # each micro-op's rows: its share of the rank's rows (its tokens' k slots when T*k arrive)
+    rows_i = [(rows * t) // T for t in toks_i] if T else [0] * n
+    for i in range(rows - sum(rows_i)):
+        rows_i[i % n] += 1
+    router = 2 * T * E * 4 + T * K * (8 + 4) + T * 8
     combine = sum(t * K * (8 + 1 + 4 + d * es) for t in toks_i) + sum((r + 1) * 8 for r in rows_i)
     eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
-    return {"router": router, "combine": combine, "experts": eb["device"], "host": eb["host"],
-            "total": router + combine + eb["device"]}
+    experts = eb["device"] + rows * d * es
+    return {"router": router, "combine": combine, "experts": experts, "host": eb["host"],
+            "total": router + combine + experts}
 
 
 def attention_saved_elements(m: ModelSpec) -> tuple:
@@ -340,13 +371,13 @@ def dense_mlp_saved_elements(m: ModelSpec) -> int:
 
 
 def _routed_rows(m: ModelSpec, tokens: int, capacity_factor: Optional[float], imbalance: float) -> int:
-    """Rows a rank's experts receive for ``tokens`` tokens per rank: T * k under balanced routing
-    (every rank sends T * k rows, a rank receives as many on average), times ``imbalance``
-    (assumed) for dropless routing, capped at ``capacity_factor * T * k`` with a capacity."""
-    rows = tokens * m.top_k
-    if capacity_factor is not None:
-        return int(math.ceil(capacity_factor * rows))
-    return int(math.ceil(imbalance * rows))
+    """Rows the most loaded rank's experts receive for ``tokens`` tokens per rank: T * k under
+    balanced routing (every rank sends T * k rows; a rank receives as many on average) times
+    ``imbalance`` (assumed), at most ``capacity_factor * T * k`` with a capacity (the layer drops
+    the slots past each expert's capacity and pads nothing: a capacity caps the rows, it does not
+    add any)."""
+    ratio = imbalance if capacity_factor is None else min(imbalance, capacity_factor)
+    return int(math.ceil(ratio * tokens * m.top_k))
 
 
 def _check_inputs(model, world_size, ep_size, tokens_per_gpu, seq_len, setup, memory_strategy, pipeline_degree,
@@ -361,6 +392,10 @@ def _check_inputs(model, world_size, ep_size, tokens_per_gpu, seq_len, setup, me
     _pos_int("seq_len", seq_len)
     if not isinstance(setup, TrainingSetup):
         raise TypeError(f"setup must be a TrainingSetup, got {type(setup).__name__}")
+    if memory_strategy is None:
+        raise ValueError("memory_strategy=None (the layer's unmanaged default path) is not modelled: its grouped FFN "
+                         "also keeps the activation's output and, expert-parallel, one more [rows, d_model] buffer per "
+                         "layer; pass one of " + ", ".join(STRATEGIES) + " ('keep' keeps every micro-op's DI and MI)")
     if memory_strategy not in STRATEGIES:
         raise ValueError(f"memory_strategy={memory_strategy!r}{did_you_mean(str(memory_strategy), STRATEGIES)}; "
                          f"use one of {', '.join(STRATEGIES)}")
@@ -435,9 +470,10 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
     rows.extend(_activation_rows(m, S, tokens_per_gpu, seq_len, memory_strategy, pipeline_degree, capacity_factor,
                                  routing_imbalance, mi_buffers, assumptions))
     host = rows.pop()  # _activation_rows returns the host bytes last
-    if routing_imbalance != 1.0 or capacity_factor is None:
-        assumptions.append(f"routing: the most loaded rank receives {routing_imbalance:g} x T*k rows (dropless)"
-                           if capacity_factor is None else "")
+    R = _routed_rows(m, tokens_per_gpu, capacity_factor, routing_imbalance)
+    assumptions.append(f"routing: the most loaded rank's experts receive {R} rows per MoE layer "
+                       f"({routing_imbalance:g} x T*k" + (f", capacity factor {capacity_factor:g}" if capacity_factor
+                                                          else ", dropless") + ")")
     params = dict(world_size=world_size, ep_size=ep_size, tokens_per_gpu=tokens_per_gpu, seq_len=seq_len,
                   memory_strategy=memory_strategy, pipeline_degree=pipeline_degree, capacity_factor=capacity_factor,
                   expert_replicas=expert_replicas, routing_imbalance=routing_imbalance, mi_buffers=mi_buffers)
@@ -515,12 +551,13 @@ def _variants(est: MemoryEstimate) -> list:
                 if n > p["tokens_per_gpu"] or (s, n) == (p["memory_strategy"], p["pipeline_degree"]):
                     continue
                 q = dict(p, memory_strategy=s, pipeline_degree=n)
-                b = memory_per_gpu(m, setup=S, **q).total_bytes
+                x = memory_per_gpu(m, setup=S, **q)
+                b = (x.total_bytes, x.host_bytes)  # equal device bytes: the one keeping least on the host
                 if best is None or b < best[0]:
                     best = (b, s, n, q)
         if best is not None:
-            out.append((f"memory_strategy={best[1]!r} with pipeline_degree={best[2]} (MPMoE's buffer reuse)", S,
-                        best[3]))
+            out.append((f"memory_strategy={best[1]!r} with pipeline_degree={best[2]} (MPMoE's buffer reuse; every "
+                        "reuse strategy keeps the same device buffers)", S, best[3]))
     for e in _divisors(world):
         if e > ep and (not S.training and p.get("expert_replicas") is None or m.num_experts % e == 0):
             out.append((f"ep_size {e} instead of {ep} (DP {world // e})", S, dict(p, ep_size=e, expert_replicas=None)))
@@ -547,4 +584,31 @@ def _alternatives(est: MemoryEstimate, cap: int) -> list:
         verdict = "fits" if new.fits(cap) else f"still {new.shortfall(cap) / GiB:.1f} GiB short"
         found.append((saved, f"{desc} saves {saved / GiB:.1f} GiB ({new.total_bytes / GiB:.1f} GiB: {verdict})"))
     found.sort(key=lambda x: -x[0])
+    if len(found) > 1 and not est.fits(cap):
+        # everything but the numerics-changing and the batch-changing ones, together
+        S, p = est.setup, dict(est.params)
+        if S.training:
+            S = replace(S, shard_optimizer=S.shard_optimizer or p["world_size"] > 1, activation_checkpointing=True)
+        for desc, S2, p2 in _variants(est):
+            if desc.startswith("memory_strategy=") or desc.startswith("ep_size"):
+                p.update({k: p2[k] for k in ("memory_strategy", "pipeline_degree", "ep_size", "expert_replicas")
+                          if p2[k] != est.params[k]})
+        try:
+            new = memory_per_gpu(est.model, setup=S, **p)
+        except ValueError:
+            return found
+        saved = est.total_bytes - new.total_bytes
+        verdict = "fits" if new.fits(cap) else f"still {new.shortfall(cap) / GiB:.1f} GiB short"
+        what = []
+        if S.shard_optimizer != est.setup.shard_optimizer:
+            what.append("ZeRO-1")
+        if S.activation_checkpointing != est.setup.activation_checkpointing:
+            what.append("checkpointing")
+        if p["memory_strategy"] != est.params["memory_strategy"] or p["pipeline_degree"] != est.params["pipeline_degree"]:
+            what.append(f"memory_strategy={p['memory_strategy']!r} at pipeline_degree={p['pipeline_degree']}")
+        if p["ep_size"] != est.params["ep_size"]:
+            what.append(f"ep_size {p['ep_size']}")
+        if len(what) > 1:
+            found.append((saved, f"together ({', '.join(what)}) they save {saved / GiB:.1f} GiB "
+                                 f"({new.total_bytes / GiB:.1f} GiB: {verdict})"))
     return found
