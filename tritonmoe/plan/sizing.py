@@ -129,6 +129,12 @@ class SizingCandidate:
                 "moe_layer": self.breakdown.get("moe_layer")}
 
 
+def _fixes(est_fixes: list, k: int = 3) -> list:
+    """The first ``k`` of what_would_fit's sentences, those that make it fit first."""
+    good = [f for f in est_fixes if f.rstrip(")").endswith("fits")]
+    return (good + [f for f in est_fixes if f not in good])[:k]
+
+
 def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms"
 
@@ -237,7 +243,7 @@ class SizingReport:
         if not bad:
             return []
         c = min(bad, key=lambda c: c.shortfall)
-        fixes = c.what_would_fit()
+        fixes = _fixes(c.what_would_fit(), 1)
         return [f"{len(bad)} of {len(self.candidates)} candidates do not fit in {self.capacity_bytes / GiB:.1f} GiB; "
                 f"the closest, {c.label()}, is {c.shortfall / GiB:.1f} GiB short"
                 + (f" (what would fit: {fixes[0]})." if fixes else ".")]
@@ -534,7 +540,7 @@ def size(
                           efficiency=dict(cl.efficiency))
     if not report.fitting:
         c = min(out, key=lambda c: c.shortfall)
-        fixes = c.what_would_fit()
+        fixes = _fixes(c.what_would_fit())
         raise SizingError(
             f"nothing fits: {m.name} on {gpus} GPUs needs at least {c.memory.total_bytes / GiB:.1f} GiB per GPU "
             f"({c.label()}), {c.shortfall / GiB:.1f} GiB over the {capacity / GiB:.1f} GiB budget. Fix: "
