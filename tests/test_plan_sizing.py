@@ -84,6 +84,13 @@ def test_tie_is_detected_and_the_simpler_recommended():
     rep3 = dataclasses.replace(rep, candidates=[fast, far])
     assert not rep3.is_tie and rep3.recommended is fast
     assert "leads by more than" in " ".join(rep3.explain())
+    # a faster candidate over the memory is reported with its shortfall, never dropped
+    over = dataclasses.replace(fast, pipeline_degree=4, step_time=fast.step_time / 2, capacity_bytes=1024)
+    rep4 = dataclasses.replace(rep, candidates=[fast, slow, over])
+    assert rep4.winner is fast and not over.fits and over.shortfall == over.memory.total_bytes - 1024
+    text = " ".join(rep4.explain())
+    assert f"Faster but over the memory: {over.label()} would take {over.step_time * 1e3:.1f} ms (-50.0%)" in text
+    assert f"{over.shortfall / 2**30:.1f} GiB short" in text and "1 of 3 candidates do not fit" in text
 
 
 def test_explain_carries_the_breakdown_numbers_and_provenance():

@@ -242,9 +242,18 @@ class SizingReport:
         bad = [c for c in self.candidates if not c.fits]
         if not bad:
             return []
+        out = []
+        w = self.winner if self.fitting else None
+        faster = [c for c in bad if w is not None and c.step_time < w.step_time]
+        if faster:  # the faster candidate nearest to fitting
+            fast = min(faster, key=lambda c: (c.shortfall, c.step_time))
+            fixes = _fixes(fast.what_would_fit(), 1)
+            out.append(f"Faster but over the memory: {fast.label()} would take {_ms(fast.step_time)} "
+                       f"({100 * (fast.step_time / w.step_time - 1):+.1f}%) and is {fast.shortfall / GiB:.1f} GiB short"
+                       + (f" (what would fit: {fixes[0]})." if fixes else "."))
         c = min(bad, key=lambda c: c.shortfall)
         fixes = _fixes(c.what_would_fit(), 1)
-        return [f"{len(bad)} of {len(self.candidates)} candidates do not fit in {self.capacity_bytes / GiB:.1f} GiB; "
+        return out + [f"{len(bad)} of {len(self.candidates)} candidates do not fit in {self.capacity_bytes / GiB:.1f} GiB; "
                 f"the closest, {c.label()}, is {c.shortfall / GiB:.1f} GiB short"
                 + (f" (what would fit: {fixes[0]})." if fixes else ".")]
 
