@@ -44,7 +44,8 @@ def _tiny(name: str):
     from test_plan_models import _shrink
 
     c = _shrink(HF_PRESET_CONFIGS[name][1], experts=8)
-    c.update(num_experts_per_tok=2, **({"n_group": 1, "topk_group": 1} if "n_routed_experts" in c else {}))
+    c.update(num_experts_per_tok=2, **({"n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                                         "num_hidden_layers": 2} if "n_routed_experts" in c else {}))
     if "experts_per_token" in c:
         c["experts_per_token"] = 2
     mt = c.pop("model_type")
@@ -94,6 +95,10 @@ def test_master_weights_and_sharding_arithmetic():
     # ZeRO-1: dense state over the world (16), expert state over the experts' DP group (2)
     assert z.row("fp32 master weights").bytes == 4 * (math.ceil(dense / 16) + math.ceil(experts // 8 / 2))
     assert z.total_bytes < e.total_bytes
+    fp32 = memory_per_gpu(m, world_size=16, ep_size=8, tokens_per_gpu=4096, seq_len=4096,
+                          setup=TrainingSetup(param_dtype=torch.float32))  # fp32 weights: no second copy
+    assert "fp32 master weights" not in [r.name for r in fp32.rows]
+    assert fp32.row("optimizer state (adam)").bytes == e.row("optimizer state (adam)").bytes
 
 
 def test_bad_input_is_typed():
@@ -110,8 +115,6 @@ def test_bad_input_is_typed():
         memory_per_gpu("mixtral-8x7b", **dict(kw, tokens_per_gpu=1.5))
     with pytest.raises(ValueError, match="memory_strategy='recompte'.*did you mean 'recompute'"):
         memory_per_gpu("mixtral-8x7b", **kw, memory_strategy="recompte")
-    with pytest.raises(ValueError, match="memory_strategy=None .* is not modelled.*'keep'"):
-        memory_per_gpu("mixtral-8x7b", **kw, memory_strategy=None)
     with pytest.raises(TypeError, match="master_weights must be a bool"):
         TrainingSetup(master_weights=1)
     with pytest.raises(TypeError, match="param_dtype must be a floating"):
@@ -237,6 +240,8 @@ def _malloc_bytes():
 #: (memory strategy, pipeline degree, MI buffers): every strategy, the reuse ones at n = 4 (one
 #: with a double-buffered MI)
 ACT_CASES = [("keep", 2, 1), ("offload", 4, 1), ("recomm", 4, 1), ("recompute", 4, 2), ("recomm_recompute", 4, 1)]
+#: the layer's default unmanaged path (memory_strategy=None): (activation, expert-parallel, degree)
+UNMANAGED_CASES = [("swiglu", True, 2), ("gelu", False, 1)]
 
 
 def test_moe_layer_activations_within_10_percent_of_the_allocator():
@@ -279,6 +284,23 @@ def test_moe_layer_activations_within_10_percent_of_the_allocator():
                                  memory_strategy=strategy, pipeline_degree=n, mi_buffers=mi)
             model = est.row("activations: MoE layers").bytes + est.host_bytes
             results.append((strategy, n, mi, measured, model, est.host_bytes))
+        for act, ep, n in UNMANAGED_CASES:
+            # the unmanaged path: expert-parallel (a group of one: the rows a rank of a balanced
+            # EP group receives) or the local layer (ep_size=1)
+            layer = tm.MoELayer(tm.MoEConfig(D, F, E, K, activation=act, pipeline_degree=n), dtype=torch.float32,
+                                **({"ep_group": dist.group.WORLD} if ep else {}))
+            layer(x).sum().backward()
+            gc.collect()
+            before = held()
+            loss = layer(x).sum()
+            measured = held() - before
+            loss.backward()
+            del loss
+            est = memory_per_gpu(spec.with_(activation=act), world_size=2, ep_size=2 if ep else 1, tokens_per_gpu=T,
+                                 seq_len=T, setup=TrainingSetup(param_dtype=torch.float32, master_weights=False),
+                                 memory_strategy=None, pipeline_degree=n)
+            results.append((f"None ({act}, {'EP' if ep else 'local'})", n, 1, measured,
+                            est.row("activations: MoE layers").bytes, est.host_bytes))
     finally:
         torch.set_num_threads(threads)
         dist.destroy_process_group()

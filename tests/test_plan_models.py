@@ -143,3 +143,22 @@ def test_get_model_bad_input_is_typed():
         ModelSpec("x", 2, 1, 8, 8, 8, 2, 32, 2, 2, 4)
     with pytest.raises(ValueError, match="d_model must be a positive int"):
         ModelSpec("x", 2, 2, 0, 8, 8, 2, 32, 2, 2, 4)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3"])
+def test_counts_hold_after_the_swap_to_tritonmoe(name):
+    """hf.apply swaps every MoE block for a tritonmoe MoELayer holding the same parameters (the
+    router's, the experts' concatenated gate-up and down, the shared experts'): the total is the
+    spec's, and the routed experts are the layers' w1 / w2."""
+    from tritonmoe import hf
+
+    small = _shrink(HF_PRESET_CONFIGS[name][1], experts=8)
+    small.update(num_experts_per_tok=2, **({"n_group": 1, "topk_group": 1} if "n_routed_experts" in small else {}))
+    hc, model = _tiny_model(small)
+    spec = get_model(hc)
+    names = hf.apply(model.float())
+    assert names
+    assert sum(p.numel() for p in model.parameters()) == spec.total_params()
+    w = sum(p.numel() for n, p in model.named_parameters()
+            if n.endswith((".w1", ".w2", ".b1", ".b2")) and "shared" not in n)
+    assert w == spec.params_by_part()["routed_experts"]

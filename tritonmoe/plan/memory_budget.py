@@ -17,6 +17,12 @@ its provenance:
   Transformer Models", arXiv:2205.05198, §4.1) adapted to these models: no dropout, no tensor or
   sequence parallelism, RMSNorm, SwiGLU, grouped-query or latent attention, and FlashAttention
   (Dao et al. 2022: the output and the log-sum-exp are kept, not the s x s scores).
+  This part is NOT measured by a test: it assumes fused kernels (FlashAttention, fused RoPE and
+  RMSNorm). transformers' own modules keep more: measured once on CPU with the allocator (two
+  layers, d_model 128, 512 tokens, fp32, MoE blocks swapped to tritonmoe by ``hf.apply``), a whole
+  Mixtral-shaped model with ``sdpa`` attention held 8% more than the three activation rows, a
+  Qwen3-MoE-shaped one (QK norms) 21% more, and with ``eager`` attention (the s x s probabilities
+  kept) 47% / 60% more.
 * **assumed**: what the estimate cannot know (routing balance: uniform unless told).
 
 Layout assumed (what tritonmoe's expert-parallel layer does): every rank holds every dense
@@ -65,7 +71,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -82,13 +88,14 @@ __all__ = ["TrainingSetup", "MemoryRow", "MemoryEstimate", "memory_per_gpu", "de
 GiB = 2 ** 30
 PROVENANCES = ("exact", "measured", "formula", "assumed")
 OPTIMIZERS = ("adam", "sgd", "none")
-#: the usable device memory (``torch.cuda.get_device_properties(i).total_memory``) of the GPUs
-#: the simulator describes, where known: an H100 SXM5 80GB (80 GB of HBM3) reports 85,029,158,912
-#: bytes (79.19 GiB); an H200 (141 GB of HBM3e) 150,754,820,096 (140.4 GiB). Others: the
+#: the usable device memory (``torch.cuda.get_device_properties(i).total_memory``, what torch's
+#: out-of-memory messages call "total capacity") of the GPUs the simulator describes, where
+#: known: an H100 SXM5 80GB (80 GB of HBM3) reports about 79.19 GiB (79.1-79.3 GiB by driver:
+#: 85,029,158,912 bytes used here), an H200 (141 GB of HBM3e) 139.80 GiB (to 0.01 GiB). Others: the
 #: description's nominal ``memory``.
 USABLE_MEMORY = {
     "H100-SXM5-80GB": 85_029_158_912,
-    "H200-SXM-141GB": 150_754_820_096,
+    "H200-SXM-141GB": round(139.80 * 2**30),
 }
 
 
@@ -105,9 +112,9 @@ class TrainingSetup:
             parameter tensor), "sgd" (SGD with momentum: one buffer) or "none" (inference: no
             gradients, no optimizer state, no activations kept for backward).
         param_dtype: the dtype of the weights the model computes with (default bfloat16).
-        master_weights: an fp32 master copy of every parameter (mixed precision); the optimizer
-            state is then fp32 too; without it the state has the parameters' dtype (as
-            torch.optim keeps it).
+        master_weights: an fp32 master copy of every parameter (mixed precision; none when
+            ``param_dtype`` is fp32 already); the optimizer state is then fp32 too; without it
+            the state has the parameters' dtype (as torch.optim keeps it).
         grad_dtype: the gradients' dtype (None: param_dtype).
         shard_optimizer: ZeRO-1: optimizer state and master weights sharded over each
             parameter's data-parallel group (experts over their DP replicas, dense parameters
@@ -140,6 +147,11 @@ class TrainingSetup:
     @property
     def training(self) -> bool:
         return self.optimizer != "none"
+
+    @property
+    def keeps_master_copy(self) -> bool:
+        """Whether a separate fp32 master copy exists (not when the parameters are fp32 already)."""
+        return self.master_weights and self.training and self.param_dtype != torch.float32
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -304,9 +316,9 @@ def _experts_per_rank(m: ModelSpec, world: int, ep: int, training: bool, replica
 # ---------------------------------------------------------------------------------------------
 
 
-def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strategy: str = "keep",
+def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strategy: Optional[str] = "keep",
                           pipeline_degree: int = 1, dtype: torch.dtype = torch.bfloat16,
-                          mi_buffers: int = 1) -> dict:
+                          mi_buffers: int = 1, expert_parallel: bool = True) -> dict:
     """Bytes one tritonmoe MoE layer (the expert-parallel path, :mod:`tritonmoe.comm.programs.memory_reuse`)
     keeps for backward on a rank with ``tokens`` input tokens whose experts receive ``rows`` rows,
     split evenly over ``pipeline_degree`` micro-ops. What the layer's code saves:
@@ -321,6 +333,13 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
       and each micro-op's expert output [R_i, d] in expert-major order, which the block holds
       until backward differentiates it (``_MemoryPipelinedExperts``' micro-op graphs);
     * ``host``: the DI / MI copies an offloading strategy keeps in host memory.
+
+    ``memory_strategy=None`` is the layer's default, unmanaged path (the unfused grouped FFN
+    under autograd, as ``ffn_path="auto"`` trains): each micro-op keeps its DI [R_i, d], the
+    first GEMM's output [R_i, n1], the activation's output [R_i, f] that the second GEMM saves
+    and, for gated activations, the SiLU / GELU output [R_i, f] the product saves; expert-parallel
+    (``expert_parallel``) it also holds each micro-op's expert output until backward, as the
+    managed block does; the local layer (``ep_size=1``) does not.
 
     Not counted: the CPU reference routing's top-k ids are a view of its [T, E] int64 sort
     (T*(E-k)*8 more bytes on CPU than the GPU kernels' [T, k] ids).
@@ -337,8 +356,12 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
         rows_i[i % n] += 1
     router = 2 * T * E * 4 + T * K * (8 + 4) + T * 8
     combine = sum(t * K * (8 + 1 + 4 + d * es) for t in toks_i) + sum((r + 1) * 8 for r in rows_i)
-    eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
-    experts = eb["device"] + rows * d * es
+    if memory_strategy is None:
+        per_row = d + m.n1 + (2 * m.d_ffn if m.gated else m.d_ffn)
+        eb = {"device": rows * per_row * es, "host": 0}
+    else:
+        eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
+    experts = eb["device"] + (rows * d * es if expert_parallel or memory_strategy is not None else 0)
     return {"router": router, "combine": combine, "experts": experts, "host": eb["host"],
             "total": router + combine + experts}
 
@@ -392,11 +415,7 @@ def _check_inputs(model, world_size, ep_size, tokens_per_gpu, seq_len, setup, me
     _pos_int("seq_len", seq_len)
     if not isinstance(setup, TrainingSetup):
         raise TypeError(f"setup must be a TrainingSetup, got {type(setup).__name__}")
-    if memory_strategy is None:
-        raise ValueError("memory_strategy=None (the layer's unmanaged default path) is not modelled: its grouped FFN "
-                         "also keeps the activation's output and, expert-parallel, one more [rows, d_model] buffer per "
-                         "layer; pass one of " + ", ".join(STRATEGIES) + " ('keep' keeps every micro-op's DI and MI)")
-    if memory_strategy not in STRATEGIES:
+    if memory_strategy is not None and memory_strategy not in STRATEGIES:
         raise ValueError(f"memory_strategy={memory_strategy!r}{did_you_mean(str(memory_strategy), STRATEGIES)}; "
                          f"use one of {', '.join(STRATEGIES)}")
     _pos_int("pipeline_degree", pipeline_degree)
@@ -420,7 +439,8 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
 
     Args:
         setup: the :class:`TrainingSetup` (optimizer, dtypes, ZeRO-1, checkpointing).
-        memory_strategy, pipeline_degree, mi_buffers: the MoE layers' memory strategy
+        memory_strategy, pipeline_degree, mi_buffers: the MoE layers' memory strategy (None: the
+            layer's default unmanaged path)
             (:data:`~tritonmoe.comm.programs.memory_reuse.STRATEGIES`) and micro-op count.
         capacity_factor: None (dropless) or the expert capacity factor.
         expert_replicas: copies of each expert when serving with E not divisible by ep_size
@@ -459,7 +479,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
         shard_exp = dp if S.shard_optimizer else 1
         owned = math.ceil(dense_params / shard_dense) + math.ceil(expert_params / shard_exp)
         shard_note = f", sharded over DP (dense / {shard_dense}, experts / {shard_exp})" if S.shard_optimizer else ""
-        if S.master_weights:
+        if S.keeps_master_copy:
             rows.append(MemoryRow("fp32 master weights", owned * 4, "exact", "4 B per parameter" + shard_note))
         se = _itemsize(S.state_dtype)
         k = S.optimizer_states
@@ -468,7 +488,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
         rows.append(MemoryRow(f"optimizer state ({S.optimizer})", owned * k * se + steps, "exact",
                               f"{what} x {se} B" + (" + a 4 B step per tensor" if steps else "") + shard_note))
     rows.extend(_activation_rows(m, S, tokens_per_gpu, seq_len, memory_strategy, pipeline_degree, capacity_factor,
-                                 routing_imbalance, mi_buffers, assumptions))
+                                 routing_imbalance, mi_buffers, ep_size))
     host = rows.pop()  # _activation_rows returns the host bytes last
     R = _routed_rows(m, tokens_per_gpu, capacity_factor, routing_imbalance)
     assumptions.append(f"routing: the most loaded rank's experts receive {R} rows per MoE layer "
@@ -480,7 +500,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
     return MemoryEstimate(tuple(rows), m, S, params, host, tuple(a for a in assumptions if a))
 
 
-def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, mi_buffers, assumptions) -> list:
+def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, mi_buffers, ep) -> list:
     """The activation rows (and, last, the host bytes as a bare int)."""
     es = _itemsize(S.param_dtype)
     V = m.vocab_size
@@ -513,7 +533,7 @@ def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, 
     rows.append(MemoryRow("activations: attention + dense MLPs", attn, "formula", note))
     R = _routed_rows(m, T, capacity_factor, imbalance)
     moe = moe_layer_saved_bytes(m, T, R, memory_strategy=strategy, pipeline_degree=n, dtype=S.param_dtype,
-                                mi_buffers=mi_buffers)
+                                mi_buffers=mi_buffers, expert_parallel=ep > 1)
     shared = T * 4 * m.n_shared_experts * m.shared_d_ffn * es if m.n_shared_experts else 0
     rows.append(MemoryRow("activations: MoE layers", m.moe_layers * (moe["total"] + shared), "formula",
                           f"memory_strategy={strategy!r}, pipeline_degree={n}: {R} rows per layer "
@@ -542,7 +562,7 @@ def _variants(est: MemoryEstimate) -> list:
         if not S.activation_checkpointing:
             out.append(("activation checkpointing of the attention / dense part", replace(S, activation_checkpointing=True),
                         p))
-        if S.master_weights:
+        if S.keeps_master_copy:
             out.append((f"no fp32 master weights (optimizer state in {str(S.param_dtype).replace('torch.', '')}; "
                          "changes the numerics)", replace(S, master_weights=False), p))
         best = None
