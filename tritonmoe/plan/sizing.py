@@ -221,7 +221,7 @@ class SizingReport:
         if self.is_tie:
             rec = self.recommended
             out.append(
-                f"TIE: {len(self.tied)} candidates are within {100 * self.tie_tolerance:.1f}% of the winner, inside "
+                f"TIE: {self._layouts(self.tied)} are within {100 * self.tie_tolerance:.1f}% of the winner, inside "
                 f"the simulator's own median error [{TIE_SOURCE}]; the prediction cannot tell them apart. "
                 + (f"Recommended: the simpler one, {rec.label()} ({_ms(rec.step_time)}, "
                    f"+{100 * (rec.step_time / w.step_time - 1):.1f}%)" if rec is not w else
@@ -238,6 +238,13 @@ class SizingReport:
                        "FLOPs at that GEMM rate; the gradient all-reduce is assumed overlapped with the backward.")
         return out
 
+    @staticmethod
+    def _layouts(cands: list) -> str:
+        """"N candidates", or "N layouts (M candidates ...)" where capacity factors change nothing."""
+        n = len({(c.ep_size, c.pipeline_degree, c.memory_strategy, c.all_to_all, c.step_time) for c in cands})
+        return (f"{len(cands)} candidates" if n == len(cands) else
+                f"{n} layouts ({len(cands)} candidates, counting capacity factors that change nothing)")
+
     def _misfit_sentences(self) -> list:
         bad = [c for c in self.candidates if not c.fits]
         if not bad:
@@ -253,26 +260,37 @@ class SizingReport:
                        + (f" (what would fit: {fixes[0]})." if fixes else "."))
         c = min(bad, key=lambda c: c.shortfall)
         fixes = _fixes(c.what_would_fit(), 1)
+        if faster and fast.shortfall <= c.shortfall:  # the faster one is also the closest: said above
+            return out + [f"{len(bad)} of {len(self.candidates)} candidates do not fit in "
+                          f"{self.capacity_bytes / GiB:.1f} GiB."]
         return out + [f"{len(bad)} of {len(self.candidates)} candidates do not fit in {self.capacity_bytes / GiB:.1f} GiB; "
                 f"the closest, {c.label()}, is {c.shortfall / GiB:.1f} GiB short"
                 + (f" (what would fit: {fixes[0]})." if fixes else ".")]
 
     def table(self, limit: int = 12) -> str:
         """The ranked candidates as an aligned text table (the first ``limit`` that fit, then
-        the closest that do not)."""
+        the closest that do not). Candidates that differ only in a capacity factor that changes
+        neither their step time nor their memory share a row (capacity "dropless|1|1.25")."""
         head = ["EP", "DP", "capacity", "degree", "memory", "a2a", "step ms", "vs best", "exposed", "GiB/GPU", ""]
-        rows = []
-        shown = self.fitting[:limit] + [c for c in self.candidates if not c.fits][:max(0, limit // 3)]
+        groups: dict = {}
+        for c in self.candidates:
+            key = (c.ep_size, c.pipeline_degree, c.memory_strategy, c.all_to_all, c.step_time, c.memory.total_bytes)
+            groups.setdefault(key, []).append(c)
+        firsts = [g[0] for g in groups.values()]
+        shown = [c for c in firsts if c.fits][:limit] + [c for c in firsts if not c.fits][:max(0, limit // 3)]
         best = self.winner.step_time if self.fitting else None
+        rows = []
         for c in shown:
             b = c.breakdown
+            same = groups[(c.ep_size, c.pipeline_degree, c.memory_strategy, c.all_to_all, c.step_time,
+                           c.memory.total_bytes)]
+            cap = "|".join("dropless" if g.capacity_factor is None else f"{g.capacity_factor:g}" for g in same)
             mark = ("<- winner" if c is self.winner else "") if c.fits else f"short {c.shortfall / GiB:.1f} GiB"
-            if self.fitting and self.is_tie and c is self.recommended and c is not self.winner:
+            if self.fitting and self.is_tie and self.recommended in same and c is not self.winner:
                 mark = "<- recommended (tie)"
-            rows.append([str(c.ep_size), str(c.dp_size), "dropless" if c.capacity_factor is None else f"{c.capacity_factor:g}",
-                         str(c.pipeline_degree), c.memory_strategy, c.all_to_all, f"{c.step_time * 1e3:.1f}",
-                         f"{c.step_time / best:.3f}x" if best else "-", f"{100 * b['exposed_share']:.0f}%",
-                         f"{c.memory.total_bytes / GiB:.1f}", mark])
+            rows.append([str(c.ep_size), str(c.dp_size), cap, str(c.pipeline_degree), c.memory_strategy, c.all_to_all,
+                         f"{c.step_time * 1e3:.1f}", f"{c.step_time / best:.3f}x" if best else "-",
+                         f"{100 * b['exposed_share']:.0f}%", f"{c.memory.total_bytes / GiB:.1f}", mark])
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
         fmt = lambda r: "  ".join(v.rjust(w) if i < len(r) - 1 else v for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
         return "\n".join([fmt(head).rstrip()] + [fmt(r).rstrip() for r in rows])
