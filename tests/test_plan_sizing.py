@@ -144,6 +144,13 @@ def test_typed_errors():
         size(TINY, gpus=8, tokens_per_gpu=64, ep_sizes=(3,))
     with pytest.raises(TypeError):
         size(TINY, gpus=8.0, tokens_per_gpu=64)
+    with pytest.raises(ValueError, match="fewer than gpus=16"):
+        size(TINY, gpus=16, tokens_per_gpu=64, cluster=Cluster.preset("dgx-h100").cost_model("bfloat16"))
+    with pytest.raises(ValueError, match="sizes training"):
+        size(TINY, gpus=8, tokens_per_gpu=64, setup=TrainingSetup(optimizer="none"))
+    rep = size(TINY, gpus=8, tokens_per_gpu=64, seq_len=32, cluster=Cluster.preset("dgx-h100").cost_model("bfloat16"),
+               pipeline_degrees=(1,), memory_strategies=("keep",), capacity_factors=(None,))
+    assert rep.step_provenance == "assumed from a preset: dgx-h100"
     with pytest.raises(SizingError, match=r"nothing fits.*GiB over the 0\.0 GiB budget\. Fix: ") as e:
         size(TINY, gpus=8, tokens_per_gpu=64, seq_len=32, memory_budget_bytes=1024, pipeline_degrees=(1,),
              memory_strategies=("keep",), capacity_factors=(None,))

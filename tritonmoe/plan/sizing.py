@@ -329,7 +329,8 @@ def _machine(cluster: Any, gpus: int) -> tuple:
                             "search simulates every EP group size, which a profiled cost model has fitted only for "
                             "the group sizes it measured")
         cost, cl = cluster, cluster.cluster
-        prov = f"fitted: cost model {cost.source}"
+        prov = (f"assumed from a preset: {cl.name}" if str(cost.source).startswith("cluster:")
+                else f"fitted: cost model {cost.source}")
     elif isinstance(cluster, Cluster):
         cl, cost = cluster, None
         prov = f"assumed from a preset: {cluster.name}"
@@ -339,6 +340,9 @@ def _machine(cluster: Any, gpus: int) -> tuple:
     if gpus > gpn and gpus % gpn:
         raise ValueError(f"gpus={gpus} is not a multiple of {cl.name}'s {gpn} GPUs per node; use a multiple of {gpn} "
                          f"(e.g. {gpus // gpn * gpn or gpn} or {(gpus // gpn + 1) * gpn}), or at most {gpn} on one node")
+    if cost is not None and cl.num_gpus < gpus:
+        raise ValueError(f"the cost model describes {cl.num_gpus} GPUs ({cl.describe()}), fewer than gpus={gpus}; "
+                         f"pass the cluster (or its preset name) and size() takes the nodes it needs")
     cl = cl.with_nodes(max(1, gpus // gpn))
     if cost is None:
         cost = cl.cost_model("bfloat16")
@@ -437,7 +441,7 @@ def _grad_sync(m: ModelSpec, cost: CostModel, gpus: int, ep: int, setup: Trainin
     """Seconds of the gradient all-reduces (dense over the world, experts over their DP group)."""
     if not setup.training or gpus == 1:
         return 0.0
-    es = 2 if setup.grad_dtype is None and setup.param_dtype.itemsize == 2 else (setup.grad_dtype or setup.param_dtype).itemsize
+    es = (setup.grad_dtype or setup.param_dtype).itemsize
     dense = m.total_params() - m.params_by_part()["routed_experts"]
     experts = m.moe_layers * (m.num_experts // ep) * (m.expert_params_per_layer() // m.num_experts)
     link = "intra" if gpus <= cost.cluster.gpus_per_node else "inter"
