@@ -47,7 +47,14 @@ def test_search_returns_the_brute_force_best():
         assert c.breakdown["moe_layers"] == pytest.approx(2 * tl.step_time(), rel=1e-12)
         dense = cost.compute_time(dense_work(TINY, 64, 32))
         assert c.breakdown["dense"] == pytest.approx(dense, rel=1e-12)
-        want = 2 * tl.step_time() + dense + c.breakdown["grad_sync_exposed"]
+        # gradient all-reduces: dense (bf16) over all 8 GPUs, each rank's experts over DP = 8 / EP
+        dense_p = TINY.total_params() - TINY.params_by_part()["routed_experts"]
+        exp_p = 2 * (8 // c.ep_size) * TINY.expert_params_per_layer() // 8
+        sync = cost.predict("all_reduce", dense_p * 2, 8, "intra") + (
+            cost.predict("all_reduce", exp_p * 2, 8 // c.ep_size, "intra") if c.ep_size < 8 else 0.0)
+        assert c.breakdown["grad_sync"] == pytest.approx(sync, rel=1e-12)
+        backward = 2 / 3 * (dense + 2 * tl.breakdown()["compute"])
+        want = 2 * tl.step_time() + dense + max(0.0, sync - backward)
         assert c.step_time == pytest.approx(want, rel=1e-12)
         est = memory_per_gpu(TINY, world_size=8, ep_size=c.ep_size, tokens_per_gpu=64, seq_len=32,
                              memory_strategy=c.memory_strategy, pipeline_degree=c.pipeline_degree,
