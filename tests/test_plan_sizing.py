@@ -34,16 +34,18 @@ def test_search_returns_the_brute_force_best():
     binding capacity told apart from dropless under skewed routing), its memory equals
     memory_per_gpu's, and the winner is the argmin over the fitting ones."""
     kw = dict(gpus=8, tokens_per_gpu=64, seq_len=32, capacity_factors=(None, 1.0), pipeline_degrees=(1, 2),
-              memory_strategies=("keep", "recompute"), routing="zipf:1.2")
+              memory_strategies=(None, "recompute"), routing="zipf:1.2")
     rep = size(TINY, **kw)
     cost = Cluster.preset("dgx-h100").cost_model("bfloat16")
     assert {c.ep_size for c in rep.candidates} == {1, 2, 4, 8}
     assert len(rep.candidates) == 4 * 2 * 2 * 2
     steps = set()
     for c in rep.candidates:
+        cand = {"schedule": "ep-pipeline", "pipeline_degree": c.pipeline_degree}
+        if c.memory_strategy is not None:  # None: the layer's default block, no memory ops
+            cand["memory_strategy"] = c.memory_strategy
         tl = simulate(_moe_cfg(c.capacity_factor), 64, cost, world_size=c.ep_size, routing="zipf:1.2", mode="symmetric",
-                      candidate={"schedule": "ep-pipeline", "pipeline_degree": c.pipeline_degree,
-                                 "memory_strategy": c.memory_strategy})
+                      candidate=cand)
         assert c.breakdown["moe_layers"] == pytest.approx(2 * tl.step_time(), rel=1e-12)
         dense = cost.compute_time(dense_work(TINY, 64, 32))
         assert c.breakdown["dense"] == pytest.approx(dense, rel=1e-12)
@@ -170,7 +172,7 @@ def test_typed_errors():
 def test_cli_plan_model_routes_to_size_and_json():
     out = io.StringIO()
     argv = ["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--tokens-per-gpu", "1024", "--seq-len", "1024",
-            "--no-master-weights", "--degrees", "1", "--memory-strategies", "keep", "--capacity-factors", "dropless"]
+            "--no-master-weights", "--degrees", "1", "--memory-strategies", "default,keep", "--capacity-factors", "dropless"]
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
     text = out.getvalue()
@@ -179,6 +181,7 @@ def test_cli_plan_model_routes_to_size_and_json():
     with contextlib.redirect_stdout(out):
         assert main(["size", *argv[1:], "--json"]) == 0
     d = json.loads(out.getvalue())
+    assert {c["memory_strategy"] for c in d["candidates"]} == {None, "keep"}
     assert d["winner"]["ep_size"] in (1, 2, 4, 8) and d["candidates"][0]["breakdown"]["step"] > 0
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

@@ -32,7 +32,7 @@ from tritonmoe.sim.cost_model import PRESETS
 from tritonmoe.plan.fusion import choose_bucket_bytes
 from tritonmoe.parallel.elastic import plan_tasks
 from tritonmoe.plan.memory_budget import OPTIMIZERS, TrainingSetup
-from tritonmoe.plan.sizing import DEFAULT_CAPACITY_FACTORS, DEFAULT_DEGREES, size
+from tritonmoe.plan.sizing import DEFAULT_CAPACITY_FACTORS, DEFAULT_DEGREES, DEFAULT_MEMORY_STRATEGIES, size
 
 __all__ = ["main"]
 
@@ -208,6 +208,15 @@ def _capacity_factors(text: str) -> tuple:
     return tuple(out)
 
 
+def _size_strategies(text: str) -> tuple:
+    if text.strip() == "all":
+        return DEFAULT_MEMORY_STRATEGIES
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    rest = [t for t in parts if t != "default"]
+    named = _strategies(",".join(rest)) if rest else ()
+    return tuple(None if t == "default" else t for t in parts if t == "default" or t in named)
+
+
 def _size_parser(sub) -> None:
     sz = sub.add_parser("size", help="size a model on N GPUs (also: plan --model NAME)",
                         description="Search the EP x DP split, capacity factor, pipeline degree, memory strategy and "
@@ -231,8 +240,9 @@ def _size_parser(sub) -> None:
     sz.add_argument("--capacity-factors", type=_capacity_factors, default=DEFAULT_CAPACITY_FACTORS,
                     metavar="dropless,1.0,...", help="capacity factors to try (default dropless,1.0,1.25)")
     sz.add_argument("--degrees", type=_ints, default=DEFAULT_DEGREES, help="pipeline degrees (default 1,2,4)")
-    sz.add_argument("--memory-strategies", type=_strategies, default=tuple(STRATEGIES), metavar="S[,S2,...]|all",
-                    help="memory strategies to try (default all)")
+    sz.add_argument("--memory-strategies", type=_size_strategies, default=DEFAULT_MEMORY_STRATEGIES,
+                    metavar="S[,S2,...]|all", help="memory strategies to try: default (the layer's unmanaged path), "
+                    "keep, offload, recomm, recompute, recomm_recompute (default: all six)")
     sz.add_argument("--routing", default="uniform", help="uniform or zipf:S (default uniform)")
     sz.add_argument("--top", type=int, default=12, help="candidates shown in the table (default 12)")
     sz.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (to stdout without FILE)")

@@ -53,7 +53,8 @@ from .memory_budget import GiB, MemoryEstimate, TrainingSetup, device_memory_byt
 from .models import ModelSpec, get_model
 
 __all__ = ["size", "SizingReport", "SizingCandidate", "SizingError", "TIE_TOLERANCE", "SIMPLER",
-           "DEFAULT_CAPACITY_FACTORS", "DEFAULT_DEGREES"]
+           "DEFAULT_CAPACITY_FACTORS", "DEFAULT_DEGREES",
+           "DEFAULT_MEMORY_STRATEGIES"]
 
 #: The simulator's median |relative error| against measured steps: 9.6-14.3% over six
 #: ``python -m bench plan`` runs on this project's CPU testbed (docs/planner.md, "Fidelity").
@@ -62,10 +63,12 @@ __all__ = ["size", "SizingReport", "SizingCandidate", "SizingError", "TIE_TOLERA
 TIE_TOLERANCE = 0.143
 TIE_SOURCE = "measured on this machine: the simulator's median error, 9.6-14.3% in six bench-plan runs (docs/planner.md)"
 #: What "simpler" means between tied candidates, most important first.
-SIMPLER = ("smaller EP", "pipeline degree 1", "memory strategy 'keep'", "no expert replication", "dropless",
-           "flat all-to-all")
+SIMPLER = ("smaller EP", "pipeline degree 1", "the layer's default memory path (None), then 'keep'",
+           "no expert replication", "dropless", "flat all-to-all")
 DEFAULT_CAPACITY_FACTORS = (None, 1.0, 1.25)
 DEFAULT_DEGREES = (1, 2, 4)
+#: None: the layer's default, unmanaged expert block (no MPMoE memory strategy); then the five.
+DEFAULT_MEMORY_STRATEGIES = (None, *STRATEGIES)
 _EXCHANGES_PER_LAYER = 4  # dispatch and combine, forward and backward
 
 
@@ -86,7 +89,7 @@ class SizingCandidate:
     dp_size: int
     capacity_factor: Optional[float]
     pipeline_degree: int
-    memory_strategy: str
+    memory_strategy: Optional[str]
     all_to_all: str
     step_time: float
     breakdown: dict
@@ -113,14 +116,17 @@ class SizingCandidate:
 
     def label(self) -> str:
         cf = "dropless" if self.capacity_factor is None else f"capacity factor {self.capacity_factor:g}"
+        mem = "the layer's default memory path" if self.memory_strategy is None else \
+            f"memory strategy {self.memory_strategy!r}"
         return (f"EP={self.ep_size} x DP={self.dp_size}, {cf}, pipeline degree {self.pipeline_degree}, "
-                f"memory strategy {self.memory_strategy!r}, {self.all_to_all} all-to-all")
+                f"{mem}, {self.all_to_all} all-to-all")
 
     def simplicity(self) -> tuple:
         """Sort key of :data:`SIMPLER` (smaller is simpler)."""
-        return (self.ep_size, self.pipeline_degree != 1, self.memory_strategy != "keep", self.expert_replicas != 1,
-                self.capacity_factor is not None, self.all_to_all != "flat", self.pipeline_degree,
-                STRATEGIES.index(self.memory_strategy), self.capacity_factor or 0.0)
+        mem = DEFAULT_MEMORY_STRATEGIES.index(self.memory_strategy)
+        return (self.ep_size, self.pipeline_degree != 1, min(mem, 2), self.expert_replicas != 1,
+                self.capacity_factor is not None, self.all_to_all != "flat", self.pipeline_degree, mem,
+                self.capacity_factor or 0.0)
 
     def to_dict(self) -> dict:
         return {**self.values, "step_time_s": self.step_time, "fits": self.fits, "shortfall_bytes": self.shortfall,
@@ -288,7 +294,8 @@ class SizingReport:
             mark = ("<- winner" if c is self.winner else "") if c.fits else f"short {c.shortfall / GiB:.1f} GiB"
             if self.fitting and self.is_tie and self.recommended in same and c is not self.winner:
                 mark = "<- recommended (tie)"
-            rows.append([str(c.ep_size), str(c.dp_size), cap, str(c.pipeline_degree), c.memory_strategy, c.all_to_all,
+            rows.append([str(c.ep_size), str(c.dp_size), cap, str(c.pipeline_degree), c.memory_strategy or "default",
+                         c.all_to_all,
                          f"{c.step_time * 1e3:.1f}", f"{c.step_time / best:.3f}x" if best else "-",
                          f"{100 * b['exposed_share']:.0f}%", f"{c.memory.total_bytes / GiB:.1f}", mark])
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
@@ -400,12 +407,15 @@ class _Sim:
         most = int(routing_counts(self.config(None), (self.T,), 1, self.routing).max())
         return None if cap >= most else cap
 
-    def layer(self, ep: int, cf: Optional[float], n: int, strategy: str) -> tuple:
+    def layer(self, ep: int, cf: Optional[float], n: int, strategy: Optional[str]) -> tuple:
         key = (ep, self.effective_capacity(ep, cf), n, strategy)
         if key not in self.layers:
             cfg = self.config(cf)
+            cand = {"schedule": "ep-pipeline", "pipeline_degree": n}
+            if strategy is not None:  # None: the layer's default expert block, no memory ops
+                cand["memory_strategy"] = strategy
             tl = simulate(cfg, self.T, self.cost, world_size=ep, routing=self.routing, mode="symmetric",
-                          candidate={"schedule": "ep-pipeline", "pipeline_degree": n, "memory_strategy": strategy})
+                          candidate=cand)
             b = tl.breakdown()
             self.layers[key] = (tl.step_time(), b, tl.pipeline_efficiency())
         return self.layers[key]
@@ -496,7 +506,7 @@ def size(
     ep_sizes: Optional[Sequence[int]] = None,
     capacity_factors: Sequence[Optional[float]] = DEFAULT_CAPACITY_FACTORS,
     pipeline_degrees: Sequence[int] = DEFAULT_DEGREES,
-    memory_strategies: Sequence[str] = STRATEGIES,
+    memory_strategies: Sequence[Optional[str]] = DEFAULT_MEMORY_STRATEGIES,
     all_to_all: Optional[Sequence[str]] = None,
     routing: Any = "uniform",
 ) -> SizingReport:
@@ -513,7 +523,8 @@ def size(
             weights, ZeRO-1, checkpointing); ``optimizer='none'`` is refused (sizing trains).
         ep_sizes, capacity_factors, pipeline_degrees, memory_strategies, all_to_all: the values
             to search (defaults: EP sizes dividing both ``gpus`` and E; dropless, 1.0, 1.25;
-            1, 2, 4; the five memory strategies; flat, and hierarchical where EP spans nodes).
+            1, 2, 4; the layer's default expert block (None) and the five memory strategies; flat,
+            and hierarchical where EP spans nodes).
         routing: the simulated routing ("uniform", "zipf:S" or E weights).
 
     Raises:
@@ -541,9 +552,9 @@ def size(
         if gpus % e or m.num_experts % e:
             ok = [d for d in range(1, gpus + 1) if gpus % d == 0 and m.num_experts % d == 0]
             raise ValueError(f"ep_size={e} must divide gpus={gpus} and num_experts={m.num_experts}; use one of {ok}")
-    bad = [s for s in memory_strategies if s not in STRATEGIES]
+    bad = [s for s in memory_strategies if s not in DEFAULT_MEMORY_STRATEGIES]
     if bad:
-        raise ValueError(f"memory strategies {bad}: use {', '.join(STRATEGIES)}")
+        raise ValueError(f"memory strategies {bad}: use None (the layer's default) or {', '.join(STRATEGIES)}")
     for n in pipeline_degrees:
         _pos_int("pipeline_degree", n)
     degrees = [n for n in pipeline_degrees if n <= T]
