@@ -105,8 +105,10 @@ __all__ = [
     "DECODE_MAX_TOKENS",
     "KINDS",
     "PERSISTENT_KINDS",
+    "PERSISTENT_VARIANTS",
     "PREACT_MODES",
     "VARIANTS",
+    "WIDE_KINDS",
     "TileConfig",
     "autotune_enabled",
     "colsum_config",
@@ -132,10 +134,19 @@ KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
 #: Kernel variants of a GEMM: "tile" (one output tile per program, cp.async pipelines) or
 #: "persistent" (one program per SM looping over tiles, TMA descriptors, the next tile's loads
 #: overlapping the epilogue; ``kernels/_grouped_gemm_persistent_kernels.py``).
-VARIANTS = ("tile", "persistent")
+#: "wide" is the persistent kernel with the SwiGLU GEMM's gate and up tiles in one [BK, 2*BN]
+#: weight tile and one [BM, 2*BN] accumulator (one MMA of width 2*BN per K step; ``BN`` stays
+#: the width of each half); kinds without a GLU run it as "persistent".
+VARIANTS = ("tile", "persistent", "wide")
+#: The variants served by the persistent kernel (``kernels/_grouped_gemm_persistent.py``).
+PERSISTENT_VARIANTS = ("persistent", "wide")
 #: The kinds that have a persistent variant: the forward GEMMs and the dX GEMM (a plain "mm"
-#: with transposed weights). The backward-epilogue and weight-gradient kinds are tile-only.
+#: with transposed weights). The backward-epilogue and weight-gradient kinds are tile-only:
+#: their tiles (and pipeline depth) still come from the tuned table, whose "persistent" or
+#: "wide" rows for them select the tile kernel with the row's tiles.
 PERSISTENT_KINDS = ("mm", "mm_act", "swiglu")
+#: The kinds whose "wide" variant differs from "persistent" (one 2*BN accumulator).
+WIDE_KINDS = ("swiglu",)
 
 
 @dataclass(frozen=True)
@@ -337,13 +348,16 @@ def select(
     cfg, source = _tabled(target, device, exact, avg_rows)
     if cfg is None and not CF.replaced(target):  # (an override's whole config needs no policy)
         cfg = _policy(kind, avg_rows, dtype, tf32, _arch(device))
-        if kind in PERSISTENT_KINDS and gemm_variant() == "persistent":
-            cfg = replace(cfg, variant="persistent")  # same tiles: their smem fits (module docstring)
+        variant = gemm_variant()
+        if kind in PERSISTENT_KINDS and variant != "tile":
+            cfg = replace(cfg, variant=variant)  # same tiles: their smem fits (module docstring)
     cfg, forced = CF.resolve(target, cfg)
     if forced:
         source = "override"
     if kind not in PERSISTENT_KINDS and cfg.variant != "tile":  # no persistent kernel for this kind
         cfg = replace(cfg, variant="tile")
+    elif cfg.variant == "wide" and kind not in WIDE_KINDS:  # one accumulator already: the same kernel
+        cfg = replace(cfg, variant="persistent")
     if kind == "wgrad":
         # BM tiles the output rows (k here), BN its columns, BK the expert's rows.
         cfg = replace(cfg, BM=min(cfg.BM, _pow2_at_least(k)), BN=min(cfg.BN, _pow2_at_least(n)),

@@ -41,7 +41,7 @@ import torch
 
 from . import _gemm_config as C
 from . import config as CF
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv
 from ._grouped_gemm_kernels import ACT_SWIGLU
 from ._grouped_gemm_persistent_kernels import RAGGED_ROWS, _grouped_mm_persistent_kernel
 
@@ -57,6 +57,7 @@ __all__ = [
     "current_options",
     "epilogue_split",
     "flatten",
+    "glu_wide",
     "mm",
     "num_programs",
     "options",
@@ -222,9 +223,29 @@ def _weight_desc(b: torch.Tensor, col0: int, n: int, kmajor: bool, BK: int, BN: 
     return TensorDescriptor(view, [E, K, n], [sbe, sbk, 1], [1, BK, BN])
 
 
+def _wide_weight_desc(b: torch.Tensor, n: int, kmajor: bool, BK: int, BN: int):
+    """The ``[E, K, 2n]`` GLU weights (gate columns, then up) as one 4-D descriptor over their
+    ``[E, K, 2, n]`` view (box ``[1, BK, 2, BN]``: the gate and up tiles of a K step in one
+    copy), or for K-contiguous storage ``[E, 2, n, K]`` with box ``[1, 2, BN, BK]``. A view, not a
+    copy: the weights keep the library's layout."""
+    E, K, _ = b.shape
+    sbe, sbk, sbn = b.stride()
+    if kmajor:
+        return TensorDescriptor(b, [E, 2, n, K], [sbe, n * sbn, sbn, 1], [1, 2, BN, BK])
+    return TensorDescriptor(b, [E, K, 2, n], [sbe, sbk, n, 1], [1, BK, 2, BN])
+
+
+def glu_wide(cfg: "C.TileConfig", act: int) -> bool:
+    """Whether a launch runs the GLU as one ``[BM, 2 * BN]`` accumulator (config variant
+    ``"wide"``, SwiGLU only)."""
+    return cfg.variant == "wide" and act == ACT_SWIGLU
+
+
 def mm(
     a: torch.Tensor,
     offsets: torch.Tensor,
+    tiles: torch.Tensor,
+    count: torch.Tensor,
     b_EKN: torch.Tensor,
     out: torch.Tensor,
     cfg: "C.TileConfig",
@@ -240,10 +261,12 @@ def mm(
     prec: str = "tf32",
 ) -> None:
     """``out[row] = act(a[row'] @ b[seg(row)])`` over a row space of ``rows`` rows, as
-    :func:`tritonmoe.kernels.grouped_gemm._mm` (whose arguments it takes, with the config and
-    the dot precision that function chose), with the persistent kernel. ``rows > 0``, N > 0."""
+    :func:`tritonmoe.kernels.grouped_gemm._mm` (whose arguments it takes, with the config, the
+    dot precision that function chose, and the row space's tile map for ``cfg.BM``: ``tiles``
+    [MT, 3], ``count`` [1]), with the persistent kernel. ``rows > 0``, N > 0."""
     E, K, NB = b_EKN.shape
     dual = act == ACT_SWIGLU
+    wide = glu_wide(cfg, act)
     N = NB // 2 if dual else NB
     BM, BN, BK = cfg.BM, cfg.BN, cfg.BK
     dev = a.device
@@ -251,7 +274,9 @@ def mm(
     acc = access(a, b_EKN, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, tma_store=opts.tma_store)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [BM, BK]) if acc.a else None
     b_desc = bu_desc = None
-    if acc.b:
+    if acc.b and wide:
+        b_desc = _wide_weight_desc(b_EKN, N, acc.b_kmajor, BK, BN)
+    elif acc.b:
         b_desc = _weight_desc(b_EKN, 0, N, acc.b_kmajor, BK, BN)
         if dual:
             bu_desc = _weight_desc(b_EKN, N, N, acc.b_kmajor, BK, BN)
@@ -263,19 +288,19 @@ def mm(
         if dual:
             hu_desc = _ragged_desc(h, N, N, BM, BN // split)
     hh = h if h is not None else out  # never dereferenced without STORE_H
-    max_tiles = (cdiv(rows, BM) + E) * cdiv(N, BN)
+    max_tiles = tiles.shape[0] * cdiv(N, BN)
     progs = num_programs(dev, max_tiles)
     C.launch(
         _grouped_mm_persistent_kernel, (progs,), cfg, ("N", "K", "ROWS_HINT"), dev, a.element_size(), dual,
         a_desc, b_desc, bu_desc, c_desc, h_desc, hu_desc,
-        a, b_EKN, out, hh, offsets, row_map if row_map is not None else offsets, scale if scale is not None else out,
+        a, b_EKN, out, hh, offsets, tiles, count, row_map if row_map is not None else offsets,
+        scale if scale is not None else out,
         rows, N, K, E, progs, C.rows_hint(rows, E),
         a.stride(0), a.stride(1),
         b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
         out.stride(0), out.stride(1),
         hh.stride(0), hh.stride(1),
         ACT=act, STORE_H=h is not None, GATHER_A=gather_a, SCATTER_C=scatter, SCALE=scale is not None,
-        TOPK=topk, PREC=prec, EVEN_K=K % BK == 0, SEG=next_power_of_2(E + 1),
+        TOPK=topk, PREC=prec, EVEN_K=K % BK == 0, GLU_WIDE=wide,
         B_KMAJOR=acc.b_kmajor, EPI_SPLIT=split, FLATTEN=flatten(opts, gather_a=gather_a, dual=dual),
     )
-
