@@ -132,11 +132,14 @@ def flatten(opts: PersistentOptions, *, gather_a: bool, dual: bool) -> bool:
     return opts.flatten and not (gather_a and dual)
 
 
-def epilogue_split(BN: int) -> int:
+def epilogue_split(BN: int, *, wide: bool = False) -> int:
     """Column slices the epilogue stores a tile in: 2 for 256-wide tiles (a 128x256 pointer-store
     epilogue spills inside the pipelined loop, and a whole-tile TMA staging buffer takes the
-    shared memory of a pipeline stage; checked by tests/test_aot_compile.py), else 1."""
-    return 2 if BN >= 256 else 1
+    shared memory of a pipeline stage; checked by tests/test_aot_compile.py) and for the "wide"
+    SwiGLU (its 128x256 accumulator: whole 128x128 output slices take it to the 255-register
+    ceiling, two 64-column slices leave it at 240 without spilling, sm_90a, Triton 3.9), else
+    1."""
+    return 2 if BN >= 256 or wide else 1
 
 
 def _tma_capable(device: torch.device) -> bool:
@@ -178,9 +181,14 @@ def access(
     scatter: bool,
     tma_store: bool = True,
     capable: Optional[bool] = None,
+    wide: bool = False,
 ) -> Access:
     """The operand-access rule of the module docstring, from shapes, strides and alignment.
-    ``capable``: whether the device has TMA (default: asked of ``a.device``)."""
+    ``capable``: whether the device has TMA (default: asked of ``a.device``). ``wide``: the
+    "wide" SwiGLU (:func:`glu_wide`), whose weights are read by pointers (the cp.async copies
+    land in the MMA's layout; a TMA box would not, see ``_load_b_wide``) and whose inference
+    output (no H) is stored by pointers (the TMA staging buffer takes it to the register ceiling;
+    with H, TMA stores keep it from spilling: sm_90a, Triton 3.9)."""
     K = b_EKN.shape[1]
     if capable is None:
         capable = _tma_capable(a.device)
@@ -197,7 +205,9 @@ def access(
         return (ok and tma_store and t.stride(1) == 1 and t.shape[0] < RAGGED_ROWS and _aligned(t, t.stride(0))
                 and (not halves or _aligned(t, offset=n)))
 
-    c_tma = not scatter and ragged_ok(out, False)
+    if wide:
+        b_tma = False
+    c_tma = not scatter and ragged_ok(out, False) and not (wide and h is None)
     h_tma = h is not None and ragged_ok(h, dual)
     return Access(a=a_tma, b=b_tma, b_kmajor=b_kmajor, c=c_tma, h=h_tma)
 
@@ -221,18 +231,6 @@ def _weight_desc(b: torch.Tensor, col0: int, n: int, kmajor: bool, BK: int, BN: 
     if kmajor:
         return TensorDescriptor(view, [E, n, K], [sbe, sbn, 1], [1, BN, BK])
     return TensorDescriptor(view, [E, K, n], [sbe, sbk, 1], [1, BK, BN])
-
-
-def _wide_weight_desc(b: torch.Tensor, n: int, kmajor: bool, BK: int, BN: int):
-    """The ``[E, K, 2n]`` GLU weights (gate columns, then up) as one 4-D descriptor over their
-    ``[E, K, 2, n]`` view (box ``[1, BK, 2, BN]``: the gate and up tiles of a K step in one
-    copy), or for K-contiguous storage ``[E, 2, n, K]`` with box ``[1, 2, BN, BK]``. A view, not a
-    copy: the weights keep the library's layout."""
-    E, K, _ = b.shape
-    sbe, sbk, sbn = b.stride()
-    if kmajor:
-        return TensorDescriptor(b, [E, 2, n, K], [sbe, n * sbn, sbn, 1], [1, 2, BN, BK])
-    return TensorDescriptor(b, [E, K, 2, n], [sbe, sbk, n, 1], [1, BK, 2, BN])
 
 
 def glu_wide(cfg: "C.TileConfig", act: int) -> bool:
@@ -271,16 +269,16 @@ def mm(
     BM, BN, BK = cfg.BM, cfg.BN, cfg.BK
     dev = a.device
     opts = current_options()
-    acc = access(a, b_EKN, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, tma_store=opts.tma_store)
+    acc = access(a, b_EKN, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, tma_store=opts.tma_store,
+                 wide=wide)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [BM, BK]) if acc.a else None
     b_desc = bu_desc = None
-    if acc.b and wide:
-        b_desc = _wide_weight_desc(b_EKN, N, acc.b_kmajor, BK, BN)
-    elif acc.b:
+    if acc.b:
         b_desc = _weight_desc(b_EKN, 0, N, acc.b_kmajor, BK, BN)
         if dual:
             bu_desc = _weight_desc(b_EKN, N, N, acc.b_kmajor, BK, BN)
-    split = opts.epilogue_split or cfg.EPI_SPLIT or epilogue_split(BN)  # an override, the config's, the rule
+    # an override, the config's, the rule
+    split = opts.epilogue_split or cfg.EPI_SPLIT or epilogue_split(BN, wide=wide)
     c_desc = _ragged_desc(out, 0, N, BM, BN // split) if acc.c else None
     h_desc = hu_desc = None
     if acc.h:

@@ -133,20 +133,15 @@ def _load_b(desc, ptrs, mask, seg, k0, n0, B_KMAJOR: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
-def _load_b_wide(desc, ptrs, mask, seg, k0, n0, B_KMAJOR: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """The gate and up [BK, BN] weight tiles of expert ``seg`` at (k0, n0) as one [BK, 2 * BN]
-    tile (gate columns first): one descriptor box over the ``[E, K, 2, N]`` view of the
-    ``[E, K, 2N]`` weights (box ``[1, BK, 2, BN]``; ``[E, 2, N, K]`` with box ``[1, 2, BN, BK]``,
-    transposed, for K-contiguous weights), or a masked pointer load whose column j reads weight
-    column ``(j // BN) * N + n0 + j % BN``."""
-    if desc is not None:
-        if B_KMAJOR:
-            b = tl.trans(tl.reshape(desc.load([seg, 0, n0, k0]), (2 * BN, BK)))
-        else:
-            b = tl.reshape(desc.load([seg, k0, 0, n0]), (BK, 2 * BN))
-    else:
-        b = tl.load(ptrs, mask=mask, other=0.0)
-    return b
+def _load_b_wide(ptrs, mask):
+    """The gate and up [BK, BN] weight tiles of a K step as one [BK, 2 * BN] tile (gate columns
+    first) by a masked pointer load: ``ptrs`` column j points at weight column
+    ``(j // BN) * N + n0 + j % BN``, runs of BN contiguous columns, so the load becomes 16-byte
+    cp.async copies straight into the MMA's shared-memory layout. (A TMA box over the
+    ``[E, K, 2, N]`` view of the weights lands in shared memory as ``[BK, 2, BN]``, which Triton
+    3.9 reshapes to the ``[BK, 2 * BN]`` operand through registers every K step, leaving each
+    MMA to finish before the next is issued: ``wgmma.wait_group 0``.)"""
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -216,7 +211,7 @@ def _grouped_mm_persistent_kernel(
     Flags as in ``_grouped_mm_kernel`` (``ACT``, ``STORE_H``, ``GATHER_A``, ``SCATTER_C``,
     ``SCALE``); operand access: ``a_desc`` (``[R, K]``, not with ``GATHER_A``), ``b_desc`` /
     ``bu_desc`` (weights, gate / up halves; ``B_KMAJOR``: they describe ``[E, N, K]`` storage;
-    with ``GLU_WIDE`` ``b_desc`` alone describes both halves, see :func:`_load_b_wide`),
+    with ``GLU_WIDE`` the weights are read by pointers, see :func:`_load_b_wide`),
     ``c_desc`` / ``h_desc`` / ``hu_desc`` (ragged, 4-D; not with ``SCATTER_C``); any of them
     ``None`` selects masked pointer access through the matching ``*_ptr`` and strides.
     ``EPI_SPLIT`` stores the output tiles in that many column slices. ``FLATTEN`` fuses the tile
@@ -276,7 +271,7 @@ def _grouped_mm_persistent_kernel(
             else:
                 a = tl.load(a_base + k0 * stride_ak, mask=a_mask, other=0.0)
             if WIDE:
-                b = _load_b_wide(b_desc, b_base + k0 * stride_bk, b_mask, seg, k0, n0, B_KMAJOR, BK, BN)
+                b = _load_b_wide(b_base + k0 * stride_bk, b_mask)
                 acc = tl.dot(a, b, acc, input_precision=PREC)  # [BM, BK] @ [BK, 2 * BN]
             else:
                 b = _load_b(b_desc, b_base + k0 * stride_bk, b_mask, seg, k0, n0, B_KMAJOR, BK, BN)
