@@ -59,15 +59,22 @@ benchmark harness on an H100/H200.
 
 Variants (``TileConfig.variant``): ``"tile"`` launches one program per output tile
 (``_grouped_gemm_kernels``, cp.async pipelines); ``"persistent"`` launches one program per SM
-that loops over the tiles with TMA tensor descriptors and its tile and K loops fused into one
-pipelined loop, so the next tile's loads overlap the current tile's epilogue
-(``_grouped_gemm_persistent_kernels``, launcher ``_grouped_gemm_persistent``). Only the kinds in
-:data:`PERSISTENT_KINDS` (the forward GEMMs and dX) have a persistent kernel. The policy chooses
-:data:`DEFAULT_VARIANT` = ``"tile"``, unchanged until a GPU run of ``python -m bench gemm`` has
-measured both (with torch._grouped_mm) per shape; ``TRITONMOE_GEMM_VARIANT=persistent`` switches
-those kinds over with the same tile shapes: compiled offline for sm_90a (Triton 3.6 and 3.9), the
-persistent kernel fits them (at most 180 KiB of shared memory, TMA stores of 256-wide tiles in
-two 128-column slices) without spilling a register, and uses wgmma with TMA operands.
+that loops over the tile map's tiles with TMA tensor descriptors and its tile and K loops fused
+into one pipelined loop, so the next tile's loads overlap the current tile's epilogue
+(``_grouped_gemm_persistent_kernels``, launcher ``_grouped_gemm_persistent``); ``"wide"`` is
+the persistent kernel with the SwiGLU GEMM1's gate and up tiles in one ``[BK, 2*BN]`` weight
+tile and one ``[BM, 2*BN]`` accumulator (one ``wgmma m64n256k16`` per K step at BN=128; the
+other kinds run it as "persistent"). Only the kinds in :data:`PERSISTENT_KINDS` (the forward
+GEMMs and dX) have a persistent kernel; the backward kinds ("dact", "dact_swiglu", "wgrad") take
+their tiles from the tuned table too, with the tile kernel. The choice is table-driven: a tuned
+table's row carries its variant, so the persistent (or wide) kernel runs exactly where the table
+measured it faster; without a row the policy chooses :data:`DEFAULT_VARIANT` = ``"tile"``
+(unchanged until a GPU run has measured the variants per shape), and
+``TRITONMOE_GEMM_VARIANT=persistent|wide`` switches the kinds that have them over with the same
+tile shapes. Compiled offline for sm_90a (Triton 3.6 and 3.9, docs/kernels-aot.md) the
+persistent kernel fits these tiles (at most 180 KiB of shared memory, TMA stores of 256-wide
+tiles in two 128-column slices) without spilling a register, with the same main-loop barriers
+at E=128 as at E=8.
 
 Autotuning: on CUDA, unless ``TRITONMOE_AUTOTUNE=0``, a launch autotunes over the *pipeline
 depth* of the chosen config only (num_stages; tile shape, warps and ordering fixed). Pipelining

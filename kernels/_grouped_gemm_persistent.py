@@ -13,7 +13,9 @@ value is read; :func:`access` is the rule, exposed for tests and the offline com
 * A by a ``[R, K]`` tensor descriptor unless rows are gathered (``gather_a``: token rows come
   through ``row_map``; Hopper's TMA has no row gather) or the layout does not allow TMA;
 * B by ``[E, K, N]`` (N-contiguous) or ``[E, N, K]`` (K-contiguous) descriptors, one per SwiGLU
-  half;
+  half (the "wide" SwiGLU, one ``[BK, 2*BN]`` weight tile per K step, reads B by pointers:
+  cp.async copies land in the MMA's shared-memory layout, a TMA box over the ``[E, K, 2, N]``
+  view does not);
 * C and H by ragged 4-D descriptors unless C rows are scattered (``scatter``) or
   :class:`PersistentOptions` ``tma_store`` is off.
 

@@ -5,9 +5,14 @@ segments of a row space, one expert's weights per segment, the same fused epilog
 scheduled differently:
 
 * **Persistent.** The grid is ``NUM_PROGS`` programs (one per SM on a GPU). Program ``p`` walks
-  the output tiles ``p, p + NUM_PROGS, p + 2 * NUM_PROGS, ...`` in grouped order, so the tile map
-  is built once per program (not once per tile) and no program is launched only to find it has no
-  tile.
+  the output tiles ``p, p + NUM_PROGS, p + 2 * NUM_PROGS, ...`` in grouped order, and no program
+  is launched only to find it has no tile.
+* **Precomputed tile map.** The M tiles are the entries of the row space's tile map (built once
+  per call and BM by ``_tile_map_kernel``, shared with the tile kernel and the backward): a
+  tile's expert, first row and segment end are three scalar loads, so the loop holds no search
+  over the E segments (a per-tile reduction over a 2E-lane vector put 9-12 CTA barriers in the
+  pipelined loop at E=128). The map's zero head and tail entries (rows outside the segments)
+  are zeroed before the loop; its expert entries lie between them.
 * **Epilogue overlapped with the next tile's loads.** The tile loop and the K loop are written as
   a nest whose inner trip count does not depend on the tile, so ``tl.range(..., flatten=True)``
   fuses them into one software-pipelined loop: the loads of the next tile's first K steps are
@@ -37,10 +42,14 @@ segment's end are valid. TMA zero-fills only at a tensor's bounds, not at a segm
   then drops the rows past the segment end: no store ever touches another segment's rows. Column
   bounds are the tensor's (N, or each SwiGLU half's N for H).
 
-Worked example (BM=4, E=2, offsets=[0, 6, 9], R=11, one column tile): segment tiles [2, 1], M
-tiles: 0 -> rows 0..3 of expert 0, 1 -> rows 4..5 (box rows 6..7 are expert 1's: loaded, never
-stored), 2 -> rows 6..8 of expert 1 (box row 9 is a tail row); the tail loop zeroes rows 9..10.
+Worked example (BM=4, E=2, offsets=[0, 6, 9], R=11, one column tile): tile map [(0, 0, 6),
+(0, 4, 6), (1, 6, 9), (-1, 9, 11)], count 4, no head tile, one tail tile; expert tiles: 0 ->
+rows 0..3 of expert 0, 1 -> rows 4..5 (box rows 6..7 are expert 1's: loaded, never stored),
+2 -> rows 6..8 of expert 1 (box row 9 is a tail row); the zero loop writes rows 9..10.
 With NUM_PROGS=2, program 0 runs tiles 0 and 2, program 1 runs tile 1.
+
+The fused path's row space (``GATHER_A``: rows are slots, A rows the tokens ``slot // TOPK``;
+``SCATTER_C``: outputs to slot rows) has its unrouted slots in the zero head [0, offsets[0]).
 
 Shape letters: BM/BN/BK tile sizes; ``K`` the GEMM depth; ``TOPK`` slots per token (a constexpr:
 the gather's ``slot // TOPK`` is a multiply-shift, computed once per tile).
