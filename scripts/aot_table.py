@@ -66,9 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--filter", action="append", help="variant name substrings (default: persistent and wide)")
     ap.add_argument("--other", help="site-packages of a second triton to compile with as well")
+    ap.add_argument("--records", action="append", metavar="VERSION=FILE",
+                    help="format saved compile output (JSON lines of tests/test_aot_compile.py) instead of compiling")
     args = ap.parse_args(argv)
     filters = args.filter or list(DEFAULT_FILTERS)
     out = []
+    if args.records:
+        for spec in args.records:
+            version, path = spec.split("=", 1)
+            with open(path) as f:
+                recs = [json.loads(line) for line in f if line.startswith("{")]
+            recs = [r for r in recs if "name" in r and any(x in r["name"] for x in filters)]
+            out.append(table(version, recs))
+        print("\n".join(out))
+        return 0
     for other in [None] + ([args.other] if args.other else []):
         version, recs = compile_records(filters, other)
         out.append(table(version, recs))
