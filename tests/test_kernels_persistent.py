@@ -112,6 +112,10 @@ def test_variant_selection(monkeypatch):
     monkeypatch.setenv("TRITONMOE_GEMM_VARIANT", "persistent")
     for kind in C.KINDS:
         assert C.select(kind, **sel).variant == ("persistent" if kind in C.PERSISTENT_KINDS else "tile"), kind
+    monkeypatch.setenv("TRITONMOE_GEMM_VARIANT", "wide")
+    for kind in C.KINDS:
+        want = "tile" if kind not in C.PERSISTENT_KINDS else ("wide" if kind in C.WIDE_KINDS else "persistent")
+        assert C.select(kind, **sel).variant == want, kind
     monkeypatch.setenv("TRITONMOE_GEMM_VARIANT", " Tile ")
     assert C.select("mm", **sel).variant == "tile"
     monkeypatch.setenv("TRITONMOE_GEMM_VARIANT", "fast")
