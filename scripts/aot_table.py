@@ -3,7 +3,7 @@ of tests/test_aot_compile.py for sm_90a (no GPU needed) with this environment's 
 optionally, with a second Triton install, and print the Markdown tables (```text blocks).
 
     python scripts/aot_table.py                                   # the installed Triton
-    python scripts/aot_table.py --other /tmp/t36venv/lib/python3.12/site-packages
+    python scripts/aot_table.py --other /tmp/t36venv/lib/python3.11/site-packages
     python scripts/aot_table.py --filter "[persistent" --filter "[wide" > /tmp/aot.md
 
 ``--other`` is a site-packages directory holding another triton (e.g. ``pip install
