@@ -87,13 +87,13 @@ def compiled() -> dict:
 def test_warp_specialized_gemm_compiles_for_sm90a(compiled, name):
     rec = compiled[name]
     assert rec["ok"], rec["error"]
-    facts = {k: rec[k] for k in ("registers", "stack_bytes", "shared", "setmaxnreg", "wgmma_shapes", "tma_loads")}
+    facts = {k: rec[k] for k in ("registers", "stack_bytes", "shared", "setmaxnreg", "mma_shapes", "tma_loads")}
     # register partitions: the consumers grow, the producer shrinks to PRODUCER_REGS
     incs = [int(x.split()[1]) for x in rec["setmaxnreg"] if x.startswith("inc")]
     decs = [int(x.split()[1]) for x in rec["setmaxnreg"] if x.startswith("dec")]
     assert incs and decs and max(incs) >= 200 and min(decs) <= G.PRODUCER_REGS, facts
     assert G.PRODUCER_REGS in incs + decs, facts
-    assert rec["wgmma_shapes"] == [f"m64n{BN}k16"], facts
+    assert rec["mma_shapes"] == [f"m64n{BN}k16"], facts
     assert rec["tma_loads"] >= 2, facts  # the A and the weight tile
     assert rec["stack_bytes"] == 0 and rec["spills"] == 0, facts
     assert NUM_BUF * (BM * BK + BK * BN) * 2 <= rec["shared"] <= aot.SM90_MAX_SHARED, facts
