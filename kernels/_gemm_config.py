@@ -70,8 +70,10 @@ their tiles from the tuned table too, with the tile kernel. The choice is table-
 table's row carries its variant, so the persistent (or wide) kernel runs exactly where the table
 measured it faster; without a row the policy chooses :data:`DEFAULT_VARIANT` = ``"tile"``
 (unchanged until a GPU run has measured the variants per shape), and
-``TRITONMOE_GEMM_VARIANT=persistent|wide`` switches the kinds that have them over with the same
-tile shapes. Compiled offline for sm_90a (Triton 3.6 and 3.9, docs/kernels-aot.md) the
+``TRITONMOE_GEMM_VARIANT=persistent|wide|warpspec`` switches the kinds that have them over with
+the same tile shapes. ``"warpspec"`` is the warp-specialized Gluon kernel of the plain ``mm`` kind
+(GEMM2; ``kernels/_gluon_grouped_gemm.py``), which falls back to the persistent kernel wherever
+it cannot serve a launch. Compiled offline for sm_90a (Triton 3.6 and 3.9, docs/kernels-aot.md) the
 persistent kernel fits these tiles (at most 180 KiB of shared memory, TMA stores of 256-wide
 tiles in two 128-column slices) without spilling a register, with the same main-loop barriers
 at E=128 as at E=8.
@@ -115,6 +117,7 @@ __all__ = [
     "PERSISTENT_VARIANTS",
     "PREACT_MODES",
     "VARIANTS",
+    "WARPSPEC_KINDS",
     "WIDE_KINDS",
     "TileConfig",
     "autotune_enabled",
@@ -144,9 +147,15 @@ KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
 #: "wide" is the persistent kernel with the SwiGLU GEMM's gate and up tiles in one [BK, 2*BN]
 #: weight tile and one [BM, 2*BN] accumulator (one MMA of width 2*BN per K step; ``BN`` stays
 #: the width of each half); kinds without a GLU run it as "persistent".
-VARIANTS = ("tile", "persistent", "wide")
+#: "warpspec" is the warp-specialized Gluon kernel (``kernels/_gluon_grouped_gemm.py``: a TMA
+#: producer warp, two wgmma consumer warpgroups, sm_90 only) for the plain "mm" kind; where it
+#: cannot serve a launch (another kind, a gathered or scattered row space, K-contiguous weights,
+#: a device other than sm_90, no Gluon) the persistent kernel runs it.
+VARIANTS = ("tile", "persistent", "wide", "warpspec")
 #: The variants served by the persistent kernel (``kernels/_grouped_gemm_persistent.py``).
 PERSISTENT_VARIANTS = ("persistent", "wide")
+#: The kinds the warp-specialized Gluon kernel serves.
+WARPSPEC_KINDS = ("mm",)
 #: The kinds that have a persistent variant: the forward GEMMs and the dX GEMM (a plain "mm"
 #: with transposed weights). The backward-epilogue and weight-gradient kinds are tile-only:
 #: their tiles (and pipeline depth) still come from the tuned table, whose "persistent" or
@@ -364,6 +373,8 @@ def select(
     if kind not in PERSISTENT_KINDS and cfg.variant != "tile":  # no persistent kernel for this kind
         cfg = replace(cfg, variant="tile")
     elif cfg.variant == "wide" and kind not in WIDE_KINDS:  # one accumulator already: the same kernel
+        cfg = replace(cfg, variant="persistent")
+    elif cfg.variant == "warpspec" and kind not in WARPSPEC_KINDS:  # no warp-specialized kernel for it
         cfg = replace(cfg, variant="persistent")
     if kind == "wgrad":
         # BM tiles the output rows (k here), BN its columns, BK the expert's rows.

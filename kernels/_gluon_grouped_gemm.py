@@ -177,7 +177,12 @@ def mm(a, b_EKN, out, tiles, count, *, BM: int = 128, BN: int = 256, BK: int = 6
        num_programs: int) -> None:
     """``out[r] = a[r] @ b_EKN[e(r)]`` for the rows of the tile map ``(tiles, count)`` (BM-row
     tiles, ``kernels/grouped_gemm.py``'s ``TileMap``) with the warp-specialized kernel; the caller
-    checked :func:`usable`. ``num_programs``: persistent programs (one per SM at most)."""
+    checked :func:`usable`. ``BM`` 128 (two consumer warpgroups) or 64 (one); ``num_buf`` stages
+    (fewer when they would not fit 200 KiB of shared memory); ``num_programs``: persistent
+    programs (one per SM at most)."""
+    if BM not in (64, 128) or BN > 256 or BN % 8:
+        raise ValueError(f"the warp-specialized kernel takes BM 64 or 128 and BN <= 256 (got BM={BM}, BN={BN})")
+    num_buf = max(2, min(num_buf, (200 * 1024) // ((BM * BK + BK * BN) * a.element_size())))
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     E, K, N = b_EKN.shape
@@ -188,5 +193,5 @@ def mm(a, b_EKN, out, tiles, count, *, BM: int = 128, BN: int = 256, BK: int = 6
     b_desc = TensorDescriptor(b_EKN, [E * K, N], [N, 1], [BK, BN], b_layout)
     _gluon_grouped_mm_ws_kernel[(num_programs,)](
         a_desc, b_desc, out, tiles, count, K, N, out.stride(0),
-        BM=BM, BN=BN, BK=BK, NUM_BUF=num_buf, PRODUCER_NREG=PRODUCER_REGS, num_warps=8,
+        BM=BM, BN=BN, BK=BK, NUM_BUF=num_buf, PRODUCER_NREG=PRODUCER_REGS, num_warps=BM // 16,
     )

@@ -66,6 +66,7 @@ from tritonmoe.core.settings import validation_enabled
 
 from ._host import cdiv, device_ctx, next_power_of_2
 from . import _gemm_config as C
+from . import _gluon_grouped_gemm as WS
 from . import _grouped_gemm_persistent as P
 from ._grouped_gemm_kernels import (
     ACT_GELU,
@@ -272,6 +273,14 @@ def _mm(
     if cfg is None:
         cfg = C.select(_kind(act), rows=rows, n=N, k=K, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
     tm = space.tile_map(cfg.BM)
+    if cfg.variant == "warpspec":  # the warp-specialized Gluon kernel (kernels/_gluon_grouped_gemm.py)
+        if (act.code == ACT_NONE and h is None and bias is None and not gather_a and not scatter and scale is None
+                and cfg.SPLIT_K == 1 and out.dim() == 2 and cfg.BM in (64, 128) and cfg.BN <= 256
+                and WS.usable(a, b_EKN, out, K=K, BK=cfg.BK) is None):
+            WS.mm(a, b_EKN, out, tm.tiles, tm.count, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                  num_programs=P.num_programs(dev, tm.bound * cdiv(N, cfg.BN)))
+            return
+        cfg = replace(cfg, variant="persistent")  # what it cannot serve, the persistent kernel does
     if cfg.variant in C.PERSISTENT_VARIANTS:  # the one variant switch (kernels/_grouped_gemm_persistent.py)
         if bias is None and act.code != ACT_SWIGLU_OAI and cfg.SPLIT_K == 1 and out.dim() == 2:
             P.mm(a, space.offsets, tm.tiles, tm.count, b_EKN, out, cfg, rows=rows, act=act.code, h=h,

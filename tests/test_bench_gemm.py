@@ -38,7 +38,7 @@ def test_gemm_suite_gpu_path_in_the_interpreter(monkeypatch):
     ctx.timer = Timer(ctx.device, reps=1, warmup=0)
     cases = suites.plan(ctx, "gemm")
     assert [c.params["op"] for c in cases] == list(GV.OPS)
-    assert all([e.impl for e in c.entries] == ["tile", "persistent", "wide", "grouped_mm"] for c in cases)
+    assert all([e.impl for e in c.entries] == ["tile", "persistent", "wide", "warpspec", "grouped_mm"] for c in cases)
     launched = []
     real = P.mm
     monkeypatch.setattr(P, "mm", lambda *a, **k: (launched.append(a[6].variant), real(*a, **k))[1])
@@ -54,7 +54,9 @@ def test_gemm_suite_gpu_path_in_the_interpreter(monkeypatch):
     assert by[("gemm1", "tile")]["flops"] == 2 * R * 32 * 32  # n1 = 2 * d_ffn (SwiGLU)
     assert by[("gemm2", "tile")]["flops"] == 2 * R * 16 * 32
     assert by[("ffn", "tile")]["flops"] == 2 * R * 32 * 32 + 2 * R * 16 * 32
-    # persistent and wide entries: gemm1 (1 launch) + gemm2 (1) + ffn (2) each, none from the tile
-    # entries; "wide" is the persistent kernel for the plain GEMM2
-    assert launched == ["persistent", "wide", "persistent", "persistent"] + ["persistent", "persistent", "wide",
-                                                                            "persistent"]
+    # persistent, wide and warpspec entries: gemm1 (1 launch) + gemm2 (1) + ffn (2) each, none from
+    # the tile entries; "wide" is the persistent kernel for the plain GEMM2
+    # and "warpspec" (the Gluon kernel, sm_90 only) falls back to the persistent kernel here
+    assert launched == ["persistent", "wide", "persistent"] + ["persistent"] * 3 + ["persistent", "persistent", "wide",
+                                                                                  "persistent", "persistent",
+                                                                                  "persistent"]

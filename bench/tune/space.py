@@ -236,6 +236,8 @@ def _gemm_space(job: Job, interpreter: bool) -> list:
     variants = ("tile",)
     if kind in GC.PERSISTENT_KINDS and not interpreter:
         variants = ("tile", "persistent", "wide") if kind in GC.WIDE_KINDS else ("tile", "persistent")
+        if kind in GC.WARPSPEC_KINDS:
+            variants += ("warpspec",)
     out = []
     for vals in itertools.product(*axes.values()):
         f = dict(zip(axes, vals))
@@ -247,7 +249,9 @@ def _gemm_space(job: Job, interpreter: bool) -> list:
             if f["BN"] > _p2(n) or f["BK"] > _p2(k if kind != "wgrad" else job.bucket):
                 continue
         for v in variants:
-            splits = (0,) if v == "tile" else ((1, 2) if f["BN"] >= 128 or v == "wide" else (1,))
+            if v == "warpspec" and (f["BM"] not in (64, 128) or f["num_warps"] != f["BM"] // 16):
+                continue  # its consumers are BM / 16 warps (one warpgroup per 64 rows)
+            splits = (0,) if v in ("tile", "warpspec") else ((1, 2) if f["BN"] >= 128 or v == "wide" else (1,))
             for s in splits:
                 out.append(GC.TileConfig(**f, variant=v, EPI_SPLIT=s))
     return out
