@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from tritonmoe.core import validation as V
 from tritonmoe.core.types import Routing
 
 from . import config as CF
@@ -213,7 +214,8 @@ def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str,
     )
 
 
-def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor]):
+def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor],
+             flag: Optional[torch.Tensor] = None):
     T, E, K = prob.T, prob.E, prob.K
     dev = logits_TE.device
     cfg = prob.config
@@ -281,6 +283,11 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             prio_ptr=prio_TK,
             WITH_PRIO=with_prio,
             BLOCK_HIST=by_position,
+            flag_ptr=flag if flag is not None else dummy_i32,
+            CHECK=flag is not None,
+            # the fused bias guard; with capacity the keep passes write 0 to dropped slots after it,
+            # so route() applies the guard to their final weights instead
+            POISON=bias_E is not None and prob.capacity is None,
             num_warps=cfg.num_warps,
             **FWD_COMPILE_OPTIONS,
         )
@@ -423,8 +430,8 @@ class _RouteFn(torch.autograd.Function):
     weights, score_sum and logsumexp are differentiable w.r.t. the logits."""
 
     @staticmethod
-    def forward(ctx, logits_TE, bias_E, prob: _Problem):
-        ids, w, counts, selected, score_sum, lse, sel_ids = _forward(prob, logits_TE, bias_E)
+    def forward(ctx, logits_TE, bias_E, prob: _Problem, flag):
+        ids, w, counts, selected, score_sum, lse, sel_ids = _forward(prob, logits_TE, bias_E, flag)
         ctx.prob = prob
         ctx.save_for_backward(logits_TE, sel_ids, ids)
         ctx.mark_non_differentiable(ids, counts, selected)
@@ -436,9 +443,9 @@ class _RouteFn(torch.autograd.Function):
     def backward(ctx, _d_ids, dw_TK, _d_counts, _d_selected, dss_E, dlse_T):
         logits_TE, sel_ids, ids = ctx.saved_tensors
         if dw_TK is None and dss_E is None and dlse_T is None:
-            return None, None, None
+            return None, None, None, None
         dlogits = _backward(ctx.prob, logits_TE, sel_ids, ids, dw_TK, dss_E, dlse_T)
-        return dlogits, None, None
+        return dlogits, None, None, None
 
 
 def route(
@@ -455,11 +462,24 @@ def route(
     group_score: str = "top2sum",
     routed_scaling_factor: float = 1.0,
     drop_policy: str = "slot",
+    check: bool = False,
 ) -> Routing:
     """Top-k routing with the fused Triton kernels; the contract of :func:`tritonmoe.route`
     (arguments already validated there). The ids equal :func:`tritonmoe.reference.route`'s bit
     for bit: both compare the canonical selection values of
     :func:`tritonmoe.reference.selection_values` (see ``_routing_kernels``).
+
+    A non-finite ``expert_bias`` makes every weight NaN, as
+    :func:`tritonmoe.reference.nan_weights_if_nonfinite` does (``route.fused_bias_guard``: the
+    caller need not apply it again): dropless, inside the forward kernel (no extra launch);
+    with capacity, on the final weights. ``check=True`` (``route.fused_checks``) runs the value
+    checks of :func:`tritonmoe.core.validation.route_values` inside the forward kernel (one
+    int32 flag, set by any program that sees a NaN logit, a +inf or an all -inf row under
+    softmax, or a non-finite bias) and reads the flag back once: a host sync, so only for
+    validated calls; a set flag raises that function's ``ValueError``.
+
+    Host path (dropless, no aux): the cached problem, the outputs (ids, weights, zeroed counts)
+    and one launch.
 
     fp16/bf16/fp32 logits only: the kernels compute in fp32, which would not meet the fp64
     contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.backends` routes fp64 logits
@@ -474,8 +494,22 @@ def route(
     prob = _problem(T, E, top_k, n_groups, topk_groups, score_func, renormalize, capacity, with_aux, group_score,
                     float(routed_scaling_factor), logits_TE.device.type != "cuda", drop_policy)
     prob = _choose(prob, logits_TE.device)
-    bias_E = expert_bias.detach().float().contiguous() if expert_bias is not None else None
-    ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob)
+    bias_E = None
+    if expert_bias is not None:
+        bias_E = expert_bias.detach() if expert_bias.requires_grad else expert_bias
+        if bias_E.dtype != torch.float32 or not bias_E.is_contiguous():
+            bias_E = bias_E.float().contiguous()
+    if check and T == 0:  # nothing launches: the checks on the host (only the bias has values)
+        V.route_values(logits_TE, score_func, expert_bias)
+        check = False
+    flag = torch.zeros(1, dtype=torch.int32, device=logits_TE.device) if check else None
+    ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob, flag)
+    if check and flag.item():  # host sync: validation on (set_validation(False) skips it); error path reads more
+        V.route_values(logits_TE, score_func, expert_bias)
+        raise ValueError(f"the router's value check failed (flag {int(flag)}) but route_values found nothing; "
+                         "please report this")  # pragma: no cover - the kernel and route_values check the same
+    if expert_bias is not None and prob.capacity is not None:
+        w = _nan_if_nonfinite(w, bias_E)
     return Routing(
         topk_ids=ids,
         topk_weights=w,
@@ -485,6 +519,18 @@ def route(
         score_sum=score_sum,
         logsumexp=lse,
     )
+
+
+route.fused_bias_guard = True  # type: ignore[attr-defined]
+route.fused_checks = True  # type: ignore[attr-defined]
+
+
+def _nan_if_nonfinite(w_TK: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor:
+    """:func:`tritonmoe.reference.nan_weights_if_nonfinite` (w + 0, or w + NaN; no host sync),
+    for the capacity paths, whose keep passes write the dropped slots after the forward kernel."""
+    poison = torch.where(torch.isfinite(bias_E).all(), torch.zeros((), dtype=w_TK.dtype, device=w_TK.device),
+                         torch.full((), float("nan"), dtype=w_TK.dtype, device=w_TK.device))
+    return w_TK + poison
 
 
 class _BalanceSumsFn(torch.autograd.Function):
