@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -115,9 +116,29 @@ def route_key(num_experts: int, n_groups: int) -> dict:
     return {"E": int(num_experts), "G": int(n_groups)}
 
 
+#: (problem, device, TRITONMOE_CONFIG_TABLE) -> the chosen problem, filled only while no override
+#: or recording is active (CF.quiet()), so a call pays one dict lookup, not the table lookup.
+_CHOSEN: dict = {}
+
+
 def _choose(prob: "_Problem", device: torch.device) -> "_Problem":
     """The tuned table's config for this problem (else the cached heuristic one), then an
-    override; noted for recordings. Host cost without a table or override: two lookups."""
+    override; noted for recordings. Without an override or recording: cached per (problem,
+    device), one dict lookup per call."""
+    if not CF.quiet():
+        return _choose_now(prob, device)
+    # keyed by identity (``_problem`` hands out one object per problem; hashing the dataclass
+    # would hash its 19 fields on every call), the entry holding the problem it was made for
+    key = (id(prob), device, os.environ.get("TRITONMOE_CONFIG_TABLE"))
+    hit = _CHOSEN.get(key)
+    if hit is None or hit[0] is not prob:
+        if len(_CHOSEN) >= 4096:  # bounded, like _problem's cache
+            _CHOSEN.clear()
+        hit = _CHOSEN[key] = (prob, _choose_now(prob, device))
+    return hit[1]
+
+
+def _choose_now(prob: "_Problem", device: torch.device) -> "_Problem":
     tbl = CF.table_for(device)
     cfg, source = prob.config, "heuristic"
     if tbl is not None:
@@ -214,6 +235,37 @@ def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str,
     )
 
 
+#: (id(problem), has bias, check) -> (problem, the forward kernel's constant keyword arguments)
+_FWD_CONSTS: dict = {}
+
+
+def _fwd_consts(prob: _Problem, has_bias: bool, check: bool) -> dict:
+    """The forward kernel's specialization and launch options for a problem, built once (the
+    per-call launch passes only the tensors, T, NB and the strides)."""
+    key = (id(prob), has_bias, check)
+    hit = _FWD_CONSTS.get(key)
+    if hit is not None and hit[0] is prob:
+        return hit[1]
+    cfg, K = prob.config, prob.K
+    has_cap = prob.capacity is not None and prob.drop_policy == "slot"
+    consts = dict(
+        G=prob.G, S=prob.S, TOPK_GROUPS=prob.topk_groups, K=K, SOFTMAX=prob.softmax, RENORMALIZE=prob.renormalize,
+        HAS_BIAS=has_bias, HAS_CAPACITY=has_cap, SLOT_TOTALS=has_cap and cfg.scan_split_slots and K > 1,
+        WITH_AUX=prob.with_aux, BLOCK_T=cfg.block_t, BLOCK_G=prob.block_g, BLOCK_S=prob.block_s,
+        BLOCK_K=prob.block_k, scale=prob.scale, GROUP_MAX=prob.group_max, SQRTSP=prob.sqrtsp,
+        GROUP_TOPN=prob.group_topn, WITH_PRIO=prob.capacity is not None and prob.drop_policy == "probs",
+        BLOCK_HIST=prob.capacity is not None and prob.drop_policy == "position", CHECK=check,
+        # the fused bias guard; with capacity the keep passes write 0 to dropped slots after it,
+        # so route() applies the guard to their final weights instead
+        POISON=has_bias and prob.capacity is None,
+        num_warps=cfg.num_warps, **FWD_COMPILE_OPTIONS,
+    )
+    if len(_FWD_CONSTS) >= 4096:
+        _FWD_CONSTS.clear()
+    _FWD_CONSTS[key] = (prob, consts)
+    return consts
+
+
 def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor],
              flag: Optional[torch.Tensor] = None):
     T, E, K = prob.T, prob.E, prob.K
@@ -262,34 +314,9 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             NB,
             logits_TE.stride(0),
             logits_TE.stride(1),
-            G=prob.G,
-            S=prob.S,
-            TOPK_GROUPS=prob.topk_groups,
-            K=K,
-            SOFTMAX=prob.softmax,
-            RENORMALIZE=prob.renormalize,
-            HAS_BIAS=bias_E is not None,
-            HAS_CAPACITY=has_cap,
-            SLOT_TOTALS=has_cap and split,
-            WITH_AUX=prob.with_aux,
-            BLOCK_T=cfg.block_t,
-            BLOCK_G=prob.block_g,
-            BLOCK_S=prob.block_s,
-            BLOCK_K=prob.block_k,
-            scale=prob.scale,
-            GROUP_MAX=prob.group_max,
-            SQRTSP=prob.sqrtsp,
-            GROUP_TOPN=prob.group_topn,
             prio_ptr=prio_TK,
-            WITH_PRIO=with_prio,
-            BLOCK_HIST=by_position,
             flag_ptr=flag if flag is not None else dummy_i32,
-            CHECK=flag is not None,
-            # the fused bias guard; with capacity the keep passes write 0 to dropped slots after it,
-            # so route() applies the guard to their final weights instead
-            POISON=bias_E is not None and prob.capacity is None,
-            num_warps=cfg.num_warps,
-            **FWD_COMPILE_OPTIONS,
+            **_fwd_consts(prob, bias_E is not None, flag is not None),
         )
         sel_ids_TK = ids_TK
         if has_cap:
@@ -503,7 +530,10 @@ def route(
         V.route_values(logits_TE, score_func, expert_bias)
         check = False
     flag = torch.zeros(1, dtype=torch.int32, device=logits_TE.device) if check else None
-    ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob, flag)
+    if logits_TE.requires_grad and torch.is_grad_enabled():
+        ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob, flag)
+    else:  # no graph to record: the launches without the autograd Function's host cost
+        ids, w, counts, selected, score_sum, lse, _ = _forward(prob, logits_TE, bias_E, flag)
     if check and flag.item():  # host sync: validation on (set_validation(False) skips it); error path reads more
         V.route_values(logits_TE, score_func, expert_bias)
         raise ValueError(f"the router's value check failed (flag {int(flag)}) but route_values found nothing; "
