@@ -171,7 +171,11 @@ def routing_variants(T: int = 4096) -> list[Variant]:
             slot_hist_ptr=P("i32"), slot_tot_ptr=P("i32"), score_part_ptr=P("fp32"), lse_ptr=P("fp32"),
             T=T, NB=NB, stride_lt=r.E, stride_le=1, TOPK_GROUPS=r.topk_groups, HAS_BIAS=r.bias,
             HAS_CAPACITY=r.capacity, SLOT_TOTALS=r.capacity and split, WITH_AUX=r.aux, **shape,
+            POISON=r.bias and not r.capacity,  # the fused non-finite bias guard, as launched
         ), cfg.num_warps))
+        if r.name in ("qwen3_E128_k8", "deepseek_v3_E256_k8_g8"):  # a validated call: the fused value checks
+            out.append(Variant(f"route_fwd[{r.name},checked]", RK._route_fwd_kernel, dict(
+                out[-1].args, flag_ptr=P("i32"), CHECK=True), cfg.num_warps))
         # backward: the weights' gradient always; the aux gradients when the router has them
         for grads in [("dw",)] + ([("dw", "dss", "dlse"), ("dss",)] if r.aux else []):
             shape_b = dict(shape, BLOCK_T=cfg.bwd_block_t)
