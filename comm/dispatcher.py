@@ -137,10 +137,7 @@ class AllToAllDispatcher:
 
     def expert_offsets(self, plan: DispatchPlan, i: int = 0) -> torch.Tensor:
         """int64 [L+1] segment starts of the local experts in micro-op i's expert-major buffer."""
-        counts_L = plan.recv_counts[i].sum(0)
-        offsets = counts_L.new_zeros(self.num_local_experts + 1)
-        offsets[1:] = torch.cumsum(counts_L, 0)
-        return offsets
+        return plan.expert_offsets(i)
 
     # -- all micro-ops, pipelined -------------------------------------------------------------
 

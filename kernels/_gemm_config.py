@@ -124,6 +124,7 @@ __all__ = [
     "colsum_config",
     "combine_config",
     "decode_path",
+    "decode_bm",
     "decode_key",
     "ffn_preact_mode",
     "force_decode",
@@ -475,9 +476,12 @@ def select_decode(
     """Tiles of the decode path's GEMMs (``kind`` "swiglu" / "mm_act" for the first, "mm" for
     the second), which stream the weights of the active experts and do little arithmetic.
 
-    * BM = the next power of two of T (16..64): an expert holds at most T rows (a token's k ids
-      are distinct), so one M tile covers them and each weight panel is read from HBM once; the
-      wasted MMA rows cost nothing in a bandwidth-bound GEMM.
+    * BM = :func:`decode_bm`: the next power of two of T (16..64), an expert's most rows (a
+      token's k ids are distinct), cut to four times the rows an expert holds on average
+      (T*k/E) when that is smaller: Qwen3-30B-A3B-like (E=128, k=8) at T=64 averages 4 rows, so
+      16-row tiles (mma.sync), where 64-row tiles would waste 15/16 of the MMA rows and hold a
+      4x larger accumulator and A buffer per stage; an expert past BM rows (4x skew) takes a
+      second tile that re-reads its weight panel.
     * Enough programs stream at once: at most ``A = min(E, T * k)`` experts are active (a shape
       bound, no sync); the N tile is the widest that still gives ``A * cdiv(n, BN) >= 2 * SMs``
       work items (first GEMM: 64 or 32 columns per accumulator for the GLUs, 128..32 otherwise;
@@ -493,7 +497,7 @@ def select_decode(
         raise ValueError(f"decode GEMM kind {kind!r}; use 'swiglu', 'mm_act' or 'mm'")
     target = f"decode.{kind}"
     exact = decode_key(dtype, tf32, num_experts, n, k, top_k)
-    bm = _pow2_at_least(min(max(tokens, 1), 64))
+    bm = decode_bm(tokens, top_k, num_experts)
     cfg, source = _tabled(target, device, exact, tokens)
     if cfg is None and not CF.replaced(target):
         cfg = _decode_policy(kind, tokens, top_k, n, k, num_experts, dtype, device, bm)
@@ -507,6 +511,14 @@ def select_decode(
     cfg = replace(cfg, source=source)
     CF.note(target, exact, cfg, source, T=tokens)
     return cfg
+
+
+def decode_bm(tokens: int, top_k: int, num_experts: int) -> int:
+    """Row tile of the decode GEMMs: min(next_pow2(T) in 16..64, next_pow2(4 * T * k / E), at
+    least 16). A pure function of the shape (no sync): e.g. E=128, k=8: T=1, 8, 64 -> 16;
+    Mixtral E=8, k=2: T=1 -> 16, T=8 -> 16, T=64 -> 64."""
+    cap = _pow2_at_least(min(max(tokens, 1), 64))
+    return min(cap, _pow2_at_least(cdiv(4 * max(tokens, 1) * top_k, max(1, num_experts))))
 
 
 def _decode_policy(kind: str, tokens: int, top_k: int, n: int, k: int, num_experts: int, dtype: torch.dtype,

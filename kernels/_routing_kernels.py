@@ -75,6 +75,13 @@ L0: tl.constexpr = tl.constexpr(_L[8])
 #: Added to the per-token score sum that normalises sigmoid / sqrtsoftplus scores for the balance
 #: loss (tritonmoe.reference.AUX_EPS).
 AUX_EPS: tl.constexpr = tl.constexpr(1e-20)
+#: Bits of the forward kernel's check flag (CHECK): what tritonmoe.core.validation.route_values
+#: refuses (NaN logits; under softmax a +inf logit or a token whose logits are all -inf; a
+#: non-finite expert bias).
+CHECK_NAN: tl.constexpr = tl.constexpr(1)
+CHECK_POSINF: tl.constexpr = tl.constexpr(2)
+CHECK_ALL_NEGINF: tl.constexpr = tl.constexpr(4)
+CHECK_BIAS: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
@@ -251,6 +258,9 @@ def _route_fwd_kernel(
     prio_ptr=None,  # fp32 [T, K] out: the "probs" drop priority (iff WITH_PRIO)
     WITH_PRIO: tl.constexpr = False,
     BLOCK_HIST: tl.constexpr = False,  # also write the block's selection histogram to slot_hist [NB, E] ("position")
+    flag_ptr=None,  # int32 [1] in/out, zeroed: OR of the CHECK_* bits any program found (iff CHECK)
+    CHECK: tl.constexpr = False,  # the value checks of tritonmoe.core.validation.route_values, fused
+    POISON: tl.constexpr = False,  # HAS_BIAS: every weight NaN when any bias entry is not finite
 ):
     """Scores, selection, top-k, weights and per-expert histograms of a block of tokens.
 
@@ -281,6 +291,24 @@ def _route_fwd_kernel(
         part_E = tl.sum(tl.where(row_ok[:, None], q_TE, 0.0), axis=0)
         tl.store(score_part_ptr + pid * E + e_E, part_E, mask=lane_ok_E)
 
+    if HAS_BIAS:
+        b_E = tl.load(bias_ptr + e_E, mask=lane_ok_E, other=0.0)
+        # non-finite bias entries (every program reads the whole bias: E loads, no extra pass)
+        n_bad_bias = tl.sum((((b_E != b_E) | (tl.abs(b_E) == float("inf"))) & lane_ok_E).to(tl.int32), axis=0)
+    if CHECK:
+        valid_TE = row_ok[:, None] & lane_ok_E[None, :]
+        bits = tl.where(tl.sum(tl.sum(((x_TE != x_TE) & valid_TE).to(tl.int32), axis=1), axis=0) > 0, CHECK_NAN, 0)
+        if SOFTMAX:
+            n_pinf = tl.sum(tl.sum(((x_TE == float("inf")) & valid_TE).to(tl.int32), axis=1), axis=0)
+            bits = bits | tl.where(n_pinf > 0, CHECK_POSINF, 0)
+            # a real row whose every real lane is -inf
+            live_T = tl.sum(((x_TE != float("-inf")) & valid_TE).to(tl.int32), axis=1)
+            n_dead = tl.sum(((live_T == 0) & row_ok).to(tl.int32), axis=0)
+            bits = bits | tl.where(n_dead > 0, CHECK_ALL_NEGINF, 0)
+        if HAS_BIAS:
+            bits = bits | tl.where(n_bad_bias > 0, CHECK_BIAS, 0)
+        tl.atomic_or(flag_ptr, bits, mask=bits != 0, sem="relaxed")
+
     # -- selection value (canonical, see the module docstring); NaN ranks as -inf, -0 is +0 -------
     if HAS_BIAS or WITH_PRIO:
         if SOFTMAX:
@@ -290,7 +318,7 @@ def _route_fwd_kernel(
         else:
             c_TE = _canonical_sigmoid(x_TE)
     if HAS_BIAS:
-        sel_TE = c_TE + tl.load(bias_ptr + e_E, mask=lane_ok_E, other=0.0)[None, :]
+        sel_TE = c_TE + b_E[None, :]
     else:
         sel_TE = x_TE
     sel_TE = tl.where((sel_TE != sel_TE) | (lane_ok_E[None, :] == 0), float("-inf"), sel_TE)
@@ -399,6 +427,8 @@ def _route_fwd_kernel(
         # where(sum < eps) rather than maximum(): a NaN sum stays NaN, as under clamp_min
         p_TK = p_TK / tl.where(sum_T < RENORM_EPS, RENORM_EPS, sum_T)[:, None]
     p_TK = p_TK * scale
+    if POISON:  # tritonmoe.reference.nan_weights_if_nonfinite, fused: w + 0, or w + NaN
+        p_TK = p_TK + tl.where(n_bad_bias > 0, float("nan"), 0.0)
     out_TK = t[:, None] * K + kcol[None, :]
     tl.store(ids_ptr + out_TK, ids_TK, mask=k_ok_TK)
     tl.store(w_ptr + out_TK, p_TK, mask=k_ok_TK)

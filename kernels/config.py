@@ -532,3 +532,10 @@ def summary(ran: list) -> list[dict]:
             seen.add(k)
             out.append(d)
     return out
+
+
+def quiet() -> bool:
+    """True when no override and no :func:`recording` is active: a launcher may then reuse the
+    config it chose before for the same shape and device (tables are read once per process, so
+    the choice changes only with ``TRITONMOE_CONFIG_TABLE``, which such a cache keys on)."""
+    return not _OVERRIDES.get() and _RECORD.get() is None

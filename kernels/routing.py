@@ -29,12 +29,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from tritonmoe.core import validation as V
 from tritonmoe.core.types import Routing
 
 from . import config as CF
@@ -114,9 +116,29 @@ def route_key(num_experts: int, n_groups: int) -> dict:
     return {"E": int(num_experts), "G": int(n_groups)}
 
 
+#: (problem, device, TRITONMOE_CONFIG_TABLE) -> the chosen problem, filled only while no override
+#: or recording is active (CF.quiet()), so a call pays one dict lookup, not the table lookup.
+_CHOSEN: dict = {}
+
+
 def _choose(prob: "_Problem", device: torch.device) -> "_Problem":
     """The tuned table's config for this problem (else the cached heuristic one), then an
-    override; noted for recordings. Host cost without a table or override: two lookups."""
+    override; noted for recordings. Without an override or recording: cached per (problem,
+    device), one dict lookup per call."""
+    if not CF.quiet():
+        return _choose_now(prob, device)
+    # keyed by identity (``_problem`` hands out one object per problem; hashing the dataclass
+    # would hash its 19 fields on every call), the entry holding the problem it was made for
+    key = (id(prob), device, os.environ.get("TRITONMOE_CONFIG_TABLE"))
+    hit = _CHOSEN.get(key)
+    if hit is None or hit[0] is not prob:
+        if len(_CHOSEN) >= 4096:  # bounded, like _problem's cache
+            _CHOSEN.clear()
+        hit = _CHOSEN[key] = (prob, _choose_now(prob, device))
+    return hit[1]
+
+
+def _choose_now(prob: "_Problem", device: torch.device) -> "_Problem":
     tbl = CF.table_for(device)
     cfg, source = prob.config, "heuristic"
     if tbl is not None:
@@ -213,7 +235,39 @@ def _problem(T: int, E: int, top_k: int, n_groups, topk_groups, score_func: str,
     )
 
 
-def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor]):
+#: (id(problem), has bias, check) -> (problem, the forward kernel's constant keyword arguments)
+_FWD_CONSTS: dict = {}
+
+
+def _fwd_consts(prob: _Problem, has_bias: bool, check: bool) -> dict:
+    """The forward kernel's specialization and launch options for a problem, built once (the
+    per-call launch passes only the tensors, T, NB and the strides)."""
+    key = (id(prob), has_bias, check)
+    hit = _FWD_CONSTS.get(key)
+    if hit is not None and hit[0] is prob:
+        return hit[1]
+    cfg, K = prob.config, prob.K
+    has_cap = prob.capacity is not None and prob.drop_policy == "slot"
+    consts = dict(
+        G=prob.G, S=prob.S, TOPK_GROUPS=prob.topk_groups, K=K, SOFTMAX=prob.softmax, RENORMALIZE=prob.renormalize,
+        HAS_BIAS=has_bias, HAS_CAPACITY=has_cap, SLOT_TOTALS=has_cap and cfg.scan_split_slots and K > 1,
+        WITH_AUX=prob.with_aux, BLOCK_T=cfg.block_t, BLOCK_G=prob.block_g, BLOCK_S=prob.block_s,
+        BLOCK_K=prob.block_k, scale=prob.scale, GROUP_MAX=prob.group_max, SQRTSP=prob.sqrtsp,
+        GROUP_TOPN=prob.group_topn, WITH_PRIO=prob.capacity is not None and prob.drop_policy == "probs",
+        BLOCK_HIST=prob.capacity is not None and prob.drop_policy == "position", CHECK=check,
+        # the fused bias guard; with capacity the keep passes write 0 to dropped slots after it,
+        # so route() applies the guard to their final weights instead
+        POISON=has_bias and prob.capacity is None,
+        num_warps=cfg.num_warps, **FWD_COMPILE_OPTIONS,
+    )
+    if len(_FWD_CONSTS) >= 4096:
+        _FWD_CONSTS.clear()
+    _FWD_CONSTS[key] = (prob, consts)
+    return consts
+
+
+def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Tensor],
+             flag: Optional[torch.Tensor] = None):
     T, E, K = prob.T, prob.E, prob.K
     dev = logits_TE.device
     cfg = prob.config
@@ -260,29 +314,9 @@ def _forward(prob: _Problem, logits_TE: torch.Tensor, bias_E: Optional[torch.Ten
             NB,
             logits_TE.stride(0),
             logits_TE.stride(1),
-            G=prob.G,
-            S=prob.S,
-            TOPK_GROUPS=prob.topk_groups,
-            K=K,
-            SOFTMAX=prob.softmax,
-            RENORMALIZE=prob.renormalize,
-            HAS_BIAS=bias_E is not None,
-            HAS_CAPACITY=has_cap,
-            SLOT_TOTALS=has_cap and split,
-            WITH_AUX=prob.with_aux,
-            BLOCK_T=cfg.block_t,
-            BLOCK_G=prob.block_g,
-            BLOCK_S=prob.block_s,
-            BLOCK_K=prob.block_k,
-            scale=prob.scale,
-            GROUP_MAX=prob.group_max,
-            SQRTSP=prob.sqrtsp,
-            GROUP_TOPN=prob.group_topn,
             prio_ptr=prio_TK,
-            WITH_PRIO=with_prio,
-            BLOCK_HIST=by_position,
-            num_warps=cfg.num_warps,
-            **FWD_COMPILE_OPTIONS,
+            flag_ptr=flag if flag is not None else dummy_i32,
+            **_fwd_consts(prob, bias_E is not None, flag is not None),
         )
         sel_ids_TK = ids_TK
         if has_cap:
@@ -423,8 +457,8 @@ class _RouteFn(torch.autograd.Function):
     weights, score_sum and logsumexp are differentiable w.r.t. the logits."""
 
     @staticmethod
-    def forward(ctx, logits_TE, bias_E, prob: _Problem):
-        ids, w, counts, selected, score_sum, lse, sel_ids = _forward(prob, logits_TE, bias_E)
+    def forward(ctx, logits_TE, bias_E, prob: _Problem, flag):
+        ids, w, counts, selected, score_sum, lse, sel_ids = _forward(prob, logits_TE, bias_E, flag)
         ctx.prob = prob
         ctx.save_for_backward(logits_TE, sel_ids, ids)
         ctx.mark_non_differentiable(ids, counts, selected)
@@ -436,9 +470,9 @@ class _RouteFn(torch.autograd.Function):
     def backward(ctx, _d_ids, dw_TK, _d_counts, _d_selected, dss_E, dlse_T):
         logits_TE, sel_ids, ids = ctx.saved_tensors
         if dw_TK is None and dss_E is None and dlse_T is None:
-            return None, None, None
+            return None, None, None, None
         dlogits = _backward(ctx.prob, logits_TE, sel_ids, ids, dw_TK, dss_E, dlse_T)
-        return dlogits, None, None
+        return dlogits, None, None, None
 
 
 def route(
@@ -455,11 +489,24 @@ def route(
     group_score: str = "top2sum",
     routed_scaling_factor: float = 1.0,
     drop_policy: str = "slot",
+    check: bool = False,
 ) -> Routing:
     """Top-k routing with the fused Triton kernels; the contract of :func:`tritonmoe.route`
     (arguments already validated there). The ids equal :func:`tritonmoe.reference.route`'s bit
     for bit: both compare the canonical selection values of
     :func:`tritonmoe.reference.selection_values` (see ``_routing_kernels``).
+
+    A non-finite ``expert_bias`` makes every weight NaN, as
+    :func:`tritonmoe.reference.nan_weights_if_nonfinite` does (``route.fused_bias_guard``: the
+    caller need not apply it again): dropless, inside the forward kernel (no extra launch);
+    with capacity, on the final weights. ``check=True`` (``route.fused_checks``) runs the value
+    checks of :func:`tritonmoe.core.validation.route_values` inside the forward kernel (one
+    int32 flag, set by any program that sees a NaN logit, a +inf or an all -inf row under
+    softmax, or a non-finite bias) and reads the flag back once: a host sync, so only for
+    validated calls; a set flag raises that function's ``ValueError``.
+
+    Host path (dropless, no aux): the cached problem, the outputs (ids, weights, zeroed counts)
+    and one launch.
 
     fp16/bf16/fp32 logits only: the kernels compute in fp32, which would not meet the fp64
     contract (fp64 scores, weights and aux tensors); :mod:`tritonmoe.backends` routes fp64 logits
@@ -474,8 +521,25 @@ def route(
     prob = _problem(T, E, top_k, n_groups, topk_groups, score_func, renormalize, capacity, with_aux, group_score,
                     float(routed_scaling_factor), logits_TE.device.type != "cuda", drop_policy)
     prob = _choose(prob, logits_TE.device)
-    bias_E = expert_bias.detach().float().contiguous() if expert_bias is not None else None
-    ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob)
+    bias_E = None
+    if expert_bias is not None:
+        bias_E = expert_bias.detach() if expert_bias.requires_grad else expert_bias
+        if bias_E.dtype != torch.float32 or not bias_E.is_contiguous():
+            bias_E = bias_E.float().contiguous()
+    if check and T == 0:  # nothing launches: the checks on the host (only the bias has values)
+        V.route_values(logits_TE, score_func, expert_bias)
+        check = False
+    flag = torch.zeros(1, dtype=torch.int32, device=logits_TE.device) if check else None
+    if logits_TE.requires_grad and torch.is_grad_enabled():
+        ids, w, counts, selected, score_sum, lse = _RouteFn.apply(logits_TE, bias_E, prob, flag)
+    else:  # no graph to record: the launches without the autograd Function's host cost
+        ids, w, counts, selected, score_sum, lse, _ = _forward(prob, logits_TE, bias_E, flag)
+    if check and flag.item():  # host sync: validation on (set_validation(False) skips it); error path reads more
+        V.route_values(logits_TE, score_func, expert_bias)
+        raise ValueError(f"the router's value check failed (flag {int(flag)}) but route_values found nothing; "
+                         "please report this")  # pragma: no cover - the kernel and route_values check the same
+    if expert_bias is not None and prob.capacity is not None:
+        w = _nan_if_nonfinite(w, bias_E)
     return Routing(
         topk_ids=ids,
         topk_weights=w,
@@ -485,6 +549,18 @@ def route(
         score_sum=score_sum,
         logsumexp=lse,
     )
+
+
+route.fused_bias_guard = True  # type: ignore[attr-defined]
+route.fused_checks = True  # type: ignore[attr-defined]
+
+
+def _nan_if_nonfinite(w_TK: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor:
+    """:func:`tritonmoe.reference.nan_weights_if_nonfinite` (w + 0, or w + NaN; no host sync),
+    for the capacity paths, whose keep passes write the dropped slots after the forward kernel."""
+    poison = torch.where(torch.isfinite(bias_E).all(), torch.zeros((), dtype=w_TK.dtype, device=w_TK.device),
+                         torch.full((), float("nan"), dtype=w_TK.dtype, device=w_TK.device))
+    return w_TK + poison
 
 
 class _BalanceSumsFn(torch.autograd.Function):

@@ -173,7 +173,11 @@ def routing_variants(T: int = 4096) -> list[Variant]:
             slot_hist_ptr=P("i32"), slot_tot_ptr=P("i32"), score_part_ptr=P("fp32"), lse_ptr=P("fp32"),
             T=T, NB=NB, stride_lt=r.E, stride_le=1, TOPK_GROUPS=r.topk_groups, HAS_BIAS=r.bias,
             HAS_CAPACITY=r.capacity, SLOT_TOTALS=r.capacity and split, WITH_AUX=r.aux, **shape,
+            POISON=r.bias and not r.capacity,  # the fused non-finite bias guard, as launched
         ), cfg.num_warps))
+        if r.name in ("qwen3_E128_k8", "deepseek_v3_E256_k8_g8"):  # a validated call: the fused value checks
+            out.append(Variant(f"route_fwd[{r.name},checked]", RK._route_fwd_kernel, dict(
+                out[-1].args, flag_ptr=P("i32"), CHECK=True), cfg.num_warps))
         # backward: the weights' gradient always; the aux gradients when the router has them
         for grads in [("dw",)] + ([("dw", "dss", "dlse"), ("dss",)] if r.aux else []):
             shape_b = dict(shape, BLOCK_T=cfg.bwd_block_t)
@@ -525,10 +529,14 @@ def gemm_variants(dev: torch.device) -> list[Variant]:
         _colsum("moe_ffn.db2.gptoss", dev, bf16, N=D, gather=True, topk=k),
     ]
     # Decode (moe_ffn with T <= 64): one metadata program, GEMM1, split-K GEMM2, the combine over
-    # the splits. DeepSeek-V3 (E=256, k=8) at T = 1 (BM 16, mma.sync) and 64 (BM 64, wgmma; a 512-slot
-    # sort), Mixtral (E=8, k=2) at T = 1 (2 active experts: K split 4 ways), GPT-OSS at T = 16.
+    # the splits. Row tiles by the rows an expert holds (decode_bm): DeepSeek-V3 (E=256, k=8) at
+    # T = 1 and 64 (2 rows per expert: BM 16, mma.sync; a 512-slot sort), Qwen3-30B-A3B (E=128,
+    # k=8, about 4 rows per expert at T = 64: BM 16; the kernels of DeepSeek's T = 64, so the
+    # compile cache makes it free), Mixtral (E=8, k=2) at T = 1 (2 active experts: K split 4
+    # ways), GPT-OSS at T = 16.
     for label, T, E, k, D, F, act, bias, meta in (("deepseek_T1", 1, 256, 8, 7168, 2048, S, False, True),
                                                   ("deepseek_T64", 64, 256, 8, 7168, 2048, S, False, True),
+                                                  ("qwen3_T64", 64, 128, 8, 2048, 768, S, False, False),
                                                   ("mixtral_T1", 1, 8, 2, 4096, 14336, S, False, False),
                                                   ("gptoss_T16", 16, 128, 4, 2880, 2880, O, True, False)):
         g = dict(rows=T * k, E=E, topk=k)

@@ -104,3 +104,22 @@ def test_pipeline_efficiency_definition():
     assert [s.kind for s in pipe.spans()][:2] == ["dispatch", "dispatch"]
     assert isinstance(pipe.spans()[0], Span)
     assert Timeline().pipeline_efficiency() is None  # no communication recorded
+
+
+def test_plan_expert_offsets_are_each_micro_ops_segment_starts():
+    """DispatchPlan.expert_offsets(i): the local experts' segment starts of micro-op i's
+    expert-major buffer (received rows of expert l from every source), computed once for all
+    micro-ops; a micro-op or expert with no rows included."""
+    import torch
+
+    from tritonmoe.comm.splits import DispatchPlan
+
+    recv = torch.tensor([[[2, 0, 1], [3, 0, 0]], [[0, 0, 0], [0, 0, 0]], [[1, 4, 0], [0, 2, 5]]])  # [N=3, P=2, L=3]
+    plan = DispatchPlan(rank=0, world_size=2, num_experts=6, send_counts=torch.zeros(3, 6, dtype=torch.int64),
+                        recv_counts=recv, send_splits=[[0, 0]] * 3, recv_splits=[[3, 3], [0, 0], [5, 7]])
+    want = [[0, 5, 5, 6], [0, 0, 0, 0], [0, 1, 7, 12]]
+    for i in range(3):
+        got = plan.expert_offsets(i)
+        assert got.dtype == torch.int64 and got.tolist() == want[i]
+    a, b = plan.expert_offsets(2), plan.expert_offsets(2)  # computed once: views of one table after
+    assert a.data_ptr() == b.data_ptr() and a._base is not None and a._base is b._base

@@ -357,6 +357,7 @@ MOE_CASES = [
     ("prime E, k=1 decode (split-K combine)", 11, 5, 1, 40, True),
     ("all tokens on one expert", 13, 4, 2, 12, False),
     ("all tokens on one expert, decode", 13, 4, 2, 12, True),
+    ("one expert past the decode row tile (20 rows, BM 16)", 20, 16, 1, 12, True),
     ("unaligned d (33)", 7, 5, 2, 33, True),
     ("every slot dropped", 5, 3, 2, 12, True),
 ]
@@ -763,7 +764,15 @@ def test_decode_policy_on_sm90(monkeypatch):
     ds = C.select_decode("mm", tokens=1, top_k=8, n=7168, k=2048, num_experts=256, **sel)
     assert ds.SPLIT_K == 1 and 8 * math.ceil(7168 / ds.BN) >= 2 * 132
     g1 = C.select_decode("swiglu", tokens=64, top_k=8, n=2048, k=7168, num_experts=256, **sel)
-    assert g1.BM == 64 and g1.SPLIT_K == 1 and C._smem_bytes(g1, g1.num_stages, 2, True) <= 160 * 1024
+    # 2 rows per expert on average: 16-row tiles (4x skew fits one tile), not 64
+    assert g1.BM == 16 and g1.SPLIT_K == 1 and C._smem_bytes(g1, g1.num_stages, 2, True) <= 160 * 1024
+    for T in (1, 8, 64):  # Qwen3-30B-A3B-like (E=128, k=8, d=2048, f=768): about T/16 rows per expert
+        for kind, n, kk in (("swiglu", 768, 2048), ("mm", 2048, 768)):
+            q = C.select_decode(kind, tokens=T, top_k=8, n=n, k=kk, num_experts=128, **sel)
+            assert q.BM == 16 and C._smem_bytes(q, q.num_stages, 2, kind == "swiglu") <= 160 * 1024, (T, q)
+    # Mixtral-like at T=64: 16 rows per expert on average, a 64-row tile covers the skew
+    assert C.select_decode("swiglu", tokens=64, top_k=2, n=14336, k=4096, num_experts=8, **sel).BM == 64
+    assert [C.decode_bm(T, 2, 8) for T in (1, 8, 16, 32, 64)] == [16, 16, 16, 32, 64]
     assert C.decode_path(64, 8) and not C.decode_path(65, 8) and not C.decode_path(0, 8)
     with CF.override("ffn.decode", True):
         assert C.decode_path(500, 8) and not C.decode_path(600, 8)  # 4800 slots: more than one program sorts

@@ -678,7 +678,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tritonmoe.kernels import _routing_kernels as RK, routing as kr
 
-def fwd(E, k, G, softmax, bias, group_max):
+def fwd(E, k, G, softmax, bias, group_max, check):
     S = E // G
     bg, bs = triton.next_power_of_2(G), triton.next_power_of_2(S)
     cfg = kr.route_config(bg * bs)
@@ -688,7 +688,7 @@ def fwd(E, k, G, softmax, bias, group_max):
                 T=4096, NB=4096 // cfg.block_t, stride_lt=E, stride_le=1, G=G, S=S, TOPK_GROUPS=max(1, G // 2), K=k,
                 SOFTMAX=softmax, RENORMALIZE=True, HAS_BIAS=bias, HAS_CAPACITY=False, SLOT_TOTALS=False,
                 WITH_AUX=False, BLOCK_T=cfg.block_t, BLOCK_G=bg, BLOCK_S=bs, BLOCK_K=triton.next_power_of_2(k),
-                scale=2.5, GROUP_MAX=group_max), cfg.num_warps
+                scale=2.5, GROUP_MAX=group_max, flag_ptr=P("i32"), CHECK=check, POISON=bias), cfg.num_warps
 
 out = {}
 for name, spec in json.loads(sys.argv[2]).items():
@@ -702,10 +702,11 @@ for name, spec in json.loads(sys.argv[2]).items():
 print(json.dumps(out))
 """
 
-#: Canonical-value variants of the forward kernel: (E, k, G, softmax, bias, group max).
+#: Canonical-value variants of the forward kernel: (E, k, G, softmax, bias, group max, fused
+#: value checks). With a bias the launch also fuses the non-finite bias guard (POISON).
 _AOT_ROUTERS = {
-    "deepseek_v3_sigmoid_bias_groups": (256, 8, 8, False, True, False),
-    "softmax_bias_tree_sum_groups_max": (128, 8, 4, True, True, True),
+    "deepseek_v3_sigmoid_bias_groups": (256, 8, 8, False, True, False, False),
+    "softmax_bias_tree_sum_groups_max_checked": (128, 8, 4, True, True, True, True),
 }
 
 
@@ -732,7 +733,7 @@ def test_canonical_forward_compiles_without_fma_for_sm90():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name, (_, _, _, softmax, bias, _) in _AOT_ROUTERS.items():
+    for name, (_, _, _, softmax, bias, *_) in _AOT_ROUTERS.items():
         f = facts[name]
         assert f["fma"] == 0, f"{name}: FMA contraction in the forward kernel: {f}"
         assert f["ftz_arith"] == 0, f"{name}: flush-to-zero arithmetic: {f}"

@@ -117,10 +117,13 @@ def route(
     top_k, n_groups, topk_groups, capacity = (None if v is None else int(v) for v in (top_k, n_groups, topk_groups, capacity))
     routed_scaling_factor = float(routed_scaling_factor)
     validate = _check_values(logits)
-    if validate:
-        V.route_values(logits, score_func, expert_bias)
     ops = _traced()
     impl = implementation("route", backend, logits.device, logits.dtype) if ops is None else ops.route
+    # the Triton router runs the value checks inside its kernel (one flag read back, instead of
+    # a pass over the logits per check before the launch); other implementations check here
+    fused_checks = validate and getattr(impl, "fused_checks", False)
+    if validate and not fused_checks:
+        V.route_values(logits, score_func, expert_bias)
     routing = impl(
         logits,
         top_k,
@@ -135,8 +138,9 @@ def route(
         routed_scaling_factor=routed_scaling_factor,
         **({} if ops is None else {"backend": backend}),
         **({} if drop_policy == "slot" or capacity is None else {"drop_policy": drop_policy}),
+        **({"check": True} if fused_checks else {}),
     )
-    if not validate and expert_bias is not None:
+    if not validate and expert_bias is not None and not getattr(impl, "fused_bias_guard", False):
         # Unchecked, a non-finite bias makes every weight NaN, on the device (no sync): the loss
         # goes NaN on the step the bias broke instead of training on silently wrong routing.
         routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, expert_bias)

@@ -90,10 +90,11 @@ class RouteStep:
         if self._on_logits is not None:
             self._on_logits(logits_TE)
 
-    def finish(self, routing: Routing) -> Routing:
+    def finish(self, routing: Routing, guarded: bool = False) -> Routing:
         """A non-finite expert bias (an update gone wrong) would silently reroute every token:
-        the weights become NaN instead, on the device (no host sync on the forward)."""
-        if self.expert_bias is not None:
+        the weights become NaN instead, on the device (no host sync on the forward).
+        ``guarded``: the route implementation did it already (the Triton router, in its kernel)."""
+        if self.expert_bias is not None and not guarded:
             routing.topk_weights = nan_weights_if_nonfinite(routing.topk_weights, self.expert_bias)
         return routing
 
@@ -110,7 +111,7 @@ class RouteStep:
             logits_TE, c.top_k, capacity=c.capacity(x_TD.shape[0]), with_aux=need_aux, **self.options(), **kw
         )
         self.record(logits_TE)
-        return logits_TE, self.finish(routing)
+        return logits_TE, self.finish(routing, guarded=getattr(route, "fused_bias_guard", False))
 
     def aux_loss(self, logits_TE: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The weighted balance losses (``config.aux_loss_type``) and the z-loss of one routing

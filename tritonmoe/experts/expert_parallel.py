@@ -261,13 +261,19 @@ class ExpertParallelExperts(ExpertPath):
             return self.fp8_forward(x_TD, routing, weights, bounds)
         permute = self.impl("permute", x_TD)
         sends, infos = [], []
-        for a, b in bounds:
+        # the micro-batches as one split each of x, ids and weights (not a slice per micro-op):
+        # in backward one SplitBackward joins the N gradient pieces, where N slices would each
+        # materialize a zero-filled full-size gradient and add it into the others
+        sizes = [b - a for a, b in bounds]
+        x_parts, ids_parts, w_parts = (t.split(sizes) if len(sizes) > 1 else (t,)
+                                       for t in (x_TD, routing.topk_ids, routing.topk_weights))
+        for i, (a, b) in enumerate(bounds):
             # num_rows = the micro-batch's slots, a bound on its routed rows known on the host, so
             # the permute reads nothing back (without it every micro-op's permute synchronizes to
             # size its buffer); the rows past R (capacity drops) are zero and cut off below (the
             # price, only with drops: the dropped slots' rows are zero-filled, and the backward of
             # the cut materializes them as zero gradient rows)
-            x_perm, info = permute(x_TD[a:b], routing.topk_ids[a:b], c.num_experts,
+            x_perm, info = permute(x_parts[i], ids_parts[i], c.num_experts,
                                    num_rows=(b - a) * routing.topk_ids.shape[1])
             sends.append(x_perm)
             infos.append(info)
@@ -289,7 +295,7 @@ class ExpertParallelExperts(ExpertPath):
                 mi_buffers=c.memory_mi_buffers,
             )
         unpermute = self.impl("unpermute", x_TD)
-        outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]
+        outs = [unpermute(backs[i], infos[i], w_parts[i]) for i in range(len(bounds))]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         if sched is not None and backs[0].requires_grad:
             # backs require grad exactly when the pipelined block is in the graph, whose backward
