@@ -45,6 +45,7 @@ from typing import Iterator
 import torch
 import triton.language as tl
 
+from tritonmoe.core.autograd import first_order
 from tritonmoe.core import validation as V
 from tritonmoe.core.types import PermuteInfo, max_permuted_rows
 
@@ -449,7 +450,7 @@ class _PermuteRows(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order("permute (Triton)")
     def backward(ctx, g_ND):
         (slot_rows,) = ctx.saved_tensors
         T = slot_rows.shape[0]
@@ -470,7 +471,7 @@ class _UnpermuteRows(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order("unpermute (Triton)")
     def backward(ctx, g_TD):
         y_RD, w_TK, slot_rows, offsets, counts = ctx.saved_tensors
         need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from tritonmoe.core.autograd import first_order
 
 from tritonmoe.core.exact import (
     WeightGradSlot,
@@ -671,17 +671,29 @@ class SegmentBias(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy_RN):
-        db = None
-        if ctx.needs_input_grad[2]:
-            x_R0 = dy_RN.new_empty(dy_RN.shape[0], 0)
-            if ctx.defer is not None:
-                slot, site, bias_EN = ctx.defer
-                slot.add(bias_EN, site, x_R0, dy_RN, ctx.offs, _grouped_bias_grad)
-            else:
-                db = _grouped_bias_grad(x_R0, dy_RN, ctx.offs, ctx.num_experts)
-        return dy_RN, None, db, None, None
+        if ctx.defer is not None and torch.is_grad_enabled():
+            return _deferred_bias_first_order(ctx, dy_RN)
+        return _segment_bias_backward(ctx, dy_RN)
+
+
+@first_order("a pipelined schedule's deferred bias gradient (fp64 reference)")
+def _deferred_bias_first_order(ctx, dy_RN):
+    return _segment_bias_backward(ctx, dy_RN)
+
+
+def _segment_bias_backward(ctx, dy_RN):
+    """:class:`SegmentBias`'s backward in differentiable torch ops (recorded under
+    ``create_graph=True``)."""
+    db = None
+    if ctx.needs_input_grad[2]:
+        x_R0 = dy_RN.new_empty(dy_RN.shape[0], 0)
+        if ctx.defer is not None:
+            slot, site, bias_EN = ctx.defer
+            slot.add(bias_EN, site, x_R0, dy_RN, ctx.offs, _grouped_bias_grad)
+        else:
+            db = _grouped_bias_grad(x_R0, dy_RN, ctx.offs, ctx.num_experts)
+    return dy_RN, None, db, None, None
 
 
 def clamped_offsets(expert_offsets: torch.Tensor, num_rows: int) -> list[int]:

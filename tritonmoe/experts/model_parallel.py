@@ -50,8 +50,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from tritonmoe.core.autograd import first_order
 from tritonmoe.comm.executor import RealExecutor
 from tritonmoe.comm.partition import transpose_chunks_unchecked
 from tritonmoe.comm.programs.model_parallel import (
@@ -168,7 +168,7 @@ class _SplitSlices(torch.autograd.Function):
         return x[lo : lo + sizes[me]].clone()
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         path, group, sizes, kind = ctx.args
         rmax = max(sizes)
@@ -188,7 +188,7 @@ class _SplitRows(torch.autograd.Function):
         return x.index_select(0, indices[me])
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         path, group, indices, kind, R = ctx.args
         sizes = [int(i.numel()) for i in indices]
@@ -213,7 +213,7 @@ class _AllReduceGrad(torch.autograd.Function):
         return w.clone()
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         path, group = ctx.args
         ex = _executor(grad, path, "bwd")
@@ -251,7 +251,7 @@ class _GatherBatches(torch.autograd.Function):
         return g
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         path, group, tmax, T = ctx.args
         ex = _executor(grad, path, "bwd")
@@ -272,7 +272,7 @@ class _Dump(torch.autograd.Function):
         return x.index_select(0, index)
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         (pos,) = ctx.saved_tensors
         return _sum_copies(grad, pos), None, None
