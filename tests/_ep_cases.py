@@ -25,6 +25,8 @@ import torch.distributed as dist
 import tritonmoe as tm
 from tritonmoe.comm import Timeline
 
+from _double_backward_cases import ep_penalty
+
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 12, 8
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
@@ -215,7 +217,8 @@ def layer_table(rank: int, P: int) -> dict:
         f, eff = run_case(rank, P, c)
         failures += f
         effs.setdefault(c.pipeline_degree, []).append(eff)
-    return {"failures": failures, "num_cases": len(table), "efficiency": effs, "errors": layer_errors(rank, P)}
+    return {"failures": failures, "num_cases": len(table), "efficiency": effs, "errors": layer_errors(rank, P),
+            "double_backward": ep_penalty(rank, P)}
 
 
 def peer_exit(rank: int, P: int, victim: int) -> dict:

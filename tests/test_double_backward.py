@@ -190,3 +190,4 @@ def test_first_order_guard_is_plain_outside_create_graph_and_lazy_inside():
 
     (g,) = torch.autograd.grad(Twice.apply(x).sum(), x, create_graph=True)
     assert g.item() == 2.0 and not g.requires_grad
+
