@@ -124,9 +124,10 @@ def _layer(backend, dtype=torch.float64):
     return tm.MoELayer(cfg).to(dtype)
 
 
-def test_layer_gradient_penalty_reference_is_exact():
-    layer = _layer("torch", torch.float32)
-    x = torch.randn(T, D, requires_grad=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_layer_gradient_penalty_reference_is_exact(dtype):
+    layer = _layer("torch", dtype)
+    x = torch.randn(T, D, dtype=dtype, requires_grad=True)
     out = layer(x)
     (gx,) = torch.autograd.grad(out.pow(3).sum(), x, create_graph=True)
     grads = torch.autograd.grad(gx.pow(2).sum(), list(layer.parameters()), allow_unused=True)

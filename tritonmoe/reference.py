@@ -652,7 +652,7 @@ class SegmentBias(torch.autograd.Function):
     ``b2`` get its gradient this way)."""
 
     @staticmethod
-    def forward(ctx, y_RN, offs, bias_EN, slot, add=True):
+    def forward(y_RN, offs, bias_EN, slot, add=True):
         if add:
             out = y_RN.clone()
             for e in range(bias_EN.shape[0]):
@@ -661,6 +661,11 @@ class SegmentBias(torch.autograd.Function):
                     out[a:b] += bias_EN[e]
         else:
             out = y_RN.view_as(y_RN)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # a separate setup_context: torch.func can transform it
+        y_RN, offs, bias_EN, slot = inputs[:4]
         ctx.offs = offs
         ctx.num_experts = bias_EN.shape[0]
         ctx.defer = None
@@ -668,7 +673,6 @@ class SegmentBias(torch.autograd.Function):
             site = slot.claim_site(bias_EN)
             if site is not None:
                 ctx.defer = (slot, site, bias_EN)
-        return out
 
     @staticmethod
     def backward(ctx, dy_RN):

@@ -215,7 +215,7 @@ class _RowInvariantGroupedGemm(torch.autograd.Function):
     whose store holds ``w``, deferred to that store."""
 
     @staticmethod
-    def forward(ctx, x_RK, offs, w_EKN, slot):
+    def forward(x_RK, offs, w_EKN, slot):
         R = x_RK.shape[0]
         E, _, N = w_EKN.shape
         y = x_RK.new_zeros(R, N)
@@ -223,6 +223,11 @@ class _RowInvariantGroupedGemm(torch.autograd.Function):
             a, b = offs[e], offs[e + 1]
             if b > a:
                 y[a:b] = rowwise_mm(x_RK[a:b], w_EKN[e])
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # a separate setup_context: torch.func can transform it
+        x_RK, offs, w_EKN, slot = inputs
         ctx.offs = offs
         ctx.defer = None
         if slot is not None and w_EKN.requires_grad:
@@ -233,7 +238,6 @@ class _RowInvariantGroupedGemm(torch.autograd.Function):
                 # hooks (non-reentrant checkpoint, save_on_cpu)
                 ctx.defer = (slot, site, w_EKN)
         ctx.save_for_backward(x_RK, w_EKN)
-        return y
 
     @staticmethod
     def backward(ctx, dy_RN):
