@@ -151,6 +151,8 @@ def cases(tmp: Path) -> list[Case]:
              ValueError, "activation='tanh' is not supported"),
         Case("tm.MoELayer (forward)", "x of another width", lambda: _layers(1)[0](_x(T, D + 1)), ValueError,
              "the last dimension must be d_model=8"),
+        Case("tm.MoELayer (forward)", "a torch.vmap over the layer", lambda: torch.vmap(_layers(1)[0])(_x(2, T, D)),
+             NotImplementedError, "MoELayer does not support torch.vmap"),
         Case("tm.MoELayer (expert-parallel construction)", "both mesh= and ep_group=", _ep_bad_mesh_and_group,
              ValueError, "pass mesh= or ep_group=, not both"),
         Case("tritonmoe.hf.apply", "a model with no MoE block", _unknown_hf_model, TypeError,

@@ -192,3 +192,9 @@ def test_first_order_guard_is_plain_outside_create_graph_and_lazy_inside():
     (g,) = torch.autograd.grad(Twice.apply(x).sum(), x, create_graph=True)
     assert g.item() == 2.0 and not g.requires_grad
 
+
+
+def test_vmap_over_the_layer_is_a_clear_error():
+    layer = _layer("torch", torch.float32)
+    with pytest.raises(NotImplementedError, match=r"MoELayer does not support torch.vmap.*functional_call"):
+        torch.vmap(layer)(torch.randn(2, T, D))
