@@ -64,8 +64,9 @@ DTYPES = {
 }
 BACKENDS = ("triton", "torch", "auto")
 #: Baselines and peers a run may name; the default leaves out the peer liger (it needs its wheel,
-#: and runs only on a GPU or under Triton's interpreter).
-BASELINES = ("loop", "grouped_mm", "liger")
+#: and runs only on a GPU or under Triton's interpreter) and softmax_topk (torch.softmax +
+#: torch.topk beside plain softmax routers: the floor the router's eager call is judged against).
+BASELINES = ("loop", "grouped_mm", "liger", "softmax_topk")
 DEFAULT_BASELINES = ("loop", "grouped_mm")
 
 
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "baseline), auto. Default triton,torch on GPU and torch on CPU")
     g.add_argument("--baselines", type=choice_list(BASELINES, allow_none=True), metavar="B,...",
                    help="extra baselines: loop (per-expert torch.matmul), grouped_mm (torch._grouped_mm), liger "
-                   "(Liger-Kernel's fused MoE, routed-FFN cases) or none. Default: loop,grouped_mm")
+                   "(Liger-Kernel's fused MoE, routed-FFN cases), softmax_topk (torch.softmax + torch.topk, plain "
+                   "softmax router cases) or none. Default: loop,grouped_mm")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to run (default: cuda when available)")
     g.add_argument("--reps", type=int_at_least(MIN_REPS), default=DEFAULT_REPS,

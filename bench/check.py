@@ -150,8 +150,9 @@ def _backends(gpu: bool, *names: str) -> tuple[str, ...]:
 
 def plan_route(ctx: S.Context, gpu: bool) -> list[S.Case]:
     """Router at T = 4096, 16384 with E = 128, 256, k = 8: softmax, and DeepSeek-V3-like (sigmoid,
-    selection bias, 8 groups keep 4); the Triton kernels against the reference."""
-    c = _with(ctx, backends=_backends(gpu, "triton", "torch"))
+    selection bias, 8 groups keep 4); the Triton kernels against the reference, and the softmax
+    routers against torch.softmax + torch.topk (the floor of an eager router call)."""
+    c = _with(ctx, backends=_backends(gpu, "triton", "torch"), baselines=("softmax_topk",))
     tokens = (4096, 16384) if gpu else (256,)
     shapes = [S.RouteShape(E, 8) for E in (128, 256)] + [S.RouteShape(E, 8, "sigmoid", True, 8, 4) for E in (128, 256)]
     return [S.route_case(c, shape, T, UNIFORM) for shape in shapes for T in tokens]

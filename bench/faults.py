@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import pickle
 import signal
@@ -69,6 +70,7 @@ __all__ = [
     "Outcome",
     "Row",
     "CASES",
+    "REFUSED_ROWS",
     "register",
     "inject",
     "InjectedFault",
@@ -544,6 +546,166 @@ def _grad_lane_cannot_start(ctx: RankCtx) -> dict:
     return _lina_step(ctx)
 
 
+def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: Optional[str] = None) -> dict:
+    """One forward of an expert-parallel layer (pipeline degree 2; Parm with MP = 2 and schedule
+    ``parm`` when given) in which the victims call ``layer(*bad(rank, x))`` instead of ``layer(x)``: input
+    that the layer refuses on those ranks only. Every rank must end in the same
+    ``RankInputError`` (raised at the counts exchange, which carries the refusal)."""
+    import tritonmoe as tm
+
+    P = ctx.world_size
+    torch.manual_seed(SEED)
+    cfg = tm.MoEConfig(D_MODEL, D_FFN, 2 * P, TOP_K, pipeline_degree=1 if parm else 2,
+                       **({"parm_schedule": parm} if parm else {}))
+    if parm:
+        from tritonmoe.parm_layout import ParmLayout
+
+        lay = ParmLayout.make(2, P, 1)
+        groups = lay.process_groups()
+        layer = tm.MoELayer(cfg, parm_groups=groups, dtype=torch.float64)
+        seed = SEED + lay.mp_group[groups.rank]  # the MP group's ranks hold the same tokens
+    else:
+        layer, seed = tm.MoELayer(cfg, ep_group=ctx.group, dtype=torch.float64), SEED + ctx.rank
+    x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    args = bad(ctx.rank, x) if ctx.is_victim else (x,)
+    ctx.start_clock()
+    layer(*args)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}  # a refused input must never return
+
+
+def _refused_dtype(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x.float(),))
+
+
+def _refused_shape(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x[:, :-1],))
+
+
+def _refused_mask(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x, torch.ones(x.shape[0], dtype=torch.int64)))
+
+
+def _refused_two_ranks(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x.float(),) if r == 0 else (x[:, :3],))
+
+
+def _refused_parm(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x.float(),), parm="s2")
+
+
+def _refused_parm_baseline(ctx: RankCtx) -> dict:
+    return _refused(ctx, lambda r, x: (x.float(),), parm="baseline")
+
+
+def _refused_counts(ctx: RankCtx, *, wrong_experts: bool) -> dict:
+    """The dispatcher's counts exchange called directly (``AllToAllDispatcher.exchange_counts``,
+    2 micro-ops): the victim passes float counts, or counts for one expert too many."""
+    from tritonmoe.comm import AllToAllDispatcher
+
+    E = 2 * ctx.world_size
+    disp = AllToAllDispatcher(E, ctx.group)
+    counts = torch.randint(0, 4, (2, E), generator=torch.Generator().manual_seed(SEED + ctx.rank))
+    if ctx.is_victim:
+        counts = torch.ones(2, E + 1, dtype=torch.int64) if wrong_experts else counts.double()
+    ctx.start_clock()
+    disp.exchange_counts(counts)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}
+
+
+def _refused_float_counts(ctx: RankCtx) -> dict:
+    return _refused_counts(ctx, wrong_experts=False)
+
+
+def _refused_expert_count(ctx: RankCtx) -> dict:
+    return _refused_counts(ctx, wrong_experts=True)
+
+
+def _replicated(ctx: RankCtx, *, seed: int = SEED, activation: str = "swiglu"):
+    import tritonmoe as tm
+    from tritonmoe.inference import ReplicatedMoELayer
+
+    torch.manual_seed(seed)
+    layer = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, 2 * ctx.world_size, TOP_K, activation=activation),
+                        dtype=torch.float64)
+    ctx.start_clock()
+    return ReplicatedMoELayer(layer, ctx.group)
+
+
+def _replicated_refused(ctx: RankCtx) -> dict:
+    rep = _replicated(ctx)
+    x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + ctx.rank))
+    ctx.start_clock()
+    with torch.no_grad():
+        rep(x.float() if ctx.is_victim else x)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}
+
+
+def _replicated_seed(ctx: RankCtx) -> dict:
+    _replicated(ctx, seed=SEED + ctx.is_victim)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}
+
+
+def _replicated_activation(ctx: RankCtx) -> dict:
+    _replicated(ctx, activation="relu" if ctx.is_victim else "gelu")
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}
+
+
+#: torch.distributed functions that are collectives (what :func:`_healthy_step_collectives` counts)
+_COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                "all_reduce", "broadcast", "broadcast_object_list", "barrier", "reduce_scatter_tensor", "send", "recv",
+                "isend", "irecv", "batch_isend_irecv", "gather", "scatter")
+
+
+def _healthy_step_collectives(ctx: RankCtx) -> dict:
+    """A healthy expert-parallel step (pipeline degree 2, forward + backward) with every
+    ``torch.distributed`` collective counted by a wrapper: the refusal's status word rides in the
+    counts exchange, so the step makes exactly the calls it made before the word existed, counted
+    the same way on the code before it (P = 2 and 4): the clock's barrier and 11 all-to-alls (the
+    counts exchange, the forward's dispatch and combine of 2 micro-ops, the backward's 6), and
+    nothing else. Right when the result is right and the counts are exactly these."""
+    counts: dict[str, int] = {}
+    originals = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    for n, fn in originals.items():
+        setattr(dist, n, counted(n, fn))
+    try:
+        out = ep_step(ctx, pipeline_degree=2)
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    want = {"barrier": 1, "all_to_all_single": 11}
+    return {"correct": out["correct"] and counts == want, "max_err": out["max_err"], "collectives": counts}
+
+
+#: The rows of one rank's refused input (and of replicas that differ), with the error class
+#: every rank must raise and the text its message must hold (tests/test_faults.py checks them).
+REFUSED_ROWS = {
+    "input dtype differs": ("RankTypeError", "x is torch.float32 but the layer's parameters are torch.float64"),
+    "input shape differs": ("RankValueError", "x has shape (6, 7); the last dimension must be d_model=8"),
+    "padding_mask refused on one rank": ("RankTypeError", "padding_mask must be a bool tensor"),
+    "two ranks refuse their inputs": ("RankTypeError", "x is torch.float32"),
+    "Parm: input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "Parm baseline: input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "counts exchange: float counts": ("RankValueError", "counts must be an integer tensor of shape"),
+    "counts exchange: wrong expert count": ("RankValueError", "counts have "),
+    "replicated: input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "replicated: weights differ": ("ValueError", "weights:w1: rank 0="),
+    "replicated: activation differs": ("ValueError", "activation: rank 0='gelu', rank 1='relu'"),
+}
+
+
 for _case in (
     FaultCase("zero tokens on a rank", "rank 0 has no tokens (it still takes part in every exchange)",
               _zero_tokens, legal=True, shared=True),
@@ -567,8 +729,8 @@ for _case in (
               _exit_mid_backward, victims=(1,)),
     FaultCase("dtype cast after construction", "rank 1 casts its layer and input to fp32 after construction",
               _cast_after_construction, victims=(1,)),
-    FaultCase("input dtype differs", "rank 1 feeds fp32 tokens to its fp64 layer (refused locally)",
-              _input_dtype, victims=(1,)),
+    FaultCase("input dtype differs", "rank 1 feeds fp32 tokens to its fp64 layer (refused; the counts exchange "
+              "carries the refusal to every rank)", _input_dtype, victims=(1,), shared=True),
     FaultCase("exit in a Lina allreduce", "rank 1 dies in its first gradient micro-op of a Lina-scheduled "
               "data-parallel step (data_parallel(..., comm='lina'))", _exit_in_lina_allreduce, victims=(1,)),
     FaultCase("exit in SAA", "rank 1 dies inside Parm S2's SAA collective (MP = 2)", _exit_in_saa, victims=(1,)),
@@ -591,6 +753,31 @@ for _case in (
               "and rail groups", _hier_exit, victims=(1,)),
     FaultCase("gradient lane cannot start", "rank 1's Lina gradient lane cannot start its thread (LaneStartError) "
               "in a data-parallel step", _grad_lane_cannot_start, victims=(1,)),
+    FaultCase("input shape differs", "rank 1's tokens have d_model - 1 features", _refused_shape, victims=(1,),
+              shared=True),
+    FaultCase("padding_mask refused on one rank", "rank 1 passes an int64 padding_mask", _refused_mask, victims=(1,),
+              shared=True),
+    FaultCase("two ranks refuse their inputs", "rank 0 feeds fp32 tokens, rank 1 tokens of 3 features",
+              _refused_two_ranks, victims=(0, 1), shared=True),
+    FaultCase("Parm: input dtype differs", "Parm S2 (MP = 2): rank 1 feeds fp32 tokens to its fp64 layer",
+              _refused_parm, victims=(1,), shared=True),
+    FaultCase("Parm baseline: input dtype differs", "Parm's baseline schedule (MP = 2): rank 1 feeds fp32 tokens",
+              _refused_parm_baseline, victims=(1,), shared=True),
+    FaultCase("counts exchange: float counts", "AllToAllDispatcher.exchange_counts called directly; rank 1 passes "
+              "float64 counts", _refused_float_counts, victims=(1,), shared=True),
+    FaultCase("counts exchange: wrong expert count", "AllToAllDispatcher.exchange_counts called directly; rank 1 "
+              "passes counts for E + 1 experts", _refused_expert_count, victims=(1,), shared=True),
+    FaultCase("replicated: input dtype differs", "ReplicatedMoELayer: rank 1 feeds fp32 tokens (its counts "
+              "all-gather carries the refusal)", _replicated_refused, victims=(1,), shared=True),
+    FaultCase("replicated: weights differ", "ReplicatedMoELayer: rank 1's layer is built from another seed "
+              "(refused at construction)", _replicated_seed, victims=(1,), shared=True),
+    FaultCase("replicated: activation differs", "ReplicatedMoELayer: rank 1's layer uses relu, the others gelu",
+              _replicated_activation, victims=(1,), shared=True),
+    FaultCase("step after refused inputs", "a healthy step on the group the refused-input rows left (shared): the "
+              "refusals end symmetrically, so the group stays usable", _ragged, legal=True, shared=True),
+    FaultCase("healthy step: collectives counted", "the status word adds no collective: a healthy step's calls, "
+              "counted by a wrapper around torch.distributed, are exactly the ones before it",
+              _healthy_step_collectives, legal=True, shared=True),
 ):
     register(_case)
 
@@ -847,6 +1034,12 @@ def run_table(
             timeout of the default group the harness itself uses.
         hang_slack_s: how far past its limit a rank may run before it is killed as a hang.
     """
+    for name, v in (("pg_timeout_s", pg_timeout_s), ("init_timeout_s", init_timeout_s), ("hang_slack_s", hang_slack_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive finite number of seconds (a timeout of {v!r} would "
+                             "fail or hang every row; e.g. 10)")
+    if parallel is not None and (isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1):
+        raise ValueError(f"parallel={parallel!r} must be an int >= 1 (groups running at once) or None (all)")
     chosen: list[FaultCase] = []
     for c in (list(CASES) if cases is None else list(cases)):
         if isinstance(c, FaultCase):
@@ -914,6 +1107,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         sizes = [int(s) for s in args.world_sizes.split(",") if s.strip()]
     except ValueError:
         p.error(f"--world-sizes {args.world_sizes!r} must be comma-separated integers")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        p.error(f"--timeout {args.timeout:g} must be a positive number of seconds (the process-group timeout of "
+                "every case; e.g. --timeout 10)")
+    if args.parallel is not None and args.parallel < 1:
+        p.error(f"--parallel {args.parallel} must be >= 1 (groups running at once; leave it out for all)")
     cases = [c.strip() for c in args.cases.split(",")] if args.cases else None
     t0 = time.monotonic()
     try:

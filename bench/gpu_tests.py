@@ -323,8 +323,10 @@ def _start(shard: Shard, opt: Options, now: float) -> None:
     timeout = max(1, int(opt.test_timeout_s) - 5)
     cmd = _base_cmd(opt) + ["-p", "bench._shard_plugin", "-o", f"faulthandler_timeout={timeout}", "-q",
                             *shard.ids]
+    # each test phase's own limit (tests/_timeouts.py, armed by tests/conftest.py): fails the test
+    # in its shard a little before the runner would kill the shard for it
     env = _child_env(opt, {"TRITONMOE_SHARD_EVENTS": str(shard.events_path), "OMP_NUM_THREADS": str(threads),
-                           "PYTHONFAULTHANDLER": "1"})
+                           "PYTHONFAULTHANDLER": "1", "TRITONMOE_GPU_TEST_TIMEOUT_S": str(max(1, timeout - 5))})
     shard.events_path.write_text("")
     with open(shard.log_path, "w", encoding="utf-8") as log:
         log.write(f"# shard {shard.label}: {len(shard.ids)} tests, estimated {shard.estimate_s:.0f} s\n")

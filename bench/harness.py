@@ -43,7 +43,7 @@ DEFAULT_REPS = 20
 MIN_REPS = 3
 
 #: Implementations that are baselines (a row's ``speedup`` is measured against these).
-BASELINE_IMPLS = ("torch", "loop", "grouped_mm")
+BASELINE_IMPLS = ("torch", "loop", "grouped_mm", "liger", "softmax_topk")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

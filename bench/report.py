@@ -33,7 +33,8 @@ from typing import Callable, TextIO
 from . import schema
 from .roofs import describe
 
-SPEEDUP_HEADERS = {"torch": "x torch", "loop": "x loop", "grouped_mm": "x gmm", "liger": "x liger"}
+SPEEDUP_HEADERS = {"torch": "x torch", "loop": "x loop", "grouped_mm": "x gmm", "liger": "x liger",
+                   "softmax_topk": "x sm+topk"}
 
 #: Short labels of the timing modes of rows measured in interleaved rounds (bench.timing).
 TIMING_LABELS = {"graph": "graph", "graph-flush": "graph-L2", "eager": "EAGER", "cpu": "cpu"}
@@ -183,7 +184,8 @@ LEGEND = {
     "case": "the problem: op, preset-like shape, T = tokens (per rank in the ep suite), routing",
     "mode": "fwd (inference forward), fwd+bwd (training step), move / metadata (parts of permute)",
     "impl": "triton = tritonmoe's kernels, *-fused = tritonmoe.moe_ffn, torch = tritonmoe's reference "
-            "path; baselines: loop = per-expert torch.matmul, grouped_mm = torch._grouped_mm",
+            "path; baselines: loop = per-expert torch.matmul, grouped_mm = torch._grouped_mm, liger = "
+            "Liger-Kernel's fused MoE, softmax_topk = torch.softmax + torch.topk",
     "median": "time per call, median over the timed reps (warm-up first; on GPU: CUDA events, L2 flushed)",
     "p20-p80": "the 20th-80th percentile of the time per call (the spread; wide = noisy or host-bound)",
     "TFLOP/s": "useful FLOPs (bench/work.py) / median",
@@ -193,6 +195,8 @@ LEGEND = {
     "x torch": "speedup over tritonmoe's reference path (its median / this median; > 1 = this is faster)",
     "x loop": "speedup over the per-expert torch.matmul loop (> 1 = this is faster)",
     "x gmm": "speedup over torch._grouped_mm (> 1 = this is faster)",
+    "x liger": "speedup over Liger-Kernel's fused MoE (> 1 = this is faster)",
+    "x sm+topk": "speedup over torch.softmax + torch.topk (> 1 = this is faster)",
     "peak": "peak device memory allocated during one call (inputs and weights included)",
     "/min": "peak over the layer's analytic minimum memory (1.0 = nothing extra)",
     "util%": "mean GPU utilization sampled by NVML during the entry",

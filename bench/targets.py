@@ -14,8 +14,16 @@ measured in the same run, except the router's absolute time (the issue's goal is
   ``row["roof_fracs"]``; likewise ``mem_roof``);
 * ``mem_roof``: GB/s (useful bytes read + written, :mod:`bench.work`) over the run's
   device-to-device copy roof;
-* ``x_torch`` / ``x_gmm``: speedup over the reference path / ``torch._grouped_mm`` on the same
-  inputs (their median over this row's median).
+* ``eager_ratio``: this row's median eager time over the median eager time of the row of the
+  target's ``versus`` implementation in the same case and mode (the router's call against
+  ``torch.softmax`` + ``torch.topk``: what the user's eager call costs beside the floor);
+* ``x_torch`` / ``x_gmm`` / ``x_liger``: speedup over the reference path / ``torch._grouped_mm``
+  / Liger-Kernel's fused MoE on the same inputs (the median of per-round ratios for rows
+  measured in interleaved rounds).
+
+Beside each value the table prints the row's per-clock efficiency (FLOPs per SM clock over the
+tensor-core peak per clock, from the SM clock sampled at every rep: ``row["per_clock_eff"]``),
+so a result reads the same at any clock.
 
 :func:`evaluate` turns a run's rows into one line per target: the value, the goal, and "met",
 "not met", "not measured" (no such ok row, e.g. a section skipped for time or an error) or
@@ -32,7 +40,7 @@ from dataclasses import dataclass, field
 MIXTRAL = "mixtral-8x7b-like"
 QWEN3 = "qwen3-30b-a3b-like"
 
-METRICS = ("time_us", "eager_us", "mm_roof", "mem_roof", "x_torch", "x_gmm")
+METRICS = ("time_us", "eager_us", "eager_ratio", "mm_roof", "mem_roof", "x_torch", "x_gmm", "x_liger")
 
 
 @dataclass(frozen=True)
@@ -51,12 +59,16 @@ class Target:
     op: str
     goal: float
     match: dict = field(default_factory=dict)
+    versus: str | None = None
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
             raise ValueError(f"Target {self.name!r}: metric {self.metric!r} is not one of {METRICS}")
         if self.op not in ("<=", ">="):
             raise ValueError(f"Target {self.name!r}: op {self.op!r} must be '<=' or '>='")
+        if (self.metric == "eager_ratio") != (self.versus is not None):
+            raise ValueError(f"Target {self.name!r}: metric 'eager_ratio' needs versus=<impl> (the row it divides "
+                             f"by) and no other metric takes one (metric {self.metric!r}, versus {self.versus!r})")
 
     def selects(self, row: dict) -> bool:
         if (row["suite"], row["mode"], row["impl"]) != (self.suite, self.mode, self.impl):
@@ -65,52 +77,52 @@ class Target:
         return all(params.get(k) == v for k, v in self.match.items())
 
 
-def _router(T: int, E: int, deepseek: bool) -> dict:
-    if deepseek:
-        return dict(T=T, E=E, k=8, score_func="sigmoid", expert_bias=True, n_groups=8, topk_groups=4)
+def _router(T: int, E: int) -> dict:
     return dict(T=T, E=E, k=8, score_func="softmax", expert_bias=False, n_groups=None)
 
 
-def _router_speedups() -> list[Target]:
+def _grouped_ffn() -> list[Target]:
+    """grouped_ffn over a permuted buffer: the GEMMs against CUTLASS (torch._grouped_mm), and the
+    forward against the dense matmul roof."""
     out = []
-    for deepseek in (False, True):
-        for E in (128, 256):
-            for T in (4096, 16384):
-                label = f"router fwd+bwd {'DeepSeek-V3-like' if deepseek else 'softmax'} E={E} k=8 T={T}"
-                out.append(Target(f"{label}, x reference", "route", "fwd+bwd", "triton", "x_torch", ">=", 3.0,
-                                  _router(T, E, deepseek)))
+    for preset, T, roof in ((MIXTRAL, 16384, 0.78), (QWEN3, 32768, 0.63)):
+        short, m = preset.split("-")[0], dict(op="grouped_ffn", preset=preset, T=T)
+        out.append(Target(f"grouped FFN fwd {short} T={T}, x torch._grouped_mm", "ffn", "fwd", "triton", "x_gmm",
+                          ">=", 1.0, m))
+        out.append(Target(f"grouped FFN fwd+bwd {short} T={T}, x torch._grouped_mm", "ffn", "fwd+bwd", "triton",
+                          "x_gmm", ">=", 1.15, m))
+        out.append(Target(f"grouped FFN fwd {short} T={T}, of matmul roof", "ffn", "fwd", "triton", "mm_roof", ">=",
+                          roof, m))
     return out
 
 
-def _movement() -> list[Target]:
+def _moe_ffn() -> list[Target]:
+    """The routed FFN x -> out (gather, FFN, weighted scatter) against the torch._grouped_mm
+    pipeline and Liger-Kernel's fused MoE on the same inputs: at the bench sizes forward and
+    forward+backward, at decode sizes forward only."""
+    runs = [(MIXTRAL, 16384, "fwd"), (MIXTRAL, 16384, "fwd+bwd"), (QWEN3, 32768, "fwd"), (QWEN3, 32768, "fwd+bwd")]
+    runs += [(p, T, "fwd") for p in (MIXTRAL, QWEN3) for T in (1, 8, 64)]
     out = []
-    for preset, T in ((MIXTRAL, 16384), (QWEN3, 16384)):
-        short = preset.split("-like")[0]
-        out.append(Target(f"permute rows {short} T={T}, of copy roof", "permute", "move", "triton", "mem_roof", ">=",
-                          0.8, dict(op="permute", preset=preset, T=T)))
-        out.append(Target(f"unpermute {short} T={T}, of copy roof", "permute", "fwd", "triton", "mem_roof", ">=", 0.8,
-                          dict(op="unpermute", preset=preset, T=T)))
+    for preset, T, mode in runs:
+        short = preset.split("-")[0]
+        label = f"{'decode ' if T <= 64 else ''}moe_ffn {mode} {short} T={T}"
+        m = dict(op="moe_ffn", preset=preset, T=T)
+        out.append(Target(f"{label}, x torch._grouped_mm pipeline", "ffn", mode, "triton-fused", "x_gmm", ">=", 1.2, m))
+        out.append(Target(f"{label}, x Liger fused MoE", "ffn", mode, "triton-fused", "x_liger", ">=", 1.2, m))
     return out
 
 
-#: The targets, in the order the final table prints them.
+#: The targets, in the order the final table prints them (issue 29: one target per preset,
+#: direction and peer; H100/H200, bf16, device time in interleaved rounds).
 TARGETS: tuple[Target, ...] = (
     Target("router fwd softmax E=128 k=8 T=4096, time (us)", "route", "fwd", "triton", "time_us", "<=", 6.3,
-           _router(4096, 128, False)),
-    *_router_speedups(),
-    *_movement(),
-    Target("grouped FFN fwd mixtral T=16384, of matmul roof", "ffn", "fwd", "triton", "mm_roof", ">=", 0.78,
-           dict(op="grouped_ffn", preset=MIXTRAL, T=16384)),
-    Target("grouped FFN fwd+bwd mixtral T=16384, of matmul roof", "ffn", "fwd+bwd", "triton", "mm_roof", ">=", 0.65,
-           dict(op="grouped_ffn", preset=MIXTRAL, T=16384)),
-    Target("grouped FFN fwd qwen3 T=32768, of matmul roof", "ffn", "fwd", "triton", "mm_roof", ">=", 0.63,
-           dict(op="grouped_ffn", preset=QWEN3, T=32768)),
-    Target("grouped FFN fwd+bwd qwen3 T=32768, of matmul roof", "ffn", "fwd+bwd", "triton", "mm_roof", ">=", 0.55,
-           dict(op="grouped_ffn", preset=QWEN3, T=32768)),
-    Target("grouped FFN fwd qwen3 T=32768, x torch._grouped_mm", "ffn", "fwd", "triton", "x_gmm", ">=", 1.2,
-           dict(op="grouped_ffn", preset=QWEN3, T=32768)),
-    Target("grouped FFN fwd+bwd qwen3 T=32768, x torch._grouped_mm", "ffn", "fwd+bwd", "triton", "x_gmm", ">=", 1.2,
-           dict(op="grouped_ffn", preset=QWEN3, T=32768)),
+           _router(4096, 128)),
+    Target("router fwd softmax E=128 k=8 T=4096, eager call / torch.softmax+topk's", "route", "fwd", "triton",
+           "eager_ratio", "<=", 1.5, _router(4096, 128), versus="softmax_topk"),
+    *_grouped_ffn(),
+    *_moe_ffn(),
+    Target("unpermute qwen3 T=16384, of copy roof", "permute", "fwd", "triton", "mem_roof", ">=", 0.8,
+           dict(op="unpermute", preset=QWEN3, T=16384)),
     Target("decode moe_ffn mixtral T=64, of copy roof", "ffn", "fwd", "triton-fused", "mem_roof", ">=", 0.7,
            dict(op="moe_ffn", preset=MIXTRAL, T=64)),
     Target("decode moe_ffn qwen3 T=64, of copy roof", "ffn", "fwd", "triton-fused", "mem_roof", ">=", 0.7,
@@ -136,14 +148,30 @@ def metric_value(row: dict, metric: str, roofs: dict) -> float | None:
     if metric == "mem_roof":
         cp = roofs.get("copy")
         return row["gbps"] / cp["gbps"] if row.get("gbps") and cp and cp.get("gbps") else None
-    baseline = {"x_torch": "torch", "x_gmm": "grouped_mm"}[metric]
+    if metric == "eager_ratio":
+        return None  # a ratio of two rows: evaluate() computes it
+    baseline = {"x_torch": "torch", "x_gmm": "grouped_mm", "x_liger": "liger"}[metric]
     return (row.get("speedup") or {}).get(baseline)
+
+
+def _eager_ratio(row: dict, rows: list[dict], versus: str) -> tuple[float | None, str | None]:
+    """This row's median eager time over that of the ``versus`` row of the same case and mode."""
+    other = [r for r in rows if r.get("status") == "ok" and r["impl"] == versus
+             and (r["suite"], r["case"], r["mode"]) == (row["suite"], row["case"], row["mode"])]
+    if not other:
+        return None, f"no {versus} row in the same case"
+    mine = ((row.get("timing") or {}).get("eager_s") or {}).get("median")
+    theirs = ((other[0].get("timing") or {}).get("eager_s") or {}).get("median")
+    if not mine or not theirs:
+        return None, "the rows have no eager time"
+    return mine / theirs, None
 
 
 def evaluate(rows: list[dict], roofs: dict, *, targets: tuple[Target, ...] = TARGETS,
              skipped_reason: str | None = None) -> list[dict]:
     """One dict per target: name, metric, op, goal, value (None if not measured), status ("met",
-    "not met", "not measured", "skipped"), the row it read (name and impl) and a note.
+    "not met", "not measured", "skipped"), the row it read (name and impl), the row's per-clock
+    efficiency (median; None when not sampled) and a note.
 
     ``skipped_reason`` (CPU mode) marks every target "skipped" with that note. Exactly one row
     may match a target; several (a plan that measured the shape twice) take the first and say so.
@@ -151,7 +179,7 @@ def evaluate(rows: list[dict], roofs: dict, *, targets: tuple[Target, ...] = TAR
     out = []
     for t in targets:
         res = {"name": t.name, "metric": t.metric, "op": t.op, "goal": t.goal, "value": None, "row": None,
-               "status": "skipped" if skipped_reason else "not measured", "note": skipped_reason}
+               "per_clock": None, "status": "skipped" if skipped_reason else "not measured", "note": skipped_reason}
         if skipped_reason is None:
             found = [r for r in rows if t.selects(r)]
             ok = [r for r in found if r.get("status") == "ok"]
@@ -161,10 +189,15 @@ def evaluate(rows: list[dict], roofs: dict, *, targets: tuple[Target, ...] = TAR
                 res["note"] = (f"{found[0]['status']}: {found[0].get('note')}" if found
                                else "no result row: its section did not run")
             else:
-                v = metric_value(ok[0], t.metric, roofs)
                 res["row"] = f"{ok[0]['name']} [{ok[0]['impl']}]"
+                res["per_clock"] = ((ok[0].get("per_clock_eff") or {}).get("median"))
+                why = None
+                if t.metric == "eager_ratio":
+                    v, why = _eager_ratio(ok[0], rows, t.versus)
+                else:
+                    v = metric_value(ok[0], t.metric, roofs)
                 if v is None or not math.isfinite(v):
-                    res["note"] = f"the row has no {t.metric} (missing roof or baseline)"
+                    res["note"] = why or f"the row has no {t.metric} (missing roof or baseline)"
                 else:
                     res["value"] = v
                     met = v <= t.goal if t.op == "<=" else v >= t.goal
@@ -180,31 +213,33 @@ def fmt_value(metric: str, v: float | None) -> str:
         return "-"
     if metric in ("time_us", "eager_us"):
         return f"{v:.3g} us"
-    if metric in ("x_torch", "x_gmm"):
+    if metric in ("x_torch", "x_gmm", "x_liger", "eager_ratio"):
         return f"{v:.3g}x"
     return f"{v:.3f}"
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
-    """[target, value, goal, status] cells of the final table."""
+    """[target, value, goal, per clock, status] cells of the final table."""
     return [[r["name"], fmt_value(r["metric"], r["value"]), f"{r['op']} {fmt_value(r['metric'], r['goal'])}",
+             "-" if r.get("per_clock") is None else f"{r['per_clock']:.3f}",
              r["status"] + (f" ({r['note']})" if r["note"] and r["status"] in ("not met", "not measured") else "")]
             for r in results]
 
 
 def render_text(results: list[dict]) -> str:
-    headers = ["target", "value", "goal", "status"]
+    headers = ["target", "value", "goal", "per clock", "status"]
     rows = table_rows(results)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers[:3])]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers[:4])]
 
     def line(vals):
-        return "  ".join([vals[0].ljust(widths[0]), vals[1].rjust(widths[1]), vals[2].rjust(widths[2]), vals[3]]).rstrip()
+        return "  ".join([vals[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(vals[1:4], widths[1:])),
+                          vals[4]]).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths] + ["------"]), *(line(r) for r in rows)])
 
 
 def render_markdown(results: list[dict]) -> str:
-    body = ["| target | value | goal | status |", "| --- | ---: | ---: | --- |"]
+    body = ["| target | value | goal | per clock | status |", "| --- | ---: | ---: | ---: | --- |"]
     body += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in table_rows(results)]
     return "\n".join(body)
 

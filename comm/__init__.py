@@ -27,7 +27,8 @@ package never imports the layer.
 * :func:`hierarchical_all_to_all` / :func:`hierarchical_groups` - SE-MoE's two-step all-to-all
   (intra-node, layout transform, inter-node among same-local-rank GPUs).
 * :mod:`.parm` - Parm's schedules (baseline, pause-before-gate, pause-after-gate) as executor code.
-* :mod:`.errors` - :class:`ScheduleError` / :class:`LaneStartError`, :func:`backend_errors` (every
+* :mod:`.errors` - :class:`ScheduleError` / :class:`LaneStartError`, :class:`RankInputError` (one
+  rank's refused input, raised on every rank at the step's first exchange), :func:`backend_errors` (every
   collective of the library runs inside it) and :func:`group_timeout` / :func:`new_group` (every
   group the library creates inherits its parent's timeout).
 """
@@ -45,7 +46,7 @@ from .splits import (
     exchange_splits,
     plan_from_counts,
 )
-from .errors import LaneStartError, backend_errors, group_timeout, new_group
+from .errors import LaneStartError, RankIndexError, RankInputError, RankTypeError, RankValueError, backend_errors, group_timeout, new_group
 from .executor import COMM, COMM2, COMPUTE, COPY, Executor, Handle, RealExecutor, ScheduleError, TraceEntry, VirtualTensor, Work
 from .priority import (
     DEFAULT_CHUNK_BYTES,
@@ -113,6 +114,10 @@ __all__ = [
     "VirtualTensor",
     "Work",
     "ScheduleError",
+    "RankInputError",
+    "RankTypeError",
+    "RankValueError",
+    "RankIndexError",
     "LaneStartError",
     "backend_errors",
     "group_timeout",

@@ -78,14 +78,20 @@ class AllToAllDispatcher:
     # -- communication steps ------------------------------------------------------------------
 
     def exchange_counts(self, counts_NE: torch.Tensor, *, row_dtype: Optional[torch.dtype] = None,
-                        row_width: Optional[int] = None) -> DispatchPlan:
+                        row_width: Optional[int] = None, status: Optional[BaseException] = None) -> DispatchPlan:
         """Step 1: exchange per-expert row counts ([N, E] for N micro-ops, or [E]); every split
         of the following exchanges derives from this one all-to-all (one host sync). With
         ``row_dtype``/``row_width`` (the rows the exchanges will move) every rank checks that
-        all ranks agree (see :func:`comm.splits.exchange_counts`)."""
-        if counts_NE.shape[-1] != self.num_experts:
-            raise ValueError(f"counts have {counts_NE.shape[-1]} experts, the dispatcher {self.num_experts}")
-        return exchange_counts(counts_NE, group=self.group, row_dtype=row_dtype, row_width=row_width)
+        all ranks agree; ``status``: this rank's input-validation error, which the exchange
+        carries so that every rank raises it (see :func:`comm.splits.exchange_counts`)."""
+        if isinstance(counts_NE, torch.Tensor) and counts_NE.dim() in (1, 2) and counts_NE.shape[-1] != self.num_experts:
+            # refused on this rank only: it still takes the exchange (zero counts of the right
+            # shape) carrying the refusal, so every rank raises it instead of waiting for this one
+            refused = ValueError(f"counts have {counts_NE.shape[-1]} experts, the dispatcher {self.num_experts}")
+            status = status if status is not None else refused
+            shape = (self.num_experts,) if counts_NE.dim() == 1 else (counts_NE.shape[0], self.num_experts)
+            counts_NE = torch.zeros(shape, dtype=torch.int64, device=counts_NE.device)
+        return exchange_counts(counts_NE, group=self.group, row_dtype=row_dtype, row_width=row_width, status=status)
 
     def dispatch(self, x_perm: torch.Tensor, plan: DispatchPlan, i: int = 0) -> torch.Tensor:
         """Step 2: send micro-op i's permuted rows to the experts' ranks; returns the received

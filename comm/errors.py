@@ -27,6 +27,12 @@ import torch.distributed as dist
 __all__ = [
     "ScheduleError",
     "LaneStartError",
+    "RankInputError",
+    "RankTypeError",
+    "RankValueError",
+    "RankIndexError",
+    "input_status",
+    "raise_rank_input_error",
     "backend_errors",
     "lane_start",
     "group_timeout",
@@ -44,6 +50,82 @@ class LaneStartError(ScheduleError):
     """A lane of a schedule could not be started: a CUDA stream could not be created, or a worker
     thread (the CPU copy lane, the gradient lane of a ``CommScheduler``) could not be started or
     its pool was already shut down (interpreter exit). Raised before the operation is issued."""
+
+
+class RankInputError(Exception):
+    """One or more ranks of a group refused their input (a typed error at the API boundary)
+    while the others went on to the step's first collective: raised on every rank of the group,
+    with the same type and message, naming each failing rank and its own error.
+
+    The concrete class is :class:`RankTypeError`, :class:`RankValueError` or
+    :class:`RankIndexError` (the type of the lowest failing rank's error, so ``except
+    TypeError`` still catches an fp64 input). Attributes: ``failing_ranks`` (group ranks, sorted)
+    and ``messages`` (group rank -> ``"TypeError: ..."``)."""
+
+    def __init__(self, message: str, failing_ranks: Sequence[int] = (), messages: Optional[dict] = None) -> None:
+        super().__init__(message)
+        self.failing_ranks = tuple(failing_ranks)
+        self.messages = dict(messages or {})
+
+
+class RankTypeError(RankInputError, TypeError):
+    """:class:`RankInputError` whose first failing rank raised a ``TypeError``."""
+
+
+class RankValueError(RankInputError, ValueError):
+    """:class:`RankInputError` whose first failing rank raised a ``ValueError``."""
+
+
+class RankIndexError(RankInputError, IndexError):
+    """:class:`RankInputError` whose first failing rank raised an ``IndexError``."""
+
+
+#: the status word of a rank in a step's first exchange: 0 = ready, else 1 + the index here
+_STATUS_TYPES: tuple[type, ...] = (TypeError, ValueError, IndexError)
+_STATUS_ERRORS: tuple[type, ...] = (RankTypeError, RankValueError, RankIndexError)
+#: the longest message a failing rank sends (the follow-up gather of the error path)
+_MESSAGE_CHARS = 2000
+
+
+def input_status(error: Optional[BaseException]) -> int:
+    """The status word of a rank whose input validation raised ``error`` (None: 0, ready).
+    A subclass maps to its base (an ``IndexError`` subclass is 3)."""
+    if error is None:
+        return 0
+    for i, t in enumerate(_STATUS_TYPES):
+        if isinstance(error, t):
+            return i + 1
+    return _STATUS_TYPES.index(ValueError) + 1
+
+
+def raise_rank_input_error(statuses: Sequence[int], own: Optional[BaseException], group: Any, what: str) -> None:
+    """Raise the same :class:`RankInputError` on every rank of ``group`` when any entry of
+    ``statuses`` (every rank's status word, from an exchange every rank took) is non-zero;
+    return otherwise.
+
+    Collective on the error path only: the ranks then gather the failing ranks' messages (one
+    ``all_gather_object``; every rank reaches it, since every rank saw the same statuses).
+    ``own``: this rank's validation error (None when its input was fine); the raised error is
+    chained to it."""
+    failing = [r for r, s in enumerate(statuses) if s]
+    if not failing:
+        return
+    mine = None if own is None else f"{type(own).__name__}: {' '.join(str(own).split())}"[:_MESSAGE_CHARS]
+    gathered: list = [None] * len(statuses)
+    with backend_errors(f"the exchange of the refused inputs' messages ({what})", group):
+        dist.all_gather_object(gathered, mine, group=group)
+    messages = {r: gathered[r] or f"status {statuses[r]}" for r in failing}
+    first = failing[0]
+    cls = _STATUS_ERRORS[min(max(int(statuses[first]), 1), len(_STATUS_ERRORS)) - 1]
+    body = messages[first].split(": ", 1)[-1]
+    ranks = ", ".join(map(str, failing))
+    others = "".join(f"; rank {r}: {messages[r]}" for r in failing[1:])
+    err = cls(
+        f"{body} [rank {first} of the group refused its input ({messages[first].split(':', 1)[0]}){others}; every "
+        f"rank stops at {what} (failing ranks: {ranks}); fix the input of the failing ranks]",
+        failing, messages,
+    )
+    raise err from own
 
 
 @contextlib.contextmanager

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import ScheduleError, backend_errors, group_timeout, new_group  # noqa: F401 - re-exported
+from .errors import ScheduleError, backend_errors, group_timeout, input_status, new_group  # noqa: F401 - re-exported
+from .errors import raise_rank_input_error
 
 __all__ = [
     "SplitMismatchError",
@@ -290,8 +291,12 @@ class DispatchPlan:
         return sum(self.recv_splits[i])
 
 
-#: Row dtypes :func:`exchange_counts` can compare across ranks (their index is the wire code).
-_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Integers after the counts in each block of :func:`exchange_counts`: row dtype, row width, status.
+_COUNTS_HEADER = 3
+
+#: Row dtypes :func:`exchange_counts` can compare across ranks (their index is the wire code);
+#: uint8: packed FP8 rows (e4m3 values and their fp32 scales, :func:`tritonmoe.fp8.pack_fp8_rows`).
+_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8)
 
 
 def exchange_counts(
@@ -300,6 +305,7 @@ def exchange_counts(
     group=None,
     row_dtype: Optional[torch.dtype] = None,
     row_width: Optional[int] = None,
+    status: Optional[BaseException] = None,
 ) -> DispatchPlan:
     """Exchange per-expert row counts and derive every micro-op's splits.
 
@@ -312,8 +318,16 @@ def exchange_counts(
             checks that all ranks agree: ranks whose rows differ (one cast its layer after
             construction) raise the same ``TypeError`` on every rank before any row moves,
             instead of a backend abort on mismatched byte counts.
+        status: this rank's input-validation error (None: its input was fine). A rank whose
+            input was refused still takes this exchange (with counts of the right shape, e.g.
+            an empty batch's) and sends the error's status word in the same message; when any
+            rank's word is set every rank raises the same
+            :class:`~comm.errors.RankInputError` (a ``TypeError`` / ``ValueError`` /
+            ``IndexError``) naming the failing ranks and their messages, gathered by one
+            follow-up collective on that path only. The healthy path costs nothing more (one
+            more integer in the message).
 
-    Collective: one all-to-all of N*E (+2) integers, then one host sync (the all-to-all split
+    Collective: one all-to-all of N*E (+3) integers, then one host sync (the all-to-all split
     sizes of the data exchanges must be Python ints; this is the only sync of the
     expert-parallel forward besides the backend's own). A backend failure (a peer that died or
     raised before this exchange, or the process-group timeout) raises
@@ -324,11 +338,16 @@ def exchange_counts(
         raise TypeError(f"counts must be a torch.Tensor, got {type(counts_NE).__name__}")
     if counts_NE.dim() == 1:
         counts_NE = counts_NE.unsqueeze(0)
-    if counts_NE.dim() != 2 or counts_NE.dtype.is_floating_point or counts_NE.dtype == torch.bool:
-        raise ValueError(
-            f"counts must be an integer tensor of shape [micro_ops, num_experts], got {counts_NE.dtype} "
-            f"{tuple(counts_NE.shape)}"
-        )
+    if counts_NE.dim() != 2:
+        raise ValueError(f"counts must be an integer tensor of shape [micro_ops, num_experts], got {counts_NE.dtype} "
+                         f"{tuple(counts_NE.shape)}")
+    if counts_NE.dtype.is_floating_point or counts_NE.dtype == torch.bool or counts_NE.dtype.is_complex:
+        # refused on this rank only: the exchange still runs (zero counts of the same shape) and
+        # carries the refusal, so every rank raises it instead of waiting for this one
+        refused = ValueError(f"counts must be an integer tensor of shape [micro_ops, num_experts], got "
+                             f"{counts_NE.dtype} {tuple(counts_NE.shape)}")
+        status = status if status is not None else refused
+        counts_NE = torch.zeros(counts_NE.shape, dtype=torch.int64, device=counts_NE.device)
     N, E = counts_NE.shape
     if E % P != 0:
         raise ValueError(f"num_experts={E} is not divisible by the expert-parallel group size {P}")
@@ -341,15 +360,18 @@ def exchange_counts(
     send_PNL = c_NPL.transpose(0, 1).reshape(P, N * L)  # block j goes to rank j
     code = -1 if row_dtype is None else _ROW_DTYPES.index(row_dtype)
     width = -1 if row_width is None else row_width
-    header = torch.tensor([code, width], dtype=torch.int64, device=send_PNL.device).expand(P, 2)
-    send = torch.cat([send_PNL, header], dim=1).contiguous()  # [P, N*L + 2]
+    word = input_status(status)
+    header = torch.tensor([code, width, word], dtype=torch.int64, device=send_PNL.device).expand(P, _COUNTS_HEADER)
+    send = torch.cat([send_PNL, header], dim=1).contiguous()  # [P, N*L + 3]
     recv = torch.empty_like(send)
     _all_to_all(recv, send, group, "the expert-parallel counts exchange (the first collective of the forward)")
     recv_NPL = recv[:, : N * L].reshape(P, N, L).transpose(0, 1).contiguous()
-    splits = torch.cat([c_NPL.sum(-1), recv_NPL.sum(-1), recv[:, N * L :].t()], dim=0)  # [2N + 2, P]
+    splits = torch.cat([c_NPL.sum(-1), recv_NPL.sum(-1), recv[:, N * L :].t()], dim=0)  # [2N + 3, P]
     # Host sync (the one unavoidable one): all_to_all_single takes its split sizes as Python ints.
     host = splits.tolist()
     codes, widths = host[2 * N], host[2 * N + 1]
+    # a rank that refused its input: every rank raises the same error here, before any row moves
+    raise_rank_input_error(host[2 * N + 2], status, group, "the expert-parallel counts exchange")
     if len(set(codes)) > 1 or len(set(widths)) > 1:  # every rank sees every header: the same verdict
         names = ["unset" if c < 0 else str(_ROW_DTYPES[c]).replace("torch.", "") for c in codes]
         ranks = ", ".join(f"rank {r}: {names[r]} x {widths[r]}" for r in range(P))

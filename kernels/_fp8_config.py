@@ -18,8 +18,17 @@ Kinds: ``"fp8_swiglu"`` (GEMM1: two e4m3 accumulators, SwiGLU epilogue, e4m3 1x1
   spill on either); speed NOT measured (no GPU run yet).
 * Older GPUs: no FP8 tensor cores; the launchers refuse them (TypeError naming the capability).
 
-:func:`tritonmoe.kernels._gemm_config.override` with a ``"mm"`` / ``"swiglu"`` config also
-overrides these (tests), BK clamped to a divisor of 128 and GEMM1's BN forced to 128.
+:func:`tritonmoe.kernels.config.override` of ``"fp8.swiglu"`` / ``"fp8.mm"`` overrides these
+(tests), BK clamped to a divisor of 128 and GEMM1's BN forced to 128. The tuned table
+(:func:`tritonmoe.kernels.config.table_for`) is read first, for the non-decode calls: targets
+``fp8.swiglu`` / ``fp8.mm``, exact fields :func:`fp8_key` (format as ``dtype``, E, N, K), bucket
+the rows per expert; no FP8 entries are packaged yet (no GPU tuning run).
+
+Persistent: the grouped kernel loops over work items (``for item in range(pid, items, nprog)``)
+and the launcher caps the grid at the programs resident at once
+(:func:`tritonmoe.kernels._gemm_config.max_programs`), so every FP8 GEMM already runs as a
+persistent kernel over the tile map; it has no TMA / warp-specialized variant (operands load
+through cp.async pipelines).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from . import _gemm_config as C
 from . import config as CF
 from ._host import next_power_of_2
 
-__all__ = ["FP8_KINDS", "fp8_supported", "select_fp8"]
+__all__ = ["FP8_KINDS", "fp8_key", "fp8_supported", "select_fp8"]
 
 for _k in ("swiglu", "mm"):
     CF.register(f"fp8.{_k}", C.TileConfig, probe=C.INTERPRETER_CONFIG,
@@ -77,6 +86,11 @@ def _decode_tiles(bm: int, dual: bool) -> C.TileConfig:
                         num_stages=4)
 
 
+def fp8_key(rowwise: bool, num_experts: int, n: int, k: int) -> dict:
+    """Exact fields of an ``fp8.<kind>`` table key (the bucket is ``M``, rows per expert)."""
+    return {"dtype": "e4m3_rowwise" if rowwise else "e4m3_block128", "E": int(num_experts), "N": int(n), "K": int(k)}
+
+
 def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, rowwise: bool,
                device: torch.device, decode_tokens: int | None = None) -> C.TileConfig:
     """The config of one FP8 GEMM (see the module docstring); tiles clamped to the problem like
@@ -94,10 +108,20 @@ def select_fp8(kind: str, *, rows: int, n: int, k: int, num_experts: int, rowwis
         bm_cap = min(64, max(16, next_power_of_2(max(1, decode_tokens))))
         if cfg is None and C._arch(device) is not None:
             cfg = _decode_tiles(bm_cap, kind == "fp8_swiglu")
+    target = "fp8.swiglu" if kind == "fp8_swiglu" else "fp8.mm"
+    exact = fp8_key(rowwise, num_experts, n, k)
+    source = "heuristic"
+    if cfg is None:
+        # the tuned table (python -m bench tune; kernels/config.py): the nearest rows-per-expert
+        # bucket of this (format, E, N, K); the policy where the table has none
+        tbl = CF.table_for(device)
+        cfg = tbl.lookup(target, exact, avg_rows) if tbl is not None else None
+        source = "table" if cfg is not None else "heuristic"
     if cfg is None:
         cfg = _policy(kind, avg_rows, rowwise, device)
     # an override("fp8.swiglu" / "fp8.mm", ...) pins or changes the tiles (still clamped below)
-    cfg, _ = CF.resolve("fp8.swiglu" if kind == "fp8_swiglu" else "fp8.mm", cfg)
+    cfg, forced = CF.resolve(target, cfg)
+    CF.note(target, exact, cfg, "override" if forced else source, M=avg_rows)
     cfg = replace(cfg, variant="tile", SPLIT_K=1)
     bm = min(cfg.BM, bm_cap) if decode_tokens is None else bm_cap
     bk = min(cfg.BK, 128, max(32, next_power_of_2(max(1, k))))  # fp8 MMAs are 32 deep

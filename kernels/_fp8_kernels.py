@@ -165,9 +165,10 @@ def _fp8_grouped_mm_kernel(
     stride_be, stride_bk, stride_bn,
     stride_bse, stride_bsn, stride_bsk,
     stride_cm, stride_cn, stride_csm, stride_csg,
+    h_ptr, dh_ptr, stride_hm, stride_hn,
     SWIGLU: tl.constexpr, ROWWISE: tl.constexpr, QUANT_OUT: tl.constexpr,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE: tl.constexpr, TOPK: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, H_OUT: tl.constexpr, DSWIGLU: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """FP8 grouped GEMM ``C[r] = act(deq(A[r]) @ deq(B[seg(r)]))`` over ragged row segments.
@@ -187,6 +188,13 @@ def _fp8_grouped_mm_kernel(
     Epilogue: SwiGLU in fp32 (``silu(gate) * up``); then either C (its dtype; ``SCATTER_C``
     stores row ``row_map[r]``, ``SCALE`` multiplies the rounded row by ``w[row_map[r]]``) or,
     with ``QUANT_OUT`` (block format, BN = 128), e4m3 C and its 1x128 scales ``cs[r, pid_n]``.
+    Training (block format, BN = 128; ``h`` / ``dh`` fp32 [rows, 2N], gate columns then up):
+    ``H_OUT`` (with SWIGLU and QUANT_OUT: the forward's GEMM1) also stores the pre-activation
+    (gate, up) to ``h`` for backward; ``DSWIGLU`` (the backward's dA = dY W2^T, N = f) turns the
+    tile into dH = swiglu'(H) dA in the epilogue (H's gate and up tiles loaded from ``h``), stores
+    it in fp32 to ``dh`` (the weight gradient's operand) and quantized 1x128 to C (e4m3 [rows, 2N])
+    with scales ``cs[r, pid_n]`` (gate) and ``cs[r, cdiv(N,128) + pid_n]`` (up): dX's GEMM reads
+    them, so neither dA nor an unquantized dH pass exists.
     Zero tiles store zeros (scale 1). Example: K = 200, BK = 32: K steps 0..3 use scale block 0,
     steps 4..6 block 1 (columns past 200 masked to zero).
     """
@@ -222,6 +230,15 @@ def _fp8_grouped_mm_kernel(
             tl.store(c_ptrs, tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=out_mask)
             if QUANT_OUT:
                 tl.store(cs_ptr + c_rows * stride_csm + pid_n * stride_csg, tl.full((BM,), 1.0, tl.float32),
+                         mask=row_ok)
+            if H_OUT or DSWIGLU:
+                hz_ptr = h_ptr if H_OUT else dh_ptr
+                hz = hz_ptr + c_rows[:, None] * stride_hm + cols[None, :] * stride_hn
+                tl.store(hz, tl.zeros((BM, BN), dtype=tl.float32), mask=out_mask)
+                tl.store(hz + up_cols * stride_hn, tl.zeros((BM, BN), dtype=tl.float32), mask=out_mask)
+            if DSWIGLU:
+                tl.store(c_ptrs + up_cols * stride_cn, tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(cs_ptr + c_rows * stride_csm + (up_sb + pid_n) * stride_csg, tl.full((BM,), 1.0, tl.float32),
                          mask=row_ok)
         else:
             if GATHER_A:
@@ -276,10 +293,31 @@ def _fp8_grouped_mm_kernel(
                     sb_up = tl.load(bs_ptrs + up_sb * stride_bsn, mask=col_ok, other=0.0)
                     acc_up = acc_up * sa[:, None] * sb_up[None, :]
             if SWIGLU:
+                if H_OUT:  # training: the fp32 pre-activation, kept for backward
+                    h_ptrs = h_ptr + c_rows[:, None] * stride_hm + cols[None, :] * stride_hn
+                    tl.store(h_ptrs, acc, mask=out_mask)
+                    tl.store(h_ptrs + up_cols * stride_hn, acc_up, mask=out_mask)
                 out = acc * _sigmoid(acc) * acc_up  # SwiGLU, as the 16-bit kernels compute it
             else:
                 out = acc
-            if QUANT_OUT:
+            if DSWIGLU:  # out is dA: dH = swiglu'(H) dA, stored fp32 and quantized 1x128
+                h_ptrs = h_ptr + c_rows[:, None] * stride_hm + cols[None, :] * stride_hn
+                hg = tl.load(h_ptrs, mask=out_mask, other=0.0)
+                hu = tl.load(h_ptrs + up_cols * stride_hn, mask=out_mask, other=0.0)
+                sg = _sigmoid(hg)
+                dg = out * hu * (sg * (1.0 + hg * (1.0 - sg)))
+                du = out * (hg * sg)
+                dh_ptrs = dh_ptr + c_rows[:, None] * stride_hm + cols[None, :] * stride_hn
+                tl.store(dh_ptrs, dg, mask=out_mask)
+                tl.store(dh_ptrs + up_cols * stride_hn, du, mask=out_mask)
+                s_g = _scale_of(tl.max(tl.where(out_mask, tl.abs(dg), 0.0), 1))
+                s_u = _scale_of(tl.max(tl.where(out_mask, tl.abs(du), 0.0), 1))
+                tl.store(c_ptrs, _quantize(dg, s_g[:, None]).to(c_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(c_ptrs + up_cols * stride_cn, _quantize(du, s_u[:, None]).to(c_ptr.dtype.element_ty),
+                         mask=out_mask)
+                tl.store(cs_ptr + c_rows * stride_csm + pid_n * stride_csg, s_g, mask=row_ok)
+                tl.store(cs_ptr + c_rows * stride_csm + (up_sb + pid_n) * stride_csg, s_u, mask=row_ok)
+            elif QUANT_OUT:
                 amax = tl.max(tl.where(out_mask, tl.abs(out), 0.0), 1)  # [BM]: one 1x128 group per row
                 s = _scale_of(amax)
                 q = _quantize(out, s[:, None])

@@ -59,15 +59,22 @@ benchmark harness on an H100/H200.
 
 Variants (``TileConfig.variant``): ``"tile"`` launches one program per output tile
 (``_grouped_gemm_kernels``, cp.async pipelines); ``"persistent"`` launches one program per SM
-that loops over the tiles with TMA tensor descriptors and its tile and K loops fused into one
-pipelined loop, so the next tile's loads overlap the current tile's epilogue
-(``_grouped_gemm_persistent_kernels``, launcher ``_grouped_gemm_persistent``). Only the kinds in
-:data:`PERSISTENT_KINDS` (the forward GEMMs and dX) have a persistent kernel. The policy chooses
-:data:`DEFAULT_VARIANT` = ``"tile"``, unchanged until a GPU run of ``python -m bench gemm`` has
-measured both (with torch._grouped_mm) per shape; ``TRITONMOE_GEMM_VARIANT=persistent`` switches
-those kinds over with the same tile shapes: compiled offline for sm_90a (Triton 3.6 and 3.9), the
-persistent kernel fits them (at most 180 KiB of shared memory, TMA stores of 256-wide tiles in
-two 128-column slices) without spilling a register, and uses wgmma with TMA operands.
+that loops over the tile map's tiles with TMA tensor descriptors and its tile and K loops fused
+into one pipelined loop, so the next tile's loads overlap the current tile's epilogue
+(``_grouped_gemm_persistent_kernels``, launcher ``_grouped_gemm_persistent``); ``"wide"`` is
+the persistent kernel with the SwiGLU GEMM1's gate and up tiles in one ``[BK, 2*BN]`` weight
+tile and one ``[BM, 2*BN]`` accumulator (one ``wgmma m64n256k16`` per K step at BN=128; the
+other kinds run it as "persistent"). Only the kinds in :data:`PERSISTENT_KINDS` (the forward
+GEMMs and dX) have a persistent kernel; the backward kinds ("dact", "dact_swiglu", "wgrad") take
+their tiles from the tuned table too, with the tile kernel. The choice is table-driven: a tuned
+table's row carries its variant, so the persistent (or wide) kernel runs exactly where the table
+measured it faster; without a row the policy chooses :data:`DEFAULT_VARIANT` = ``"tile"``
+(unchanged until a GPU run has measured the variants per shape), and
+``TRITONMOE_GEMM_VARIANT=persistent|wide`` switches the kinds that have them over with the same
+tile shapes. Compiled offline for sm_90a (Triton 3.6 and 3.9, docs/kernels-aot.md) the
+persistent kernel fits these tiles (at most 180 KiB of shared memory, TMA stores of 256-wide
+tiles in two 128-column slices) without spilling a register, with the same main-loop barriers
+at E=128 as at E=8.
 
 Autotuning: on CUDA, unless ``TRITONMOE_AUTOTUNE=0``, a launch autotunes over the *pipeline
 depth* of the chosen config only (num_stages; tile shape, warps and ordering fixed). Pipelining
@@ -105,8 +112,10 @@ __all__ = [
     "DECODE_MAX_TOKENS",
     "KINDS",
     "PERSISTENT_KINDS",
+    "PERSISTENT_VARIANTS",
     "PREACT_MODES",
     "VARIANTS",
+    "WIDE_KINDS",
     "TileConfig",
     "autotune_enabled",
     "colsum_config",
@@ -132,10 +141,19 @@ KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
 #: Kernel variants of a GEMM: "tile" (one output tile per program, cp.async pipelines) or
 #: "persistent" (one program per SM looping over tiles, TMA descriptors, the next tile's loads
 #: overlapping the epilogue; ``kernels/_grouped_gemm_persistent_kernels.py``).
-VARIANTS = ("tile", "persistent")
+#: "wide" is the persistent kernel with the SwiGLU GEMM's gate and up tiles in one [BK, 2*BN]
+#: weight tile and one [BM, 2*BN] accumulator (one MMA of width 2*BN per K step; ``BN`` stays
+#: the width of each half); kinds without a GLU run it as "persistent".
+VARIANTS = ("tile", "persistent", "wide")
+#: The variants served by the persistent kernel (``kernels/_grouped_gemm_persistent.py``).
+PERSISTENT_VARIANTS = ("persistent", "wide")
 #: The kinds that have a persistent variant: the forward GEMMs and the dX GEMM (a plain "mm"
-#: with transposed weights). The backward-epilogue and weight-gradient kinds are tile-only.
+#: with transposed weights). The backward-epilogue and weight-gradient kinds are tile-only:
+#: their tiles (and pipeline depth) still come from the tuned table, whose "persistent" or
+#: "wide" rows for them select the tile kernel with the row's tiles.
 PERSISTENT_KINDS = ("mm", "mm_act", "swiglu")
+#: The kinds whose "wide" variant differs from "persistent" (one 2*BN accumulator).
+WIDE_KINDS = ("swiglu",)
 
 
 @dataclass(frozen=True)
@@ -337,13 +355,16 @@ def select(
     cfg, source = _tabled(target, device, exact, avg_rows)
     if cfg is None and not CF.replaced(target):  # (an override's whole config needs no policy)
         cfg = _policy(kind, avg_rows, dtype, tf32, _arch(device))
-        if kind in PERSISTENT_KINDS and gemm_variant() == "persistent":
-            cfg = replace(cfg, variant="persistent")  # same tiles: their smem fits (module docstring)
+        variant = gemm_variant()
+        if kind in PERSISTENT_KINDS and variant != "tile":
+            cfg = replace(cfg, variant=variant)  # same tiles: their smem fits (module docstring)
     cfg, forced = CF.resolve(target, cfg)
     if forced:
         source = "override"
     if kind not in PERSISTENT_KINDS and cfg.variant != "tile":  # no persistent kernel for this kind
         cfg = replace(cfg, variant="tile")
+    elif cfg.variant == "wide" and kind not in WIDE_KINDS:  # one accumulator already: the same kernel
+        cfg = replace(cfg, variant="persistent")
     if kind == "wgrad":
         # BM tiles the output rows (k here), BN its columns, BK the expert's rows.
         cfg = replace(cfg, BM=min(cfg.BM, _pow2_at_least(k)), BN=min(cfg.BN, _pow2_at_least(n)),

@@ -13,7 +13,9 @@ value is read; :func:`access` is the rule, exposed for tests and the offline com
 * A by a ``[R, K]`` tensor descriptor unless rows are gathered (``gather_a``: token rows come
   through ``row_map``; Hopper's TMA has no row gather) or the layout does not allow TMA;
 * B by ``[E, K, N]`` (N-contiguous) or ``[E, N, K]`` (K-contiguous) descriptors, one per SwiGLU
-  half;
+  half (the "wide" SwiGLU, one ``[BK, 2*BN]`` weight tile per K step, reads B by pointers:
+  cp.async copies land in the MMA's shared-memory layout, a TMA box over the ``[E, K, 2, N]``
+  view does not);
 * C and H by ragged 4-D descriptors unless C rows are scattered (``scatter``) or
   :class:`PersistentOptions` ``tma_store`` is off.
 
@@ -41,7 +43,7 @@ import torch
 
 from . import _gemm_config as C
 from . import config as CF
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv
 from ._grouped_gemm_kernels import ACT_SWIGLU
 from ._grouped_gemm_persistent_kernels import RAGGED_ROWS, _grouped_mm_persistent_kernel
 
@@ -57,6 +59,7 @@ __all__ = [
     "current_options",
     "epilogue_split",
     "flatten",
+    "glu_wide",
     "mm",
     "num_programs",
     "options",
@@ -131,11 +134,14 @@ def flatten(opts: PersistentOptions, *, gather_a: bool, dual: bool) -> bool:
     return opts.flatten and not (gather_a and dual)
 
 
-def epilogue_split(BN: int) -> int:
+def epilogue_split(BN: int, *, wide: bool = False) -> int:
     """Column slices the epilogue stores a tile in: 2 for 256-wide tiles (a 128x256 pointer-store
     epilogue spills inside the pipelined loop, and a whole-tile TMA staging buffer takes the
-    shared memory of a pipeline stage; checked by tests/test_aot_compile.py), else 1."""
-    return 2 if BN >= 256 else 1
+    shared memory of a pipeline stage; checked by tests/test_aot_compile.py) and for the "wide"
+    SwiGLU (its 128x256 accumulator: whole 128x128 output slices take it to the 255-register
+    ceiling, two 64-column slices leave it at 240 without spilling, sm_90a, Triton 3.9), else
+    1."""
+    return 2 if BN >= 256 or wide else 1
 
 
 def _tma_capable(device: torch.device) -> bool:
@@ -177,9 +183,14 @@ def access(
     scatter: bool,
     tma_store: bool = True,
     capable: Optional[bool] = None,
+    wide: bool = False,
 ) -> Access:
     """The operand-access rule of the module docstring, from shapes, strides and alignment.
-    ``capable``: whether the device has TMA (default: asked of ``a.device``)."""
+    ``capable``: whether the device has TMA (default: asked of ``a.device``). ``wide``: the
+    "wide" SwiGLU (:func:`glu_wide`), whose weights are read by pointers (the cp.async copies
+    land in the MMA's layout; a TMA box would not, see ``_load_b_wide``) and whose inference
+    output (no H) is stored by pointers (the TMA staging buffer takes it to the register ceiling;
+    with H, TMA stores keep it from spilling: sm_90a, Triton 3.9)."""
     K = b_EKN.shape[1]
     if capable is None:
         capable = _tma_capable(a.device)
@@ -196,7 +207,9 @@ def access(
         return (ok and tma_store and t.stride(1) == 1 and t.shape[0] < RAGGED_ROWS and _aligned(t, t.stride(0))
                 and (not halves or _aligned(t, offset=n)))
 
-    c_tma = not scatter and ragged_ok(out, False)
+    if wide:
+        b_tma = False
+    c_tma = not scatter and ragged_ok(out, False) and not (wide and h is None)
     h_tma = h is not None and ragged_ok(h, dual)
     return Access(a=a_tma, b=b_tma, b_kmajor=b_kmajor, c=c_tma, h=h_tma)
 
@@ -222,9 +235,17 @@ def _weight_desc(b: torch.Tensor, col0: int, n: int, kmajor: bool, BK: int, BN: 
     return TensorDescriptor(view, [E, K, n], [sbe, sbk, 1], [1, BK, BN])
 
 
+def glu_wide(cfg: "C.TileConfig", act: int) -> bool:
+    """Whether a launch runs the GLU as one ``[BM, 2 * BN]`` accumulator (config variant
+    ``"wide"``, SwiGLU only)."""
+    return cfg.variant == "wide" and act == ACT_SWIGLU
+
+
 def mm(
     a: torch.Tensor,
     offsets: torch.Tensor,
+    tiles: torch.Tensor,
+    count: torch.Tensor,
     b_EKN: torch.Tensor,
     out: torch.Tensor,
     cfg: "C.TileConfig",
@@ -240,22 +261,26 @@ def mm(
     prec: str = "tf32",
 ) -> None:
     """``out[row] = act(a[row'] @ b[seg(row)])`` over a row space of ``rows`` rows, as
-    :func:`tritonmoe.kernels.grouped_gemm._mm` (whose arguments it takes, with the config and
-    the dot precision that function chose), with the persistent kernel. ``rows > 0``, N > 0."""
+    :func:`tritonmoe.kernels.grouped_gemm._mm` (whose arguments it takes, with the config, the
+    dot precision that function chose, and the row space's tile map for ``cfg.BM``: ``tiles``
+    [MT, 3], ``count`` [1]), with the persistent kernel. ``rows > 0``, N > 0."""
     E, K, NB = b_EKN.shape
     dual = act == ACT_SWIGLU
+    wide = glu_wide(cfg, act)
     N = NB // 2 if dual else NB
     BM, BN, BK = cfg.BM, cfg.BN, cfg.BK
     dev = a.device
     opts = current_options()
-    acc = access(a, b_EKN, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, tma_store=opts.tma_store)
+    acc = access(a, b_EKN, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, tma_store=opts.tma_store,
+                 wide=wide)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [BM, BK]) if acc.a else None
     b_desc = bu_desc = None
     if acc.b:
         b_desc = _weight_desc(b_EKN, 0, N, acc.b_kmajor, BK, BN)
         if dual:
             bu_desc = _weight_desc(b_EKN, N, N, acc.b_kmajor, BK, BN)
-    split = opts.epilogue_split or cfg.EPI_SPLIT or epilogue_split(BN)  # an override, the config's, the rule
+    # an override, the config's, the rule
+    split = opts.epilogue_split or cfg.EPI_SPLIT or epilogue_split(BN, wide=wide)
     c_desc = _ragged_desc(out, 0, N, BM, BN // split) if acc.c else None
     h_desc = hu_desc = None
     if acc.h:
@@ -263,19 +288,19 @@ def mm(
         if dual:
             hu_desc = _ragged_desc(h, N, N, BM, BN // split)
     hh = h if h is not None else out  # never dereferenced without STORE_H
-    max_tiles = (cdiv(rows, BM) + E) * cdiv(N, BN)
+    max_tiles = tiles.shape[0] * cdiv(N, BN)
     progs = num_programs(dev, max_tiles)
     C.launch(
         _grouped_mm_persistent_kernel, (progs,), cfg, ("N", "K", "ROWS_HINT"), dev, a.element_size(), dual,
         a_desc, b_desc, bu_desc, c_desc, h_desc, hu_desc,
-        a, b_EKN, out, hh, offsets, row_map if row_map is not None else offsets, scale if scale is not None else out,
+        a, b_EKN, out, hh, offsets, tiles, count, row_map if row_map is not None else offsets,
+        scale if scale is not None else out,
         rows, N, K, E, progs, C.rows_hint(rows, E),
         a.stride(0), a.stride(1),
         b_EKN.stride(0), b_EKN.stride(1), b_EKN.stride(2),
         out.stride(0), out.stride(1),
         hh.stride(0), hh.stride(1),
         ACT=act, STORE_H=h is not None, GATHER_A=gather_a, SCATTER_C=scatter, SCALE=scale is not None,
-        TOPK=topk, PREC=prec, EVEN_K=K % BK == 0, SEG=next_power_of_2(E + 1),
+        TOPK=topk, PREC=prec, EVEN_K=K % BK == 0, GLU_WIDE=wide,
         B_KMAJOR=acc.b_kmajor, EPI_SPLIT=split, FLATTEN=flatten(opts, gather_a=gather_a, dual=dual),
     )
-

@@ -5,9 +5,14 @@ segments of a row space, one expert's weights per segment, the same fused epilog
 scheduled differently:
 
 * **Persistent.** The grid is ``NUM_PROGS`` programs (one per SM on a GPU). Program ``p`` walks
-  the output tiles ``p, p + NUM_PROGS, p + 2 * NUM_PROGS, ...`` in grouped order, so the tile map
-  is built once per program (not once per tile) and no program is launched only to find it has no
-  tile.
+  the output tiles ``p, p + NUM_PROGS, p + 2 * NUM_PROGS, ...`` in grouped order, and no program
+  is launched only to find it has no tile.
+* **Precomputed tile map.** The M tiles are the entries of the row space's tile map (built once
+  per call and BM by ``_tile_map_kernel``, shared with the tile kernel and the backward): a
+  tile's expert, first row and segment end are three scalar loads, so the loop holds no search
+  over the E segments (a per-tile reduction over a 2E-lane vector put 9-12 CTA barriers in the
+  pipelined loop at E=128). The map's zero head and tail entries (rows outside the segments)
+  are zeroed before the loop; its expert entries lie between them.
 * **Epilogue overlapped with the next tile's loads.** The tile loop and the K loop are written as
   a nest whose inner trip count does not depend on the tile, so ``tl.range(..., flatten=True)``
   fuses them into one software-pipelined loop: the loads of the next tile's first K steps are
@@ -37,10 +42,14 @@ segment's end are valid. TMA zero-fills only at a tensor's bounds, not at a segm
   then drops the rows past the segment end: no store ever touches another segment's rows. Column
   bounds are the tensor's (N, or each SwiGLU half's N for H).
 
-Worked example (BM=4, E=2, offsets=[0, 6, 9], R=11, one column tile): segment tiles [2, 1], M
-tiles: 0 -> rows 0..3 of expert 0, 1 -> rows 4..5 (box rows 6..7 are expert 1's: loaded, never
-stored), 2 -> rows 6..8 of expert 1 (box row 9 is a tail row); the tail loop zeroes rows 9..10.
+Worked example (BM=4, E=2, offsets=[0, 6, 9], R=11, one column tile): tile map [(0, 0, 6),
+(0, 4, 6), (1, 6, 9), (-1, 9, 11)], count 4, no head tile, one tail tile; expert tiles: 0 ->
+rows 0..3 of expert 0, 1 -> rows 4..5 (box rows 6..7 are expert 1's: loaded, never stored),
+2 -> rows 6..8 of expert 1 (box row 9 is a tail row); the zero loop writes rows 9..10.
 With NUM_PROGS=2, program 0 runs tiles 0 and 2, program 1 runs tile 1.
+
+The fused path's row space (``GATHER_A``: rows are slots, A rows the tokens ``slot // TOPK``;
+``SCATTER_C``: outputs to slot rows) has its unrouted slots in the zero head [0, offsets[0]).
 
 Shape letters: BM/BN/BK tile sizes; ``K`` the GEMM depth; ``TOPK`` slots per token (a constexpr:
 the gather's ``slot // TOPK`` is a multiply-shift, computed once per tile).
@@ -73,23 +82,6 @@ def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (tile % width) % size_m
     pid_n = (tile % width) // size_m
     return pid_m, pid_n
-
-
-@triton.jit
-def _segment_table(offs_ptr, E, R, BM: tl.constexpr, SEG: tl.constexpr):
-    """Per-expert (start, end, M tiles, inclusive prefix sum of M tiles) as SEG-wide vectors
-    (entries >= E are empty). Offsets are clamped into [0, R] and made non-decreasing per
-    segment, as in the tile kernel, so invalid offsets (validation off) stay inside the row
-    space."""
-    idx = tl.arange(0, SEG)
-    in_e = idx < E
-    start = tl.load(offs_ptr + idx, mask=in_e, other=0).to(tl.int64)
-    end = tl.load(offs_ptr + idx + 1, mask=in_e, other=0).to(tl.int64)
-    start = tl.minimum(tl.maximum(start, 0), R)
-    end = tl.minimum(tl.maximum(end, start), R)
-    tiles = tl.where(in_e, (end - start + BM - 1) // BM, 0).to(tl.int32)
-    cum = tl.cumsum(tiles, 0)
-    return start, end, tiles, cum
 
 
 @triton.jit
@@ -149,54 +141,42 @@ def _load_b(desc, ptrs, mask, seg, k0, n0, B_KMAJOR: tl.constexpr, BK: tl.conste
     return b
 
 
-@triton.jit(do_not_specialize=_ROW_ARGS)
-def _grouped_mm_persistent_kernel(
-    a_desc, b_desc, bu_desc, c_desc, h_desc, hu_desc,
-    a_ptr, b_ptr, c_ptr, h_ptr, offs_ptr, row_map_ptr, scale_ptr,
-    R, N, K, E, NUM_PROGS, ROWS_HINT,
-    stride_am, stride_ak,
-    stride_be, stride_bk, stride_bn,
-    stride_cm, stride_cn,
-    stride_hm, stride_hn,
-    ACT: tl.constexpr, STORE_H: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
-    SCALE: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr, SEG: tl.constexpr,
-    B_KMAJOR: tl.constexpr, EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """Persistent grouped GEMM ``C[r] = act(A[r] @ B[seg(r)])`` (see the module docstring).
+@triton.jit
+def _load_b_wide(ptrs, mask):
+    """The gate and up [BK, BN] weight tiles of a K step as one [BK, 2 * BN] tile (gate columns
+    first) by a masked pointer load: ``ptrs`` column j points at weight column
+    ``(j // BN) * N + n0 + j % BN``, runs of BN contiguous columns, so the load becomes 16-byte
+    cp.async copies straight into the MMA's shared-memory layout. (A TMA box over the
+    ``[E, K, 2, N]`` view of the weights lands in shared memory as ``[BK, 2, BN]``, which Triton
+    3.9 reshapes to the ``[BK, 2 * BN]`` operand through registers every K step, leaving each
+    MMA to finish before the next is issued: ``wgmma.wait_group 0``.)"""
+    return tl.load(ptrs, mask=mask, other=0.0)
 
-    Grid: ``(NUM_PROGS,)``. Program p computes the tiles p, p + NUM_PROGS, ... of the
-    ``(sum_e cdiv(len_e, BM)) x cdiv(N, BN)`` tiles of the E segments (each as the tile kernel
-    does: fp32 accumulation, a second accumulator over the up columns for SwiGLU, then the
-    epilogue), after zeroing its share of the tail rows [offsets[E], R).
 
-    Flags as in ``_grouped_mm_kernel`` (``ACT``, ``STORE_H``, ``GATHER_A``, ``SCATTER_C``,
-    ``SCALE``); operand access: ``a_desc`` (``[R, K]``, not with ``GATHER_A``), ``b_desc`` /
-    ``bu_desc`` (weights, gate / up halves; ``B_KMAJOR``: they describe ``[E, N, K]`` storage),
-    ``c_desc`` / ``h_desc`` / ``hu_desc`` (ragged, 4-D; not with ``SCATTER_C``); any of them
-    ``None`` selects masked pointer access through the matching ``*_ptr`` and strides.
-    ``EPI_SPLIT`` stores the output tiles in that many column slices. ``FLATTEN`` fuses the tile
-    and K loops into one pipelined loop. Every output element is
-    written by one program, once: results do not depend on NUM_PROGS or the pipelining.
-    """
-    A_TMA: tl.constexpr = a_desc is not None
-    pid = tl.program_id(0)
-    n_up = pid.to(tl.int64) * 0 + N  # column offset of the up / second half, as int64
-    num_pid_n = tl.cdiv(N, BN)
-    idx = tl.arange(0, SEG)
-    start_v, end_v, tiles_v, cum_v = _segment_table(offs_ptr, E, R, BM, SEG)
-    num_pid_m = tl.sum(tiles_v, 0)
-
-    # Tail rows [offsets[E], R): zeros. Visited in reversed program order, because the tile loop
-    # below gives its remainder tiles to the low program ids.
+@triton.jit
+def _zero_rows(c_ptr, h_ptr, row_map_ptr, offs_ptr, pid, R, E, N, n_up, num_pid_n, NUM_PROGS,
+               stride_cm, stride_cn, stride_hm, stride_hn,
+               ACT: tl.constexpr, STORE_H: tl.constexpr, SCATTER_C: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr):
+    """Zeros to C (and H) on the rows outside the experts' segments: the head [0, offsets[0])
+    (the fused path's unrouted slots) and the tail [offsets[E], R), clamped into [0, R) as the
+    tile map clamps them; returns their M tiles (head_m, tail_m), which are the tile map's first
+    and last entries. Visited in reversed program order, because the tile loop gives its
+    remainder tiles to the low program ids."""
+    head_end = tl.minimum(tl.maximum(tl.load(offs_ptr).to(tl.int64), 0), R)
     tail0 = tl.minimum(tl.maximum(tl.load(offs_ptr + E).to(tl.int64), 0), R)
-    tail_tiles = tl.cdiv(R - tail0, BM).to(tl.int32) * num_pid_n
-    for t in range(NUM_PROGS - 1 - pid, tail_tiles, NUM_PROGS):
-        rows = tail0 + (t // num_pid_n).to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
+    head_m = tl.cdiv(head_end, BM).to(tl.int32)
+    tail_m = tl.cdiv(R - tail0, BM).to(tl.int32)
+    for t in range(NUM_PROGS - 1 - pid, (head_m + tail_m) * num_pid_n, NUM_PROGS):
+        m = t // num_pid_n
+        in_head = m < head_m
+        lo = tl.where(in_head, 0, tail0)
+        hi = tl.where(in_head, head_end, R)
+        rows = lo + tl.where(in_head, m, m - head_m).to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
         cols = (t % num_pid_n).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
-        mask = (rows < R)[:, None] & (cols < N)[None, :]
+        mask = (rows < hi)[:, None] & (cols < N)[None, :]
         if SCATTER_C:
-            c_rows = tl.load(row_map_ptr + rows, mask=rows < R, other=0).to(tl.int64)
+            c_rows = tl.load(row_map_ptr + rows, mask=rows < hi, other=0).to(tl.int64)
         else:
             c_rows = rows
         zero = tl.zeros((BM, BN), dtype=tl.float32)
@@ -207,24 +187,75 @@ def _grouped_mm_persistent_kernel(
             tl.store(h_ptrs, zero.to(h_ptr.dtype.element_ty), mask=mask)
             if ACT == _SWIGLU:
                 tl.store(h_ptrs + n_up * stride_hn, zero.to(h_ptr.dtype.element_ty), mask=mask)
+    return head_m, tail_m
+
+
+@triton.jit(do_not_specialize=_ROW_ARGS)
+def _grouped_mm_persistent_kernel(
+    a_desc, b_desc, bu_desc, c_desc, h_desc, hu_desc,
+    a_ptr, b_ptr, c_ptr, h_ptr, offs_ptr, tiles_ptr, count_ptr, row_map_ptr, scale_ptr,
+    R, N, K, E, NUM_PROGS, ROWS_HINT,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    stride_hm, stride_hn,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
+    SCALE: tl.constexpr, TOPK: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr, GLU_WIDE: tl.constexpr,
+    B_KMAJOR: tl.constexpr, EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Persistent grouped GEMM ``C[r] = act(A[r] @ B[seg(r)])`` (see the module docstring).
+
+    Grid: ``(NUM_PROGS,)``. Program p first zeroes its share of the rows outside the segments
+    (:func:`_zero_rows`), then computes the work items p, p + NUM_PROGS, ... of the
+    ``(expert M tiles) x cdiv(N, BN)`` items: the M tiles are the precomputed tile map's entries
+    between its zero head and zero tail (``tiles_ptr`` [MT, 3]: expert, first row, segment end;
+    ``count_ptr``: valid entries; see ``_grouped_gemm_kernels``), read with three scalar loads per
+    item, so the loop holds no per-tile search over the E segments (no reduction, no CTA
+    barrier). Each item as the tile kernel does it: fp32 accumulation (for SwiGLU a second
+    accumulator over the up columns, or with ``GLU_WIDE`` one ``[BM, 2 * BN]`` accumulator over
+    the gate and up tiles loaded as one ``[BK, 2 * BN]`` tile, so each K step is one MMA of
+    width 2 * BN, and the epilogue splits it into its halves), then the epilogue.
+
+    Flags as in ``_grouped_mm_kernel`` (``ACT``, ``STORE_H``, ``GATHER_A``, ``SCATTER_C``,
+    ``SCALE``); operand access: ``a_desc`` (``[R, K]``, not with ``GATHER_A``), ``b_desc`` /
+    ``bu_desc`` (weights, gate / up halves; ``B_KMAJOR``: they describe ``[E, N, K]`` storage;
+    with ``GLU_WIDE`` the weights are read by pointers, see :func:`_load_b_wide`),
+    ``c_desc`` / ``h_desc`` / ``hu_desc`` (ragged, 4-D; not with ``SCATTER_C``); any of them
+    ``None`` selects masked pointer access through the matching ``*_ptr`` and strides.
+    ``EPI_SPLIT`` stores the output tiles in that many column slices. ``FLATTEN`` fuses the tile
+    and K loops into one pipelined loop. Every output element is
+    written by one program, once: results do not depend on NUM_PROGS or the pipelining.
+    """
+    A_TMA: tl.constexpr = a_desc is not None
+    WIDE: tl.constexpr = GLU_WIDE and (ACT == _SWIGLU)
+    ACC_N: tl.constexpr = 2 * BN if WIDE else BN
+    pid = tl.program_id(0)
+    n_up = pid.to(tl.int64) * 0 + N  # column offset of the up / second half, as int64
+    num_pid_n = tl.cdiv(N, BN)
+    head_m, tail_m = _zero_rows(c_ptr, h_ptr, row_map_ptr, offs_ptr, pid, R, E, N, n_up, num_pid_n, NUM_PROGS,
+                                stride_cm, stride_cn, stride_hm, stride_hn, ACT, STORE_H, SCATTER_C, BM, BN)
+    num_pid_m = tl.load(count_ptr) - head_m - tail_m  # the experts' M tiles: entries [head_m, count - tail_m)
 
     offs_k = tl.arange(0, BK)
+    offs_w = tl.arange(0, ACC_N)
+    # column j of the (wide) weight tile reads weight column w_col[j] + n0 (gate, then up)
+    w_col = (offs_w // BN).to(tl.int64) * n_up + (offs_w % BN).to(tl.int64)
     k_tiles = tl.cdiv(K, BK)
     num_tiles = num_pid_m * num_pid_n
     for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
-        # Prologue: which segment, rows and columns this tile covers.
+        # Prologue: which segment, rows and columns this tile covers (three loads of the map).
         pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
-        seg = tl.sum((cum_v <= pid_m).to(tl.int32), 0)
-        here = idx == seg
-        tile0 = tl.sum(tl.where(here, cum_v - tiles_v, 0), 0)
-        row0 = tl.sum(tl.where(here, start_v, 0), 0) + (pid_m - tile0).to(tl.int64) * BM
-        seg_end = tl.sum(tl.where(here, end_v, 0), 0)
+        entry = tiles_ptr + (head_m + pid_m).to(tl.int64) * 3
+        seg = tl.maximum(tl.load(entry), 0)
+        row0 = tl.load(entry + 1).to(tl.int64)
+        seg_end = tl.load(entry + 2).to(tl.int64)
         seg64 = seg.to(tl.int64)
         n0 = pid_n * BN
         rows = row0 + tl.arange(0, BM).to(tl.int64)
         row_ok = rows < seg_end
-        cols = n0.to(tl.int64) + tl.arange(0, BN).to(tl.int64)
-        col_ok = cols < N
+        wcols = n0.to(tl.int64) + (offs_w % BN).to(tl.int64)
+        col_ok = wcols < N
         if GATHER_A or SCATTER_C or SCALE:
             slot = tl.load(row_map_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         if GATHER_A:
@@ -232,9 +263,9 @@ def _grouped_mm_persistent_kernel(
         else:
             a_rows = rows
         a_base = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_base = b_ptr + seg64 * stride_be + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+        b_base = b_ptr + seg64 * stride_be + offs_k[:, None] * stride_bk + (n0 + w_col)[None, :] * stride_bn
 
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, ACC_N), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(k_tiles):
             k0 = kk * BK
@@ -248,29 +279,38 @@ def _grouped_mm_persistent_kernel(
                 a = a_desc.load([row0.to(tl.int32), k0])  # [BM, BK]
             else:
                 a = tl.load(a_base + k0 * stride_ak, mask=a_mask, other=0.0)
-            b = _load_b(b_desc, b_base + k0 * stride_bk, b_mask, seg, k0, n0, B_KMAJOR, BK, BN)
-            acc = tl.dot(a, b, acc, input_precision=PREC)  # [BM, BK] @ [BK, BN]
-            if ACT == _SWIGLU:
-                b_up = _load_b(bu_desc, b_base + k0 * stride_bk + n_up * stride_bn, b_mask, seg, k0, n0,
-                               B_KMAJOR, BK, BN)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=PREC)  # [BM, BK] @ [BK, BN]
+            if WIDE:
+                b = _load_b_wide(b_base + k0 * stride_bk, b_mask)
+                acc = tl.dot(a, b, acc, input_precision=PREC)  # [BM, BK] @ [BK, 2 * BN]
+            else:
+                b = _load_b(b_desc, b_base + k0 * stride_bk, b_mask, seg, k0, n0, B_KMAJOR, BK, BN)
+                acc = tl.dot(a, b, acc, input_precision=PREC)  # [BM, BK] @ [BK, BN]
+                if ACT == _SWIGLU:
+                    b_up = _load_b(bu_desc, b_base + k0 * stride_bk + n_up * stride_bn, b_mask, seg, k0, n0,
+                                   B_KMAJOR, BK, BN)
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision=PREC)  # [BM, BK] @ [BK, BN]
 
         # Epilogue (runs while the pipelined loop already loads the next tile's first K steps).
+        if WIDE:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+        else:
+            gate = acc
+            up = acc_up
         if STORE_H:
             hdt = h_ptr.dtype.element_ty
             h_off = rows * stride_hm
-            _store_out(h_desc, h_ptr, h_off, row_ok, acc.to(hdt), row0, seg_end, n0, N, stride_hn, BM, BN, EPI_SPLIT)
+            _store_out(h_desc, h_ptr, h_off, row_ok, gate.to(hdt), row0, seg_end, n0, N, stride_hn, BM, BN, EPI_SPLIT)
             if ACT == _SWIGLU:
-                _store_out(hu_desc, h_ptr + n_up * stride_hn, h_off, row_ok, acc_up.to(hdt), row0, seg_end, n0, N,
+                _store_out(hu_desc, h_ptr + n_up * stride_hn, h_off, row_ok, up.to(hdt), row0, seg_end, n0, N,
                            stride_hn, BM, BN, EPI_SPLIT)
         if ACT == _SWIGLU:
-            out = acc * _sigmoid(acc) * acc_up
+            out = gate * _sigmoid(gate) * up
         elif ACT == _GELU:
-            out = _gelu(acc)
+            out = _gelu(gate)
         elif ACT == _RELU:
-            out = tl.maximum(acc, 0.0)
+            out = tl.maximum(gate, 0.0)
         else:
-            out = acc
+            out = gate
         if SCALE:
             w = tl.load(scale_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
             out = out.to(a_ptr.dtype.element_ty).to(tl.float32) * w[:, None]

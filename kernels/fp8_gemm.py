@@ -107,9 +107,11 @@ def fp8_permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int,
 
 
 def _mm8(a, a_s, space: RowSpace, w_ENK, w_s, fmt, out, out_s=None, *, swiglu=False, gather_a=False,
-         scatter=False, scale=None, cfg=None):
+         scatter=False, scale=None, cfg=None, h_out=None, dswiglu=None):
     """One FP8 grouped GEMM launch over ``space`` (see :func:`_fp8_grouped_mm_kernel`); ``w_ENK``
-    is the checkpoint-layout weight [E, N', K], read as its [E, K, N'] view."""
+    is the checkpoint-layout weight [E, N', K], read as its [E, K, N'] view. Training (block
+    format, BN = 128): ``h_out`` fp32 [rows, 2N] receives GEMM1's pre-activation; ``dswiglu`` =
+    (H, dH) fp32 [rows, 2N]: the output is dH (``out`` e4m3 [rows, 2N], ``out_s`` its scales)."""
     E, NW, K = w_ENK.shape
     N = NW // 2 if swiglu else NW
     rows = space.rows
@@ -126,6 +128,9 @@ def _mm8(a, a_s, space: RowSpace, w_ENK, w_s, fmt, out, out_s=None, *, swiglu=Fa
         bs_strides = (w_s.stride(0), w_s.stride(1), 0)
     else:
         bs_strides = w_s.stride()
+    if (h_out is not None or dswiglu is not None) and (cfg.BN != 128 or rowwise or out_s is None):
+        raise ValueError("the training epilogues need the block format, BN = 128 and a quantized output")
+    hh, dh = (dswiglu if dswiglu is not None else (h_out if h_out is not None else a_s, a_s))
     cs = out_s if out_s is not None else a_s
     rm = space.row_map if space.row_map is not None else space.offsets
     items = tm.bound * cdiv(N, cfg.BN)
@@ -138,9 +143,10 @@ def _mm8(a, a_s, space: RowSpace, w_ENK, w_s, fmt, out, out_s=None, *, swiglu=Fa
         b.stride(0), b.stride(1), b.stride(2),
         *bs_strides,
         out.stride(0), out.stride(1), cs.stride(0), cs.stride(1),
+        hh, dh, hh.stride(0), hh.stride(1),
         SWIGLU=swiglu, ROWWISE=rowwise, QUANT_OUT=out_s is not None,
         GATHER_A=gather_a, SCATTER_C=scatter, SCALE=scale is not None, TOPK=space.topk,
-        EVEN_K=K % cfg.BK == 0,
+        EVEN_K=K % cfg.BK == 0, H_OUT=h_out is not None, DSWIGLU=dswiglu is not None,
     )
 
 

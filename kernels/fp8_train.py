@@ -4,16 +4,18 @@
 
 Launches per call (forward): weight quantization (torch ops on the master weights, 128x128
 blocks, at each call: the weights change every step), x quantized 1x128 (``fp8_quantize``),
-GEMM1 as a plain block-scaled grouped GEMM into an fp32 pre-activation H (kept for backward),
-SwiGLU and its 1x128 quantization, GEMM2. Backward: dY quantized, ``dA = dY W2^T`` and
-``dX = dH W1^T`` by the same block-scaled kernel over transposed e4m3 copies of the weights (the
-same 128x128 blocks and scales, transposed: K-major operands, as FP8 wgmma needs), the SwiGLU
-backward in torch, and the weight gradients by :func:`._fp8_kernels._fp8_wgrad_kernel` over
-X^T, dH^T, A^T and dY^T quantized 1x128 along the rows.
+GEMM1 with SwiGLU and A's 1x128 quantization in its epilogue, which also stores the fp32
+pre-activation H for backward (``H_OUT``), GEMM2. Backward: dY quantized, ``dA = dY W2^T`` with
+the SwiGLU backward and dH's 1x128 quantization in its epilogue (``DSWIGLU``: dH in fp32 for the
+weight gradient and in e4m3 for dX), ``dX = dH W1^T`` (both over transposed e4m3 copies of the
+weights: the same 128x128 blocks and scales, K-major operands, as FP8 wgmma needs), and the
+weight gradients by :func:`._fp8_kernels._fp8_wgrad_kernel` over X^T, dH^T, A^T and dY^T
+quantized 1x128 along the rows.
 
-Not fused yet (each is a pass over its tensor): the SwiGLU forward / backward and the
-quantizations of the backward. No host syncs (grids from shapes, segments from the device
-offsets).
+Still separate passes: x's and dY's 1x128 quantization (x arrives permuted in 16 bits, which dW1
+also reads; dY is autograd's), A recomputed from H for dW2, and the four transposed 128x1
+quantizations of the weight gradients. No host syncs (grids from shapes, segments from the
+device offsets).
 """
 
 from __future__ import annotations
@@ -59,13 +61,6 @@ def _swiglu(h: torch.Tensor) -> torch.Tensor:
     return g * torch.sigmoid(g) * h[:, F:]
 
 
-def _swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    F = h.shape[1] // 2
-    g, u = h[:, :F], h[:, F:]
-    sg = torch.sigmoid(g)
-    return torch.cat([da * u * (sg * (1.0 + g * (1.0 - sg))), da * (g * sg)], 1)
-
-
 def gemm_config(rows: int, n: int, k: int, num_experts: int, out_dtype: torch.dtype, device: torch.device):
     """The plain block-scaled GEMMs of training (H, dA, dX): the policy's "fp8_mm" tiles, 64 columns
     wide where a 128-row tile writes fp32 (128x128 fp32 spills 24 bytes in the epilogue on sm90)."""
@@ -73,16 +68,6 @@ def gemm_config(rows: int, n: int, k: int, num_experts: int, out_dtype: torch.dt
     if out_dtype == torch.float32 and cfg.BM >= 128 and C._arch(device) is not None:
         cfg = replace(cfg, BN=min(cfg.BN, 64))
     return cfg
-
-
-def _gemm(a: torch.Tensor, space: RowSpace, w_ENK: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype):
-    """Block-scaled grouped GEMM of a [rows, K] (quantized here) with w [E, N, K] -> [rows, N]."""
-    a_q, a_s = fp8_quantize(a, _FMT)
-    E, N, K = w_ENK.shape
-    out = torch.empty(space.rows, N, device=a.device, dtype=dtype)
-    cfg = gemm_config(space.rows, N, K, E, dtype, a.device)
-    _mm8(a_q, a_s, space, w_ENK, w_s, _FMT, out, cfg=cfg)
-    return out
 
 
 def _quantize_t(a: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +108,32 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, E: int, dtyp
     return out
 
 
+def _gemm1_train(x_q, x_s, space: RowSpace, q1, s1):
+    """GEMM1 of training, one launch: H (fp32 [rows, 2F], kept for backward) and A = SwiGLU(H)
+    quantized 1x128 in the epilogue (e4m3 [rows, F] and scales), as the inference GEMM1 does."""
+    rows, F, dev = space.rows, q1.shape[1] // 2, x_q.device
+    h = torch.empty(rows, 2 * F, device=dev, dtype=torch.float32)
+    a_q = torch.empty(rows, F, device=dev, dtype=FP8)
+    a_s = torch.empty(rows, cdiv(F, 128), device=dev, dtype=torch.float32)
+    cfg = select_fp8("fp8_swiglu", rows=rows, n=F, k=q1.shape[2], num_experts=q1.shape[0], rowwise=False, device=dev)
+    _mm8(x_q, x_s, space, q1, s1, _FMT, a_q, a_s, swiglu=True, h_out=h, cfg=cfg)
+    return h, a_q, a_s
+
+
+def _dgrad_swiglu(dy_q, dy_s, space: RowSpace, q2t, s2t, h):
+    """dA = dY W2^T with the SwiGLU backward and dH's 1x128 quantization in its epilogue:
+    (dH fp32 [rows, 2F], dH e4m3, its scales [rows, 2F/128]); F % 128 == 0."""
+    rows, F, dev = space.rows, q2t.shape[1], dy_q.device
+    dh = torch.empty(rows, 2 * F, device=dev, dtype=torch.float32)
+    dh_q = torch.empty(rows, 2 * F, device=dev, dtype=FP8)
+    dh_s = torch.empty(rows, 2 * cdiv(F, 128), device=dev, dtype=torch.float32)
+    # the GEMM1 tiles: BN = 128 (one 1x128 group per row per tile), 64-row tiles on sm90
+    cfg = select_fp8("fp8_swiglu", rows=rows, n=F, k=q2t.shape[2], num_experts=q2t.shape[0], rowwise=False,
+                     device=dev)
+    _mm8(dy_q, dy_s, space, q2t, s2t, _FMT, dh_q, dh_s, dswiglu=(h, dh), cfg=cfg)
+    return dh, dh_q, dh_s
+
+
 class _FP8GroupedFFNTrainFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RD, offsets, w1_EDN, w2_EFD):
@@ -132,9 +143,10 @@ class _FP8GroupedFFNTrainFn(torch.autograd.Function):
         w1t = w1_EDN.detach().transpose(1, 2)  # [E, 2F, D]: gate rows, then up rows
         q1, s1 = _quantize_weight(w1t)  # F % 128 == 0: the gate / up blocks tile 2F
         q2, s2 = _quantize_weight(w2_EFD.detach().transpose(1, 2))  # [E, D, F]
-        h = _gemm(x_RD.detach(), space, q1, s1, torch.float32)
-        a = _swiglu(h)
-        y = _gemm(a, space, q2, s2, x_RD.dtype)
+        x_q, x_s = fp8_quantize(x_RD.detach(), _FMT)
+        h, a_q, a_s = _gemm1_train(x_q, x_s, space, q1, s1)
+        y = torch.empty(R, q2.shape[1], device=x_RD.device, dtype=x_RD.dtype)
+        _mm8(a_q, a_s, space, q2, s2, _FMT, y, cfg=gemm_config(R, q2.shape[1], q2.shape[2], E, y.dtype, y.device))
         ctx.save_for_backward(x_RD, h, q1, s1, q2, s2)
         ctx.space, ctx.w_dtypes = space, (w1_EDN.dtype, w2_EFD.dtype)
         return y
@@ -146,10 +158,15 @@ class _FP8GroupedFFNTrainFn(torch.autograd.Function):
         space = ctx.space
         E = q1.shape[0]
         dy = dy_RD.contiguous()
-        # dgrad: the weights' e4m3 blocks transposed (K-major for the transposed products)
-        da = _gemm(dy, space, q2.transpose(1, 2).contiguous(), s2.transpose(1, 2), torch.float32)  # [R, F]
-        dh = _swiglu_backward(h, da)
-        dx = _gemm(dh, space, q1.transpose(1, 2).contiguous(), s1.transpose(1, 2), x_RD.dtype)  # [R, D]
+        # dgrad: the weights' e4m3 blocks transposed (K-major for the transposed products); dA's
+        # epilogue turns it into dH (fp32 for dW1, e4m3 1x128 for dX): no dA, no dH quantize pass
+        dy_q, dy_s = fp8_quantize(dy, _FMT)
+        dh, dh_q, dh_s = _dgrad_swiglu(dy_q, dy_s, space, q2.transpose(1, 2).contiguous(), s2.transpose(1, 2), h)
+        q1t = q1.transpose(1, 2).contiguous()
+        R, D = x_RD.shape
+        dx = torch.empty(R, D, device=dy.device, dtype=x_RD.dtype)
+        _mm8(dh_q, dh_s, space, q1t, s1.transpose(1, 2), _FMT, dx,
+             cfg=gemm_config(R, D, q1t.shape[2], E, dx.dtype, dx.device))  # [R, D]
         dw1 = _wgrad(x_RD.detach(), dh, space.offsets, E, ctx.w_dtypes[0])  # [E, D, 2F]
         dw2 = _wgrad(_swiglu(h), dy, space.offsets, E, ctx.w_dtypes[1])  # [E, F, D]
         return dx, None, dw1, dw2

@@ -20,6 +20,7 @@ from ._host import device_ctx
 from ._gemm_config import (
     DECODE_KINDS,
     PERSISTENT_KINDS,
+    WIDE_KINDS,
     TileConfig,
     decode_key,
     gemm_key,
@@ -29,8 +30,8 @@ from ._gemm_config import (
 )
 from ._grouped_gemm_kernels import ACT_NONE
 
-__all__ = ["KINDS", "ACTIVATIONS", "DECODE_KINDS", "PERSISTENT_KINDS", "TileConfig", "decode_key", "gemm_key",
-           "precision_name", "run", "select", "select_decode"]
+__all__ = ["KINDS", "ACTIVATIONS", "DECODE_KINDS", "PERSISTENT_KINDS", "WIDE_KINDS", "TileConfig", "decode_key",
+           "gemm_key", "precision_name", "run", "select", "select_decode"]
 
 KINDS = ("mm", "mm_act", "swiglu", "dact", "dact_swiglu", "wgrad")
 #: The activation each kind runs with ("mm" and "wgrad" have none).

@@ -271,16 +271,16 @@ def _mm(
     dev = a.device
     if cfg is None:
         cfg = C.select(_kind(act), rows=rows, n=N, k=K, num_experts=E, dtype=a.dtype, tf32=_tf32(a.dtype), device=dev)
-    if cfg.variant == "persistent":  # the one variant switch (kernels/_grouped_gemm_persistent.py)
-        if bias is None and act.code != ACT_SWIGLU_OAI and cfg.SPLIT_K == 1 and out.dim() == 2 and space.row_map is None:
-            P.mm(a, space.offsets, b_EKN, out, cfg, rows=rows, act=act.code, h=h, row_map=space.row_map,
-                 topk=space.topk, gather_a=gather_a, scatter=scatter, scale=scale, prec=_prec(a.dtype))
-            return
-        # The persistent kernel has no bias, clamped-SwiGLU or split-K epilogue, and does not know
-        # the fused path's row space (slot rows gathered through row_map, unrouted slots in a
-        # zero head [0, offsets[0])): the tile kernel runs those launches (same tiles).
-        cfg = replace(cfg, variant="tile")
     tm = space.tile_map(cfg.BM)
+    if cfg.variant in C.PERSISTENT_VARIANTS:  # the one variant switch (kernels/_grouped_gemm_persistent.py)
+        if bias is None and act.code != ACT_SWIGLU_OAI and cfg.SPLIT_K == 1 and out.dim() == 2:
+            P.mm(a, space.offsets, tm.tiles, tm.count, b_EKN, out, cfg, rows=rows, act=act.code, h=h,
+                 row_map=space.row_map, topk=space.topk, gather_a=gather_a, scatter=scatter, scale=scale,
+                 prec=_prec(a.dtype))
+            return
+        # The persistent kernel has no bias, clamped-SwiGLU or split-K epilogue: the tile kernel
+        # runs those launches (same tiles).
+        cfg = replace(cfg, variant="tile")
     split = cfg.SPLIT_K
     if out.dim() == 3:
         stride_cs, stride_cm, stride_cn = out.stride()

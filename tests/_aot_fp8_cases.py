@@ -66,8 +66,9 @@ def _gemm(name, dev, *, T, model, gemm1, fmt, gather=False, scatter=False, scale
         stride_be=NW * K, stride_bk=1, stride_bn=K,
         stride_bse=NW if rowwise else gn * gk, stride_bsn=1 if rowwise else gk, stride_bsk=0 if rowwise else 1,
         stride_cm=N, stride_cn=1, stride_csm=-(-N // 128), stride_csg=1,
+        h_ptr=P("fp32"), dh_ptr=P("fp32"), stride_hm=2 * N, stride_hn=1,
         SWIGLU=gemm1, ROWWISE=rowwise, QUANT_OUT=quant, GATHER_A=gather, SCATTER_C=scatter, SCALE=scale, TOPK=k,
-        EVEN_K=K % cfg.BK == 0, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        EVEN_K=K % cfg.BK == 0, H_OUT=False, DSWIGLU=False, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
     )
     tag = f"{'gemm1' if gemm1 else 'gemm2'},{fmt.split('_')[1]},{model},T{T}"
     flags = "".join(f"+{f}" for f, on in (("gather", gather), ("scatter", scatter), ("scale", scale)) if on)
@@ -128,10 +129,42 @@ def _dgrad(model: str, dev, *, T: int, dx: bool) -> FP8Case:
         # the scales are the forward's [E, K-blocks, N-blocks] transposed (a strided view)
         stride_bse=gn * gk, stride_bsn=1, stride_bsk=gn,
         stride_cm=N, stride_cn=1, stride_csm=gk, stride_csg=1,
+        h_ptr=P("fp32"), dh_ptr=P("fp32"), stride_hm=2 * N, stride_hn=1,
         SWIGLU=False, ROWWISE=False, QUANT_OUT=False, GATHER_A=False, SCATTER_C=False, SCALE=False, TOPK=1,
-        EVEN_K=K % cfg.BK == 0, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        EVEN_K=K % cfg.BK == 0, H_OUT=False, DSWIGLU=False, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
     )
     name = f"fp8_dgrad[{'dx' if dx else 'da'},{model},T{T},{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]"
+    return FP8Case(name, FK._fp8_grouped_mm_kernel, args, cfg.num_warps, cfg.num_stages, True, wgmma=cfg.BM >= 64)
+
+
+def _train_epilogue(model: str, dev, *, T: int, dswiglu: bool) -> FP8Case:
+    """kernels/fp8_train.py's fused launches: GEMM1 of training (SwiGLU, A quantized 1x128 and H
+    stored fp32: ``H_OUT``) or dA = dY W2^T with the SwiGLU backward and dH's 1x128 quantization
+    in its epilogue (``DSWIGLU``), both at the GEMM1 tiles (BN = 128)."""
+    D, F, E, k = _MODELS[model]
+    rows = T * k
+    K, N = D, F
+    NW = N if dswiglu else 2 * N  # dA reads W2^T [E, F, D]; GEMM1 W1 [E, 2F, D]
+    cfg = FC.select_fp8("fp8_swiglu", rows=rows, n=N, k=K, num_experts=E, rowwise=False, device=dev)
+    gk, gn = -(-K // 128), -(-NW // 128)
+    args = dict(
+        a_ptr=P("fp8e4nv"), as_ptr=P("fp32"), b_ptr=P("fp8e4nv"), bs_ptr=P("fp32"),
+        c_ptr=P("fp8e4nv"), cs_ptr=P("fp32"),
+        tiles_ptr=P("i32"), count_ptr=P("i32"), row_map_ptr=P("i64"), w_ptr=P("fp32"),
+        N=N, K=K, ROWS_HINT=C.rows_hint(rows, E),
+        stride_am=K, stride_ak=1, stride_asm=gk, stride_asg=1,
+        stride_be=NW * K, stride_bk=1, stride_bn=K,
+        # dA: W2's scales [E, D-blocks, F-blocks] transposed (a strided view)
+        stride_bse=gn * gk, stride_bsn=1 if dswiglu else gk, stride_bsk=gn if dswiglu else 1,
+        stride_cm=2 * N if dswiglu else N, stride_cn=1, stride_csm=2 * (-(-N // 128)) if dswiglu else -(-N // 128),
+        stride_csg=1,
+        h_ptr=P("fp32"), dh_ptr=P("fp32"), stride_hm=2 * N, stride_hn=1,
+        SWIGLU=not dswiglu, ROWWISE=False, QUANT_OUT=True, GATHER_A=False, SCATTER_C=False, SCALE=False, TOPK=1,
+        EVEN_K=K % cfg.BK == 0, H_OUT=not dswiglu, DSWIGLU=dswiglu,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    )
+    name = (f"fp8_train_epilogue[{'da_dswiglu' if dswiglu else 'gemm1_hout'},{model},T{T},"
+            f"{cfg.BM}x{cfg.BN}x{cfg.BK}w{cfg.num_warps}s{cfg.num_stages}]")
     return FP8Case(name, FK._fp8_grouped_mm_kernel, args, cfg.num_warps, cfg.num_stages, True, wgmma=cfg.BM >= 64)
 
 
@@ -153,5 +186,7 @@ def fp8_cases(dev: torch.device) -> list[FP8Case]:
     out.append(_quant("quantize", D=2048, fmt="e4m3_rowwise", scatter=False, dtype="fp32"))  # rowwise A of GEMM1
     for model in _MODELS:  # training (kernels/fp8_train.py)
         out += [_wgrad(model, T=16384, second=False), _wgrad(model, T=16384, second=True)]
-        out += [_dgrad(model, dev, T=16384, dx=False), _dgrad(model, dev, T=16384, dx=True)]
+        # dA runs fused with the SwiGLU backward (_train_epilogue, dswiglu); dX is the plain GEMM
+        out += [_dgrad(model, dev, T=16384, dx=True)]
+        out += [_train_epilogue(model, dev, T=16384, dswiglu=False), _train_epilogue(model, dev, T=16384, dswiglu=True)]
     return out

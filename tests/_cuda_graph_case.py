@@ -5,8 +5,10 @@ to stderr as it is reached, and a hang dumps the stacks and ends the process aft
 TRITONMOE_CASE_TIMEOUT_S (default 120 s), so the caller's output says where it stopped."""
 
 import faulthandler
+import gc
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -29,7 +31,7 @@ def main() -> None:
     created = not dist.is_initialized()
     if created:  # one rank: an in-process store, no port
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    graph = None
+    graph = layer = None
     try:
         _stage("process group up")
         cfg = tm.MoEConfig(256, 512, 8, 2, ep_capacity=64)
@@ -67,16 +69,50 @@ def main() -> None:
     finally:
         # A live graph that captured NCCL kernels makes destroy_process_group wait forever (H100,
         # torch 2.11, NCCL 2.28: capture, replay and the check passed, then the teardown hung until
-        # killed); release the graph first.
+        # killed): NCCL's graceful comm destroy waits until every graph holding its captured work
+        # has been destroyed (the graph's user objects are NCCL's "persistent" references), and a
+        # graph is destroyed only by reset() or when the last reference to it goes. So: drop the
+        # tensors and autograd state of the captured region (they live in the graph's pool), reset
+        # the graph, let CUDA run the released objects' destructors (synchronize), collect, and
+        # only then destroy the group, under a deadline: a teardown that still hangs ends this
+        # process with its stacks and a distinct exit status instead of the caller's timeout.
+        out = want = static_x = None  # noqa: F841 - the captured region's outputs and leaf
         try:
             if graph is not None:
+                if layer is not None:
+                    layer.zero_grad(set_to_none=True)
                 graph.reset()
+                graph = None
+                gc.collect()
                 torch.cuda.synchronize()
         finally:
             if created:
                 _stage("destroying the process group")
-                dist.destroy_process_group()
+                _bounded_destroy(dist, float(os.environ.get("TRITONMOE_TEARDOWN_TIMEOUT_S", "60")))
                 _stage("destroyed")
+
+
+def _bounded_destroy(dist, limit_s: float) -> None:
+    """``dist.destroy_process_group()`` on a daemon thread; if it has not returned after
+    ``limit_s``, dump every thread's stack and end the process with status 3 (a teardown hang,
+    told apart from a failed capture or a wrong result)."""
+    errors: list = []
+
+    def run() -> None:
+        try:
+            dist.destroy_process_group()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run, name="destroy_process_group", daemon=True)
+    t.start()
+    t.join(limit_s)
+    if t.is_alive():
+        _stage(f"TEARDOWN HANG: destroy_process_group did not return in {limit_s:.0f} s")
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+    if errors:
+        raise errors[0]
 
 
 if __name__ == "__main__":

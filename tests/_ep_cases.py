@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 import tritonmoe as tm
+
+import _fp8_ep_cases
 from tritonmoe.comm import Timeline
 
 from _double_backward_cases import ep_penalty
@@ -217,8 +219,10 @@ def layer_table(rank: int, P: int) -> dict:
         f, eff = run_case(rank, P, c)
         failures += f
         effs.setdefault(c.pipeline_degree, []).append(eff)
+    # the FP8 expert-parallel checks ride on this group (tests/_fp8_ep_cases.py)
+    fp8 = _fp8_ep_cases.fp8_ep_table(rank, P)
     return {"failures": failures, "num_cases": len(table), "efficiency": effs, "errors": layer_errors(rank, P),
-            "double_backward": ep_penalty(rank, P)}
+            "fp8_failures": fp8, "double_backward": ep_penalty(rank, P)}
 
 
 def peer_exit(rank: int, P: int, victim: int) -> dict:

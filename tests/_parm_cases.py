@@ -224,7 +224,7 @@ def expected_sends(sched: str, cfg, lay: ParmLayout, i: int, tokens, ref_ids, it
     mine = (a * L, (a + 1) * L)
     T = tokens[g]
     fwd, bwd, p2p = [], [], {}
-    counts_msg = ("all_gather", "all", (1 + E) * 8)
+    counts_msg = ("all_gather", "all", (2 + E) * 8)  # tokens, the status word of a refused input, E counts
     need_aux = cfg.aux_loss_coef > 0 or cfg.z_loss_coef > 0
     if sched == "baseline":
         origins = lay.esp_group_of(i)

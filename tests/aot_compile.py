@@ -34,11 +34,14 @@ from typing import Any, Mapping, Optional
 __all__ = [
     "SM90_MAX_SHARED",
     "Desc",
+    "GluonDesc",
     "KernelFacts",
     "Ptr",
     "compile_kernel",
     "find_tool",
+    "main_loop_barriers",
     "main_loop_facts",
+    "mma_shapes",
     "pipeline_buffers",
     "ptx_loops",
     "specialize",
@@ -73,6 +76,19 @@ class Desc:
     @property
     def signature(self) -> str:
         return f"tensordesc<{self.dtype}[{', '.join(str(b) for b in self.block_shape)}]>"
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonDesc(Desc):
+    """A Gluon host-side tensor descriptor (``triton.experimental.gluon.nvidia.hopper.TensorDescriptor``):
+    a launch specializes it by dtype, box and its shared-memory ``layout`` (an
+    ``NVMMASharedLayout``): ``tensordesc<bf16[128,64],NVMMASharedLayout(...)>``."""
+
+    layout: Any = None
+
+    @property
+    def signature(self) -> str:
+        return f"tensordesc<{self.dtype}[{','.join(str(b) for b in self.block_shape)}],{self.layout!r}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,8 +203,15 @@ class KernelFacts:
     barriers: CTA-wide barriers (``bar.sync`` / ``barrier.sync``) in the PTX; a reduction over an
     axis that the layout spreads over several warps goes through shared memory between two of
     them.
+    tcgen05_kinds: on sm_100a, the distinct ``cta_group::N.kind::K`` of the PTX's ``tcgen05.mma``
+    (Blackwell's tensor-core MMA into tensor memory), e.g. ``("cta_group::1.kind::f16",)``.
+    setmaxnreg: the ``setmaxnreg`` register reallocations of a warp-specialized kernel, in PTX
+    order, e.g. ``("inc 240", "dec 232", "inc 40", "dec 24")`` (empty for a kernel whose warps all
+    run the same code).
     mma_types: the distinct operand-type suffixes of the PTX MMAs, accumulator first, e.g.
     ``("wgmma.f32.e4m3.e4m3",)`` for FP8 wgmma or ``("mma.f32.bf16.bf16.f32",)``.
+    main_loop_barriers: those of ``barriers`` inside the main loop (:func:`main_loop_barriers`).
+    mma_shapes: the distinct MMA shapes (``m64n256k16``...) of the PTX (:func:`mma_shapes`).
     mma_loop_stores (only with ``compile_kernel(..., loop_facts=True)``, else None): global
     stores (STG, UTMASTG) inside the innermost loop that issues the tensor-core MMAs; > 0 means
     the epilogue runs inside the pipelined loop (a persistent kernel whose tile and K loops
@@ -216,6 +239,10 @@ class KernelFacts:
     mma_loop_stores: Optional[int] = None
     barriers: int = 0
     mma_types: tuple = ()
+    tcgen05_kinds: tuple = ()
+    setmaxnreg: tuple = ()
+    main_loop_barriers: int = 0
+    mma_shapes: tuple = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -227,6 +254,10 @@ _BRA = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 _TMA_LOAD = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.shared::(?:cta|cluster)\.global\b")
 _TMA_STORE = re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\b")
 _BARRIER = re.compile(r"\b(?:bar|barrier)\.sync\b")
+#: Blackwell's (sm_100a) tensor-core MMA issued from one thread into tensor memory, e.g.
+#: ``tcgen05.mma.cta_group::1.kind::f16`` (16-bit operands) or ``kind::f8f6f4`` (FP8).
+_SETMAXNREG = re.compile(r"\bsetmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
+_TCGEN05_MMA = re.compile(r"\btcgen05\.mma\.(cta_group::\d)\.(kind::\w+)")
 _LOCAL_MEM = re.compile(r"^(@!?U?P\w+\s+)?(LDL|STL)\b")
 
 
@@ -366,6 +397,27 @@ def main_loop_facts(ptx: str) -> tuple[int, Optional[int]]:
     return divs, (min(waits) if waits else None)
 
 
+def main_loop_barriers(ptx: str) -> int:
+    """CTA-wide barriers (``bar.sync`` / ``barrier.sync``) in a kernel's main loop (as in
+    :func:`main_loop_facts`: the innermost loop of the MMAs; for a persistent kernel whose tile
+    and K loops were fused, that loop holds the per-tile prologue and epilogue too, so a
+    per-tile reduction across warps shows here). 0 for a kernel without MMAs in loops."""
+    lines = ptx.splitlines()
+    is_mma = [bool(_PTX_MMA.search(line)) for line in lines]
+    if not any(is_mma):
+        return 0
+    main = _main_loop_mask(list(range(len(lines))), is_mma, ptx_loops(ptx))
+    return sum(1 for line, in_main in zip(lines, main) if in_main and _BARRIER.search(line))
+
+
+_PTX_MMA_SHAPE = re.compile(r"\b(?:wgmma\.mma_async\.sync\.aligned|mma\.sync\.aligned)\.(m\d+n\d+k\d+)\b")
+
+
+def mma_shapes(ptx: str) -> tuple:
+    """The distinct MMA instruction shapes of a PTX listing, e.g. ``("m64n256k16",)``."""
+    return tuple(sorted(set(_PTX_MMA_SHAPE.findall(ptx))))
+
+
 def pipeline_buffers(ttgir: str) -> int:
     """Smallest buffer count of the multi-buffered 2-D tiles in shared memory (the software
     pipeliner allocates ``[buffers, rows, cols]``; index vectors are 2-D allocations and do not
@@ -388,7 +440,12 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs = specialize(fn, args)
-    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel (triton.experimental.gluon)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    else:
+        src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     t0 = time.perf_counter()
     # enable_fp_fusion=True is the launch default; saying so silences triton 3.9's warning about it
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -425,5 +482,9 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
         barriers=len(_BARRIER.findall(ptx)),
         mma_types=tuple(sorted({"wgmma." + ".".join(m) for m in _PTX_WGMMA_TYPES.findall(ptx)}
                                | {"mma." + ".".join(m) for m in _PTX_MMA_TYPES.findall(ptx)})),
+        main_loop_barriers=main_loop_barriers(ptx),
+        mma_shapes=mma_shapes(ptx),
         mma_loop_stores=_mma_loop_stores(_cuobjdump(kernel.asm["cubin"], "-sass")) if loop_facts else None,
+        tcgen05_kinds=tuple(sorted({".".join(m) for m in _TCGEN05_MMA.findall(ptx)})),
+        setmaxnreg=tuple(f"{d} {n}" for d, n in _SETMAXNREG.findall(ptx)),
     )

@@ -75,6 +75,34 @@ def pytest_runtest_makereport(item, call):
                         "(set by this conftest only where there is no CUDA device)")
 
 
+def _limited(phase: str):
+    """A hookwrapper running a test's ``phase`` under its time limit (tests/_timeouts.py: the
+    ``timeout_s`` marker, and every ``gpu`` test). Left to pytest-timeout where that plugin is
+    loaded and the test carries its ``timeout`` marker."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def hook(item, *args):
+        from _timeouts import limit_of, time_limit
+
+        seconds = limit_of(item)
+        if seconds is not None and item.config.pluginmanager.hasplugin("timeout") \
+                and item.get_closest_marker("timeout") is not None:
+            seconds = None
+        try:
+            pytest_faulthandler = float(item.config.getini("faulthandler_timeout") or 0) > 0
+        except (ValueError, TypeError):
+            pytest_faulthandler = False
+        with time_limit(seconds, f"{item.nodeid} ({phase})", hard_grace_s=None if pytest_faulthandler else 30.0):
+            yield
+
+    return hook
+
+
+pytest_runtest_setup = _limited("setup")
+pytest_runtest_call = _limited("call")
+pytest_runtest_teardown = _limited("teardown")
+
+
 @pytest.fixture
 def devices():
     """Devices to run device-generic tests on: CPU, and CUDA when present."""

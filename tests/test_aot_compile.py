@@ -89,7 +89,8 @@ class Variant:
     instructions allowed in the MMA loop (None: not checked). min_wgmma_wait_depth: the MMA loop's
     ``wgmma.wait_group`` depth must be at least this (None: not checked). min_pipeline_buffers:
     the pipelined operand tiles need at least this many shared-memory buffers each. max_barriers:
-    at most this many CTA-wide barriers in the PTX (None: not checked).
+    at most this many CTA-wide barriers in the PTX (None: not checked); max_main_loop_barriers:
+    at most this many inside the main loop (None: not checked).
     """
 
     name: str
@@ -104,6 +105,7 @@ class Variant:
     async_loads: int = 0
     main_loop_int_divs: Optional[int] = None
     max_barriers: Optional[int] = None
+    max_main_loop_barriers: Optional[int] = None
     min_wgmma_wait_depth: Optional[int] = None
     min_pipeline_buffers: int = 0
 
@@ -609,11 +611,14 @@ def _autotune_candidates(variants: list[Variant]) -> list[Variant]:
 class PersistentExpect:
     """What a persistent GEMM variant must show besides a Variant's checks: at least ``tma_loads``
     TMA load and ``tma_stores`` TMA store instructions, and the epilogue's stores inside the
-    innermost MMA loop when the launch fuses the tile and K loops (``fused``), outside otherwise."""
+    innermost MMA loop when the launch fuses the tile and K loops (``fused``), outside otherwise;
+    ``mma_n``: every wgmma of the kernel is ``m64n<mma_n>k16`` (the "wide" SwiGLU's one MMA per
+    K step over the gate and up tiles), None: not checked."""
 
     tma_loads: int
     tma_stores: int
     fused: bool
+    mma_n: Optional[int] = None
 
 
 #: name -> PersistentExpect, filled by persistent_variants().
@@ -621,17 +626,18 @@ PERSISTENT_EXPECT: dict[str, PersistentExpect] = {}
 
 
 def _persistent_mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=False, gather_a=False, scatter=False,
-                   scale=False, topk=1, transposed_b=False) -> Variant:
+                   scale=False, topk=1, transposed_b=False, variant="persistent") -> Variant:
     """The persistent kernel as kernels/grouped_gemm.py::_mm launches it through PG.mm when the
-    policy (TRITONMOE_GEMM_VARIANT=persistent) selects it: the policy's config, the launcher's
-    own operand-access rule (PG.access) on tensors with the launch's shapes and strides, its
-    epilogue split and loop fusion."""
+    policy (TRITONMOE_GEMM_VARIANT=persistent or wide) selects it: the policy's config, the
+    launcher's own operand-access rule (PG.access) on tensors with the launch's shapes and
+    strides, its epilogue split and loop fusion."""
     dual = act == GK.ACT_SWIGLU
     kind = "swiglu" if dual else ("mm" if act == GK.ACT_NONE else "mm_act")
-    with mock.patch.dict(os.environ, {"TRITONMOE_GEMM_VARIANT": "persistent"}):
+    with mock.patch.dict(os.environ, {"TRITONMOE_GEMM_VARIANT": variant}):
         cfg = C.select(kind, rows=rows, n=N, k=K, num_experts=E, dtype=dtype, tf32=False, device=dev)
-    if cfg.variant != "persistent":
-        raise RuntimeError(f"TRITONMOE_GEMM_VARIANT=persistent did not select the persistent variant: {cfg}")
+    if cfg.variant != variant:
+        raise RuntimeError(f"TRITONMOE_GEMM_VARIANT={variant} did not select that variant: {cfg}")
+    wide = PG.glu_wide(cfg, act)
     dt = _TL_NAME[dtype]
     NB = 2 * N if dual else N
 
@@ -642,35 +648,38 @@ def _persistent_mm(name, dev, dtype, *, rows, K, N, E, act=GK.ACT_NONE, store_h=
     b = meta(E, NB, K).transpose(1, 2) if transposed_b else meta(E, K, NB)
     out = meta(rows // topk if (scatter and scale) else rows, N)
     h = meta(rows, NB) if store_h else None
-    acc = PG.access(a, b, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, capable=True)
+    acc = PG.access(a, b, out, h, n=N, dual=dual, gather_a=gather_a, scatter=scatter, capable=True, wide=wide)
     opts = PG.PersistentOptions()
-    split = PG.epilogue_split(cfg.BN)
+    split = PG.epilogue_split(cfg.BN, wide=wide)
     fused = PG.flatten(opts, gather_a=gather_a, dual=dual)
     BM, BN, BK = cfg.BM, cfg.BN, cfg.BK
     store_box = (1, 1, BM, BN // split)
     hh = h if h is not None else out
+    b_box = (1, BN, BK) if acc.b_kmajor else (1, BK, BN)
     args = dict(
         a_desc=aot.Desc(dt, (BM, BK)) if acc.a else None,
-        b_desc=aot.Desc(dt, (1, BN, BK) if acc.b_kmajor else (1, BK, BN)) if acc.b else None,
-        bu_desc=aot.Desc(dt, (1, BN, BK) if acc.b_kmajor else (1, BK, BN)) if acc.b and dual else None,
+        b_desc=aot.Desc(dt, b_box) if acc.b else None,
+        bu_desc=aot.Desc(dt, b_box) if acc.b and dual else None,
         c_desc=aot.Desc(dt, store_box) if acc.c else None,
         h_desc=aot.Desc(dt, store_box) if acc.h else None,
         hu_desc=aot.Desc(dt, store_box) if acc.h and dual else None,
-        a_ptr=P(dt), b_ptr=P(dt), c_ptr=P(dt), h_ptr=P(dt), offs_ptr=P("i64"), row_map_ptr=P("i64"),
+        a_ptr=P(dt), b_ptr=P(dt), c_ptr=P(dt), h_ptr=P(dt), offs_ptr=P("i64"), tiles_ptr=P("i32"),
+        count_ptr=P("i32"), row_map_ptr=P("i64"),
         scale_ptr=P("fp32" if scale else dt), R=rows, N=N, K=K, E=E, NUM_PROGS=H100_SMS,
         ROWS_HINT=C.rows_hint(rows, E), stride_am=a.stride(0), stride_ak=a.stride(1), stride_be=b.stride(0),
         stride_bk=b.stride(1), stride_bn=b.stride(2), stride_cm=out.stride(0), stride_cn=out.stride(1),
         stride_hm=hh.stride(0), stride_hn=hh.stride(1), ACT=act, STORE_H=store_h, GATHER_A=gather_a,
-        SCATTER_C=scatter, SCALE=scale, TOPK=topk, PREC="tf32", EVEN_K=K % BK == 0, SEG=1 << E.bit_length(),  # next_power_of_2(E + 1), as the launcher
+        SCATTER_C=scatter, SCALE=scale, TOPK=topk, PREC="tf32", EVEN_K=K % BK == 0, GLU_WIDE=wide,
         B_KMAJOR=acc.b_kmajor, EPI_SPLIT=split, FLATTEN=fused, BM=BM, BN=BN, BK=BK, GROUP_M=cfg.GROUP_M,
     )
     loads = int(acc.a) + int(acc.b) * (2 if dual else 1)
     stores = int(acc.c) + int(acc.h) * (2 if dual else 1)
-    full = f"{name}[persistent,{kind},{dt},{BM}x{BN}x{BK}w{cfg.num_warps}s{cfg.num_stages}]"
-    PERSISTENT_EXPECT[full] = PersistentExpect(tma_loads=loads, tma_stores=stores, fused=fused)
+    full = f"{name}[{variant},{kind},{dt},{BM}x{BN}x{BK}w{cfg.num_warps}s{cfg.num_stages}]"
+    PERSISTENT_EXPECT[full] = PersistentExpect(tma_loads=loads, tma_stores=stores, fused=fused,
+                                               mma_n=2 * BN if wide else None)
     return Variant(full, PGK._grouped_mm_persistent_kernel, args, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, max_stack_bytes=0, spill_free_loops=True, wgmma=True, mma_sync=False,
-                   async_loads=0 if acc.a else 1)
+                   async_loads=int(not acc.a) + int(not acc.b))
 
 
 def persistent_variants(dev: torch.device) -> list[Variant]:
@@ -678,10 +687,12 @@ def persistent_variants(dev: torch.device) -> list[Variant]:
     and Qwen3-30B-A3B-like (d=2048, f=768, E=128, k=8, T=32k) presets, bf16. Both presets get the
     same policy configs (>= 256 rows per expert: 128x128x64 for the two-accumulator SwiGLU GEMM1,
     128x256x64 for GEMM2 and dX, 128x128x64 with 4 stages for GELU), so the list covers each
-    config and launch-site flag set once, plus the 128-expert segment table: the grouped FFN's
-    training forward and dX, GELU, and the fused moe_ffn's gathered GEMM1 and scattered GEMM2.
-    (Inference GEMM1 is the training one without the H stores.) All must compile to wgmma with
-    TMA operands, without a single spilled register, within sm90's shared memory."""
+    config and launch-site flag set once: the grouped FFN's training forward and dX, its
+    inference GEMM1 (no H stores) at both presets, GELU, the fused moe_ffn's gathered GEMM1 and
+    scattered GEMM2, and the "wide" SwiGLU GEMM1 (one 128x256 accumulator, wgmma n256) for
+    training and inference. All must compile to wgmma with TMA operands, without a single
+    spilled register, within sm90's shared memory, with no CTA barrier in the main loop (the
+    tile map replaced the per-tile segment search)."""
     bf16, S = torch.bfloat16, GK.ACT_SWIGLU
     mixtral = dict(rows=16384 * 2, E=8)
     qwen3 = dict(rows=32768 * 8, E=128)
@@ -692,12 +703,19 @@ def persistent_variants(dev: torch.device) -> list[Variant]:
         _persistent_mm("grouped_ffn.dx.mixtral", dev, bf16, K=2 * 14336, N=4096, transposed_b=True, **mixtral),
         _persistent_mm("grouped_ffn.gemm1_gelu_train.mixtral", dev, bf16, K=4096, N=14336, act=GK.ACT_GELU,
                        store_h=True, **mixtral),
-        # 128 experts: a 256-wide segment table in every program
         _persistent_mm("grouped_ffn.gemm1_train.qwen3", dev, bf16, K=2048, N=768, act=S, store_h=True, **qwen3),
+        _persistent_mm("grouped_ffn.gemm2.qwen3", dev, bf16, K=768, N=2048, **qwen3),
+        # inference GEMM1 (store_h=False) at both presets
+        _persistent_mm("grouped_ffn.gemm1_infer.mixtral", dev, bf16, K=4096, N=14336, act=S, **mixtral),
+        _persistent_mm("grouped_ffn.gemm1_infer.qwen3", dev, bf16, K=2048, N=768, act=S, **qwen3),
         # moe_ffn: token rows gathered into GEMM1 (A by cp.async), GEMM2 rows scattered to slot order
         _persistent_mm("moe_ffn.gemm1_train.mixtral", dev, bf16, K=4096, N=14336, act=S, store_h=True, gather_a=True,
                        topk=2, **mixtral),
         _persistent_mm("moe_ffn.gemm2.qwen3", dev, bf16, K=768, N=2048, scatter=True, topk=8, **qwen3),
+        # "wide": gate and up in one [BK, 2*BN] TMA box and one [BM, 2*BN] accumulator
+        _persistent_mm("grouped_ffn.gemm1_train.mixtral", dev, bf16, K=4096, N=14336, act=S, store_h=True,
+                       variant="wide", **mixtral),
+        _persistent_mm("grouped_ffn.gemm1_infer.qwen3", dev, bf16, K=2048, N=768, act=S, variant="wide", **qwen3),
     ]
 
 
@@ -733,22 +751,54 @@ def all_variants() -> list[Variant]:
 # ---------------------------------------------------------------------------------------------
 
 
+_TO_COMPILE: dict = {}  # name -> Variant, filled by main() before its workers fork
+
+
+def _compile_one(name: str) -> dict:
+    v = _TO_COMPILE[name]
+    rec: dict = {"name": v.name}
+    try:
+        facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
+                                   name=v.name, loop_facts=v.fn is PGK._grouped_mm_persistent_kernel)
+        rec.update(ok=True, **facts.as_dict())
+    except Exception as exc:  # report every variant, then fail
+        rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
+    return rec
+
+
+def compile_jobs() -> int:
+    """Worker processes for the compile: ``TRITONMOE_AOT_JOBS``, else one per CPU this process
+    may use (Triton compiles one kernel on one core; the variants are independent)."""
+    env = os.environ.get("TRITONMOE_AOT_JOBS")
+    if env:
+        return max(1, int(env))
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
 def main(filters: list[str]) -> int:
+    """Compile the variants (those whose name contains one of ``filters``, or all) in
+    :func:`compile_jobs` forked workers; one JSON line per variant as each finishes, then a
+    ``done`` line."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
     t0 = time.perf_counter()
+    _TO_COMPILE.clear()
+    _TO_COMPILE.update({v.name: v for v in all_variants() if not filters or any(f in v.name for f in filters)})
+    names = list(_TO_COMPILE)
+    jobs = min(compile_jobs(), max(1, len(names)))
     failed = 0
-    for v in all_variants():
-        if filters and not any(f in v.name for f in filters):
-            continue
-        rec: dict = {"name": v.name}
-        try:
-            facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
-                                       name=v.name, loop_facts=v.fn is PGK._grouped_mm_persistent_kernel)
-            rec.update(ok=True, **facts.as_dict())
-        except Exception as exc:  # report every variant, then fail
-            rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
-            failed += 1
+    if jobs == 1:
+        records = map(_compile_one, names)
+    else:
+        pool = cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
+        records = (f.result() for f in cf.as_completed([pool.submit(_compile_one, n) for n in names]))
+    for rec in records:
+        failed += not rec["ok"]
         print(json.dumps(rec), flush=True)
-    print(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    if jobs > 1:
+        pool.shutdown()
+    print(json.dumps({"done": True, "jobs": jobs, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     return 1 if failed else 0
 
 
@@ -787,7 +837,7 @@ def test_compiles_for_sm90(compiled, name):
     assert rec["ok"], rec["error"]
     facts = {k: rec[k] for k in ("registers", "stack_bytes", "spills", "loop_spills", "shared", "wgmma", "mma_sync",
                                  "async_loads", "main_loop_int_divs", "wgmma_wait_depth", "pipeline_buffers",
-                                 "num_warps", "num_stages", "barriers")}
+                                 "num_warps", "num_stages", "barriers", "main_loop_barriers")}
     assert rec["shared"] <= aot.SM90_MAX_SHARED, f"needs {rec['shared']} B of shared memory: {facts}"
     if v.spill_free_loops:
         assert rec["loop_spills"] == 0, f"spills registers inside its main loop: {facts}"
@@ -812,6 +862,10 @@ def test_compiles_for_sm90(compiled, name):
         assert rec["barriers"] <= v.max_barriers, (
             f"{rec['barriers']} CTA-wide barriers (expected <= {v.max_barriers}): a reduction over an axis the "
             f"layout spreads over warps (fewer warps, or the axis kept in each thread, avoids it): {facts}")
+    if v.max_main_loop_barriers is not None:
+        assert rec["main_loop_barriers"] <= v.max_main_loop_barriers, (
+            f"{rec['main_loop_barriers']} CTA-wide barriers in the main loop (expected <= "
+            f"{v.max_main_loop_barriers}): a per-tile reduction across warps runs every step: {facts}")
     assert rec["pipeline_buffers"] >= v.min_pipeline_buffers, (
         f"the operand tiles have {rec['pipeline_buffers']} shared-memory buffers, expected >= "
         f"{v.min_pipeline_buffers} for num_stages={v.num_stages}: the loads are not pipelined that deep: {facts}")
@@ -826,13 +880,36 @@ def test_persistent_gemm_uses_tma_and_overlaps_the_epilogue(compiled, name):
     rec = compiled[name]
     assert rec["ok"], rec["error"]
     want = PERSISTENT_EXPECT[name]
-    facts = {k: rec[k] for k in ("tma_loads", "tma_stores", "mma_loop_stores", "registers", "shared")}
+    facts = {k: rec[k] for k in ("tma_loads", "tma_stores", "mma_loop_stores", "registers", "shared", "mma_shapes")}
     assert rec["tma_loads"] >= want.tma_loads > 0, f"TMA loads: {facts}"
+    if want.mma_n is not None:
+        assert rec["mma_shapes"] == [f"m64n{want.mma_n}k16"], f"one m64n{want.mma_n}k16 wgmma kind: {facts}"
     assert rec["tma_stores"] >= want.tma_stores, f"TMA stores: {facts}"
     if want.fused:
         assert rec["mma_loop_stores"] > 0, f"the epilogue is not inside the pipelined MMA loop: {facts}"
     else:
         assert rec["mma_loop_stores"] == 0, f"stores inside the MMA loop of an unfused launch: {facts}"
+
+
+#: Persistent launches at E=8 and E=128 with the same config and flags (name prefix, variant).
+_E_PAIRS = [(f"grouped_ffn.{g}.mixtral[", f"grouped_ffn.{g}.qwen3[") for g in ("gemm1_train", "gemm1_infer", "gemm2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", _E_PAIRS, ids=[p[0].split("[")[0] for p in _E_PAIRS])
+def test_persistent_main_loop_barriers_do_not_grow_with_experts(compiled, pair):
+    """The persistent kernel reads each tile's expert and rows from the precomputed tile map
+    (three scalar loads), so its main loop holds the same CTA barriers (those of the epilogue's
+    shared-memory staging, fused into the loop) at 128 experts as at 8; a per-tile search over
+    the E segments added a cross-warp reduction there (9-12 barriers at E=128 before, 4-6 at
+    E=8)."""
+    small = [n for n in PERSISTENT_EXPECT if n.startswith(pair[0]) and "[persistent," in n]
+    large = [n for n in PERSISTENT_EXPECT if n.startswith(pair[1]) and "[persistent," in n]
+    assert len(small) == len(large) == 1, (small, large)
+    a, b = compiled[small[0]], compiled[large[0]]
+    assert a["ok"] and b["ok"], (a.get("error"), b.get("error"))
+    assert b["main_loop_barriers"] == a["main_loop_barriers"], (a["main_loop_barriers"], b["main_loop_barriers"])
+    assert b["barriers"] == a["barriers"], (a["barriers"], b["barriers"])
 
 
 FP8_GEMMS = [v.name for v in VARIANTS.values() if v.fn in (FK._fp8_grouped_mm_kernel, FK._fp8_wgrad_kernel)]

@@ -38,10 +38,10 @@ def test_gemm_suite_gpu_path_in_the_interpreter(monkeypatch):
     ctx.timer = Timer(ctx.device, reps=1, warmup=0)
     cases = suites.plan(ctx, "gemm")
     assert [c.params["op"] for c in cases] == list(GV.OPS)
-    assert all([e.impl for e in c.entries] == ["tile", "persistent", "grouped_mm"] for c in cases)
+    assert all([e.impl for e in c.entries] == ["tile", "persistent", "wide", "grouped_mm"] for c in cases)
     launched = []
     real = P.mm
-    monkeypatch.setattr(P, "mm", lambda *a, **k: (launched.append(a[4].variant), real(*a, **k))[1])
+    monkeypatch.setattr(P, "mm", lambda *a, **k: (launched.append(a[6].variant), real(*a, **k))[1])
     rows = [r for c in cases for r in suites.run_case(ctx, c)]
     by = {(r["params"]["op"], r["impl"]): r for r in rows}
     for op in GV.OPS:
@@ -54,5 +54,7 @@ def test_gemm_suite_gpu_path_in_the_interpreter(monkeypatch):
     assert by[("gemm1", "tile")]["flops"] == 2 * R * 32 * 32  # n1 = 2 * d_ffn (SwiGLU)
     assert by[("gemm2", "tile")]["flops"] == 2 * R * 16 * 32
     assert by[("ffn", "tile")]["flops"] == 2 * R * 32 * 32 + 2 * R * 16 * 32
-    # persistent entries: gemm1 (1 launch) + gemm2 (1) + ffn (2), none from the tile entries
-    assert launched == ["persistent"] * 4
+    # persistent and wide entries: gemm1 (1 launch) + gemm2 (1) + ffn (2) each, none from the tile
+    # entries; "wide" is the persistent kernel for the plain GEMM2
+    assert launched == ["persistent", "wide", "persistent", "persistent"] + ["persistent", "persistent", "wide",
+                                                                            "persistent"]

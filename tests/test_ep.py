@@ -23,6 +23,10 @@ def test_ep_layer_matches_single_process(world_size):
     values = values_or_fail(results)
     failures = [f"rank {r}: {f}" for r, v in enumerate(values) for f in v["failures"]]
     assert not failures, "\n".join(failures[:20])
+    # FP8 experts (expert_dtype="fp8_e4m3") on this group: equal to the single-process FP8 layer,
+    # dispatch bytes e4m3 + scales (tests/_fp8_ep_cases.py)
+    fp8 = [f"rank {r}: {f}" for r, v in enumerate(values) for f in v["fp8_failures"]]
+    assert not fp8, "\n".join(fp8)
     assert all(v["num_cases"] == 24 for v in values)
     # E not divisible by P, and ranks that disagree on the pipeline degree, are rejected at
     # construction with the same message on every rank.

@@ -53,6 +53,27 @@ def test_fault_row(table, case, world_size):
     assert not row.ok, f"{case} now meets the goal: remove it from KNOWN_GAPS ({row.describe()})"
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("case", list(faults.REFUSED_ROWS))
+def test_refused_input_ends_every_rank_alike(table, case, world_size):
+    """One rank's refused input (or replicas that differ): every rank raises the same error class
+    with the same message, naming the failing rank, at once (far inside the timeout: the refusal
+    rides in the step's first exchange, or in the construction's agreement check)."""
+    row = table[(case, world_size)]
+    cls, text = faults.REFUSED_ROWS[case]
+    excs = {o.exc for o in row.outcomes}
+    messages = {o.message for o in row.outcomes}
+    assert len(excs) == 1 and excs.pop().endswith("." + cls), row.describe()
+    assert len(messages) == 1, row.describe()
+    message = messages.pop()
+    assert text in message, row.describe()
+    if cls.startswith("Rank"):
+        assert message.startswith(text) and "of the group refused its input" in message, row.describe()
+        first = min(faults.CASES[case].victims)
+        assert f"rank {first} of the group refused its input" in message, row.describe()
+    assert all(o.seconds < PG_TIMEOUT_S for o in row.outcomes), row.describe()
+
+
 def _victim_never_returns(ctx: faults.RankCtx) -> dict:
     """The victim sleeps outside any collective; its peers wait for it in a barrier."""
     ctx.start_clock()
@@ -125,6 +146,22 @@ def test_inject_fires_on_the_nth_matching_call():
 def test_unknown_case_is_refused():
     with pytest.raises(ValueError, match="unknown fault case 'nope'"):
         faults.run_table((2,), cases=["nope"])
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_cli_refuses_a_timeout_that_is_not_positive(capsys, value):
+    with pytest.raises(SystemExit) as e:
+        faults.main(["--timeout", value, "--world-sizes", "2"])
+    assert e.value.code == 2
+    assert f"--timeout {float(value):g} must be a positive number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw", [dict(pg_timeout_s=-1.0), dict(pg_timeout_s=float("nan")), dict(hang_slack_s=0),
+                                dict(pg_timeout_s=True), dict(parallel=0)])
+def test_run_table_refuses_bad_timeouts(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name}="):
+        faults.run_table((2,), cases=["zero tokens on a rank"], **kw)
 
 
 def test_cli_lists_the_cases(capsys):

@@ -202,7 +202,8 @@ def test_candidates_start_with_the_heuristic_and_respect_limits():
                 smem = c.num_stages * (c.BM * c.BK + (2 if dual else 1) * c.BK * c.BN) * 2
                 assert smem <= space.SMEM_BUDGET
                 assert c.variant == "tile" or job.kind in GK.PERSISTENT_KINDS
-                assert c.EPI_SPLIT == 0 or c.variant == "persistent"
+                assert c.variant != "wide" or job.kind in GK.WIDE_KINDS
+                assert c.EPI_SPLIT == 0 or c.variant in ("persistent", "wide")
 
 
 def _gpu_heuristic(job):

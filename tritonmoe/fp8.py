@@ -33,9 +33,12 @@ from tritonmoe.core.types import PermuteInfo, Routing
 __all__ = [
     "FORMATS",
     "FP8Experts",
+    "check_fp8_experts",
     "dequantize_gate_up",
     "fp8_grouped_ffn",
     "fp8_grouped_ffn_train",
+    "pack_fp8_rows",
+    "unpack_fp8_rows",
     "fp8_moe_ffn",
     "fp8_permute",
     "fp8_quantize",
@@ -156,8 +159,11 @@ def load_fp8_experts(state_dict: Mapping[str, torch.Tensor], prefix: str, num_ex
     return FP8Experts(*out, fmts.pop())
 
 
-def _expert_shapes(ex: FP8Experts) -> None:
-    """The layouts of :mod:`tritonmoe.fp8_reference` (an FP8Experts built by hand may not have them)."""
+def check_fp8_experts(ex: FP8Experts) -> None:
+    """Raise TypeError / ValueError unless ``ex`` has the layouts of :mod:`tritonmoe.fp8_reference`
+    (an FP8Experts built by hand may not have them)."""
+    if not isinstance(ex, FP8Experts):
+        raise TypeError(f"experts must be tritonmoe.fp8.FP8Experts, got {type(ex).__name__}")
     if ex.format not in FORMATS:
         raise ValueError(f"experts.format={ex.format!r}; use one of {FORMATS}")
     for name in ("w1", "w2"):
@@ -185,7 +191,7 @@ def _check_experts(experts, x: torch.Tensor, d: int) -> FP8Experts:
     if not isinstance(experts, FP8Experts):
         raise TypeError(f"experts must be tritonmoe.fp8.FP8Experts (from quantize_experts / load_fp8_experts), "
                         f"got {type(experts).__name__}")
-    _expert_shapes(experts)
+    check_fp8_experts(experts)
     if experts.d_model != d:
         raise ValueError(f"the experts' d_model is {experts.d_model} but the input has {d} columns")
     V.same_device(x=x, w1=experts.w1, w2=experts.w2, w1_scale=experts.w1_scale, w2_scale=experts.w2_scale)
@@ -288,3 +294,21 @@ def fp8_grouped_ffn_train(x: torch.Tensor, expert_offsets: torch.Tensor, w1: tor
         V.offsets_values("expert_offsets", expert_offsets, x.shape[0], allow_tail=True)
     impl = implementation("fp8_grouped_ffn_train", backend, x.device, x.dtype)
     return impl(x, expert_offsets, w1, w2)
+
+
+def pack_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 rows [R, D] and their fp32 scales [R, G] as one uint8 buffer [R, D + 4G] (each row's
+    bytes, then its scales' bytes): what an all-to-all moves when the dispatched activations
+    travel in FP8 (D + 4G bytes a row against 2D for bf16)."""
+    if q.dtype != FP8 or scale.dtype != torch.float32 or q.dim() != 2 or scale.shape[0] != q.shape[0]:
+        raise TypeError(f"expected e4m3 [R, D] and fp32 [R, G], got {q.dtype} {tuple(q.shape)} and "
+                        f"{scale.dtype} {tuple(scale.shape)}")
+    return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], 1)
+
+
+def unpack_fp8_rows(packed: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_fp8_rows` for rows of ``d`` e4m3 values: (e4m3 [R, d] (a view),
+    fp32 scales [R, G])."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or (packed.shape[1] - d) % 4 or packed.shape[1] <= d:
+        raise ValueError(f"packed FP8 rows must be uint8 [R, {d} + 4G], got {packed.dtype} {tuple(packed.shape)}")
+    return packed[:, :d].view(FP8), packed[:, d:].contiguous().view(torch.float32)

@@ -50,7 +50,8 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
-from typing import Callable, Iterator, Optional
+import os
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -58,13 +59,16 @@ from torch import nn
 from .config import MoEConfig
 from .hf_structure import (KNOWN_GAPS, REGISTRY_HINT, BlockSpec, HFConversionError, experts_layout, inspect_block,
                            is_moe_block, registry_ready)
-from .layer import MoELayer
+from .layer import MoELayer, hold_fp8_experts
+from .fp8 import FP8Experts, load_fp8_experts
+from .fp8_reference import dequantize_weight
 from tritonmoe.functional import moe_ffn
 from tritonmoe.core.types import Routing
 
 __all__ = ["UNSUPPORTED", "HFConversionError", "BlockSpec", "inspect_block", "is_moe_block", "config_from_hf",
            "from_hf", "to_hf", "apply", "restore", "HFMoEBlock", "eager_experts", "register_experts_implementation",
-           "use_experts_implementation", "hf_to_tensors", "tensors_to_hf"]
+           "use_experts_implementation", "hf_to_tensors", "tensors_to_hf", "checkpoint_tensors",
+           "load_fp8_checkpoint"]
 
 LOSS_CONVENTIONS = ("tritonmoe", "transformers")
 #: Known blocks tritonmoe cannot express and why (message text; the decision is structural).
@@ -237,8 +241,12 @@ def from_hf(block: nn.Module, *, aux_loss_coef: float = 0.0, loss_convention: st
 
 
 def _convert(block: nn.Module, *, aux_loss_coef=0.0, loss_convention="tritonmoe", backend=None,
-             ignore_router_jitter=False, verify=True) -> tuple[MoELayer, BlockSpec, bool]:
+             ignore_router_jitter=False, verify=True, fp8: Optional[tuple[Mapping, str]] = None
+             ) -> tuple[MoELayer, BlockSpec, bool]:
+    """``fp8``: (an FP8 checkpoint's tensors, the block's experts prefix in it): the layer holds
+    those experts in e4m3 (see :func:`apply`)."""
     spec = _spec(block)
+    experts = _block_fp8_experts(*fp8, spec.experts.num_experts, block) if fp8 is not None else None
     cfg = config_from_hf(block, aux_loss_coef=aux_loss_coef, loss_convention=loss_convention, backend=backend,
                          spec=spec)
     if spec.jitter > 0 and not ignore_router_jitter:
@@ -254,7 +262,31 @@ def _convert(block: nn.Module, *, aux_loss_coef=0.0, loss_convention="tritonmoe"
         for name, t in hf_to_tensors(block, spec).items():
             own[name].copy_(t)
     returns_tuple = _probe(block, layer) if verify else False
+    if experts is not None:
+        layer = _fp8_layer(layer, experts)
     return layer, spec, returns_tuple
+
+
+def _fp8_layer(layer: MoELayer, experts: FP8Experts) -> MoELayer:
+    """``layer`` (converted and probed with the block's own weights: the structure is checked)
+    rebuilt with ``expert_dtype="fp8_e4m3"`` holding ``experts`` in e4m3, its other tensors copied."""
+    c = layer.config
+    if (experts.num_experts, experts.d_model, experts.d_ffn) != (c.num_experts, c.d_model, c.d_ffn):
+        raise HFConversionError(
+            f"the FP8 experts are {experts.num_experts} x (d_model={experts.d_model}, d_ffn={experts.d_ffn}) but the "
+            f"block has {c.num_experts} x (d_model={c.d_model}, d_ffn={c.d_ffn}); load the checkpoint of this model")
+    if c.activation != "swiglu" or c.expert_ffn_bias:
+        raise HFConversionError(f"FP8 experts run SwiGLU experts without biases; this block has activation="
+                                f"{c.activation!r}{' with expert biases' if c.expert_ffn_bias else ''}")
+    cfg = dataclasses.replace(c, expert_dtype="fp8_e4m3", fp8_recipe=experts.format[len("e4m3_"):])
+    w = layer.w1
+    new = MoELayer(cfg, device=w.device, dtype=w.dtype)
+    hold_fp8_experts(new, experts)
+    rest = {n: t for n, t in layer.state_dict().items() if n not in ("w1", "w2")}
+    missing, unexpected = new.load_state_dict(rest, strict=False)
+    assert not unexpected and all(n in ("w1", "w2") or n.startswith("fp8_experts.") for n in missing), missing
+    new.train(layer.training)
+    return new
 
 
 def _config_fields(cfg: MoEConfig) -> dict:
@@ -279,6 +311,10 @@ def to_hf(layer: MoELayer, block: nn.Module) -> nn.Module:
         layer = layer.moe
     if not isinstance(layer, MoELayer):
         raise TypeError(f"layer must be a tritonmoe.MoELayer, got {type(layer).__name__}")
+    if layer._modules.get("fp8_experts") is not None:
+        raise ValueError("the layer holds its experts in e4m3 (an FP8 checkpoint's, hold_fp8_experts); to_hf writes "
+                         "16-bit weights and will not dequantize silently: write layer.fp8_experts.experts()"
+                         ".dequantize() into the block yourself, or keep the FP8 checkpoint")
     spec = _spec(block)
     want = _config_fields(config_from_hf(block, spec=spec))
     have = _config_fields(layer.config)
@@ -441,23 +477,34 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def apply(model: nn.Module, *, backend: Optional[str] = None, aux_loss_coef: float = 0.0,
-          loss_convention: str = "tritonmoe") -> list[str]:
+          loss_convention: str = "tritonmoe", fp8_experts=None, fp8_prefix: str = "") -> list[str]:
     """Replace every MoE block of ``model`` (in place; found by structure) by an
     :class:`HFMoEBlock` holding a converted :class:`~tritonmoe.MoELayer`; returns the replaced
     modules' names. All or nothing: every block is converted before the first is replaced, so a
     block that cannot be converted leaves the model as it was: :class:`HFConversionError` names
     each refused block class, what blocks it and whether the experts-registry path
     (:func:`use_experts_implementation`) works instead. ``TypeError`` when the model has no MoE
-    block."""
+    block.
+
+    ``fp8_experts``: an FP8 checkpoint (a state dict, a ``.safetensors`` file or a directory of
+    them; DeepSeek-V3 / Qwen3 FP8 keys ``<block>.experts.<j>.{gate,up,down}_proj.weight`` e4m3
+    with ``weight_scale_inv`` 128x128 block scales, or ``weight_scale`` per channel). Each
+    block's experts are read from it (:func:`tritonmoe.load_fp8_experts` under the prefix
+    ``fp8_prefix + <block's module name> + ".experts."``) and held in e4m3 by the converted layer
+    (:func:`tritonmoe.layer.hold_fp8_experts`: ``expert_dtype="fp8_e4m3"``, nothing dequantized;
+    inference only). The block's structure is still checked on the probe batch with its own
+    16-bit weights. :func:`load_fp8_checkpoint` loads a whole FP8 checkpoint this way."""
     targets = moe_blocks(model)
     if not targets:
         raise TypeError(f"{type(model).__name__} has no MoE block tritonmoe.hf reads (a module with an `experts` module "
                         "and a `gate`/`router` module with a 2-D weight); nothing was replaced")
     made, refused = [], {}
+    sd = checkpoint_tensors(fp8_experts) if fp8_experts is not None else None
     for name, block in targets:
         try:
+            fp8 = (sd, f"{fp8_prefix}{name}.experts.") if sd is not None else None
             made.append((name, HFMoEBlock.from_hf(block, backend=backend, aux_loss_coef=aux_loss_coef,
-                                                  loss_convention=loss_convention)))
+                                                  loss_convention=loss_convention, fp8=fp8)))
         except HFConversionError as e:
             refused.setdefault(type(block).__name__, (name, str(e)))
     if refused:
@@ -579,3 +626,103 @@ def use_experts_implementation(model: nn.Module, name: str = "tritonmoe") -> lis
     for c in _configs(model):
         c._experts_implementation = name
     return [f"{n}.experts" if n else "experts" for n, _ in blocks]
+
+
+class _SafetensorsIndex(Mapping):
+    """The tensors of ``.safetensors`` files by name, read lazily (one tensor per lookup)."""
+
+    def __init__(self, files: list[str]) -> None:
+        from safetensors import safe_open  # the [hf] extra (transformers depends on it)
+        self._open, self._where = safe_open, {}
+        for f in files:
+            with safe_open(f, framework="pt") as h:
+                for k in h.keys():
+                    self._where[k] = f
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        with self._open(self._where[key], framework="pt") as h:
+            return h.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def checkpoint_tensors(source) -> Mapping:
+    """The tensors of a checkpoint by name: ``source`` a state dict (returned as is), a
+    ``.safetensors`` file or a directory of them (read lazily: a tensor is loaded when looked up)."""
+    if isinstance(source, Mapping):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"a checkpoint is a state dict, a .safetensors file or a directory of them; got "
+                        f"{type(source).__name__}")
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise ValueError(f"{path!r} is neither a file nor a directory")
+    if not files:
+        raise ValueError(f"{path!r} holds no .safetensors file")
+    return _SafetensorsIndex(files)
+
+
+def _block_fp8_experts(sd: Mapping, prefix: str, n: int, block: nn.Module) -> FP8Experts:
+    if f"{prefix}0.gate_proj.weight" not in sd:
+        raise HFConversionError(f"the FP8 checkpoint has no experts under {prefix!r} (expected "
+                                f"'{prefix}0.gate_proj.weight'; pass fp8_prefix= if the model is a submodule of the "
+                                "checkpoint's)")
+    try:
+        return load_fp8_experts(sd, prefix, n, device=next(block.parameters()).device)
+    except (TypeError, ValueError) as e:
+        raise HFConversionError(f"the FP8 experts under {prefix!r}: {e}") from e
+
+
+def _dequantized(sd: Mapping, name: str, v: torch.Tensor) -> torch.Tensor:
+    """A non-expert e4m3 ``weight`` of an FP8 checkpoint in fp32 (its block or channel scales)."""
+    stem = name[: -len("weight")]
+    if stem + "weight_scale_inv" in sd:
+        return dequantize_weight(v, sd[stem + "weight_scale_inv"].float(), "e4m3_block128")
+    if stem + "weight_scale" in sd:
+        return dequantize_weight(v, sd[stem + "weight_scale"].float().reshape(-1), "e4m3_rowwise")
+    raise ValueError(f"{name} is e4m3 but the checkpoint has no {stem}weight_scale_inv / weight_scale")
+
+
+@torch.no_grad()
+def load_fp8_checkpoint(model: nn.Module, source, *, backend: Optional[str] = None, strict: bool = True) -> list[str]:
+    """Load an FP8 checkpoint (DeepSeek-V3 / Qwen3 FP8 as HF stores it: a state dict, a
+    ``.safetensors`` file or a directory of them) into a transformers ``model`` built from its
+    config, with the MoE experts kept in e4m3: every MoE block becomes an :class:`HFMoEBlock`
+    whose layer holds its experts in FP8 (:func:`apply` with ``fp8_experts=``), inference only.
+
+    The other weights load into the model's own modules in the model's dtypes; an e4m3 one
+    (``weight`` with ``weight_scale_inv`` 128x128 block scales, or ``weight_scale`` per channel)
+    is dequantized, since plain ``nn.Linear`` layers compute in 16/32 bits. ``strict``: raise
+    ``ValueError`` (before anything is loaded) when a tensor of the model's state dict outside
+    the experts has none in the checkpoint. Returns the replaced blocks' names."""
+    sd = checkpoint_tensors(source)
+    experts = tuple(f"{n}.experts." for n, _ in moe_blocks(model))
+    own = model.state_dict(keep_vars=True)
+    loaded, missing = {}, []
+    for name, t in own.items():
+        if name.startswith(experts):
+            continue
+        if name not in sd:
+            missing.append(name)
+            continue
+        v = sd[name]
+        v = _dequantized(sd, name, v) if v.dtype == torch.float8_e4m3fn else v
+        if tuple(v.shape) != tuple(t.shape):
+            raise ValueError(f"{name}: the checkpoint's shape is {tuple(v.shape)}, the model's {tuple(t.shape)}")
+        loaded[name] = v
+    # tied weights (e.g. lm_head = embed_tokens) are saved once
+    missing = [n for n in missing if not any(own[n] is own[m] for m in loaded)]
+    if missing and strict:
+        raise ValueError(f"the checkpoint has no tensor for {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+                         "nothing was loaded (strict=False loads what is there)")
+    for name, v in loaded.items():
+        own[name].copy_(v)
+    return apply(model, backend=backend, fp8_experts=sd)

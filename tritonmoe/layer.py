@@ -16,6 +16,7 @@ from tritonmoe.core.validation import GLU_ACTIVATIONS
 from .router import Router, RouteStep, router_logits
 from .experts import (
     ExpertPath,
+    FP8ExpertStore,
     ExpertWeights,
     LocalExperts,
     make_expert_path,
@@ -24,13 +25,14 @@ from .experts import (
 from .parallel.guard import check_ddp
 from .parallel.init import draw_seed, init_experts_
 from tritonmoe.core.types import Routing
+from tritonmoe.fp8 import FP8Experts, check_fp8_experts
 from tritonmoe.parallel.mesh import as_moe_mesh
 from tritonmoe.comm import check_agreement
 from tritonmoe.parallel.checkpoint import expert_load_pre_hook, expert_state_dict_hook
 from tritonmoe.parallel.guard import check_sharded_expert
 from tritonmoe.core.suggest import suggest_unknown_kwargs
 
-__all__ = ["MoELayer", "Router", "RouteStep", "SharedExperts", "router_logits"]
+__all__ = ["MoELayer", "Router", "RouteStep", "SharedExperts", "hold_fp8_experts", "router_logits"]
 
 
 class _StepState:
@@ -451,7 +453,8 @@ class MoELayer(_LayerRouting, _LayerStepOutputs, nn.Module):
         )
 
     def expert_weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w1, self.w2, self.b1, self.b2)
+        store = self._modules.get("fp8_experts")
+        return ExpertWeights(self.w1, self.w2, self.b1, self.b2, store.experts() if store is not None else None)
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [..., d_model]; ``padding_mask`` (optional, bool ``x.shape[:-1]``, True = a real
@@ -476,22 +479,19 @@ class MoELayer(_LayerRouting, _LayerStepOutputs, nn.Module):
 
     def _forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != c.d_model:
-            raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
-        if x.dtype != self.w1.dtype:
-            raise TypeError(f"x is {x.dtype} but the layer's parameters are {self.w1.dtype}; cast one of them")
-        if x.device != self.w1.device:
-            raise ValueError(f"x is on {x.device} but the layer is on {self.w1.device}; move one of them")
+        x, padding_mask, refused = refused_input(self, x, padding_mask)
         if self.expert_parallel:
             check_ddp(self)  # before any collective: plain DDP over different experts is refused
         x_TD = x.reshape(-1, c.d_model)
         self._step.padding_mask, self._step.sequence_length = token_options(c.aux_losses, x, padding_mask)
+        self.expert_path.input_error = refused
         try:
             out_TD, routing, aux = self.expert_path.step(x_TD, self.route_step(), self.expert_weights())
         finally:
             mask, self._step.padding_mask = self._step.padding_mask, None
+            self.expert_path.input_error = None
+        if refused is not None:  # the path's first exchange raises first; never return a result for refused input
+            raise refused
         if c.aux_loss_mode == "attach":
             out_TD = attach_aux_loss(out_TD, aux)
             aux = aux.detach()
@@ -518,6 +518,82 @@ class MoELayer(_LayerRouting, _LayerStepOutputs, nn.Module):
         if rd is not None and self.router.weight.dtype != rd:
             self.router._apply(lambda t: t.to(rd) if t.is_floating_point() else t)
         return self
+
+
+def check_input(layer: "MoELayer", x: torch.Tensor, padding_mask: torch.Tensor | None) -> None:
+    """A forward's input checks (typed errors; local, no collective)."""
+    c = layer.config
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != c.d_model:
+        raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
+    if x.dtype != layer.w1.dtype:
+        raise TypeError(f"x is {x.dtype} but the layer's parameters are {layer.w1.dtype}; cast one of them")
+    if x.device != layer.w1.device:
+        raise ValueError(f"x is on {x.device} but the layer is on {layer.w1.device}; move one of them")
+    token_options(c.aux_losses, x, padding_mask)
+
+
+def refused_input(layer: "MoELayer", x, padding_mask) -> tuple[torch.Tensor, torch.Tensor | None, BaseException | None]:
+    """(x, padding_mask, None) when the input passes :func:`check_input`. Otherwise, on a path
+    that reports refused inputs to its group (:attr:`ExpertPath.reports_input_errors`: the other
+    ranks are about to wait for this one in the step's first exchange), an empty batch of the
+    layer's dtype and device, no mask, and the error: the step runs on the empty batch up to its
+    first exchange, which raises the error on every rank
+    (:class:`~tritonmoe.comm.errors.RankInputError`). Elsewhere the error is raised here."""
+    try:
+        check_input(layer, x, padding_mask)
+        return x, padding_mask, None
+    except (TypeError, ValueError, IndexError) as exc:
+        if not layer.expert_path.reports_input_errors:
+            raise
+        d = layer.config.d_model
+        return layer.w1.new_zeros((0, 1, d) if "seq" in layer.config.aux_losses else (0, d)), None, exc
+
+
+def hold_fp8_experts(layer: "MoELayer", experts: FP8Experts) -> "MoELayer":
+    """Make ``layer``'s routed experts ``experts`` (e4m3, e.g. :func:`tritonmoe.load_fp8_experts`
+    of an FP8 checkpoint), kept in FP8: nothing is dequantized. Returns the layer.
+
+    The layer must have ``expert_dtype="fp8_e4m3"`` and ``fp8_recipe`` of the experts' format
+    ("block128" for "e4m3_block128"). ``experts`` holds all ``num_experts`` experts (an
+    expert-parallel rank keeps its own ``[expert_start, expert_start + num_local_experts)``) or
+    exactly this rank's. They become the submodule ``layer.fp8_experts``
+    (:class:`~tritonmoe.experts.FP8ExpertStore`, on the layer's device; its state-dict keys
+    ``fp8_experts.w1`` etc.), and ``w1``/``w2`` become empty placeholders (no 16-bit copy of the
+    experts stays; they still give the layer's dtype and device). The held experts are frozen:
+    the layer runs them without a backward through the experts (``torch.no_grad()``; the
+    router, shared experts and the rest of a model train as usual around a frozen FP8 layer
+    only where no gradient must pass through the experts). To load a checkpoint saved from such
+    a layer, call this on the new layer first (with any experts of the right shapes), then
+    ``load_state_dict``."""
+    if not isinstance(layer, MoELayer):
+        raise TypeError(f"layer must be a tritonmoe.MoELayer, got {type(layer).__name__}")
+    if not isinstance(experts, FP8Experts):
+        raise TypeError(f"experts must be tritonmoe.fp8.FP8Experts (quantize_experts / load_fp8_experts), got "
+                        f"{type(experts).__name__}")
+    c = layer.config
+    if c.expert_dtype != "fp8_e4m3" or experts.format != "e4m3_" + c.fp8_recipe:
+        raise ValueError(f"the layer has expert_dtype={c.expert_dtype!r}, fp8_recipe={c.fp8_recipe!r} but the experts "
+                         f"are {experts.format!r}; build it with MoEConfig(expert_dtype='fp8_e4m3', "
+                         f"fp8_recipe={experts.format[5:]!r})")
+    check_fp8_experts(experts)
+    E, first, L = c.num_experts, layer.expert_start, layer.num_local_experts
+    if experts.d_model != c.d_model or experts.d_ffn != c.d_ffn or experts.num_experts not in (E, L):
+        raise ValueError(f"the experts are {experts.num_experts} x (d_model={experts.d_model}, d_ffn={experts.d_ffn}); "
+                         f"the layer needs {E} (or this rank's {L}) x (d_model={c.d_model}, d_ffn={c.d_ffn})")
+    if c.expert_ffn_bias or (layer.w1.dim() == 3 and layer.w1.shape[0] != L):
+        raise ValueError("hold_fp8_experts needs a layer whose ranks hold whole experts without biases (local or "
+                         "expert parallel; not Parm's sharded experts)")
+    if experts.num_experts != L:
+        experts = FP8Experts(*(getattr(experts, n)[first:first + L] for n in ("w1", "w1_scale", "w2", "w2_scale")),
+                             experts.format)
+    dev = layer.w1.device
+    moved = FP8Experts(*(getattr(experts, n).to(dev) for n in ("w1", "w1_scale", "w2", "w2_scale")), experts.format)
+    layer.fp8_experts = FP8ExpertStore(moved)
+    for name in ("w1", "w2"):
+        setattr(layer, name, nn.Parameter(torch.empty(0, device=dev, dtype=layer.w1.dtype), requires_grad=False))
+    return layer
 
 
 #: Kept for callers of the v0 private helper.

@@ -12,7 +12,9 @@ rows of one routing draw (uniform unless ``--routing``):
 * ``gemm2``: a [R, f] @ w2[e] [f, d] (public ``grouped_gemm``);
 * ``ffn``: the whole forward ``grouped_ffn`` (both GEMMs).
 
-Implementations: ``tile`` and ``persistent`` (the config policy's configs for these shapes,
+Implementations: ``tile``, ``persistent`` and ``wide`` (the persistent kernel with the SwiGLU
+GEMM1 in one 2*BN-wide accumulator; for GEMM2 it is the persistent kernel) (the config policy's
+configs for these shapes,
 with ``TileConfig.variant`` set to each, through ``tritonmoe.kernels.config.override``, so the comparison
 does not depend on ``TRITONMOE_GEMM_VARIANT``), and ``grouped_mm``. Each row's ``roof_frac`` is
 the fraction of the dense bf16 matmul roof measured at the start of the same run (these GEMMs are
@@ -45,7 +47,7 @@ from .common import Case, Entry, active_experts, case_params, ffn_weights, make_
 #: Mixtral-like T=16k and Qwen3-30B-A3B-like T=32k targets).
 DEFAULT_SHAPES = (("mixtral-8x7b-like", 16384), ("qwen3-30b-a3b-like", 32768))
 OPS = ("gemm1", "gemm2", "ffn")
-VARIANT_IMPLS = ("tile", "persistent")
+VARIANT_IMPLS = ("tile", "persistent", "wide")
 
 
 def gemm_work(R: int, K: int, N: int, Ea: int, s: int) -> Work:

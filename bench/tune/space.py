@@ -24,7 +24,8 @@ unpermute  permute.gather
 route      route                            forward kernel
 =========  ==============================  =========================================
 
-Candidate spaces are the variant (tile / persistent where the kind has one), BM/BN/BK, warps,
+Candidate spaces are the variant (tile / persistent where the kind has one, and wide, the one
+2*BN accumulator, for the SwiGLU GEMM1), BM/BN/BK, warps,
 stages, GROUP_M and the persistent epilogue split for the GEMMs; BN/BK/warps/stages/SPLIT_K for
 the decode GEMMs; the tile, warps and grid split for permute and the router. Each is pruned
 by shared memory and accumulator registers, then ordered nearest-first to the heuristic config
@@ -232,7 +233,9 @@ def _gemm_space(job: Job, interpreter: bool) -> list:
                     GROUP_M=(1, 8), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
         if job.bucket < 64:
             axes["BM"] = (16, 32, 64)
-    variants = ("tile", "persistent") if kind in GC.PERSISTENT_KINDS and not interpreter else ("tile",)
+    variants = ("tile",)
+    if kind in GC.PERSISTENT_KINDS and not interpreter:
+        variants = ("tile", "persistent", "wide") if kind in GC.WIDE_KINDS else ("tile", "persistent")
     out = []
     for vals in itertools.product(*axes.values()):
         f = dict(zip(axes, vals))
@@ -244,7 +247,7 @@ def _gemm_space(job: Job, interpreter: bool) -> list:
             if f["BN"] > _p2(n) or f["BK"] > _p2(k if kind != "wgrad" else job.bucket):
                 continue
         for v in variants:
-            splits = (0,) if v == "tile" else ((1, 2) if f["BN"] >= 128 else (1,))
+            splits = (0,) if v == "tile" else ((1, 2) if f["BN"] >= 128 or v == "wide" else (1,))
             for s in splits:
                 out.append(GC.TileConfig(**f, variant=v, EPI_SPLIT=s))
     return out

@@ -39,6 +39,7 @@ from tritonmoe.core.specs import ffn_options
 
 from .base import ExpertPath, ExpertWeights
 from .expert_parallel import ExpertParallelExperts
+from .fp8_store import FP8ExpertStore
 from .local import LocalExperts, auto_ffn_path
 from .model_parallel import ParmExperts
 from .static import StaticExpertParallelExperts
@@ -49,6 +50,7 @@ __all__ = [
     "ExpertPath",
     "LocalExperts",
     "ExpertParallelExperts",
+    "FP8ExpertStore",
     "StaticExpertParallelExperts",
     "ParmExperts",
     "auto_ffn_path",
@@ -90,10 +92,13 @@ def make_expert_path(
 ) -> ExpertPath:
     """The expert path of a layer with this config and layout."""
     dtype = dtype if dtype is not None else torch.get_default_dtype()
-    if config.expert_dtype is not None and any(
-            g is not None for g in (ep_group, mp_group, esp_group, ep_esp_group, parm_groups)):
-        raise ValueError(f"expert_dtype={config.expert_dtype!r} runs on the local expert path only; expert "
-                         "parallelism with FP8 experts is not built yet (use expert_dtype=None)")
+    if config.expert_dtype is not None and (any(g is not None for g in (mp_group, esp_group, ep_esp_group, parm_groups))
+                                            or (ep_group is not None and (config.ep_capacity is not None
+                                                                          or config.memory_strategy is not None))):
+        raise ValueError(f"expert_dtype={config.expert_dtype!r} runs on the local expert path and the dynamic "
+                         "expert-parallel path (ep_group=, without ep_capacity or memory_strategy); Parm layouts, the "
+                         "static capacity path and memory strategies with FP8 experts are not built yet (use "
+                         "expert_dtype=None there)")
     parm = parm_groups is not None or mp_group is not None or esp_group is not None or ep_esp_group is not None
     if config.memory_strategy is not None and parm:
         raise ValueError(

@@ -26,12 +26,15 @@ def dtype_code(dtype: torch.dtype) -> int:
 class ExpertWeights:
     """The expert parameters of a layer (this rank's experts under expert parallelism):
     ``w1`` [E_local, d_model, n1], ``w2`` [E_local, d_ffn, d_model], and the optional biases
-    ``b1`` [E_local, n1] and ``b2`` [E_local, d_model]."""
+    ``b1`` [E_local, n1] and ``b2`` [E_local, d_model]. ``fp8``: the layer's experts held in
+    e4m3 (:func:`tritonmoe.layer.hold_fp8_experts`; then ``w1``/``w2`` are empty placeholders and
+    the FP8 paths run these), else None."""
 
     w1: torch.Tensor
     w2: torch.Tensor
     b1: Optional[torch.Tensor] = None
     b2: Optional[torch.Tensor] = None
+    fp8: Optional[Any] = None
 
     def params(self) -> tuple[torch.Tensor, ...]:
         """The tensors a schedule differentiates (in a fixed order: w1, w2, then the biases
@@ -44,7 +47,7 @@ class ExpertWeights:
         rest = list(rest)
         b1 = rest.pop(0) if self.b1 is not None else None
         b2 = rest.pop(0) if self.b2 is not None else None
-        return ExpertWeights(w1, w2, b1, b2)
+        return ExpertWeights(w1, w2, b1, b2, self.fp8)
 
 
 class ExpertPath:
@@ -57,7 +60,15 @@ class ExpertPath:
         path_used: the variant the last call ran ("fused", "unfused", "expert_parallel", ...),
             None before the first call.
         timeline: a :class:`~tritonmoe.comm.Timeline` the path records its schedule into, or None.
+        input_error: set by the layer for one step when this rank refused its input while the
+            path reports refused inputs (:attr:`reports_input_errors`): the step then runs on an
+            empty batch and the path sends the error in the step's first exchange, which raises
+            it on every rank (:class:`~tritonmoe.comm.errors.RankInputError`).
     """
+
+    #: Whether the path carries a rank's refused input into its step's first exchange (so the
+    #: layer runs the step on an empty batch instead of raising on that rank alone).
+    reports_input_errors = False
 
     def __init__(self, config: MoEConfig) -> None:
         self.config = config
@@ -65,6 +76,7 @@ class ExpertPath:
         self.expert_start = 0
         self.path_used: Optional[str] = None
         self.timeline = None
+        self.input_error: Optional[BaseException] = None
 
     def impl(self, op: str, x: torch.Tensor):
         """The implementation of ``op`` for the layer's backend and ``x``'s device and dtype."""

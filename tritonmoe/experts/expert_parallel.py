@@ -23,7 +23,11 @@ from tritonmoe.policy.memory_strategy import (
     uses_offload,
 )
 
+from tritonmoe import fp8
+from tritonmoe.backends import implementation
+
 from .base import ExpertPath, ExpertWeights, dtype_code
+from .local import fp8_experts_of, fp8_training
 
 
 def _under_nonreentrant_checkpoint() -> bool:
@@ -76,6 +80,8 @@ class ExpertParallelExperts(ExpertPath):
             (``exchange_imminent``) as soon as it reaches the path's output, before the
             combine's backward (Lina's look-ahead stop), and the pipeline ends the announcement.
     """
+
+    reports_input_errors = True
 
     def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
         super().__init__(config)
@@ -210,6 +216,24 @@ class ExpertParallelExperts(ExpertPath):
 
         return experts
 
+    def fp8_forward(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights, bounds) -> torch.Tensor:
+        """The micro-ops with FP8 experts (:class:`_FP8Exchange`); same plan, pipeline and
+        unpermute as the 16-bit path."""
+        ex, disp = _FP8Exchange(self, x_TD, routing, weights), self.dispatcher
+        sends, infos = [], []
+        for a, b in bounds:
+            buf, info = ex.send(x_TD[a:b], routing.topk_ids[a:b])
+            sends.append(buf)
+            infos.append(info)
+        plan = disp.exchange_counts(torch.stack([info.counts for info in infos]), row_dtype=sends[0].dtype,
+                                    row_width=sends[0].shape[1])
+        sends = [s if s.shape[0] == plan.send_rows(i) else s[: plan.send_rows(i)] for i, s in enumerate(sends)]
+        params = weights.params() if ex.train else ()
+        backs = disp.run_pipelined(sends, plan, ex.expert_fn(plan), params, trace=self.trace)
+        unpermute = self.impl("unpermute", x_TD)
+        outs = [unpermute(backs[i], infos[i], routing.topk_weights[a:b]) for i, (a, b) in enumerate(bounds)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
         c = self.config
         disp = self.dispatcher
@@ -233,6 +257,8 @@ class ExpertParallelExperts(ExpertPath):
         self.degree_used = n
         self.path_used = "expert_parallel"
         bounds = micro_batch_bounds(x_TD.shape[0], n)
+        if c.expert_dtype is not None:
+            return self.fp8_forward(x_TD, routing, weights, bounds)
         permute = self.impl("permute", x_TD)
         sends, infos = [], []
         for a, b in bounds:
@@ -245,8 +271,10 @@ class ExpertParallelExperts(ExpertPath):
                                    num_rows=(b - a) * routing.topk_ids.shape[1])
             sends.append(x_perm)
             infos.append(info)
+        # the step's first exchange (after the degree policy's all-reduce, if any); it carries
+        # this rank's refused input, if any, and then raises on every rank
         plan = disp.exchange_counts(torch.stack([info.counts for info in infos]), row_dtype=x_TD.dtype,
-                                    row_width=x_TD.shape[1])
+                                    row_width=x_TD.shape[1], status=self.input_error)
         # the rows each micro-op really sends (the split exchange's host sync has them)
         sends = [s if s.shape[0] == plan.send_rows(i) else s[: plan.send_rows(i)] for i, s in enumerate(sends)]
         if strategy is None:
@@ -270,6 +298,56 @@ class ExpertParallelExperts(ExpertPath):
         return out
 
 
+
+
+class _FP8Exchange:
+    """The FP8 expert-parallel micro-ops (``config.expert_dtype="fp8_e4m3"``).
+
+    Inference: each micro-batch is quantized in the permute (:func:`tritonmoe.fp8.fp8_permute`,
+    1x128 groups or per row, once per token row) and its rows travel as e4m3 plus their fp32
+    scales, packed into one uint8 row (:func:`tritonmoe.fp8.pack_fp8_rows`: d + 4*cdiv(d,128)
+    bytes against 2d for bf16); the expert side runs :func:`tritonmoe.fp8.fp8_grouped_ffn` on the
+    received rows and the outputs return in x's dtype. Training: rows travel in x's dtype and the
+    experts run :func:`tritonmoe.fp8.fp8_grouped_ffn_train` (its backward quantizes dgrad and
+    wgrad itself); the weight gradients are not deferred to the W step."""
+
+    def __init__(self, path: "ExpertParallelExperts", x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights):
+        c = path.config
+        self.path, self.weights, self.dtype, self.d = path, weights, x_TD.dtype, x_TD.shape[1]
+        self.train = fp8_training(c, x_TD, routing, weights)
+        self.fmt = "e4m3_" + c.fp8_recipe
+        # the quantized experts of this rank, once per forward (the held ones as they are)
+        self.experts = None if self.train else fp8_experts_of(weights, c.fp8_recipe)
+
+    def send(self, x: torch.Tensor, ids: torch.Tensor):
+        c = self.path.config
+        rows = ids.shape[0] * ids.shape[1]  # the slot bound: no host sync (see the 16-bit path)
+        if self.train:
+            return self.path.impl("permute", x)(x, ids, c.num_experts, num_rows=rows)
+        # the ops' implementations, not the public ops: the layer's metadata is valid by
+        # construction, so no value check (a host sync each) runs per micro-op
+        q, s, info = implementation("fp8_permute", c.backend, x.device, x.dtype)(x, ids, c.num_experts, self.fmt,
+                                                                                 num_rows=rows)
+        return fp8.pack_fp8_rows(q, s), info
+
+    def expert_fn(self, plan):
+        disp, c = self.path.dispatcher, self.path.config
+
+        def experts(i: int, recv_RD: torch.Tensor, params, wgrad) -> torch.Tensor:
+            x_RD = disp.to_expert_major(recv_RD, plan, i)
+            offsets = disp.expert_offsets(plan, i)
+            if self.train:
+                w = self.weights.with_params(params)
+                y_RD = implementation("fp8_grouped_ffn_train", c.backend, x_RD.device, x_RD.dtype)(
+                    x_RD, offsets, w.w1, w.w2)
+            else:
+                q, s = fp8.unpack_fp8_rows(x_RD, self.d)
+                ex = self.experts
+                y_RD = implementation("fp8_grouped_ffn", c.backend, q.device, None)(
+                    q, s, offsets, ex.w1, ex.w1_scale, ex.w2, ex.w2_scale, ex.format, self.dtype)
+            return disp.to_source_major(y_RD, plan, i)
+
+        return experts
 
 
 def _announce(scheduler):

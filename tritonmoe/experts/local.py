@@ -51,14 +51,7 @@ class LocalExperts(ExpertPath):
     def fp8_forward(self, x_TD: torch.Tensor, routing: Routing, w: ExpertWeights) -> torch.Tensor:
         """``config.expert_dtype="fp8_e4m3"``: the layer's weights are the master weights."""
         c = self.config
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("expert_dtype='fp8_e4m3' runs eagerly only (the FP8 ops are not custom ops "
-                                      "yet); call the layer outside torch.compile")
-        if _needs_backward(x_TD, routing, w):
-            if c.fp8_recipe != "block128" or c.d_ffn % 128:
-                raise ValueError(f"FP8 training needs fp8_recipe='block128' and d_ffn a multiple of 128; this layer "
-                                 f"has {c.fp8_recipe!r} and d_ffn={c.d_ffn} (run it under torch.no_grad() for "
-                                 "inference)")
+        if fp8_training(c, x_TD, routing, w):
             self.path_used = "fp8_train"
             T, k = routing.topk_ids.shape
             rows = max_permuted_rows(T, k, c.num_experts)
@@ -67,7 +60,7 @@ class LocalExperts(ExpertPath):
             return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
         self.path_used = "fp8"
         # the layer's weights, quantized without quantize_experts' finiteness check (a host sync)
-        experts = fp8_reference.quantize_experts(w.w1.detach(), w.w2.detach(), "e4m3_" + c.fp8_recipe)
+        experts = w.fp8 if w.fp8 is not None else fp8_experts_of(w, c.fp8_recipe)
         return fp8.fp8_moe_ffn(x_TD, routing, experts, backend=c.backend)
 
     def __call__(self, x_TD: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
@@ -101,6 +94,36 @@ class LocalExperts(ExpertPath):
         x_perm, info = self.impl("permute", x_TD)(x_TD, routing.topk_ids, c.num_experts, num_rows=rows)
         y_perm = self.impl("grouped_ffn", x_TD)(x_perm, info.expert_offsets, w.w1, w.w2, c.activation, w.b1, w.b2, **kw)
         return self.impl("unpermute", x_TD)(y_perm, info, routing.topk_weights)
+
+
+def fp8_training(c, x_TD: torch.Tensor, routing: Routing, w: ExpertWeights) -> bool:
+    """Whether an FP8 expert call trains (a backward follows: ``fp8_grouped_ffn_train``) or not
+    (the inference ops); raises for what the FP8 paths do not run. Local checks, the same on
+    every rank of an expert-parallel group (grad mode and ``requires_grad`` are the model's)."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("expert_dtype='fp8_e4m3' runs eagerly only (the FP8 ops are not custom ops "
+                                  "yet); call the layer outside torch.compile")
+    if w.fp8 is not None:
+        if torch.is_grad_enabled() and (x_TD.requires_grad or routing.topk_weights.requires_grad):
+            raise ValueError("this layer's experts are held in e4m3 (hold_fp8_experts: an FP8 checkpoint's) and run "
+                             "without a backward; call it under torch.no_grad() (inference), or train a layer "
+                             "with 16-bit master weights and expert_dtype='fp8_e4m3'")
+        return False
+    if not _needs_backward(x_TD, routing, w):
+        return False
+    if c.fp8_recipe != "block128" or c.d_ffn % 128:
+        raise ValueError(f"FP8 training needs fp8_recipe='block128' and d_ffn a multiple of 128; this layer "
+                         f"has {c.fp8_recipe!r} and d_ffn={c.d_ffn} (run it under torch.no_grad() for "
+                         "inference)")
+    return True
+
+
+def fp8_experts_of(w: ExpertWeights, recipe: str) -> "fp8.FP8Experts":
+    """The experts an FP8 forward runs: the held e4m3 ones, or the master weights quantized
+    (without quantize_experts' finiteness check, a host sync)."""
+    if w.fp8 is not None:
+        return w.fp8
+    return fp8_reference.quantize_experts(w.w1.detach(), w.w2.detach(), "e4m3_" + recipe)
 
 
 @torch._dynamo.assume_constant_result

@@ -51,6 +51,7 @@ from typing import Optional
 
 import torch
 
+from tritonmoe.comm.errors import input_status, raise_rank_input_error
 from tritonmoe.core.autograd import first_order
 from tritonmoe.comm.executor import RealExecutor
 from tritonmoe.comm.partition import transpose_chunks_unchecked
@@ -523,18 +524,18 @@ class ParmExperts(ExpertPath):
 
     # -- metadata ----------------------------------------------------------------------------------
 
+    @property
+    def reports_input_errors(self) -> bool:
+        """The counts all-gather (:meth:`_table`) carries a rank's refused input in every fixed
+        schedule (S1's MP exchanges before it have fixed sizes); not under ``"auto"`` before its
+        fit, whose probes run on the batch (docs/rank-input.md)."""
+        return self.config.parm_schedule != "auto" or self.schedule_policy.cost_model is not None
+
     def _table(self, tokens: int, counts_E: torch.Tensor) -> list[list[int]]:
-        """Every rank's [tokens, rows per expert]: one all-gather over the P ranks (the only host
-        sync of the step besides the backend's): every split of the step derives from it."""
-        g = self.groups.ep_esp
-        vec = torch.cat([torch.tensor([tokens], dtype=torch.int64, device=counts_E.device), counts_E.to(torch.int64)])
-        if g is None:
-            return [vec.tolist()]  # host sync: split sizes are host ints (one rank: no exchange)
-        dev = comm_device(g)
-        ex = RealExecutor(dev, timeline=self.timeline)
-        out = run_collective(ex, "all_gather", vec.to(dev), group=g, kind="counts")
-        _record(self, ex)
-        return out.view(self.layout.P, -1).tolist()  # host sync: split sizes are host ints
+        """Every rank's [tokens, rows per expert] (:func:`_counts_table`): one all-gather over
+        the P ranks (the only host sync of the step besides the backend's), from which every
+        split of the step derives; it carries this rank's refused input, if any."""
+        return _counts_table(self, tokens, counts_E)
 
     # -- S1: pause MP before the gate ---------------------------------------------------------------
 
@@ -645,6 +646,26 @@ class ParmExperts(ExpertPath):
         )
         own_rows = parm_block(state, send, weights.params())
         return self.impl("unpermute", x_TD)(own_rows, own_info, routing.topk_weights)
+
+
+def _counts_table(path: "ParmExperts", tokens: int, counts_E: torch.Tensor) -> list[list[int]]:
+    """:meth:`ParmExperts._table`: each rank's [tokens, status word, counts] all-gathered; a
+    non-zero status word (a rank that refused its input) raises the same RankInputError on every
+    rank; the rows returned drop the word."""
+    g = path.groups.ep_esp
+    head = [tokens, input_status(path.input_error)]
+    vec = torch.cat([torch.tensor(head, dtype=torch.int64, device=counts_E.device), counts_E.to(torch.int64)])
+    if g is None:
+        if path.input_error is not None:
+            raise path.input_error
+        return [[tokens] + vec[2:].tolist()]  # host sync: split sizes are host ints (one rank: no exchange)
+    dev = comm_device(g)
+    ex = RealExecutor(dev, timeline=path.timeline)
+    out = run_collective(ex, "all_gather", vec.to(dev), group=g, kind="counts")
+    _record(path, ex)
+    rows = out.view(path.layout.P, -1).tolist()  # host sync: split sizes are host ints
+    raise_rank_input_error([r[1] for r in rows], path.input_error, g, "Parm's counts all-gather")
+    return [[r[0]] + r[2:] for r in rows]
 
 
 def _part_index(batch_counts, n_mp: int, q: int, device) -> torch.Tensor:

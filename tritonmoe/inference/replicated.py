@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import time
 import weakref
 from typing import Mapping, Optional, Sequence
@@ -56,14 +57,15 @@ from .popularity import PopularityEstimator, top_choices, top_k_match
 from tritonmoe.comm.splits import group_rank_size
 from tritonmoe.layer import MoELayer
 from tritonmoe.comm import check_agreement
-from tritonmoe.comm.errors import backend_errors
+from tritonmoe.comm.errors import backend_errors, input_status, raise_rank_input_error
 from tritonmoe.comm.splits import comm_device
 from tritonmoe.comm.all_to_all import all_to_all_raw
 from tritonmoe.backends import implementation
 from tritonmoe.core.specs import ffn_options
 from tritonmoe.core.suggest import UNSET, renamed_argument
 
-__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments", "release_to_host"]
+__all__ = ["ReplicatedMoELayer", "LinaScheduler", "EXPERT_TENSORS", "plan_slots", "slot_segments", "release_to_host",
+           "replica_fingerprint"]
 
 
 class LinaScheduler:
@@ -171,6 +173,79 @@ def release_to_host(layer: nn.Module, names: Sequence[str], *, pin: bool) -> dic
         call_hint="serve it through the ReplicatedMoELayer that wraps it, on every rank of its group",
         on_restore=functools.partial(_forget_released, layer)))
     return out
+
+
+def _digest(t: torch.Tensor) -> tuple[int, str]:
+    """(int64 code, readable label) of a tensor's exact contents: a BLAKE2b digest of its dtype,
+    shape and bytes (equal exactly when the tensors are bitwise equal), and its fp64 sum for
+    the reader. One host copy of a device tensor (at construction only)."""
+    t = t.detach()
+    if t.is_meta:
+        return -2, f"meta {tuple(t.shape)}"
+    flat = t.reshape(-1).contiguous().cpu()  # host sync: construction only
+    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+    if flat.numel():
+        h.update(flat.view(torch.uint8).numpy().tobytes())
+    digest = h.hexdigest()
+    total = float(flat.to(torch.float64).sum()) if not flat.dtype.is_complex else float("nan")
+    return int(digest[:15], 16), f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} blake2b {digest[:12]} sum {total!r}"
+
+
+def replica_fingerprint(layer, host: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], dict[str, str]]:
+    """(values, labels) for :func:`~tritonmoe.comm.check_agreement` of the ranks of a
+    :class:`ReplicatedMoELayer`: the layer's :meth:`MoEConfig.agreement_values
+    <tritonmoe.MoEConfig.agreement_values>` (every field but the rank-local ones), then
+    ``weights:<name>`` per served tensor: the expert tensors of ``host`` (what the slots load)
+    and every other entry of the layer's state dict (router, shared experts, biases), each a
+    digest of its exact bytes (:func:`_digest`). Local, no collective."""
+    values, labels = dict(layer.config.agreement_values()), dict(layer.config.agreement_labels())
+    tensors = dict(host)
+    for name, t in layer.state_dict().items():
+        if name not in host and isinstance(t, torch.Tensor):
+            tensors[name] = t
+    for name, t in tensors.items():
+        values[f"weights:{name}"], labels[f"weights:{name}"] = _digest(t)
+    return values, labels
+
+
+def _check_input(rep: "ReplicatedMoELayer", x) -> None:
+    """A forward's input checks (typed errors; local, no collective)."""
+    c = rep.layer.config
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != c.d_model:
+        raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
+    dtype = rep.host[rep.names[0]].dtype
+    if x.dtype != dtype:
+        raise TypeError(f"x is {x.dtype} but the layer's parameters are {dtype}; cast one of them")
+    if x.device != rep.device:
+        raise ValueError(f"x is on {x.device} but the layer is on {rep.device}; move one of them")
+
+
+def _check_replicas(layer, host: Mapping[str, torch.Tensor], group) -> None:
+    """Replicas must compute the same thing: every config field that changes what a rank
+    computes and a digest of every served tensor (:func:`replica_fingerprint`), compared once at
+    construction (one collective; on a disagreement a second one gathers every rank's readable
+    values, and every rank raises the same ValueError)."""
+    values, labels = replica_fingerprint(layer, host)
+    check_agreement(values, group=group, labels=labels,
+                    what="the replicated layers' MoEConfig and weights (every rank must wrap a bitwise copy of the same "
+                         "layer: build it from the same seed or load the same checkpoint)")
+
+
+def _gather_counts(group, P: int, vec: torch.Tensor, refused: Optional[BaseException]) -> torch.Tensor:
+    """:meth:`ReplicatedMoELayer._exchange_counts`' all-gather of every rank's [2E + 1] vector;
+    a non-zero status word (the last entry: a rank that refused its input) raises the same
+    RankInputError on every rank. Returns [P, 2E] (the words dropped)."""
+    dev = comm_device(group)  # NCCL gathers CUDA tensors
+    vec = vec.to(dev)
+    parts = [torch.empty_like(vec) for _ in range(P)]
+    with backend_errors("the replicated layer's counts all-gather", group):
+        dist.all_gather(parts, vec, group=group)
+    table = torch.stack(parts).cpu()  # host sync: the splits and the placement are host values
+    raise_rank_input_error([int(v) for v in table[:, -1].tolist()], refused, group,
+                           "the replicated layer's counts all-gather")
+    return table[:, :-1]
 
 
 def _identity(x):
@@ -475,6 +550,8 @@ class ReplicatedMoELayer(nn.Module):
         self.load_s = 0.0
         self._hosted: tuple = ()
         self.placement = None
+        if self.world_size > 1:
+            _check_replicas(layer, self.host, group)
         self.set_placement(placement if placement is not None else Placement.contiguous(E, self.world_size), check=True)
         # load_state_dict writes the layer's expert tensors: reload the slots from them afterwards
         self.register_load_state_dict_post_hook(ReplicatedMoELayer._after_load_state_dict)
@@ -572,31 +649,30 @@ class ReplicatedMoELayer(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def _exchange_counts(self, routing) -> torch.Tensor:
+    def _exchange_counts(self, routing, refused: Optional[BaseException] = None) -> torch.Tensor:
         """fp64 [P, 2E]: every rank's per-expert counts of this layer and (under a scheduler) its
         estimate for the next layer, from one all-gather (host values: the split sizes and the
         placement are decided on the host). From it every rank derives the global popularity,
-        the placement and every split, so no other exchange of counts is needed."""
+        the placement and every split, so no other exchange of counts is needed. The gathered
+        vectors end with each rank's status word: a rank whose input was ``refused`` sends zeros
+        and the error's word, and every rank raises the same
+        :class:`~tritonmoe.comm.errors.RankInputError` (the healthy path adds one number)."""
         E = self.layer.config.num_experts
-        vec = torch.zeros(2 * E, dtype=torch.float64)
-        vec[:E] = routing.counts.to("cpu", torch.float64)  # host sync: counts size the exchanges
+        vec = torch.zeros(2 * E + 1, dtype=torch.float64)
+        vec[2 * E] = input_status(refused)
+        if refused is None:
+            vec[:E] = routing.counts.to("cpu", torch.float64)  # host sync: counts size the exchanges
         sch, l = self.scheduler, self.layer_index
-        if sch is not None:
+        if sch is not None and refused is None:
             if l == 0:
                 sch.history = []
             choices = top_choices(routing.topk_ids).cpu()
             sch.history = sch.history[:l] + [choices]
             if l + 1 < sch.estimator.num_layers:  # phase one for the next layer, piggybacked
-                vec[E:] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
+                vec[E : 2 * E] = sch.estimator.estimate(l + 1, torch.stack(sch.history, dim=1))
         if self.world_size == 1:
-            return vec.view(1, -1)
-
-        dev = comm_device(self.group)  # NCCL gathers CUDA tensors
-        vec = vec.to(dev)
-        parts = [torch.empty_like(vec) for _ in range(self.world_size)]
-        with backend_errors("the replicated layer's counts all-gather", self.group):
-            dist.all_gather(parts, vec, group=self.group)
-        return torch.stack(parts).cpu()  # host sync: the splits and the placement are host values
+            return vec[: 2 * E].view(1, -1)
+        return _gather_counts(self.group, self.world_size, vec, refused)
 
     def _schedule(self, table: torch.Tensor) -> None:
         """Phase two for this layer, phase one for the next, from the gathered counts."""
@@ -610,12 +686,12 @@ class ReplicatedMoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer, c = self.layer, self.layer.config
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != c.d_model:
-            raise ValueError(f"x has shape {tuple(x.shape)}; the last dimension must be d_model={c.d_model}")
-        if x.dtype != layer.w1.dtype:
-            raise TypeError(f"x is {x.dtype} but the layer's parameters are {layer.w1.dtype}; cast one of them")
+        try:
+            _check_input(self, x)
+        except (TypeError, ValueError, IndexError) as exc:
+            if self.world_size > 1:  # the others wait in the counts all-gather: take it, then all raise
+                self._exchange_counts(None, refused=exc)
+            raise
         x_TD = x.reshape(-1, c.d_model)
         _, routing = layer.route(x_TD)
         layer.last_routing = routing

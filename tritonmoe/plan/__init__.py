@@ -13,6 +13,12 @@
 * :func:`choose_bucket_bytes` (:mod:`.fusion`): SE-MoE's gradient bucket size from the
   alpha-beta fit; :func:`allocate_tasks` / :func:`plan_tasks` (from
   :mod:`tritonmoe.parallel.elastic`): SE-MoE's GPUs per task.
+* :class:`ModelSpec` / :data:`MODEL_PRESETS` / :func:`get_model` (:mod:`.models`): published
+  MoE models' shapes and exact parameter counts; :func:`memory_per_gpu` (:mod:`.memory_budget`):
+  weights, gradients, optimizer state and activations per GPU under EP x DP.
+* :func:`size` (:mod:`.sizing`): size a model on N GPUs (EP x DP, capacity factor, pipeline
+  degree, memory strategy, all-to-all) under the simulator and the memory estimate ->
+  :class:`SizingReport` (ranked candidates, ``explain()``); CLI ``plan --model NAME``.
 * :func:`choose` (:mod:`.planner`): evaluate candidates (registered schedules and dimensions,
   :mod:`.schedules`) and pick the fastest -> :class:`Plan`.
 """
@@ -54,8 +60,23 @@ from tritonmoe.sim.memory_model import (
 )
 from .fusion import FusionChoice, choose_bucket_bytes
 from tritonmoe.parallel.elastic import TaskPlan, allocate_tasks, plan_tasks
+from .models import MODEL_PRESETS, ModelSpec, get_model
+from .memory_budget import MemoryEstimate, MemoryRow, TrainingSetup, device_memory_bytes, memory_per_gpu
+from .sizing import SizingCandidate, SizingError, SizingReport, size
 
 __all__ = [
+    "SizingCandidate",
+    "SizingError",
+    "SizingReport",
+    "size",
+    "MODEL_PRESETS",
+    "ModelSpec",
+    "get_model",
+    "MemoryEstimate",
+    "MemoryRow",
+    "TrainingSetup",
+    "device_memory_bytes",
+    "memory_per_gpu",
     "FusionChoice",
     "TaskPlan",
     "allocate_tasks",

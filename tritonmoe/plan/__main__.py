@@ -3,6 +3,8 @@
   profile    measure collectives, compute rates and interference here; write a cost model
   simulate   one layer step on a virtual cluster: step-time breakdown, pipelining efficiency
   plan       evaluate the candidate schedules and print the choice
+  size       size a model on N GPUs: EP x DP, capacity factor, degree, memory strategy, memory
+             per GPU and step time, explained (also `plan --model NAME`)
   calibrate  the papers' testbed results next to the simulator's (PAPERS.md §6)
   clusters   the built-in cluster descriptions
 
@@ -29,6 +31,8 @@ from tritonmoe.plan.calibrate import format_table, run_calibration
 from tritonmoe.sim.cost_model import PRESETS
 from tritonmoe.plan.fusion import choose_bucket_bytes
 from tritonmoe.parallel.elastic import plan_tasks
+from tritonmoe.plan.memory_budget import OPTIMIZERS, TrainingSetup
+from tritonmoe.plan.sizing import DEFAULT_CAPACITY_FACTORS, DEFAULT_DEGREES, DEFAULT_MEMORY_STRATEGIES, size
 
 __all__ = ["main"]
 
@@ -156,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "2GiB); candidates over it are rejected")
         sp.add_argument("--json", metavar="FILE", help="also write the result as JSON")
 
+    _size_parser(sub)
     cal = sub.add_parser("calibrate", help="the papers' results next to the simulator's",
                          description="For each entry of PAPERS.md §6 the simulator can express, the simulated "
                          "ratio next to the paper's; the entries it cannot express yet, and why.")
@@ -183,6 +188,91 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--gpu-bytes", type=_positive_bytes, default=None, help="memory of one GPU")
     tk.add_argument("--no-merge", action="store_true", help="one task per unit (allocate_tasks only)")
     return p
+
+
+def _capacity_factors(text: str) -> tuple:
+    out = []
+    for t in (t.strip() for t in text.split(",") if t.strip()):
+        if t in ("dropless", "none", "None"):
+            out.append(None)
+            continue
+        try:
+            v = float(t)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{t!r}: use 'dropless' or a positive number") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{t!r}: a capacity factor must be > 0")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected e.g. dropless,1.0,1.25")
+    return tuple(out)
+
+
+def _size_strategies(text: str) -> tuple:
+    if text.strip() == "all":
+        return DEFAULT_MEMORY_STRATEGIES
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    rest = [t for t in parts if t != "default"]
+    named = _strategies(",".join(rest)) if rest else ()
+    return tuple(None if t == "default" else t for t in parts if t == "default" or t in named)
+
+
+def _size_parser(sub) -> None:
+    sz = sub.add_parser("size", help="size a model on N GPUs (also: plan --model NAME)",
+                        description="Search the EP x DP split, capacity factor, pipeline degree, memory strategy and "
+                        "all-to-all (hierarchical where EP spans nodes) for a model on N GPUs: every candidate's step "
+                        "time from the simulator running the layer's schedule programs on the cluster model, its "
+                        "memory per GPU against the device's, the ranking, and why (tritonmoe.plan.sizing).")
+    sz.add_argument("--model", required=True, help="a preset (e.g. qwen3-30b-a3b, mixtral-8x7b) or a config.json path")
+    sz.add_argument("--gpus", type=int, required=True, help="GPUs to train on")
+    sz.add_argument("--cluster", default="dgx-h100", help="a built-in cluster (default dgx-h100)")
+    t = sz.add_mutually_exclusive_group(required=True)
+    t.add_argument("--tokens-per-gpu", type=int, help="tokens of one GPU per step")
+    t.add_argument("--tokens-per-step", type=int, help="global tokens per step (divided over the GPUs)")
+    sz.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+    sz.add_argument("--memory-budget", type=_positive_bytes, default=None, metavar="BYTES",
+                    help="device bytes per GPU (e.g. 70GiB; default: the GPU's memory)")
+    sz.add_argument("--optimizer", choices=[o for o in OPTIMIZERS if o != "none"], default="adam")
+    sz.add_argument("--no-master-weights", action="store_true", help="no fp32 master weights (bf16 optimizer state)")
+    sz.add_argument("--zero1", action="store_true", help="shard optimizer state over data parallelism (ZeRO-1)")
+    sz.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the dense part")
+    sz.add_argument("--ep-sizes", type=_ints, default=None, help="EP sizes to try (default: those dividing GPUs and E)")
+    sz.add_argument("--capacity-factors", type=_capacity_factors, default=DEFAULT_CAPACITY_FACTORS,
+                    metavar="dropless,1.0,...", help="capacity factors to try (default dropless,1.0,1.25)")
+    sz.add_argument("--degrees", type=_ints, default=DEFAULT_DEGREES, help="pipeline degrees (default 1,2,4)")
+    sz.add_argument("--memory-strategies", type=_size_strategies, default=DEFAULT_MEMORY_STRATEGIES,
+                    metavar="S[,S2,...]|all", help="memory strategies to try: default (the layer's unmanaged path), "
+                    "keep, offload, recomm, recompute, recomm_recompute (default: all six)")
+    sz.add_argument("--routing", default="uniform", help="uniform or zipf:S (default uniform)")
+    sz.add_argument("--top", type=int, default=12, help="candidates shown in the table (default 12)")
+    sz.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (to stdout without FILE)")
+
+
+def _size(args) -> int:
+
+    setup = TrainingSetup(optimizer=args.optimizer, master_weights=not args.no_master_weights,
+                          shard_optimizer=args.zero1, activation_checkpointing=args.checkpointing)
+    report = size(args.model, gpus=args.gpus, cluster=args.cluster, tokens_per_gpu=args.tokens_per_gpu,
+                  tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, memory_budget_bytes=args.memory_budget,
+                  setup=setup, ep_sizes=args.ep_sizes, capacity_factors=args.capacity_factors,
+                  pipeline_degrees=args.degrees, memory_strategies=args.memory_strategies, routing=args.routing)
+    if args.json == "-":
+        json.dump(report.to_dict(), sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{report.model.name} on {report.gpus} GPUs ({report.cluster}), {report.tokens_per_gpu} tokens per GPU, "
+          f"sequence {report.seq_len}: {len(report.candidates)} candidates")
+    print(report.table(args.top))
+    print()
+    for line in report.explain():
+        print(f"* {line}")
+    print()
+    print(f"memory per GPU of the {'recommended' if report.is_tie else 'winning'} candidate:")
+    print(report.recommended.memory.table(report.capacity_bytes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    return 0
 
 
 def _buckets(args) -> int:
@@ -297,7 +387,8 @@ def _plan(args) -> int:
             json.dump({"choice": plan.choice, "step_time_s": plan.step_time,
                        "budget_bytes": plan.budget_bytes,
                        "candidates": [{"values": c.values, "step_time_s": c.step_time, "device_bytes": c.device_bytes,
-                                       "rejected": c.rejected} for c in plan.candidates]}, f,
+                                       "rejected": c.rejected, "breakdown": c.breakdown}
+                                      for c in plan.candidates]}, f,
                       indent=1)
     return 0
 
@@ -323,10 +414,13 @@ def _clusters(_args) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"] and any(a == "--model" or a.startswith("--model=") for a in argv):
+        argv[0] = "size"  # `plan --model NAME` sizes a model; `plan` without it plans one layer's schedule
     args = build_parser().parse_args(argv)
     try:
         return {"profile": _profile, "simulate": _simulate, "plan": _plan, "calibrate": _calibrate,
-                "clusters": _clusters, "buckets": _buckets, "tasks": _tasks}[args.cmd](args)
+                "clusters": _clusters, "buckets": _buckets, "tasks": _tasks, "size": _size}[args.cmd](args)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"python -m tritonmoe.plan {args.cmd}: {exc}", file=sys.stderr)
         return 2

@@ -148,7 +148,7 @@ class AutoDegree(DegreePolicy):
         if b not in self.cache:
             degs = [n for n in self.degrees if n == 1 or n <= rep]
             plan = choose(self.config, rep, self.cost, world_size=self.world_size, dtype=self.dtype,
-                          pipeline_degree=degs)
+                          pipeline_degree=degs, breakdown=False)  # run time: only the choice is read
             self.cache[b] = plan.pipeline_degree
             self.plans[b] = plan
         return self.cache[b], timeline

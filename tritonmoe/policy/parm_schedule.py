@@ -234,7 +234,7 @@ def step_times(model: ParmCostModel, config, layout, tokens: int, *, itemsize: i
         t = 3.0 * row_flops * expert_rows / m.flops_per_s + 3.0 * 2.0 * gate_tokens * M * E / m.flops_per_s
         return t + copies(4.0 * expert_rows + extra_rows)
 
-    counts = m.c("ag_all", P * (1 + E)) if P > 1 else 0.0
+    counts = m.c("ag_all", P * (2 + E)) if P > 1 else 0.0  # [tokens, status word, E counts] per rank
     # baseline: every MP rank processes its copy; each rank gathers its ESP group's n_esp batches
     yb = routed * n_esp * M  # per-rank EP all-to-all input
     base = counts

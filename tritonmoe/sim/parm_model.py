@@ -172,7 +172,8 @@ def _record_baseline(ex: SimExecutor, local: _LocalWork, plan, G, shard: ExpertS
     """The baseline's step on one rank after the gate's forward: the counts and ESP gathers,
     permute, the Parm block, unpermute, and their backward down to the gate's."""
     rows, copy = local.rows, local.copy
-    run_collective(ex, "all_gather", VirtualTensor((1 + local.E,), torch.int64), group=G.ep_esp, kind="counts")
+    # the counts all-gather: [tokens, status word (a refused input, docs/rank-input.md), E counts]
+    run_collective(ex, "all_gather", VirtualTensor((2 + local.E,), torch.int64), group=G.ep_esp, kind="counts")
     if G.esp is not None:
         run_collective(ex, "all_gather", rows(plan.tokens_max), group=G.esp, kind="esp_allgather")
         run_collective(ex, "all_gather", VirtualTensor((plan.tokens_max, K), torch.int32), group=G.esp,
@@ -208,7 +209,7 @@ def _record_pause(ex: SimExecutor, local: _LocalWork, schedule: str, lay, i: int
         ex.compute(None, work=copy(R_batch), kind="permute", out=rows(R_batch))
     else:
         ex.compute(None, work=copy(R), kind="permute", out=rows(R))
-    run_collective(ex, "all_gather", VirtualTensor((1 + E,), torch.int64), group=G.ep_esp, kind="counts")
+    run_collective(ex, "all_gather", VirtualTensor((2 + E,), torch.int64), group=G.ep_esp, kind="counts")  # as above
     plan = pause_plan(lay, i, send_table, E, indices=False)
     sp = saa_plan(lay, i, batch_counts_g, E, indices=False) if schedule == "s2" and G.mp is not None else None
     ex.compute(None, work=copy(plan.send_rows), kind="dump", out=rows(plan.send_rows))

@@ -130,7 +130,7 @@ def choose(
     candidates_override: Optional[Mapping[str, Sequence[Any]]] = None,
     dtype: Optional[Union[str, torch.dtype]] = None,
     mode: str = "auto",
-    breakdown: bool = False,
+    breakdown: bool = True,
     memory_budget_bytes: Optional[int] = None,
     **overrides: Sequence[Any],
 ) -> Plan:
@@ -142,7 +142,8 @@ def choose(
         candidates_override / ``**overrides``: values to try per dimension, replacing the
             registered defaults, e.g. ``choose(..., pipeline_degree=(1, 2, 4, 8))`` or
             ``memory_strategy=("keep", "recompute")``.
-        breakdown: also record every candidate's step-time breakdown.
+        breakdown: record every candidate's step-time breakdown (default; False skips it, e.g. at
+            run time where only the choice is read).
         memory_budget_bytes: device bytes the expert block may keep for backward on the most
             loaded rank (default ``config.memory_budget_bytes``); candidates over it are
             rejected (reported with their bytes and step time). A budget makes the memory
