@@ -54,6 +54,8 @@ class AllToAllFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         ins, outs = ctx.splits
+        if torch.is_grad_enabled():  # create_graph: the reverse exchange, recorded (double backward exact)
+            return AllToAllFunction.apply(grad_out.contiguous(), outs, ins, ctx.group), None, None, None
         grad_x, _ = all_to_all_raw(grad_out, outs, ins, ctx.group)  # the reverse exchange
         return grad_x, None, None, None
 

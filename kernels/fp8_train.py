@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import torch
 
+from tritonmoe.core.autograd import first_order
 from . import _gemm_config as C
 from ._fp8_config import select_fp8
 from ._fp8_kernels import _fp8_wgrad_kernel
@@ -151,7 +152,7 @@ class _FP8GroupedFFNTrainFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order("fp8_grouped_ffn_train (Triton)")
     def backward(ctx, dy_RD):
         x_RD, h, q1, s1, q2, s2 = ctx.saved_tensors
         space = ctx.space

@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 
+from tritonmoe.core.autograd import first_order
 from ._host import device_ctx
 from tritonmoe.core.types import Routing
 from . import _gemm_config as C
@@ -115,7 +115,7 @@ class _GroupedFFNFn(torch.autograd.Function):
         return y_RD
 
     @staticmethod
-    @once_differentiable
+    @first_order("grouped_ffn (Triton)")
     def backward(ctx, dy_RD):
         saved = ctx.saved_tensors
         x_RD, w1_EDN, w2_EFD, b1_EN = saved[:4]
@@ -235,7 +235,7 @@ class _MoEFFNFn(torch.autograd.Function):
         return out_TD
 
     @staticmethod
-    @once_differentiable
+    @first_order("moe_ffn (Triton)")
     def backward(ctx, dout_TD):
         saved = ctx.saved_tensors
         x_TD, topk_weights_TK, topk_ids_TK, w1_EDN, w2_EFD, b1_EN, b2_ED = saved[:7]

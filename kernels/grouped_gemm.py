@@ -60,8 +60,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from tritonmoe.core.autograd import first_order
 from tritonmoe.core.settings import validation_enabled
 
 from ._host import cdiv, device_ctx, next_power_of_2
@@ -485,7 +485,7 @@ class _GroupedGemmFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order("grouped_gemm (Triton)")
     def backward(ctx, dy_RN):
         x_RK, w_EKN = ctx.saved_tensors
         space = ctx.space

@@ -444,14 +444,17 @@ class _PermuteRows(torch.autograd.Function):
     def forward(ctx, x_TD, slot_rows, offsets, counts, num_rows: int, exact: bool):
         out = torch.empty(num_rows, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device)
         _scatter(x_TD, slot_rows, offsets, counts, out, tail=not exact)
-        ctx.save_for_backward(slot_rows)
+        ctx.save_for_backward(slot_rows, offsets, counts)
         ctx.x_dtype = x_TD.dtype
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_ND):
-        (slot_rows,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the same gather as an unpermute with unit weights, recorded
+            slot_rows, offsets, counts = ctx.saved_tensors
+            ones = torch.ones(slot_rows.shape, dtype=torch.float32, device=g_ND.device)
+            return _UnpermuteRows.apply(g_ND, ones, slot_rows, offsets, counts), None, None, None, None, None
+        slot_rows = ctx.saved_tensors[0]
         T = slot_rows.shape[0]
         dx = torch.empty(T, g_ND.shape[1], dtype=ctx.x_dtype, device=g_ND.device)
         return _gather(g_ND, slot_rows, None, dx), None, None, None, None, None, None, None, None, None
@@ -470,9 +473,10 @@ class _UnpermuteRows(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_TD):
         y_RD, w_TK, slot_rows, offsets, counts = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the same products, recorded (double backward exact)
+            return _unpermute_backward_recorded(ctx, g_TD, y_RD, w_TK, slot_rows, offsets, counts)
         need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy = torch.empty_like(y_RD, memory_format=torch.contiguous_format) if need_dy else None
         dw = None
@@ -483,6 +487,27 @@ class _UnpermuteRows(torch.autograd.Function):
         if dw is not None:
             dw = dw.to(w_TK.dtype)
         return dy, dw, None, None, None
+
+
+def _unpermute_backward_recorded(ctx, g_TD, y_RD, w_TK, slot_rows, offsets, counts):
+    """:class:`_UnpermuteRows`'s backward in recorded ops: d(y_perm) = permute(d(out)) times each
+    row's weight (the permute kernel, itself twice differentiable), d(w)[t, j] =
+    <d(out)[t], y_perm[slot_rows[t, j]]> (fp32; fp64 for fp64)."""
+    N = y_RD.shape[0]
+    acc = torch.float64 if y_RD.dtype == torch.float64 else torch.float32
+    rows = slot_rows.long()
+    routed = (rows >= 0) & (rows < N)
+    safe = torch.where(routed, rows, torch.full_like(rows, N))
+    dy = dw = None
+    if ctx.needs_input_grad[0]:
+        p = _PermuteRows.apply(g_TD, slot_rows, offsets, counts, N, False)
+        w_row = torch.zeros(N + 1, dtype=acc, device=y_RD.device).index_put(
+            (safe.reshape(-1),), w_TK.to(acc).reshape(-1))
+        dy = (p.to(acc) * w_row[:N, None]).to(y_RD.dtype)
+    if ctx.needs_input_grad[1]:
+        y_ext = torch.cat([y_RD.to(acc), y_RD.new_zeros(1, y_RD.shape[1], dtype=acc)])
+        dw = (g_TD.to(acc).unsqueeze(1) * y_ext[safe]).sum(-1).to(w_TK.dtype)
+    return dy, dw, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

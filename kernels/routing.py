@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from tritonmoe.core import validation as V
+from tritonmoe.core.autograd import first_order
 from tritonmoe.core.types import Routing
 
 from . import config as CF
@@ -466,7 +466,7 @@ class _RouteFn(torch.autograd.Function):
         return ids, w, counts, selected, score_sum, lse
 
     @staticmethod
-    @once_differentiable  # the fused backward kernel is not itself differentiable: say so loudly
+    @first_order("route (Triton)")  # the fused backward kernel is not itself differentiable: say so loudly
     def backward(ctx, _d_ids, dw_TK, _d_counts, _d_selected, dss_E, dlse_T):
         logits_TE, sel_ids, ids = ctx.saved_tensors
         if dw_TK is None and dss_E is None and dlse_T is None:
@@ -587,7 +587,7 @@ class _BalanceSumsFn(torch.autograd.Function):
         return part.sum(dim=1)  # fixed-order reduction of the chunks (no float atomics)
 
     @staticmethod
-    @once_differentiable
+    @first_order("balance_score_sums (Triton)")
     def backward(ctx, g_BE):
         logits_TE, mask_T = ctx.saved_tensors
         S, softmax, sqrtsp, bt, block_e = ctx.cfg

@@ -27,6 +27,8 @@ import tritonmoe as tm
 import _fp8_ep_cases
 from tritonmoe.comm import Timeline
 
+from _double_backward_cases import ep_penalty
+
 D_MODEL, D_FFN, NUM_EXPERTS = 8, 12, 8
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
@@ -220,7 +222,7 @@ def layer_table(rank: int, P: int) -> dict:
     # the FP8 expert-parallel checks ride on this group (tests/_fp8_ep_cases.py)
     fp8 = _fp8_ep_cases.fp8_ep_table(rank, P)
     return {"failures": failures, "num_cases": len(table), "efficiency": effs, "errors": layer_errors(rank, P),
-            "fp8_failures": fp8}
+            "fp8_failures": fp8, "double_backward": ep_penalty(rank, P)}
 
 
 def peer_exit(rank: int, P: int, victim: int) -> dict:

@@ -35,6 +35,11 @@ def test_ep_layer_matches_single_process(world_size):
         assert f"num_experts={2 * world_size + 1}" in v["errors"][0]
         assert "pipeline_degree: rank 0=2, rank 1=3" in v["errors"][1]
     assert len({v["errors"][1] for v in values}) == 1
+    # a gradient penalty through the expert-parallel schedules: a typed error on every rank (issue 35)
+    for v in values:
+        for key, (kind, msg) in v["double_backward"].items():
+            assert kind == "NotTwiceDifferentiableError", (key, kind, msg)
+            assert "schedule is not twice differentiable" in msg and "backend='torch'" in msg, (key, msg)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

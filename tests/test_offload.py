@@ -287,3 +287,45 @@ def test_load_state_dict_into_offloaded_layers(tmp_path):
         assert all(torch.equal(got[k], before[k]) for k in before if k.endswith(("w1", "w2")))
     finally:
         disk.close()
+
+
+def test_one_layer_names_why_no_slot_count_is_valid():
+    layers = [m for m in _model(1) if isinstance(m, tm.MoELayer)]
+    for k in (0, 1):
+        with pytest.raises(ValueError, match=r"got 1 layer \(layer_slots=%d\).*at least 2 layers.*is empty" % k):
+            OffloadedExperts(layers, layer_slots=k)
+
+
+def test_disk_tier_detects_bytes_changed_on_disk(tmp_path):
+    """A record changed on disk while the stack has the file open is caught by its CRC-32 on
+    the read (the worker thread's read, surfacing at the layer's forward; and state_dict's)."""
+    from tritonmoe.inference import OffloadChecksumError
+    N, E = 3, 4
+    model = _model(N)
+    layers = [m for m in model if isinstance(m, tm.MoELayer)]
+    path = tmp_path / "e.bin"
+    layer_bytes = sum(getattr(layers[0], n).numel() * 8 for n in ("w1", "w2"))
+    stack = OffloadedExperts(layers, layer_slots=1, disk_path=path, cache_bytes=layer_bytes)
+    try:
+        x = torch.randn(5, 8, dtype=torch.float64)
+        with torch.no_grad():
+            model(x)  # clean file: reads verify
+        rec = stack.expert_bytes
+        with open(path, "r+b") as f:  # one byte of layer 2, expert 1 (not in the one-layer cache)
+            f.seek((2 * E + 1) * rec + 3)
+            b = f.read(1)
+            f.seek((2 * E + 1) * rec + 3)
+            f.write(bytes([b[0] ^ 0x10]))
+        with pytest.raises(OffloadChecksumError, match=r"e\.bin: layer 2 expert 1 read back with CRC-32.*changed on "
+                                                       r"disk.*rebuild the stack"):
+            with torch.no_grad():
+                for _ in range(2):
+                    model(x)
+        with pytest.raises(OffloadChecksumError, match="layer 2 expert 1"):
+            layers[2].state_dict()
+        assert issubclass(OffloadChecksumError, OSError)
+    finally:
+        try:
+            stack.close()
+        except OffloadChecksumError:
+            pass

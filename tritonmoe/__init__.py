@@ -16,6 +16,7 @@ from tritonmoe.core.settings import (
     validation_enabled,
 )
 from .aux_loss import attach_aux_loss, set_aux_loss_scale
+from .core.autograd import NotTwiceDifferentiableError
 from .bias import ExpertBiasError, check_expert_bias, expert_bias_finite, update_expert_bias
 from .config import MoEConfig
 from .functional import (
@@ -54,6 +55,7 @@ __all__ = [
     "MoEConfig",
     "MoELayer",
     "LayoutError",
+    "NotTwiceDifferentiableError",
     "ParmGroups",
     "ParmLayout",
     "PermuteInfo",

@@ -39,6 +39,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
+from tritonmoe.core.autograd import NotTwiceDifferentiableError, not_twice_differentiable_message
 from tritonmoe import backends as dispatch
 from tritonmoe.core.types import PermuteInfo, Routing
 from tritonmoe.core.settings import resolve_backend
@@ -67,8 +68,13 @@ def _empty(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
 
 
 def _not_twice(op: str):
+    message = not_twice_differentiable_message(
+        f"tritonmoe::{op} (the torch.ops.tritonmoe custom ops of torch.compile)",
+        "run the double backward eagerly (not compiled) with backend='torch', whose backward is twice "
+        "differentiable, or use torch.func on that backend")
+
     def backward(ctx, *grads):
-        raise RuntimeError(f"tritonmoe::{op} is not differentiable (no double backward through the custom ops)")
+        raise NotTwiceDifferentiableError(message)
 
     return backward
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonmoe.core.autograd import first_order
 from . import reference
 from tritonmoe.core.types import Routing
 
@@ -363,7 +364,7 @@ class _FP8GroupedFFNTrain(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order("fp8_grouped_ffn_train (reference)")
     def backward(ctx, dy):
         fmt = "e4m3_block128"
         x, h, w1, w2 = ctx.saved_tensors

@@ -95,6 +95,19 @@ class SharedExperts(nn.Module):
         return y
 
 
+def _refuse_vmap(x: torch.Tensor) -> None:
+    """``torch.vmap`` over the layer: a clear error instead of torch's internal one. Routing,
+    capacity and the balance losses count tokens across the whole batch, so a vmapped call
+    would not be the per-sample layer anyway."""
+    is_batched = getattr(torch._C._functorch, "is_batchedtensor", None)
+    if is_batched is not None and is_batched(x):
+        raise NotImplementedError(
+            "tritonmoe.MoELayer does not support torch.vmap: routing, capacity and the balance losses count the "
+            "tokens of the whole batch. Call the layer on the batch itself (x [..., d_model]: every leading "
+            "dimension is tokens); torch.func.grad / functional_call are supported with backend='torch'"
+        )
+
+
 def _make_parameters(layer: "MoELayer", config: MoEConfig, device, dtype) -> None:
     """The layer's parameters and buffers, shaped by its expert path (this rank's experts, or
     their shards): the gate, ``w1``/``w2`` (and ``b1``/``b2``), the shared experts and the expert
@@ -448,6 +461,7 @@ class MoELayer(_LayerRouting, _LayerStepOutputs, nn.Module):
         token): padded tokens still pass through the experts, but leave the balance and z losses
         and the expert load counts (:meth:`expert_load`, the expert-bias update). The "seq" balance
         loss reads ``x`` as [B, S, d_model]."""
+        _refuse_vmap(x)
         if not isinstance(self.expert_path, LocalExperts):
             return self._forward_eagerly(x, padding_mask)
         return self._forward(x, padding_mask)

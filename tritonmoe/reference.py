@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from tritonmoe.core.autograd import first_order
 
 from tritonmoe.core.exact import (
     WeightGradSlot,
@@ -652,7 +652,7 @@ class SegmentBias(torch.autograd.Function):
     ``b2`` get its gradient this way)."""
 
     @staticmethod
-    def forward(ctx, y_RN, offs, bias_EN, slot, add=True):
+    def forward(y_RN, offs, bias_EN, slot, add=True):
         if add:
             out = y_RN.clone()
             for e in range(bias_EN.shape[0]):
@@ -661,6 +661,11 @@ class SegmentBias(torch.autograd.Function):
                     out[a:b] += bias_EN[e]
         else:
             out = y_RN.view_as(y_RN)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # a separate setup_context: torch.func can transform it
+        y_RN, offs, bias_EN, slot = inputs[:4]
         ctx.offs = offs
         ctx.num_experts = bias_EN.shape[0]
         ctx.defer = None
@@ -668,20 +673,31 @@ class SegmentBias(torch.autograd.Function):
             site = slot.claim_site(bias_EN)
             if site is not None:
                 ctx.defer = (slot, site, bias_EN)
-        return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy_RN):
-        db = None
-        if ctx.needs_input_grad[2]:
-            x_R0 = dy_RN.new_empty(dy_RN.shape[0], 0)
-            if ctx.defer is not None:
-                slot, site, bias_EN = ctx.defer
-                slot.add(bias_EN, site, x_R0, dy_RN, ctx.offs, _grouped_bias_grad)
-            else:
-                db = _grouped_bias_grad(x_R0, dy_RN, ctx.offs, ctx.num_experts)
-        return dy_RN, None, db, None, None
+        if ctx.defer is not None and torch.is_grad_enabled():
+            return _deferred_bias_first_order(ctx, dy_RN)
+        return _segment_bias_backward(ctx, dy_RN)
+
+
+@first_order("a pipelined schedule's deferred bias gradient (fp64 reference)")
+def _deferred_bias_first_order(ctx, dy_RN):
+    return _segment_bias_backward(ctx, dy_RN)
+
+
+def _segment_bias_backward(ctx, dy_RN):
+    """:class:`SegmentBias`'s backward in differentiable torch ops (recorded under
+    ``create_graph=True``)."""
+    db = None
+    if ctx.needs_input_grad[2]:
+        x_R0 = dy_RN.new_empty(dy_RN.shape[0], 0)
+        if ctx.defer is not None:
+            slot, site, bias_EN = ctx.defer
+            slot.add(bias_EN, site, x_R0, dy_RN, ctx.offs, _grouped_bias_grad)
+        else:
+            db = _grouped_bias_grad(x_R0, dy_RN, ctx.offs, ctx.num_experts)
+    return dy_RN, None, db, None, None
 
 
 def clamped_offsets(expert_offsets: torch.Tensor, num_rows: int) -> list[int]:

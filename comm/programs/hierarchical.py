@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tritonmoe.core.autograd import first_order
 from tritonmoe.comm.errors import backend_errors, new_group
 from tritonmoe.comm.executor import Executor, Handle, RealExecutor, VirtualTensor, Work
 from tritonmoe.comm.partition import transpose_chunks_unchecked
@@ -229,6 +230,7 @@ class _Hierarchical(torch.autograd.Function):
         return _run(x, send, fwd_plan, groups)
 
     @staticmethod
+    @first_order("the hierarchical all-to-all")
     def backward(ctx, grad):
         send, recv, fwd_plan, bwd_plan, groups = ctx.args
         return _run(grad.contiguous(), recv, bwd_plan, groups), None, None, None, None, None

@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from tritonmoe.core.autograd import first_order
 from tritonmoe import reference
 from tritonmoe.core.exact import WeightGradStore, grouped_wgrad, rowwise_mm
 
@@ -291,7 +291,7 @@ class _ExpertFFN(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order("the memory-reuse expert computation")
     def backward(ctx, dy):
         mgr, i = ctx.mgr, ctx.i
         mgr.ensure(i)  # refill the shared buffers with micro-op i's DI and MI where overwritten
@@ -579,7 +579,7 @@ class _MemoryPipelinedExperts(torch.autograd.Function):
         return tuple(backs)
 
     @staticmethod
-    @once_differentiable
+    @first_order("the memory-reuse pipelined schedule")
     def backward(ctx, *grads):
         state: _State = ctx.state
         plan, mem = state.plan, state.mem

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from tritonmoe.core.autograd import first_order
 from tritonmoe.core.exact import WeightGradStore
 from tritonmoe.core.validation import GLU_ACTIVATIONS
 
@@ -662,7 +662,7 @@ class _ParmBlock(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) schedule")
     def backward(ctx, grad):
         state: ParmBlockState = ctx.state
         graph = state.graph

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from tritonmoe.core.autograd import first_order
 from tritonmoe.core.exact import WeightGradSlot, WeightGradStore
 
 from tritonmoe.comm.executor import Executor, RealExecutor, TraceEntry, Work
@@ -242,7 +242,7 @@ class _PipelinedExperts(torch.autograd.Function):
         return tuple(backs)
 
     @staticmethod
-    @once_differentiable
+    @first_order("the pipelined expert-parallel schedule")
     def backward(ctx, *grads):
         state: _State = ctx.state
         plan = state.plan

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tritonmoe.core.autograd import first_order
 from tritonmoe.comm.compat import all_gather_single
 from tritonmoe.comm.errors import backend_errors
 from tritonmoe.comm.executor import COMM, COMM2, Executor, Handle, RealExecutor, VirtualTensor, Work
@@ -217,6 +218,7 @@ class _SAA(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("the SAA (shortcut-connected) schedule")
     def backward(ctx, grad):
         send, recv, group, rank, mp_group, mp_peers, peer_recv, replicated_grad = ctx.args
 

@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from tritonmoe.core.autograd import first_order
 
 __all__ = [
     "rowwise_mm",
@@ -215,7 +215,7 @@ class _RowInvariantGroupedGemm(torch.autograd.Function):
     whose store holds ``w``, deferred to that store."""
 
     @staticmethod
-    def forward(ctx, x_RK, offs, w_EKN, slot):
+    def forward(x_RK, offs, w_EKN, slot):
         R = x_RK.shape[0]
         E, _, N = w_EKN.shape
         y = x_RK.new_zeros(R, N)
@@ -223,6 +223,11 @@ class _RowInvariantGroupedGemm(torch.autograd.Function):
             a, b = offs[e], offs[e + 1]
             if b > a:
                 y[a:b] = rowwise_mm(x_RK[a:b], w_EKN[e])
+        return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # a separate setup_context: torch.func can transform it
+        x_RK, offs, w_EKN, slot = inputs
         ctx.offs = offs
         ctx.defer = None
         if slot is not None and w_EKN.requires_grad:
@@ -233,28 +238,43 @@ class _RowInvariantGroupedGemm(torch.autograd.Function):
                 # hooks (non-reentrant checkpoint, save_on_cpu)
                 ctx.defer = (slot, site, w_EKN)
         ctx.save_for_backward(x_RK, w_EKN)
-        return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy_RN):
-        x_RK, w_EKN = ctx.saved_tensors
-        offs = ctx.offs
-        E = w_EKN.shape[0]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if ctx.defer is not None and torch.is_grad_enabled():
+            # a schedule's deferred weight gradient is summed after the backward: first-order only
+            return _deferred_first_order(ctx, dy_RN)
+        return _row_invariant_backward(ctx, dy_RN)
+
+
+def _row_invariant_backward(ctx, dy_RN):
+    """The backward of :class:`_RowInvariantGroupedGemm`, in differentiable torch ops (under
+    ``create_graph=True`` autograd records it: the fp64 reference is twice differentiable)."""
+    x_RK, w_EKN = ctx.saved_tensors
+    offs = ctx.offs
+    E = w_EKN.shape[0]
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        if torch.is_grad_enabled():  # recorded: the same products through the Function itself
+            dx = _RowInvariantGroupedGemm.apply(dy_RN, offs, w_EKN.transpose(1, 2), None)
+        else:
             dx = torch.zeros_like(x_RK)
             for e in range(E):
                 a, b = offs[e], offs[e + 1]
                 if b > a:
                     dx[a:b] = rowwise_mm(dy_RN[a:b], w_EKN[e].t())
-        if ctx.needs_input_grad[2]:
-            if ctx.defer is not None:
-                slot, site, w_param = ctx.defer
-                slot.add(w_param, site, x_RK, dy_RN, offs, grouped_wgrad)
-            else:
-                dw = grouped_wgrad(x_RK, dy_RN, offs, E)
-        return dx, None, dw, None
+    if ctx.needs_input_grad[2]:
+        if ctx.defer is not None:
+            slot, site, w_param = ctx.defer
+            slot.add(w_param, site, x_RK, dy_RN, offs, grouped_wgrad)
+        else:
+            dw = grouped_wgrad(x_RK, dy_RN, offs, E)
+    return dx, None, dw, None
+
+
+@first_order("a pipelined schedule's deferred weight gradient (fp64 reference)")
+def _deferred_first_order(ctx, dy_RN):
+    return _row_invariant_backward(ctx, dy_RN)
 
 
 def row_invariant_grouped_gemm(

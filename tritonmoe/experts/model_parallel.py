@@ -50,9 +50,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from tritonmoe.comm.errors import input_status, raise_rank_input_error
+from tritonmoe.core.autograd import first_order
 from tritonmoe.comm.executor import RealExecutor
 from tritonmoe.comm.partition import transpose_chunks_unchecked
 from tritonmoe.comm.programs.model_parallel import (
@@ -169,7 +169,7 @@ class _SplitSlices(torch.autograd.Function):
         return x[lo : lo + sizes[me]].clone()
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         path, group, sizes, kind = ctx.args
         rmax = max(sizes)
@@ -189,7 +189,7 @@ class _SplitRows(torch.autograd.Function):
         return x.index_select(0, indices[me])
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         path, group, indices, kind, R = ctx.args
         sizes = [int(i.numel()) for i in indices]
@@ -214,7 +214,7 @@ class _AllReduceGrad(torch.autograd.Function):
         return w.clone()
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         path, group = ctx.args
         ex = _executor(grad, path, "bwd")
@@ -252,7 +252,7 @@ class _GatherBatches(torch.autograd.Function):
         return g
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         path, group, tmax, T = ctx.args
         ex = _executor(grad, path, "bwd")
@@ -273,7 +273,7 @@ class _Dump(torch.autograd.Function):
         return x.index_select(0, index)
 
     @staticmethod
-    @once_differentiable
+    @first_order("the model-parallel (Parm) expert path")
     def backward(ctx, grad):
         (pos,) = ctx.saved_tensors
         return _sum_copies(grad, pos), None, None

@@ -4,7 +4,7 @@ and ring-memory expert offloading with a host LFU cache over a disk tier (SE-MoE
 §2.2 and §2.4)."""
 
 from ._released import ExpertsReleasedError, is_released, restore_experts
-from .offload import HostLFUCache, OffloadedExperts
+from .offload import HostLFUCache, OffloadChecksumError, OffloadedExperts
 from .placement import MAX_PACKED_PER_DEVICE, Placement, eplb_placement, lina_placement
 from .popularity import PopularityEstimator, choices_from_layers, l1_error, top_choices, top_k_match
 from .replicated import LinaScheduler, ReplicatedMoELayer
@@ -12,6 +12,7 @@ from .replicated import LinaScheduler, ReplicatedMoELayer
 __all__ = [
     "OffloadedExperts",
     "HostLFUCache",
+    "OffloadChecksumError",
     "PopularityEstimator",
     "choices_from_layers",
     "top_choices",

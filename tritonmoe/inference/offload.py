@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+import zlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Hashable, Optional, Sequence
@@ -40,7 +41,7 @@ from ._released import _Released, is_released, mark_released
 from tritonmoe.layer import MoELayer
 from tritonmoe.core.suggest import UNSET, renamed_argument
 
-__all__ = ["OffloadedExperts", "HostLFUCache"]
+__all__ = ["OffloadedExperts", "HostLFUCache", "OffloadChecksumError"]
 
 
 class HostLFUCache:
@@ -138,6 +139,12 @@ def _check_stack(layers: Sequence[torch.nn.Module], slots) -> tuple[list, list, 
     N = len(layers)
     if not isinstance(slots, int) or isinstance(slots, bool):
         raise TypeError(f"layer_slots must be an int, got {type(slots).__name__}")
+    if N < 2:
+        raise ValueError(
+            f"OffloadedExperts got {N} layer (layer_slots={slots}): a ring of K < N slots needs at least 2 layers, "
+            "and with one layer no layer_slots value is valid (the range 1 <= layer_slots < N is empty). Pass all "
+            "of the model's MoE layers, or keep a single layer resident (no OffloadedExperts)"
+        )
     if slots < 1 or slots >= N:
         raise ValueError(
             f"layer_slots={slots} for {N} layers: use 1 <= layer_slots < {N} (as many slots as layers offloads "
@@ -185,16 +192,37 @@ def _disk_cache(disk: bool, cache_bytes, cache_options, num_experts: int, record
     return HostLFUCache(cache_bytes // record_bytes, record_bytes, pin=pin, **(cache_options or {}))
 
 
-def _write_disk_tier(path: str, layers: list, parts: list, num_experts: int) -> None:
+class OffloadChecksumError(OSError):
+    """An expert record read back from the disk tier does not match the checksum computed when it
+    was written: the file changed on disk while the stack had it open."""
+
+
+def _write_disk_tier(path: str, layers: list, parts: list, num_experts: int) -> list[int]:
     """Write the layers' experts to ``path`` (overwritten): layer-major, then expert, then the
-    record's tensors (:func:`_record_layout`)."""
+    record's tensors (:func:`_record_layout`). Returns the CRC-32 of each record, in file order
+    (layer * E + expert), which every read verifies (:func:`_check_record`)."""
+    crcs = []
     with open(path, "wb") as f:
         for layer in layers:
             # host copies: writing the disk tier once, at construction (no forward runs here)
             ts = [getattr(layer, n).detach().cpu().contiguous() for n, *_ in parts]
             for e in range(num_experts):
-                for t in ts:
-                    f.write(t[e].reshape(-1).view(torch.uint8).numpy().tobytes())
+                record = b"".join(t[e].reshape(-1).view(torch.uint8).numpy().tobytes() for t in ts)
+                crcs.append(zlib.crc32(record))
+                f.write(record)
+    return crcs
+
+
+def _check_record(path: str, buf, crc: int, layer: int, expert: int) -> None:
+    """Raise :class:`OffloadChecksumError` when ``buf`` (one expert record read back) does not
+    match the CRC-32 written at construction."""
+    got = zlib.crc32(memoryview(buf))
+    if got != crc:
+        raise OffloadChecksumError(
+            f"{path}: layer {layer} expert {expert} read back with CRC-32 {got:#010x}, written as {crc:#010x}: the "
+            "offload file was changed on disk while the OffloadedExperts stack had it open. Do not write to it; "
+            "rebuild the stack from the model's weights (or a checkpoint) to rewrite it"
+        )
 
 
 def _host_copies(layers: list, names: list, *, pin: bool) -> list[dict]:
@@ -272,7 +300,7 @@ class OffloadedExperts:
         self._fd = None
         with torch.no_grad():
             if self.disk_path is not None:
-                _write_disk_tier(self.disk_path, layers, self._parts, E)
+                self._crcs = _write_disk_tier(self.disk_path, layers, self._parts, E)
                 self._fd = os.open(self.disk_path, os.O_RDONLY)
             self.host = None if self.disk_path is not None else _host_copies(layers, self.names, pin=cuda)
             self.slots = [{n: torch.empty(s, dtype=dt, device=self.device) for n, (s, dt) in shapes.items()}
@@ -325,6 +353,8 @@ class OffloadedExperts:
             raise OSError(f"{self.disk_path}: read {got} of {E * rec} bytes of layer {layer}; the file was truncated or "
                           "changed")
         rows = raw.view(E, rec)
+        for e in range(E):
+            _check_record(self.disk_path, rows[e].numpy(), self._crcs[layer * E + e], layer, e)
         return {n: rows[:, o:o + nb].contiguous().view(dt).view(E, *shape) for n, o, nb, dt, shape in self._parts}
 
     def _write_host(self, layer: int, values: dict) -> None:
@@ -362,6 +392,7 @@ class OffloadedExperts:
             if got != self.expert_bytes:
                 raise OSError(f"{self.disk_path}: read {got} of {self.expert_bytes} bytes of layer {layer} expert "
                               f"{expert}; the file was truncated or changed")
+            _check_record(self.disk_path, buf.numpy(), self._crcs[layer * self.num_experts + expert], layer, expert)
 
         return fill
 
