@@ -546,6 +546,9 @@ def _held_passes(layers: dict, x: torch.Tensor, ptrs: set, out: dict) -> None:
             with SavedBytes(ptrs) as sb:
                 before = allocated_bytes(dev)
                 y = layer(xi)
+                # every rank's forward is over, and gloo's worker threads have moved past its
+                # all-to-alls (a finished work's buffers are dropped by its thread, not by wait())
+                dist.barrier()
                 after = allocated_bytes(dev)
             if rep >= 1 and before is not None:
                 out["allocator"][s] = min(after - before, out["allocator"].get(s, after - before))
