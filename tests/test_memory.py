@@ -9,6 +9,7 @@ saved_tensors_hooks against the model, "auto" under a budget, and a budget below
 from __future__ import annotations
 
 import math
+import platform
 
 import pytest
 import torch
@@ -64,10 +65,40 @@ def test_strategies_bitwise_equal_and_saved_bytes_match_the_model(world_size):
         assert runs[0]["decided"], runs[0]
         assert len({s for _, s in runs[0]["ran"]}) == 5  # every strategy was measured
         assert runs[0]["profiled"] < 7 * 5  # fewer than the exhaustive (degree 2..8) x strategy profiles
+    if world_size == 2:
+        check_allocator_held([v["held"] for v in vals])
     for v in vals:
         auto = v["auto"]
         assert auto["chosen"] != "keep" and auto["budget"] < auto["keep_bytes"], auto
         assert auto["tiny"] is not None and "memory_budget_bytes=1" in auto["tiny"], auto
+
+
+def check_allocator_held(per_rank: list) -> None:
+    """Issue 35: the bytes held between forward and backward by the allocator's count (malloc's
+    counters on CPU, on the second pass; tests/_memory_cases.allocator_held at HELD_SPEC, E=8,
+    SwiGLU, k=2, n=4, fp32) on every rank. What MPMoE's strategies promise, against "keep":
+    "recompute" and "recomm" below 0.95x, "recomm_recompute" below 0.85x. Beside it the hooks'
+    count of the block's saved storages after the forward, which must equal the model's held
+    bytes, and the allocator's saving, which must equal the model's (the held bytes less the host
+    copies, which on a CPU device are in the same memory) to 10% of what "keep" holds."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc's counters are read through glibc's mallinfo2")
+    for r, h in enumerate(per_rank):
+        assert h["readable"], f"rank {r}: mallinfo2 unreadable"
+        alloc, hooks, model = h["allocator"], h["hooks"], h["model"]
+        keep = alloc["keep"]
+        table = {s: f"{b / 2**20:.2f} MiB ({b / keep:.3f}x)" for s, b in alloc.items()}
+        assert keep >= model["keep"]["held"] > 0, (r, table, model)  # "keep" holds at least its DI and MI
+        assert alloc["recompute"] < 0.95 * keep, (r, table)
+        assert alloc["recomm"] < 0.95 * keep, (r, table)
+        assert alloc["recomm_recompute"] < 0.85 * keep, (r, table)
+        for s in alloc:
+            assert hooks[s] == model[s]["held"], (r, s, hooks, model)
+            saving = model["keep"]["held"] - model[s]["held"] - model[s]["host"]
+            # 10%: malloc's counters read up to ~1 MiB (9% of "keep" here) high now and then, a
+            # buffer of a finished all-to-all still held by a gloo thread; a buffer the block
+            # failed to free, or host copies it did not report, are 20% and more
+            assert abs((keep - alloc[s]) - saving) <= 0.10 * keep, (r, s, table, saving, model)
 
 
 # -- the restore schedule and the model ---------------------------------------------------------
@@ -96,11 +127,15 @@ def test_restore_schedule_is_what_a_slot_simulation_loses(n, slots):
 @given(rows=st.lists(st.integers(0, 50), min_size=1, max_size=8), d=st.integers(1, 16), n1=st.integers(1, 32))
 def test_expert_block_bytes(rows, d, n1):
     keep = expert_block_bytes(rows, d, n1, "keep", 4)
-    assert keep["device"] == 4 * sum(rows) * (d + n1) and keep["host"] == 0
+    assert keep["device"] == keep["held"] == 4 * sum(rows) * (d + n1) and keep["host"] == 0
     n = len(rows)
     for s in ("offload", "recomm", "recompute", "recomm_recompute"):
         b = expert_block_bytes(rows, d, n1, s, 4)
         assert b["device"] == 4 * max(rows) * (min(n, 2) * d + n1)  # DI double-, MI single-buffered
+        # held after the forward: the buffers with one occupant (their contents are read as they
+        # are): n = 1 both, n = 2 the two DI buffers, n = 3 DI buffer 1, n >= 4 none
+        held_di = {1: 1, 2: 2, 3: 1}.get(n, 0)
+        assert b["held"] == 4 * max(rows) * (held_di * d + (n == 1) * n1)
         lay = memory_layout(s, n)
         host = 4 * (sum(rows[i] for i in lay.di_offloaded) * d + sum(rows[i] for i in lay.mi_offloaded) * n1)
         assert b["host"] == host
@@ -108,6 +143,7 @@ def test_expert_block_bytes(rows, d, n1):
         # those a second buffer does not keep (none at n = 2), so at most the same host bytes
         b2 = expert_block_bytes(rows, d, n1, s, 4, 2)
         assert b2["device"] == 4 * max(rows) * min(n, 2) * (d + n1)
+        assert b2["held"] == 4 * max(rows) * held_di * (d + n1)  # MI double-buffered like DI
         lay2 = memory_layout(s, n, 2)
         assert lay2.di_restore == lay.di_restore and lay2.mi_restore == restore_schedule(n, 2)
         assert b2["host"] <= b["host"]

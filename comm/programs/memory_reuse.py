@@ -383,6 +383,7 @@ class _Memory:
         self.recomm: dict = {}
         self.mi_pending: dict = {}  # micro-op -> its MI restore, issued after the previous reader
         self.d2h = {"di": 0, "mi": 0}  # bytes copied out (reported in the pass statistics)
+        self.released: list = []  # (storage, bytes) of the buffers freed between forward and backward
 
     def wslot(self, i: int):
         return self.wgrads.slot(i) if self.wgrads is not None else None
@@ -503,8 +504,35 @@ class _Memory:
             _alias(self.mi_buf[s], R, self.n1).copy_(h)
             self.mi_owner[s] = i
 
+    def release(self) -> None:
+        """At the end of the forward: free the shared buffers whose contents no backward reads,
+        so that they are not held between forward and backward. A buffer shared by more than one
+        micro-op (slot s of ``slots`` when s + slots < n) ends the forward holding its last
+        occupant, whose backward restores it anyway (the backward reads micro-op s first and
+        refills the buffer before each later occupant): its bytes are dead. The host copies still
+        reading such a buffer are waited for first; :meth:`revive` allocates the storage again
+        when the backward starts (the saved views of the buffer then see it again)."""
+        lay = self.layout
+        if not lay.reuse:
+            return
+        for kind, bufs, slots in (("di", self.di_buf, lay.di_slots), ("mi", self.mi_buf, lay.mi_slots)):
+            for s, buf in enumerate(bufs):
+                if s + slots < lay.n:  # more than one occupant: every one of them is restored
+                    self._evict(kind, s)
+                    st = buf.untyped_storage()
+                    self.released.append((st, st.nbytes()))
+                    st.resize_(0)
+
+    def revive(self) -> None:
+        """At the start of the backward: the storage of the buffers :meth:`release` freed, again
+        (uninitialized: every micro-op in them is restored before it is read)."""
+        for st, nbytes in self.released:
+            st.resize_(nbytes)
+        self.released = []
+
     def close(self) -> None:
         self.di_buf = self.mi_buf = []
+        self.released = []
         self.host_di, self.host_mi, self.recomm, self.mi_pending = {}, {}, {}, {}
 
 
@@ -564,10 +592,16 @@ class _MemoryPipelinedExperts(torch.autograd.Function):
                 x_leaf = x.detach().requires_grad_(True)
                 y = _ExpertFFN.apply(mem, i, x_leaf, *w)
             mem.offload(i)
+            out = state.ffn.to_source_major(i, y.detach())
+            if out.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+                # the expert output (the paper's T_DO) is not read in backward: only its graph
+                # node is kept (for autograd.grad, which needs y's metadata, not its data)
+                y.untyped_storage().resize_(0)
             state.graphs[i] = (x_leaf, y)
-            return state.ffn.to_source_major(i, y.detach())
+            return out
 
         backs = forward_pass(ex, sends, plan, expert_fwd, group=state.group)
+        mem.release()  # the shared buffers whose contents the backward restores anyway
         if state.trace is not None:
             state.trace.extend(ex.trace)
         state.out_width = [b.shape[1] for b in backs]
@@ -598,6 +632,7 @@ class _MemoryPipelinedExperts(torch.autograd.Function):
             dys.append(g.contiguous())
         ex = RealExecutor(dys[0].device, phase="bwd", timeline=state.timeline, scheduler=state.scheduler)
         mem.ex = ex
+        mem.revive()
 
         def expert_bwd(i: int, dy_src: torch.Tensor) -> torch.Tensor:
             x_leaf, y = state.graphs[i]

@@ -28,6 +28,11 @@ receives. Adapting the paper to the real tensors:
 
   or, with ``mi_buffers=2`` (``MoEConfig.memory_mi_buffers``), min(n, 2) MI buffers too:
   ``device = min(n, 2) * (d + n1) * max_i R_i``;
+* held between forward and backward (``held``): "keep" all of ``device``; a reuse strategy only
+  the buffers with a single occupant (slot s of k buffers with s + k >= n): a buffer shared by
+  several micro-ops ends the forward holding one whose backward restores it anyway, so the block
+  frees it after the forward and allocates it again when its backward starts (at n >= 4 with one
+  MI buffer: nothing; the expert outputs, the paper's T_DO, are not held either);
 
   (the paper's T_DO / T_O buffers are not this block's: the combine's outputs are kept by the
   unpermute for the routing weights' gradient);
@@ -116,9 +121,12 @@ def paper_memory(M: int, H: int, E: int, B: int, n: int) -> dict:
 def expert_block_bytes(rows: Sequence[int], d_model: int, n1: int, strategy: str, element_size: int,
                        mi_buffers: int = MI_SLOTS) -> dict:
     """Bytes the managed expert block keeps for backward on one rank whose micro-ops receive
-    ``rows[i]`` rows: ``device`` (saved DI and MI: separate tensors or the shared buffers) and
-    ``host`` (the copies a strategy offloads), with ``mi_buffers`` shared MI buffers. See the
-    module docstring for the adaptation."""
+    ``rows[i]`` rows: ``device`` (saved DI and MI: separate tensors or the shared buffers, the
+    block's working set during its forward and its backward), ``held`` (the part of ``device``
+    still allocated between forward and backward: the buffers whose contents the backward reads
+    without restoring them) and ``host`` (the copies a strategy offloads; on a CPU device they are
+    in the same memory, so the bytes held there are ``held + host``), with ``mi_buffers`` shared
+    MI buffers. See the module docstring for the adaptation."""
     n = len(rows)
     if n < 1:
         raise ValueError("rows must list at least one micro-op")
@@ -127,12 +135,16 @@ def expert_block_bytes(rows: Sequence[int], d_model: int, n1: int, strategy: str
     lay = memory_layout(strategy, n, mi_buffers)
     es = int(element_size)
     if not lay.reuse:
-        device = sum(rows) * (d_model + n1) * es
+        device = held = sum(rows) * (d_model + n1) * es
     else:
         top = max(rows)
         device = (lay.di_slots * d_model + lay.mi_slots * n1) * top * es
+        # a buffer shared by several micro-ops (slot s + slots < n) is freed after the forward:
+        # its last occupant is restored in backward anyway (memory_reuse._Memory.release)
+        live = lambda slots: sum(1 for s in range(slots) if s + slots >= n)  # noqa: E731
+        held = (live(lay.di_slots) * d_model + live(lay.mi_slots) * n1) * top * es
     host = (sum(rows[i] for i in lay.di_offloaded) * d_model + sum(rows[i] for i in lay.mi_offloaded) * n1) * es
-    return {"device": int(device), "host": int(host), "layout": lay}
+    return {"device": int(device), "held": int(held), "host": int(host), "layout": lay}
 
 
 # ---------------------------------------------------------------------------------------------
