@@ -287,13 +287,19 @@ def simulate_lina_step(
     bucket_bytes: int = 25 * 2**20,
     packing: int = 1,
     pipeline_degree: int = 1,
+    symmetric: bool = False,
 ) -> LinaStep:
     """Simulate one training step of ``model`` on ``world_size`` GPUs of a cluster: expert
     parallelism over ``world_size / packing`` ranks (``packing`` replicas per expert, their
     gradients reduced over the expert-data-parallel group), dense gradients over all ranks
     (mesh ``(dp=packing, ep=world_size/packing)``, ep innermost, as :class:`MoEMesh`); ``comm``
     "fifo" (DDP buckets, concurrent with the all-to-alls) or "lina" (micro-ops of at most
-    ``chunk_bytes`` behind the all-to-alls; None: priority without partitioning)."""
+    ``chunk_bytes`` behind the all-to-alls; None: priority without partitioning).
+
+    ``symmetric``: record rank 0's program only and run the engine's symmetric mode (every
+    other rank mirrors it: exact under the uniform routing this step uses, since every rank
+    runs the same program up to its peers; about P times cheaper). The sizing search
+    (:mod:`tritonmoe.plan.sizing`) uses it."""
 
 
     if comm not in ("fifo", "lina", "none"):
@@ -317,7 +323,7 @@ def simulate_lina_step(
     local_experts = cfg.num_experts // ep
     expert_grad_bytes = local_experts * (cfg.d_model * cfg.n1 + cfg.d_ffn * cfg.d_model) * s
     progs = []
-    for r in range(P):
+    for r in (range(1) if symmetric else range(P)):
         dp_c, ep_c = divmod(r, ep)
         ep_group = VirtualGroup(tuple(dp_c * ep + j for j in range(ep)))
         expert_group = VirtualGroup(tuple(i * ep + ep_c for i in range(p))) if p > 1 else None
@@ -328,7 +334,7 @@ def simulate_lina_step(
         _rank_step(ex, model, st, cost, comm=comm, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes, dense_group=dense,
                    expert_group=expert_group, expert_grad_bytes=expert_grad_bytes)
         progs.append(ex.program)
-    res = engine.run(progs, cost)
+    res = engine.run(progs, cost, symmetric=bool(symmetric))
     ops, tim = progs[0].ops, res.timings[0]
     a2a = [(o, t) for o, t in zip(ops, tim) if o.op == "all_to_all" and o.kind in ("dispatch", "combine")]
     g0 = a2a[0][0].group.ranks if a2a else (0,)

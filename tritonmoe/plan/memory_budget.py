@@ -431,7 +431,8 @@ def _check_inputs(model, world_size, ep_size, tokens_per_gpu, seq_len, setup, me
 def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu: int, seq_len: int,
                    setup: TrainingSetup = TrainingSetup(), memory_strategy: str = "keep", pipeline_degree: int = 1,
                    capacity_factor: Optional[float] = None, expert_replicas: Optional[int] = None,
-                   routing_imbalance: float = 1.0, mi_buffers: int = 1) -> MemoryEstimate:
+                   routing_imbalance: float = 1.0, mi_buffers: int = 1, mp_size: int = 1,
+                   parm_schedule: str = "s1") -> MemoryEstimate:
     """Device bytes per GPU of ``model`` (a :class:`ModelSpec` or anything
     :func:`~tritonmoe.plan.models.get_model` takes) on ``world_size`` GPUs with expert-parallel
     groups of ``ep_size`` (DP = world_size / ep_size), ``tokens_per_gpu`` tokens per micro-batch
@@ -447,6 +448,22 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
             (default: the fewest that place evenly).
         routing_imbalance: the most loaded rank's received rows over the balanced T*k (assumed;
             1.0: balanced).
+        mp_size, parm_schedule: Parm's layout (:mod:`tritonmoe.experts.model_parallel`): the
+            dense part tensor-parallel over MP groups of ``mp_size`` GPUs and every expert sharded
+            over them (n_esp = n_mp = mp_size, ESP-inner), DP = world_size / (ep_size * mp_size);
+            ``parm_schedule`` ("baseline", "s1", "s2") sets the MoE activations. With
+            ``mp_size > 1``: the routed experts' weights, gradients and optimizer state divide by
+            MP (each GPU holds a 1/MP slice of the hidden units of E/EP experts); so do the
+            dense part's (Megatron: attention, dense MLPs, shared experts, embedding and LM head
+            split over MP; norms and routers replicated); the attention / dense activations are
+            those of ``tokens_per_gpu`` tokens (assumed: Megatron tensor + sequence parallelism
+            over the MP group's batch of ``tokens_per_gpu * mp_size`` tokens); the MoE layers hold
+            what Parm's path holds: the router on the rank's tokens (S1: its 1/MP slice,
+            ``tokens_per_gpu``; S2 and the baseline: the whole batch), and the expert block on
+            the rows Dump delivers, each row once per shard (S1/S2: ``mp_size`` x T*k rows of the
+            shard's width d_ffn/MP; the baseline: every MP rank processes its copy, ``mp_size``
+            times more). Parm's path runs the layer's default expert block (``memory_strategy``
+            must be None, ``pipeline_degree`` 1).
 
     Raises:
         ValueError / TypeError naming the value and the fix (unknown model, ep_size not dividing
@@ -455,19 +472,25 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
                       capacity_factor, routing_imbalance)
     S = setup
     training = S.training
-    local, replicas = _experts_per_rank(m, world_size, ep_size, training, expert_replicas)
-    dp = world_size // ep_size
+    mp = _check_mp(m, world_size, ep_size, mp_size, parm_schedule, memory_strategy, pipeline_degree)
+    local, replicas = _experts_per_rank(m, world_size // mp, ep_size, training, expert_replicas)
+    dp = world_size // (ep_size * mp)
     parts = m.params_by_part()
     per_expert = m.expert_params_per_layer() // m.num_experts
-    expert_params = m.moe_layers * local * per_expert
+    expert_params = math.ceil(m.moe_layers * local * per_expert / mp)
     dense_params = m.total_params() - parts["routed_experts"]
+    if mp > 1:
+        replicated = parts["norms"] + parts["router"]
+        dense_params = replicated + math.ceil((dense_params - replicated) / mp)
     pe = _itemsize(S.param_dtype)
     rows: list = [
-        MemoryRow("weights: dense (replicated)", dense_params * pe, "exact",
+        MemoryRow("weights: dense (replicated)" if mp == 1 else f"weights: dense (tensor-parallel over MP={mp})",
+                  dense_params * pe, "exact",
                   f"{dense_params / 1e9:.3f}B params x {pe} B"),
         MemoryRow("weights: routed experts", expert_params * pe, "exact",
                   f"{local} of {m.num_experts} experts x {m.moe_layers} MoE layers"
-                  + (f" ({replicas} replicas of each)" if replicas > 1 else "")),
+                  + (f" ({replicas} replicas of each)" if replicas > 1 else "")
+                  + (f", a 1/{mp} shard of each (Parm's ESP over the MP group)" if mp > 1 else "")),
     ]
     assumptions = []
     if training:
@@ -475,7 +498,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
         rows.append(MemoryRow("gradients", (dense_params + expert_params) * ge, "exact",
                               f"{ge} B per parameter"))
         # ZeRO-1: a parameter's optimizer state (and master copy) is split over its DP group
-        shard_dense = world_size if S.shard_optimizer else 1
+        shard_dense = world_size // mp if S.shard_optimizer else 1
         shard_exp = dp if S.shard_optimizer else 1
         owned = math.ceil(dense_params / shard_dense) + math.ceil(expert_params / shard_exp)
         shard_note = f", sharded over DP (dense / {shard_dense}, experts / {shard_exp})" if S.shard_optimizer else ""
@@ -488,19 +511,53 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
         rows.append(MemoryRow(f"optimizer state ({S.optimizer})", owned * k * se + steps, "exact",
                               f"{what} x {se} B" + (" + a 4 B step per tensor" if steps else "") + shard_note))
     rows.extend(_activation_rows(m, S, tokens_per_gpu, seq_len, memory_strategy, pipeline_degree, capacity_factor,
-                                 routing_imbalance, mi_buffers, ep_size))
+                                 routing_imbalance, mi_buffers, ep_size, (mp, parm_schedule)))
     host = rows.pop()  # _activation_rows returns the host bytes last
     R = _routed_rows(m, tokens_per_gpu, capacity_factor, routing_imbalance)
     assumptions.append(f"routing: the most loaded rank's experts receive {R} rows per MoE layer "
                        f"({routing_imbalance:g} x T*k" + (f", capacity factor {capacity_factor:g}" if capacity_factor
                                                           else ", dropless") + ")")
+    if mp > 1:
+        assumptions.append(f"Parm layout: dense part tensor-parallel and experts sharded over MP={mp} (Megatron tensor "
+                           f"+ sequence parallelism for the dense activations), schedule {parm_schedule!r}")
     params = dict(world_size=world_size, ep_size=ep_size, tokens_per_gpu=tokens_per_gpu, seq_len=seq_len,
                   memory_strategy=memory_strategy, pipeline_degree=pipeline_degree, capacity_factor=capacity_factor,
                   expert_replicas=expert_replicas, routing_imbalance=routing_imbalance, mi_buffers=mi_buffers)
+    if mp > 1:
+        params.update(mp_size=mp, parm_schedule=parm_schedule)
     return MemoryEstimate(tuple(rows), m, S, params, host, tuple(a for a in assumptions if a))
 
 
-def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, mi_buffers, ep) -> list:
+def _check_mp(m: ModelSpec, world: int, ep: int, mp: Any, schedule: Any, strategy: Any, n: int) -> int:
+    """``mp_size`` checked against the layout (see :func:`memory_per_gpu`)."""
+    mp = _pos_int("mp_size", mp)
+    if mp == 1:
+        return 1
+    if world % (ep * mp):
+        raise ValueError(f"mp_size={mp} x ep_size={ep} does not divide world_size={world}; use mp_size in "
+                         f"{[d for d in _divisors(world // ep) if d > 1] or [1]} (EP x MP x DP = world_size)")
+    if m.d_ffn % mp:
+        raise ValueError(f"mp_size={mp} does not divide d_ffn={m.d_ffn}: Parm shards each expert's hidden units over "
+                         f"the MP group; use an mp_size dividing {m.d_ffn}")
+    if schedule not in ("baseline", "s1", "s2"):
+        raise ValueError(f"parm_schedule={schedule!r}; use 'baseline', 's1' or 's2'")
+    if strategy is not None or n != 1:
+        raise ValueError(f"memory_strategy={strategy!r}, pipeline_degree={n} with mp_size={mp}: Parm's path runs the "
+                         "layer's default expert block; pass memory_strategy=None and pipeline_degree=1")
+    return mp
+
+
+def _parm_moe_bytes(m: ModelSpec, S, T: int, R: int, mp: int, schedule: str) -> dict:
+    """What one Parm MoE layer keeps on a GPU (see :func:`memory_per_gpu`, ``mp_size``)."""
+    shard = replace(m, d_ffn=m.d_ffn // mp)
+    toks = T if schedule == "s1" else T * mp
+    rows = R * mp * (mp if schedule == "baseline" else 1)
+    return moe_layer_saved_bytes(shard, toks, rows, memory_strategy=None, pipeline_degree=1, dtype=S.param_dtype,
+                                 expert_parallel=True)
+
+
+def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, mi_buffers, ep,
+                     parm: tuple = (1, "s1")) -> list:
     """The activation rows (and, last, the host bytes as a bare int)."""
     es = _itemsize(S.param_dtype)
     V = m.vocab_size
@@ -532,12 +589,18 @@ def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, 
         note = f"Korthikanti et al. 2022 adapted: {a_el} values/token/layer (FlashAttention, no dropout)"
     rows.append(MemoryRow("activations: attention + dense MLPs", attn, "formula", note))
     R = _routed_rows(m, T, capacity_factor, imbalance)
-    moe = moe_layer_saved_bytes(m, T, R, memory_strategy=strategy, pipeline_degree=n, dtype=S.param_dtype,
-                                mi_buffers=mi_buffers, expert_parallel=ep > 1)
-    shared = T * 4 * m.n_shared_experts * m.shared_d_ffn * es if m.n_shared_experts else 0
-    rows.append(MemoryRow("activations: MoE layers", m.moe_layers * (moe["total"] + shared), "formula",
-                          f"memory_strategy={strategy!r}, pipeline_degree={n}: {R} rows per layer "
-                          "(tritonmoe's layer: router, combine, expert block)"))
+    mp, sched = parm
+    if mp > 1:
+        moe = _parm_moe_bytes(m, S, T, R, mp, sched)
+        note = (f"Parm {sched!r} over MP={mp}: {R * mp * (mp if sched == 'baseline' else 1)} rows of the 1/{mp} "
+                "expert shard per layer (router, combine, expert block)")
+    else:
+        moe = moe_layer_saved_bytes(m, T, R, memory_strategy=strategy, pipeline_degree=n, dtype=S.param_dtype,
+                                    mi_buffers=mi_buffers, expert_parallel=ep > 1)
+        note = (f"memory_strategy={strategy!r}, pipeline_degree={n}: {R} rows per layer "
+                "(tritonmoe's layer: router, combine, expert block)")
+    shared = T * 4 * m.n_shared_experts * m.shared_d_ffn * es // mp if m.n_shared_experts else 0
+    rows.append(MemoryRow("activations: MoE layers", m.moe_layers * (moe["total"] + shared), "formula", note))
     # logits in the compute dtype and the fp32 log-softmax cross-entropy keeps
     rows.append(MemoryRow("activations: logits + loss", T * V * (es + 4), "formula",
                           f"[{T}, {V}] logits and their fp32 log-softmax"))
@@ -566,7 +629,7 @@ def _variants(est: MemoryEstimate) -> list:
             out.append((f"no fp32 master weights (optimizer state in {str(S.param_dtype).replace('torch.', '')}; "
                          "changes the numerics)", replace(S, master_weights=False), p))
         best = None
-        for s in STRATEGIES[1:]:
+        for s in (STRATEGIES[1:] if p.get("mp_size", 1) == 1 else ()):  # Parm's path: the default block
             for n in (2, 4, 8):
                 if n > p["tokens_per_gpu"] or (s, n) == (p["memory_strategy"], p["pipeline_degree"]):
                     continue

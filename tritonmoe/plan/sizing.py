@@ -36,19 +36,24 @@ group; when E does not divide the world, EP x DP with an EP size dividing E is o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
+
+import torch
 
 from tritonmoe.comm.executor import Work
 from tritonmoe.comm.programs.memory_reuse import STRATEGIES
 from tritonmoe.config import MoEConfig
 from tritonmoe.core.suggest import did_you_mean
 from tritonmoe.sim.cost_model import PRESETS, Cluster, CostModel
-from tritonmoe.sim.parm_model import simulate_all_to_all
-from tritonmoe.sim.simulate import routing_counts, simulate
+from tritonmoe.parm_layout import ParmLayout
+from tritonmoe.sim.parm_model import simulate_all_to_all, simulate_parm
+from tritonmoe.sim.simulate import SimTimeline, routing_counts, simulate
 
+from .lina import LinaModel, packing_candidates, simulate_lina_step
 from .memory_budget import GiB, MemoryEstimate, TrainingSetup, device_memory_bytes, memory_per_gpu
 from .models import ModelSpec, get_model
 
@@ -63,13 +68,20 @@ __all__ = ["size", "SizingReport", "SizingCandidate", "SizingError", "TIE_TOLERA
 TIE_TOLERANCE = 0.143
 TIE_SOURCE = "measured on this machine: the simulator's median error, 9.6-14.3% in six bench-plan runs (docs/planner.md)"
 #: What "simpler" means between tied candidates, most important first.
-SIMPLER = ("smaller EP", "pipeline degree 1", "the layer's default memory path (None), then 'keep'",
-           "no expert replication", "dropless", "flat all-to-all")
+SIMPLER = ("no model parallelism (MP=1)", "smaller EP", "pipeline degree 1",
+           "the layer's default memory path (None), then 'keep'", "no expert replication", "dropless",
+           "flat all-to-all", "the FIFO (DDP) gradient all-reduce")
+#: Lina's priority is simulated (:func:`tritonmoe.plan.lina.simulate_lina_step`) for the top
+#: candidates only: those within the tie tolerance of the winner plus the next one, at most this many.
+LINA_TOP = 6
+#: Lina's micro-op size (001 section 7.1's default, 30 MB).
+LINA_CHUNK_BYTES = 30 * 2**20
 DEFAULT_CAPACITY_FACTORS = (None, 1.0, 1.25)
 DEFAULT_DEGREES = (1, 2, 4)
 #: None: the layer's default, unmanaged expert block (no MPMoE memory strategy); then the five.
 DEFAULT_MEMORY_STRATEGIES = (None, *STRATEGIES)
 _EXCHANGES_PER_LAYER = 4  # dispatch and combine, forward and backward
+PARM_SCHEDULES = ("s1", "s2", "baseline")  # the order parm_model.choose_parm breaks ties in
 
 
 class SizingError(ValueError):
@@ -96,6 +108,9 @@ class SizingCandidate:
     memory: MemoryEstimate
     capacity_bytes: int
     expert_replicas: int = 1
+    mp_size: int = 1
+    parm_schedule: Optional[str] = None
+    gradient_sync: str = "fifo"
 
     @property
     def fits(self) -> bool:
@@ -112,21 +127,36 @@ class SizingCandidate:
     def values(self) -> dict:
         return {"ep_size": self.ep_size, "dp_size": self.dp_size, "capacity_factor": self.capacity_factor,
                 "pipeline_degree": self.pipeline_degree, "memory_strategy": self.memory_strategy,
-                "all_to_all": self.all_to_all, "expert_replicas": self.expert_replicas}
+                "all_to_all": self.all_to_all, "expert_replicas": self.expert_replicas, "mp_size": self.mp_size,
+                "parm_schedule": self.parm_schedule, "gradient_sync": self.gradient_sync}
 
     def label(self) -> str:
         cf = "dropless" if self.capacity_factor is None else f"capacity factor {self.capacity_factor:g}"
         mem = "the layer's default memory path" if self.memory_strategy is None else \
             f"memory strategy {self.memory_strategy!r}"
+        lina = ", Lina's priority gradient all-reduce" if self.gradient_sync == "lina" else ""
+        if self.mp_size > 1:
+            return (f"EP={self.ep_size} x MP={self.mp_size} x DP={self.dp_size}, {cf}, Parm schedule "
+                    f"{self.parm_schedule!r} (experts sharded over MP){lina}")
         return (f"EP={self.ep_size} x DP={self.dp_size}, {cf}, pipeline degree {self.pipeline_degree}, "
-                f"{mem}, {self.all_to_all} all-to-all")
+                f"{mem}, {self.all_to_all} all-to-all{lina}")
+
+    def program_key(self) -> tuple:
+        """What the simulated program depends on, all but the capacity factor."""
+        return (self.ep_size, self.mp_size, self.pipeline_degree, self.memory_strategy, self.all_to_all,
+                self.parm_schedule, self.gradient_sync)
+
+    def schedule_label(self) -> str:
+        """The table's "sched" cell: Parm's schedule where MP > 1, "lina" for Lina's priority."""
+        out = [f"parm:{self.parm_schedule}"] if self.mp_size > 1 else []
+        return "+".join(out + (["lina"] if self.gradient_sync == "lina" else [])) or "-"
 
     def simplicity(self) -> tuple:
         """Sort key of :data:`SIMPLER` (smaller is simpler)."""
         mem = DEFAULT_MEMORY_STRATEGIES.index(self.memory_strategy)
-        return (self.ep_size, self.pipeline_degree != 1, min(mem, 2), self.expert_replicas != 1,
-                self.capacity_factor is not None, self.all_to_all != "flat", self.pipeline_degree, mem,
-                self.capacity_factor or 0.0)
+        return (self.mp_size != 1, self.ep_size, self.pipeline_degree != 1, min(mem, 2), self.expert_replicas != 1,
+                self.capacity_factor is not None, self.all_to_all != "flat", self.gradient_sync != "fifo",
+                self.pipeline_degree, mem, self.capacity_factor or 0.0, self.mp_size)
 
     def to_dict(self) -> dict:
         return {**self.values, "step_time_s": self.step_time, "fits": self.fits, "shortfall_bytes": self.shortfall,
@@ -167,6 +197,7 @@ class SizingReport:
     tie_tolerance: float = TIE_TOLERANCE
     notes: list = field(default_factory=list)
     efficiency: dict = field(default_factory=dict)
+    lina: dict = field(default_factory=dict)
 
     @property
     def fitting(self) -> list:
@@ -181,8 +212,7 @@ class SizingReport:
         """The fastest fitting candidate that differs from the winner in more than the capacity
         factor (a capacity that drops nothing runs the same program; None if there is none)."""
         w = self.winner
-        same = lambda c: (c.ep_size, c.pipeline_degree, c.memory_strategy, c.all_to_all, c.step_time) == (  # noqa: E731
-            w.ep_size, w.pipeline_degree, w.memory_strategy, w.all_to_all, w.step_time)
+        same = lambda c: c.program_key() + (c.step_time,) == w.program_key() + (w.step_time,)  # noqa: E731
         return next((c for c in self.fitting[1:] if not same(c)), None)
 
     @property
@@ -236,20 +266,61 @@ class SizingReport:
         elif r is not None:
             out.append(f"The winner leads by more than the simulator's median error "
                        f"({100 * self.tie_tolerance:.1f}%) [{TIE_SOURCE}].")
+        out.extend(self._parm_sentences())
+        out.extend(self._lina_sentences())
         out.extend(self._misfit_sentences())
         out.extend(self.notes)
         if self.step_provenance.startswith("assumed"):
             out.append(f"Provenance: step times are {self.step_provenance} (spec-sheet peak rates x efficiencies "
                        f"assumed once for every cluster, {self.efficiency}); the dense part is a roofline of its "
-                       "FLOPs at that GEMM rate; the gradient all-reduce is assumed overlapped with the backward.")
+                       "FLOPs at that GEMM rate; the gradient all-reduce is assumed overlapped with the backward "
+                       "(Lina's variants: simulated with contention and priority).")
         return out
 
     @staticmethod
     def _layouts(cands: list) -> str:
         """"N candidates", or "N layouts (M candidates ...)" where capacity factors change nothing."""
-        n = len({(c.ep_size, c.pipeline_degree, c.memory_strategy, c.all_to_all, c.step_time) for c in cands})
+        n = len({c.program_key() + (c.step_time,) for c in cands})
         return (f"{len(cands)} candidates" if n == len(cands) else
                 f"{n} layouts ({len(cands)} candidates, counting capacity factors that change nothing)")
+
+    def _parm_sentences(self) -> list:
+        """Which Parm schedule won for the best EP x MP candidate, why, and where it ranks."""
+        parm = [c for c in self.candidates if c.mp_size > 1]
+        if not parm:
+            return []
+        best = min(parm, key=lambda c: (not c.fits, c.step_time if c.fits else c.shortfall))
+        p, prov, w = best.breakdown["parm"], self.step_provenance, self.winner
+        times = ", ".join(f"{s} {_ms(p['layer_step_s'][s])}" for s in p["order"])
+        where = ("it is the winner" if best is w else
+                 f"{100 * (best.step_time / w.step_time - 1):+.1f}% against the winner" if best.fits else
+                 f"it does not fit ({best.shortfall / GiB:.1f} GiB short)")
+        return [f"Parm (applies: {p['applies']}): the best model-parallel candidate is {best.label()}, "
+                f"{_ms(best.step_time)} per step, {where} [{prov}]. Parm's schedule {p['schedule']!r} won per MoE "
+                f"layer ({times}, simulated by sim.parm_model: what parm_schedule='auto' picks): {p['why']}; the "
+                f"dense part's tensor-parallel all-reduces add {_ms(best.breakdown['tensor_parallel_comm'])} [{prov}]."]
+
+    def _lina_sentences(self) -> list:
+        """Whether Lina's priority changes the winner, and by how much (simulated)."""
+        info = self.lina
+        if not info.get("variants"):
+            return []
+        before, w = info["before"], self.winner
+        best = min(info["variants"], key=lambda c: c.step_time)
+        r = best.breakdown["lina"]
+        head = (f"Lina's priority of the all-to-all over the gradient all-reduce (micro-ops of "
+                f"{r['chunk_bytes'] // 2**20} MB) was simulated for the top {len(info['evaluated'])} candidates "
+                f"({info['simulations']} runs of plan.lina.simulate_lina_step: FIFO DDP buckets sharing the network "
+                f"vs priority, the ratio applied to each candidate's step) [simulated; {self.step_provenance}]: ")
+        if w.gradient_sync == "lina":
+            gain = 100 * (1 - w.step_time / before.step_time)
+            verdict = ("it changes the winner to " if w.program_key()[:-1] != before.program_key()[:-1] else
+                       "it keeps the winner's layout and speeds it up: ")
+            return [head + verdict + f"{w.label()}, {_ms(w.step_time)} against {_ms(before.step_time)} without it "
+                    f"({gain:.1f}% faster; Lina's FIFO step {_ms(r['fifo_step_s'])} -> {_ms(r['lina_step_s'])})."]
+        return [head + f"it does not change the winner: its best variant, {best.label()}, takes "
+                f"{_ms(best.step_time)} ({100 * (best.step_time / w.step_time - 1):+.1f}% against the winner; "
+                f"Lina's simulator: FIFO {_ms(r['fifo_step_s'])}, priority {_ms(r['lina_step_s'])})."]
 
     def _misfit_sentences(self) -> list:
         bad = [c for c in self.candidates if not c.fits]
@@ -277,10 +348,11 @@ class SizingReport:
         """The ranked candidates as an aligned text table (the first ``limit`` that fit, then
         the closest that do not). Candidates that differ only in a capacity factor that changes
         neither their step time nor their memory share a row (capacity "dropless|1|1.25")."""
-        head = ["EP", "DP", "capacity", "degree", "memory", "a2a", "step ms", "vs best", "exposed", "GiB/GPU", ""]
+        head = ["EP", "MP", "DP", "capacity", "degree", "memory", "a2a", "sched", "step ms", "vs best", "exposed",
+                "GiB/GPU", ""]
         groups: dict = {}
         for c in self.candidates:
-            key = (c.ep_size, c.pipeline_degree, c.memory_strategy, c.all_to_all, c.step_time, c.memory.total_bytes)
+            key = c.program_key() + (c.step_time, c.memory.total_bytes)
             groups.setdefault(key, []).append(c)
         firsts = [g[0] for g in groups.values()]
         shown = [c for c in firsts if c.fits][:limit] + [c for c in firsts if not c.fits][:max(0, limit // 3)]
@@ -288,14 +360,13 @@ class SizingReport:
         rows = []
         for c in shown:
             b = c.breakdown
-            same = groups[(c.ep_size, c.pipeline_degree, c.memory_strategy, c.all_to_all, c.step_time,
-                           c.memory.total_bytes)]
+            same = groups[c.program_key() + (c.step_time, c.memory.total_bytes)]
             cap = "|".join("dropless" if g.capacity_factor is None else f"{g.capacity_factor:g}" for g in same)
             mark = ("<- winner" if c is self.winner else "") if c.fits else f"short {c.shortfall / GiB:.1f} GiB"
             if self.fitting and self.is_tie and self.recommended in same and c is not self.winner:
                 mark = "<- recommended (tie)"
-            rows.append([str(c.ep_size), str(c.dp_size), cap, str(c.pipeline_degree), c.memory_strategy or "default",
-                         c.all_to_all,
+            rows.append([str(c.ep_size), str(c.mp_size), str(c.dp_size), cap, str(c.pipeline_degree),
+                         c.memory_strategy or "default", c.all_to_all, c.schedule_label(),
                          f"{c.step_time * 1e3:.1f}", f"{c.step_time / best:.3f}x" if best else "-",
                          f"{100 * b['exposed_share']:.0f}%", f"{c.memory.total_bytes / GiB:.1f}", mark])
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
@@ -388,8 +459,8 @@ def _ep_sizes(m: ModelSpec, gpus: int, notes: list) -> list:
 class _Sim:
     """Cached simulations of one MoE layer and of the all-to-all exchanges."""
 
-    def __init__(self, m: ModelSpec, T: int, cost: CostModel, routing: Any) -> None:
-        self.m, self.T, self.cost, self.routing = m, T, cost, routing
+    def __init__(self, m: ModelSpec, T: int, cost: CostModel, routing: Any, seq_len: int = 4096) -> None:
+        self.m, self.T, self.cost, self.routing, self.seq_len = m, T, cost, routing, seq_len
         self.layers: dict = {}
         self.a2a: dict = {}
 
@@ -420,6 +491,23 @@ class _Sim:
             self.layers[key] = (tl.step_time(), b, tl.pipeline_efficiency())
         return self.layers[key]
 
+    def parm_layer(self, ep: int, mp: int, cf: Optional[float]) -> tuple:
+        """Parm's three schedules of one MoE layer on the layout EP x MP (experts sharded over the
+        MP group, n_esp = n_mp = mp, ESP-inner: :func:`tritonmoe.sim.parm_model.simulate_parm`, the
+        layer's own schedule code, uniform routing), each MP group's batch of ``T * mp`` tokens.
+        Returns (the fastest schedule, its step, breakdown, pipelining efficiency, every
+        schedule's step) -- what ``parm_schedule="auto"`` picks, predicted offline."""
+        key = ("parm", ep, mp, cf)
+        if key not in self.layers:
+            layout = ParmLayout.make(n_mp=mp, n_ep=ep, n_esp=mp, placement="esp_inner")
+            res = {sch: simulate_parm(self.config(cf), layout, sch, self.cost, tokens=self.T * mp, dtype="bfloat16")
+                   for sch in PARM_SCHEDULES}
+            times = {sch: r.step_time() for sch, r in res.items()}
+            best = min(PARM_SCHEDULES, key=times.get)
+            tl = SimTimeline(res[best])
+            self.layers[key] = (best, times[best], tl.breakdown(), tl.pipeline_efficiency(), times)
+        return self.layers[key]
+
     def exchange(self, ep: int, hierarchical: bool) -> float:
         """One dispatch all-to-all of the layer's uniform traffic over the EP group (ranks 0..ep-1)."""
         key = (ep, hierarchical)
@@ -447,19 +535,135 @@ def dense_work(m: ModelSpec, T: int, seq_len: int) -> Work:
                 kind="gemm", launches=3 * 8 * m.num_layers)
 
 
-def _grad_sync(m: ModelSpec, cost: CostModel, gpus: int, ep: int, setup: TrainingSetup) -> float:
-    """Seconds of the gradient all-reduces (dense over the world, experts over their DP group)."""
+def _grad_sync(m: ModelSpec, cost: CostModel, gpus: int, ep: int, setup: TrainingSetup, mp: int = 1) -> float:
+    """Seconds of the gradient all-reduces (dense over the world, experts over their DP group;
+    with MP > 1 the dense part's tensor-parallel slice over the world / MP and each expert
+    shard over DP = world / (EP x MP))."""
     if not setup.training or gpus == 1:
         return 0.0
     es = (setup.grad_dtype or setup.param_dtype).itemsize
-    dense = m.total_params() - m.params_by_part()["routed_experts"]
-    experts = m.moe_layers * (m.num_experts // ep) * (m.expert_params_per_layer() // m.num_experts)
+    parts = m.params_by_part()
+    dense = m.total_params() - parts["routed_experts"]
+    if mp > 1:
+        rep = parts["norms"] + parts["router"]
+        dense = rep + math.ceil((dense - rep) / mp)
+    experts = m.moe_layers * (m.num_experts // ep) * (m.expert_params_per_layer() // m.num_experts) // mp
     link = "intra" if gpus <= cost.cluster.gpus_per_node else "inter"
-    t = cost.predict("all_reduce", dense * es, gpus, link)
-    dp = gpus // ep
+    t = cost.predict("all_reduce", dense * es, gpus // mp, link) if gpus // mp > 1 else 0.0
+    dp = gpus // (ep * mp)
     if dp > 1:
         t += cost.predict("all_reduce", experts * es, dp, link)
     return t
+
+
+_PARM_WHY = {
+    "s1": "S1 pauses MP before the gate: each MP rank routes its 1/MP of the batch, so the expert work and the "
+          "all-to-all volume drop by MP, for one MP all-gather of the output",
+    "s2": "S2 pauses MP after the gate: the gate runs on the whole batch, each MP rank sends 1/MP of every "
+          "expert's rows, and the returning all-to-all overlaps the MP all-gather (SAA)",
+    "baseline": "the baseline (DeepSpeed-MoE's order) has no MP all-gather, but every MP rank processes its copy of "
+                "the batch",
+}
+
+
+def _parm_candidate(sim: _Sim, m, cost, gpus, ep, mp, cf, setup, mem_kw, capacity) -> SizingCandidate:
+    """An EP x MP (x DP) candidate priced with Parm's own model (:meth:`_Sim.parm_layer`); the
+    dense part tensor-parallel over MP (its GEMMs / MP, plus Megatron's activation all-reduce
+    over MP after each attention block and dense MLP, forward and backward, exposed)."""
+    sched, step1, lb, eff, times = sim.parm_layer(ep, mp, cf)
+    lb = dict(lb)
+    L, T = m.moe_layers, sim.T
+    w = dense_work(m, T * mp, mem_kw["seq_len"])
+    dense = cost.compute_time(Work(flops=w.flops / mp, bytes=w.bytes / mp, kind=w.kind, launches=w.launches))
+    tp = 2 * (m.num_layers + m.dense_layers) * cost.predict("all_reduce", T * mp * m.d_model * 2, mp, "intra")
+    sync = _grad_sync(m, cost, gpus, ep, setup, mp)
+    backward = (2 / 3) * (dense + L * lb["compute"])
+    sync_exposed = max(0.0, sync - backward)
+    step = L * step1 + dense + tp + sync_exposed
+    comm = L * lb["comm"] + tp + sync
+    exposed = L * lb["exposed_comm"] + tp + sync_exposed
+    order = sorted(times, key=times.get)
+    b = {"step": step, "moe_layers": L * step1, "moe_layer": lb, "dense": dense + tp, "tensor_parallel_comm": tp,
+         "compute": L * lb["compute"] + dense, "comm": comm, "exposed_comm": exposed,
+         "exposed_share": exposed / comm if comm else 0.0, "grad_sync": sync, "grad_sync_exposed": sync_exposed,
+         "pipeline_efficiency": eff,
+         "parm": {"schedule": sched, "layer_step_s": dict(times), "why": _PARM_WHY[sched],
+                  "applies": (f"E={m.num_experts} experts on {gpus} GPUs: each expert sharded over an MP group of "
+                              f"{mp} (EP={ep} x MP={mp} x DP={gpus // (ep * mp)})"),
+                  "order": order}}
+    est = memory_per_gpu(m, world_size=gpus, ep_size=ep, setup=setup, memory_strategy=None, pipeline_degree=1,
+                         capacity_factor=cf, mp_size=mp, parm_schedule=sched, **mem_kw)
+    b["memory_bytes"] = est.total_bytes
+    return SizingCandidate(ep, gpus // (ep * mp), cf, 1, None, "flat", step, b, est, capacity, mp_size=mp,
+                           parm_schedule=sched)
+
+
+def _mp_layouts(m: ModelSpec, gpus: int, gpn: int, eps: list, mp_sizes: Optional[Sequence[int]], notes: list) -> list:
+    """(EP, MP) pairs of Parm's layouts to search: by default, where E < GPUs (Parm's setting),
+    every MP > 1 dividing GPUs / EP that fits in a node and divides d_ffn."""
+    if mp_sizes is None:
+        if m.num_experts >= gpus:
+            return []
+        mp_sizes = [d for d in range(2, gpn + 1) if gpus % d == 0]
+    else:
+        mp_sizes = [_pos_int("mp_size", v) for v in mp_sizes]
+    out = [(ep, mp) for ep in eps for mp in mp_sizes
+           if mp > 1 and gpus % (ep * mp) == 0 and mp <= gpn and m.d_ffn % mp == 0]
+    if out:
+        notes.append(f"Parm's layouts (EP x MP x DP, experts sharded over MP, the dense part tensor-parallel over MP) "
+                     f"are searched because E={m.num_experts} < {gpus} GPUs" if m.num_experts < gpus else
+                     "Parm's layouts (EP x MP x DP) are searched as asked (mp_sizes)")
+        notes.append("Parm's candidates are priced on uniform routing (sim.parm_model), with the layer's default expert "
+                     "block, pipeline degree 1 and Parm's own EP&ESP all-to-all.")
+    return out
+
+
+def _lina_model(sim: _Sim, m: ModelSpec, cost: CostModel, cf, setup: TrainingSetup) -> LinaModel:
+    """The candidate as Lina's step simulator models it: its MoE layers, the dense part's
+    forward spread over them (its backward twice that) and its gradients per layer."""
+    L = m.moe_layers
+    dense_fwd = cost.compute_time(dense_work(m, sim.T, sim.seq_len)) / 3
+    es = (setup.grad_dtype or setup.param_dtype).itemsize
+    dense_p = m.total_params() - m.params_by_part()["routed_experts"]
+    return LinaModel(sim.config(cf), L, sim.T, dense_fwd / L, dense_p * es // L, torch.bfloat16)
+
+
+def _lina_pass(cands: list, sim: _Sim, m: ModelSpec, cost: CostModel, gpus: int, setup: TrainingSetup,
+               tol: float) -> tuple:
+    """Lina's priority for the top candidates only: those within ``tol`` of the fastest fitting one
+    plus the next (at most :data:`LINA_TOP`, MP = 1: Lina's simulator is DP x EP). Each is
+    simulated twice by :func:`~tritonmoe.plan.lina.simulate_lina_step` (symmetric: rank 0 mirrored),
+    FIFO DDP buckets sharing the network with the all-to-alls and Lina's priority micro-ops of
+    :data:`LINA_CHUNK_BYTES`; the variant's step is the candidate's times their ratio. Returns
+    (the variants, a summary dict)."""
+    fitting = [c for c in cands if c.fits]
+    if not fitting or gpus == 1:
+        return [], {}
+    best = fitting[0].step_time
+    seen, top = set(), []
+    for c in fitting:  # distinct programs (a capacity that drops nothing runs the same one)
+        key = c.program_key() + (c.step_time,)
+        if key not in seen:
+            seen.add(key)
+            top.append(c)
+            if c.step_time > best * (1 + tol) or len(top) >= LINA_TOP:
+                break  # the first one past the tolerance is the "plus one"
+    top = [c for c in top if c.mp_size == 1 and gpus // c.ep_size in packing_candidates(gpus, m.num_experts)]
+    cache, out = {}, []
+    for c in top:
+        key = (c.ep_size, sim.effective_capacity(c.ep_size, c.capacity_factor), c.pipeline_degree)
+        if key not in cache:
+            model = _lina_model(sim, m, cost, c.capacity_factor, setup)
+            kw = dict(world_size=gpus, packing=gpus // c.ep_size, pipeline_degree=c.pipeline_degree, symmetric=True)
+            fifo = simulate_lina_step(model, cost, comm="fifo", **kw).step_s
+            lina = simulate_lina_step(model, cost, comm="lina", chunk_bytes=LINA_CHUNK_BYTES, **kw).step_s
+            cache[key] = (fifo, lina)
+        fifo, lina = cache[key]
+        ratio = lina / fifo
+        b = dict(c.breakdown, step=c.step_time * ratio,
+                 lina={"fifo_step_s": fifo, "lina_step_s": lina, "ratio": ratio, "chunk_bytes": LINA_CHUNK_BYTES})
+        out.append(dataclasses.replace(c, step_time=c.step_time * ratio, breakdown=b, gradient_sync="lina"))
+    return out, {"evaluated": [c.label() for c in top], "simulations": 2 * len(cache)}
 
 
 def _candidate(sim: _Sim, m, cost, gpus, ep, cf, n, strategy, a2a, setup, mem_kw, capacity) -> SizingCandidate:
@@ -509,6 +713,8 @@ def size(
     memory_strategies: Sequence[Optional[str]] = DEFAULT_MEMORY_STRATEGIES,
     all_to_all: Optional[Sequence[str]] = None,
     routing: Any = "uniform",
+    mp_sizes: Optional[Sequence[int]] = None,
+    lina: bool = True,
 ) -> SizingReport:
     """Size ``model`` (a preset name, a :class:`~tritonmoe.plan.models.ModelSpec`, a transformers
     config, its dict or path) for training on ``gpus`` GPUs of ``cluster`` (see the module
@@ -526,6 +732,11 @@ def size(
             1, 2, 4; the layer's default expert block (None) and the five memory strategies; flat,
             and hierarchical where EP spans nodes).
         routing: the simulated routing ("uniform", "zipf:S" or E weights).
+        mp_sizes: Parm's MP sizes to search (EP x MP x DP layouts, experts sharded over MP;
+            default: every MP > 1 dividing the GPUs within a node when E < GPUs, none otherwise;
+            ``()`` for none).
+        lina: simulate Lina's priority of the all-to-all over the gradient all-reduce for the
+            top candidates (those within the tie tolerance plus one) and rank the variants.
 
     Raises:
         ValueError / TypeError naming the value and the fix; :class:`SizingError` (a ValueError)
@@ -558,9 +769,11 @@ def size(
     for n in pipeline_degrees:
         _pos_int("pipeline_degree", n)
     degrees = [n for n in pipeline_degrees if n <= T]
-    sim = _Sim(m, T, cost, routing)
+    sim = _Sim(m, T, cost, routing, seq_len)
     mem_kw = dict(tokens_per_gpu=T, seq_len=seq_len)
-    out = []
+    layouts = _mp_layouts(m, gpus, cl.gpus_per_node, eps, mp_sizes, notes)
+    out = [_parm_candidate(sim, m, cost, gpus, ep, mp, cf, setup, mem_kw, capacity)
+           for ep, mp in layouts for cf in capacity_factors]
     for ep in eps:
         spans = ep > cl.gpus_per_node
         exch = [a for a in (all_to_all or ("flat", "hierarchical")) if a == "flat" or spans]
@@ -574,12 +787,20 @@ def size(
                         out.append(_candidate(sim, m, cost, gpus, ep, cf, n, s, a, setup, mem_kw, capacity))
     if not out:
         raise SizingError(f"no candidate to evaluate for {m.name} on {gpus} GPUs (EP sizes {eps}, degrees {degrees})")
-    out.sort(key=lambda c: (not c.fits, c.step_time if c.fits else c.shortfall, c.simplicity()))
+    rank = lambda c: (not c.fits, c.step_time if c.fits else c.shortfall, c.simplicity())  # noqa: E731
+    out.sort(key=rank)
+    lina_info: dict = {}
+    if lina:
+        before = next((c for c in out if c.fits), None)
+        variants, lina_info = _lina_pass(out, sim, m, cost, gpus, setup, TIE_TOLERANCE)
+        out = sorted(out + variants, key=rank)
+        if variants:
+            lina_info.update(before=before, variants=variants)
     if all(sim.effective_capacity(e, cf) is None for e in eps for cf in capacity_factors):
         notes.append(f"Under {routing!r} routing no capacity factor tried ({', '.join('dropless' if c is None else f'{c:g}' for c in capacity_factors)}) "
                      "drops a token: they run the same program and differ only in the memory reserved for rows.")
     report = SizingReport(m, gpus, cl.describe(), T, seq_len, capacity, out, prov, notes=notes,
-                          efficiency=dict(cl.efficiency))
+                          efficiency=dict(cl.efficiency), lina=lina_info)
     if not report.fitting:
         c = min(out, key=lambda c: c.shortfall)
         fixes = _fixes(c.what_would_fit())
