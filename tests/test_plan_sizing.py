@@ -16,7 +16,11 @@ from tritonmoe.config import MoEConfig
 from tritonmoe.plan.__main__ import main
 from tritonmoe.plan.memory_budget import TrainingSetup, memory_per_gpu
 from tritonmoe.plan.models import ModelSpec
+from tritonmoe.plan import sizing
+from tritonmoe.plan.lina import LinaModel, simulate_lina_step
+from tritonmoe.parm_layout import ParmLayout
 from tritonmoe.plan.sizing import SIMPLER, TIE_TOLERANCE, SizingError, dense_work, size
+from tritonmoe.sim.parm_model import simulate_parm
 from tritonmoe.sim.cost_model import Cluster
 from tritonmoe.sim.planner import choose
 from tritonmoe.sim.simulate import simulate
@@ -34,7 +38,7 @@ def test_search_returns_the_brute_force_best():
     binding capacity told apart from dropless under skewed routing), its memory equals
     memory_per_gpu's, and the winner is the argmin over the fitting ones."""
     kw = dict(gpus=8, tokens_per_gpu=64, seq_len=32, capacity_factors=(None, 1.0), pipeline_degrees=(1, 2),
-              memory_strategies=(None, "recompute"), routing="zipf:1.2")
+              memory_strategies=(None, "recompute"), routing="zipf:1.2", lina=False)
     rep = size(TINY, **kw)
     cost = Cluster.preset("dgx-h100").cost_model("bfloat16")
     assert {c.ep_size for c in rep.candidates} == {1, 2, 4, 8}
@@ -133,7 +137,7 @@ def test_mixtral_on_16_gpus_offers_ep_x_dp_not_an_error():
 def test_hierarchical_candidate_where_ep_spans_nodes():
     m = dataclasses.replace(TINY, num_experts=16)
     rep = size(m, gpus=16, tokens_per_gpu=64, seq_len=32, ep_sizes=(8, 16), capacity_factors=(None,),
-               pipeline_degrees=(1,), memory_strategies=("keep",))
+               pipeline_degrees=(1,), memory_strategies=("keep",), lina=False)
     assert sorted((c.ep_size, c.all_to_all) for c in rep.candidates) == [(8, "flat"), (16, "flat"),
                                                                          (16, "hierarchical")]
 
@@ -192,3 +196,119 @@ def test_cli_plan_model_routes_to_size_and_json():
 def test_plan_candidates_carry_a_breakdown():
     plan = choose(MoEConfig(64, 32, 8, 2), 64, Cluster.preset("dgx-h100"), world_size=8, pipeline_degree=(1, 2))
     assert all(c.breakdown is not None and c.breakdown["step"] > 0 for c in plan.candidates)
+
+
+# ---- Parm's EP x MP layouts and Lina's priority (issue 34, item 2) ----
+
+
+def test_parm_candidates_are_priced_by_parms_model_and_the_search_is_the_argmin():
+    """Brute force over a small space with Parm candidates: each EP x MP candidate's MoE time is
+    the fastest of Parm's three schedules simulated on its own (MP group batch of T x MP tokens),
+    its memory is memory_per_gpu's with mp_size, and the winner is the argmin of all."""
+    kw = dict(gpus=8, tokens_per_gpu=64, seq_len=32, capacity_factors=(None,), pipeline_degrees=(1, 2),
+              memory_strategies=(None,), mp_sizes=(2, 4), lina=False)
+    rep = size(TINY, **kw)
+    cost = Cluster.preset("dgx-h100").cost_model("bfloat16")
+    parm = [c for c in rep.candidates if c.mp_size > 1]
+    assert sorted((c.ep_size, c.mp_size, c.dp_size) for c in parm) == [
+        (1, 2, 4), (1, 4, 2), (2, 2, 2), (2, 4, 1), (4, 2, 1)]
+    for c in parm:
+        layout = ParmLayout.make(n_mp=c.mp_size, n_ep=c.ep_size, n_esp=c.mp_size, placement="esp_inner")
+        t = {s: simulate_parm(_moe_cfg(None), layout, s, cost, tokens=64 * c.mp_size, dtype="bfloat16").step_time()
+             for s in ("s1", "s2", "baseline")}
+        assert c.parm_schedule == min(t, key=t.get) and c.breakdown["parm"]["schedule"] == c.parm_schedule
+        assert c.breakdown["moe_layers"] == pytest.approx(2 * min(t.values()), rel=1e-12)
+        est = memory_per_gpu(TINY, world_size=8, ep_size=c.ep_size, tokens_per_gpu=64, seq_len=32, memory_strategy=None,
+                             mp_size=c.mp_size, parm_schedule=c.parm_schedule)
+        assert c.memory.total_bytes == est.total_bytes
+        assert f"MP={c.mp_size}" in c.label() and repr(c.parm_schedule) in c.label()
+    best = min((c for c in rep.candidates if c.fits), key=lambda c: c.step_time)
+    assert rep.winner.step_time == best.step_time
+
+
+def test_mp_layout_offered_where_experts_are_fewer_than_gpus():
+    few = dataclasses.replace(TINY, num_experts=4)
+    rep = size(few, gpus=8, tokens_per_gpu=64, seq_len=32, capacity_factors=(None,), pipeline_degrees=(1,),
+               memory_strategies=(None,), lina=False)
+    layouts = {(c.ep_size, c.mp_size, c.dp_size) for c in rep.candidates}
+    assert (4, 2, 1) in layouts and (4, 1, 2) in layouts  # EP=4 x MP=2 beside EP=4 x DP=2
+    assert all(e * m * d == 8 for e, m, d in layouts)
+    text = " ".join(rep.explain())
+    best = min((c for c in rep.candidates if c.mp_size > 1), key=lambda c: c.step_time)
+    assert f"Parm (applies: E=4 experts on 8 GPUs" in text and f"Parm's schedule {best.parm_schedule!r} won" in text
+    assert best.breakdown["parm"]["why"] in text
+    # E >= GPUs: Parm's setting does not apply, no MP candidate unless asked
+    rep = size(TINY, gpus=8, tokens_per_gpu=64, seq_len=32, capacity_factors=(None,), pipeline_degrees=(1,),
+               memory_strategies=(None,), lina=False)
+    assert {c.mp_size for c in rep.candidates} == {1} and "Parm (applies" not in " ".join(rep.explain())
+
+
+def test_parm_memory_shards_the_expert_state_by_mp():
+    one = memory_per_gpu(TINY, world_size=8, ep_size=2, tokens_per_gpu=64, seq_len=32, memory_strategy=None)
+    two = memory_per_gpu(TINY, world_size=8, ep_size=2, tokens_per_gpu=64, seq_len=32, memory_strategy=None, mp_size=2)
+    row = lambda e, name: next(r.bytes for r in e.rows if r.name == name)  # noqa: E731
+    assert 2 * row(two, "weights: routed experts") == row(one, "weights: routed experts")
+    with pytest.raises(ValueError, match="mp_size=4 x ep_size=4 does not divide"):
+        memory_per_gpu(TINY, world_size=8, ep_size=4, tokens_per_gpu=64, seq_len=32, memory_strategy=None, mp_size=4)
+    with pytest.raises(ValueError, match="default expert block"):
+        memory_per_gpu(TINY, world_size=8, ep_size=2, tokens_per_gpu=64, seq_len=32, memory_strategy="keep", mp_size=2)
+
+
+def test_lina_symmetric_path_equals_the_full_simulation():
+    m = LinaModel.transformer(MoEConfig(64, 32, 8, 2), layers=2, tokens=64, dense_s=1e-5)
+    c = Cluster.preset("dgx-h100")
+    for comm in ("fifo", "lina"):
+        full = simulate_lina_step(m, c, world_size=8, comm=comm, packing=2)
+        sym = simulate_lina_step(m, c, world_size=8, comm=comm, packing=2, symmetric=True)
+        assert sym.step_s == pytest.approx(full.step_s, rel=1e-9)
+
+
+def test_lina_is_simulated_for_the_top_candidates_only(monkeypatch):
+    calls = []
+    real = sizing.simulate_lina_step
+
+    def counting(model, cost, **kw):
+        calls.append((kw["world_size"] // kw["packing"], kw["pipeline_degree"], kw["comm"]))
+        return real(model, cost, **kw)
+
+    monkeypatch.setattr(sizing, "simulate_lina_step", counting)
+    kw = dict(gpus=8, tokens_per_gpu=64, seq_len=32, capacity_factors=(None,), pipeline_degrees=(1, 2),
+              memory_strategies=(None, "keep"))
+    base = size(TINY, **kw, lina=False)
+    assert not calls
+    rep = size(TINY, **kw)
+    # the top: distinct programs within the tolerance of the fastest plus the next one
+    w, top = base.winner.step_time, []
+    for c in base.fitting:
+        top.append(c)
+        if c.step_time > w * (1 + TIE_TOLERANCE) or len(top) == sizing.LINA_TOP:
+            break
+    keys = {(c.ep_size, c.pipeline_degree) for c in top}
+    assert len(top) < len(base.fitting)  # not every candidate
+    assert sorted(calls) == sorted((e, n, comm) for e, n in keys for comm in ("fifo", "lina"))
+    variants = [c for c in rep.candidates if c.gradient_sync == "lina"]
+    assert len(variants) == len(top)
+    for v in variants:
+        orig = next(c for c in base.candidates if c.program_key()[:-1] == v.program_key()[:-1])
+        r = v.breakdown["lina"]
+        assert v.step_time == pytest.approx(orig.step_time * r["lina_step_s"] / r["fifo_step_s"], rel=1e-12)
+    assert [c.step_time for c in rep.fitting] == sorted(c.step_time for c in rep.fitting)
+    text = " ".join(rep.explain())
+    assert "Lina's priority" in text and "[simulated;" in text
+    assert ("does not change the winner" in text) == (rep.winner.gradient_sync == "fifo")
+
+
+def test_cli_mentions_parm_schedule_and_lina():
+    few = ["--model", "mixtral-8x7b", "--gpus", "16", "--tokens-per-gpu", "256", "--seq-len", "256", "--zero1",
+           "--checkpointing", "--degrees", "1", "--memory-strategies", "default", "--capacity-factors", "dropless",
+           "--ep-sizes", "8"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["size", *few]) == 0
+    text = out.getvalue()
+    assert "Parm's schedule '" in text and "parm:s" in text and "EP=8 x MP=2" in text
+    assert "Lina's priority" in text and "lina" in text.split("Winner:")[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["size", *few, "--mp-sizes", "", "--no-lina"]) == 0
+    assert "Parm" not in out.getvalue() and "Lina" not in out.getvalue()

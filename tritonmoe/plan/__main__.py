@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _ints_or_none(text: str) -> tuple:
+    """A comma-separated list of ints; '' or 'none' for an empty one."""
+    return () if text.strip().lower() in ("", "none") else tuple(_ints(text))
+
+
 def _capacity_factors(text: str) -> tuple:
     out = []
     for t in (t.strip() for t in text.split(",") if t.strip()):
@@ -244,6 +249,12 @@ def _size_parser(sub) -> None:
                     metavar="S[,S2,...]|all", help="memory strategies to try: default (the layer's unmanaged path), "
                     "keep, offload, recomm, recompute, recomm_recompute (default: all six)")
     sz.add_argument("--routing", default="uniform", help="uniform or zipf:S (default uniform)")
+    sz.add_argument("--mp-sizes", type=_ints_or_none, default=None,
+                    help="Parm's MP sizes to try (EP x MP x DP, experts sharded over MP; default: MP > 1 within a "
+                    "node where E < GPUs; '' for none)")
+    sz.add_argument("--no-lina", action="store_true",
+                    help="do not simulate Lina's priority of the all-to-all over the gradient all-reduce for the top "
+                    "candidates")
     sz.add_argument("--top", type=int, default=12, help="candidates shown in the table (default 12)")
     sz.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (to stdout without FILE)")
 
@@ -255,7 +266,8 @@ def _size(args) -> int:
     report = size(args.model, gpus=args.gpus, cluster=args.cluster, tokens_per_gpu=args.tokens_per_gpu,
                   tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, memory_budget_bytes=args.memory_budget,
                   setup=setup, ep_sizes=args.ep_sizes, capacity_factors=args.capacity_factors,
-                  pipeline_degrees=args.degrees, memory_strategies=args.memory_strategies, routing=args.routing)
+                  pipeline_degrees=args.degrees, memory_strategies=args.memory_strategies, routing=args.routing,
+                  mp_sizes=args.mp_sizes, lina=not args.no_lina)
     if args.json == "-":
         json.dump(report.to_dict(), sys.stdout, indent=1)
         print()

@@ -273,8 +273,9 @@ class SizingReport:
         if self.step_provenance.startswith("assumed"):
             out.append(f"Provenance: step times are {self.step_provenance} (spec-sheet peak rates x efficiencies "
                        f"assumed once for every cluster, {self.efficiency}); the dense part is a roofline of its "
-                       "FLOPs at that GEMM rate; the gradient all-reduce is assumed overlapped with the backward "
-                       "(Lina's variants: simulated with contention and priority).")
+                       "FLOPs at that GEMM rate; the gradient all-reduce is assumed overlapped with the backward"
+                       + (" (Lina's variants: simulated with contention and priority)." if self.lina.get("variants")
+                          else "."))
         return out
 
     @staticmethod
