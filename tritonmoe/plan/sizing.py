@@ -27,11 +27,22 @@ from a preset" (a cluster preset: spec-sheet rates times assumed efficiencies), 
 cost model fitted to a profile), "measured on this machine" (the simulator's error), or the
 memory rows' "exact" / "formula" / "assumed".
 
-Not in the search (yet): Parm's schedules (they need a model-parallel group; the layout sized
-here is EP x DP without tensor parallelism), Lina's priority of the all-to-all over the gradient
-all-reduce (the gradient all-reduce is taken to overlap the backward without contention), and
-expert replication in training (tritonmoe's expert-parallel layer holds each expert once per EP
-group; when E does not divide the world, EP x DP with an EP size dividing E is offered instead).
+Two schedulers are searched where they apply:
+
+* **Parm's EP x MP (x DP) layouts** where E < GPUs (or as ``mp_sizes`` asks): each expert sharded
+  over an MP group (``ParmLayout.make(n_mp=MP, n_ep=EP, n_esp=MP)``), one MoE layer priced by
+  Parm's own model (:func:`tritonmoe.sim.parm_model.simulate_parm`, S1, S2 and the baseline;
+  the fastest kept, as :func:`~tritonmoe.sim.parm_model.choose_parm` picks: the offline
+  counterpart of ``parm_schedule="auto"``), the dense part assumed tensor-parallel
+  over MP (Megatron), memory from ``memory_per_gpu(..., mp_size=MP, parm_schedule=S)``.
+* **Lina's priority** of the all-to-all over the gradient all-reduce, for the top candidates
+  only (within the tie tolerance plus one, at most :data:`LINA_TOP`): FIFO and priority each
+  simulated by :func:`tritonmoe.plan.lina.simulate_lina_step` (symmetric: rank 0 mirrored), the
+  candidate's step scaled by their ratio, the "lina" variant ranked with the rest.
+
+Not in the search (yet): expert replication in training (tritonmoe's expert-parallel layer
+holds each expert once per EP group; when E does not divide the world, EP x DP with an EP size
+dividing E is offered instead), Parm with pipelining or memory strategies.
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ from .models import ModelSpec, get_model
 
 __all__ = ["size", "SizingReport", "SizingCandidate", "SizingError", "TIE_TOLERANCE", "SIMPLER",
            "DEFAULT_CAPACITY_FACTORS", "DEFAULT_DEGREES",
-           "DEFAULT_MEMORY_STRATEGIES"]
+           "DEFAULT_MEMORY_STRATEGIES", "LINA_TOP", "PARM_SCHEDULES"]
 
 #: The simulator's median |relative error| against measured steps: 9.6-14.3% over six
 #: ``python -m bench plan`` runs on this project's CPU testbed (docs/planner.md, "Fidelity").
@@ -298,7 +309,7 @@ class SizingReport:
                  f"it does not fit ({best.shortfall / GiB:.1f} GiB short)")
         return [f"Parm (applies: {p['applies']}): the best model-parallel candidate is {best.label()}, "
                 f"{_ms(best.step_time)} per step, {where} [{prov}]. Parm's schedule {p['schedule']!r} won per MoE "
-                f"layer ({times}, simulated by sim.parm_model: what parm_schedule='auto' picks): {p['why']}; the "
+                f"layer ({times}, simulated by sim.parm_model: choose_parm's pick, the offline counterpart of parm_schedule='auto'): {p['why']}; the "
                 f"dense part's tensor-parallel all-reduces add {_ms(best.breakdown['tensor_parallel_comm'])} [{prov}]."]
 
     def _lina_sentences(self) -> list:
@@ -497,7 +508,7 @@ class _Sim:
         MP group, n_esp = n_mp = mp, ESP-inner: :func:`tritonmoe.sim.parm_model.simulate_parm`, the
         layer's own schedule code, uniform routing), each MP group's batch of ``T * mp`` tokens.
         Returns (the fastest schedule, its step, breakdown, pipelining efficiency, every
-        schedule's step) -- what ``parm_schedule="auto"`` picks, predicted offline."""
+        schedule's step): :func:`~tritonmoe.sim.parm_model.choose_parm`'s pick."""
         key = ("parm", ep, mp, cf)
         if key not in self.layers:
             layout = ParmLayout.make(n_mp=mp, n_ep=ep, n_esp=mp, placement="esp_inner")
