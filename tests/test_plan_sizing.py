@@ -296,6 +296,14 @@ def test_lina_is_simulated_for_the_top_candidates_only(monkeypatch):
     text = " ".join(rep.explain())
     assert "Lina's priority" in text and "[simulated;" in text
     assert ("does not change the winner" in text) == (rep.winner.gradient_sync == "fifo")
+    # a constructed case where the priority wins: the sentence says so, and by how much
+    v = variants[0]
+    fast = dataclasses.replace(v, step_time=rep.lina["before"].step_time * 0.8)
+    rep2 = dataclasses.replace(rep, candidates=[fast, rep.lina["before"]], lina=dict(rep.lina, variants=[fast]))
+    text = " ".join(rep2.explain())
+    assert rep2.winner is fast and "20.0% faster" in text
+    same = fast.program_key()[:-1] == rep.lina["before"].program_key()[:-1]
+    assert ("keeps the winner's layout" in text) == same and ("changes the winner to" in text) == (not same)
 
 
 def test_cli_mentions_parm_schedule_and_lina():
