@@ -11,6 +11,7 @@ import json
 import contextlib
 
 import pytest
+import torch
 
 from tritonmoe.config import MoEConfig
 from tritonmoe.plan.__main__ import main
@@ -18,6 +19,7 @@ from tritonmoe.plan.memory_budget import TrainingSetup, memory_per_gpu
 from tritonmoe.plan.models import ModelSpec
 from tritonmoe.plan import sizing
 from tritonmoe.plan.lina import LinaModel, simulate_lina_step
+from tritonmoe.experts.model_parallel import shard_expert_weights
 from tritonmoe.parm_layout import ParmLayout
 from tritonmoe.plan.sizing import SIMPLER, TIE_TOLERANCE, SizingError, dense_work, size
 from tritonmoe.sim.parm_model import simulate_parm
@@ -248,6 +250,13 @@ def test_parm_memory_shards_the_expert_state_by_mp():
     two = memory_per_gpu(TINY, world_size=8, ep_size=2, tokens_per_gpu=64, seq_len=32, memory_strategy=None, mp_size=2)
     row = lambda e, name: next(r.bytes for r in e.rows if r.name == name)  # noqa: E731
     assert 2 * row(two, "weights: routed experts") == row(one, "weights: routed experts")
+    # against the shards Parm's layer holds: every rank's w1 / w2 slices of the full weights
+    cfg = _moe_cfg(None)
+    layout = ParmLayout.make(n_mp=2, n_ep=2, n_esp=2, placement="esp_inner")
+    w1, w2 = torch.zeros(8, 64, cfg.n1, dtype=torch.bfloat16), torch.zeros(8, 32, 64, dtype=torch.bfloat16)
+    held = {r: sum(t.numel() * t.element_size() for t in shard_expert_weights(w1, w2, cfg, layout, r))
+            for r in range(layout.P)}
+    assert set(held.values()) == {row(two, "weights: routed experts") // TINY.moe_layers}
     with pytest.raises(ValueError, match="mp_size=4 x ep_size=4 does not divide"):
         memory_per_gpu(TINY, world_size=8, ep_size=4, tokens_per_gpu=64, seq_len=32, memory_strategy=None, mp_size=4)
     with pytest.raises(ValueError, match="default expert block"):
