@@ -225,7 +225,8 @@ def _size_strategies(text: str) -> tuple:
 def _size_parser(sub) -> None:
     sz = sub.add_parser("size", help="size a model on N GPUs (also: plan --model NAME)",
                         description="Search the EP x DP split, capacity factor, pipeline degree, memory strategy and "
-                        "all-to-all (hierarchical where EP spans nodes) for a model on N GPUs: every candidate's step "
+                        "all-to-all (hierarchical where EP spans nodes), Parm's EP x MP layouts (where E < GPUs) and Lina's "
+                        "priority (for the top candidates) for a model on N GPUs: every candidate's step "
                         "time from the simulator running the layer's schedule programs on the cluster model, its "
                         "memory per GPU against the device's, the ranking, and why (tritonmoe.plan.sizing).")
     sz.add_argument("--model", required=True, help="a preset (e.g. qwen3-30b-a3b, mixtral-8x7b) or a config.json path")

@@ -619,9 +619,10 @@ def _variants(est: MemoryEstimate) -> list:
     world, ep = p["world_size"], p["ep_size"]
     out = []
     if S.training and S.optimizer != "none":
-        if not S.shard_optimizer and world > 1:
-            out.append((f"sharding the optimizer state over data parallelism (ZeRO-1: dense over {world} GPUs, "
-                        f"experts over DP={world // ep})", replace(S, shard_optimizer=True), p))
+        mp = p.get("mp_size", 1)
+        if not S.shard_optimizer and world > mp:
+            out.append((f"sharding the optimizer state over data parallelism (ZeRO-1: dense over {world // mp} GPUs, "
+                        f"experts over DP={world // (ep * mp)})", replace(S, shard_optimizer=True), p))
         if not S.activation_checkpointing:
             out.append(("activation checkpointing of the attention / dense part", replace(S, activation_checkpointing=True),
                         p))
