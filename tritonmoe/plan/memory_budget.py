@@ -11,18 +11,30 @@ its provenance:
   backward: the managed expert block's DI and MI buffers by memory strategy are
   :func:`tritonmoe.sim.memory_model.expert_block_bytes` (MPMoE's accounting adapted to the real
   tensors), plus the router's and the combine's saved tensors read from the layer's code
-  (``_moe_saved_bytes``); the test measures a layer stack with the allocator (glibc's
-  ``mallinfo2``) for every strategy on one rank, within 10%. The attention / dense part is the
-  per-tensor accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models", arXiv:2205.05198, §4.1) adapted to these models: no dropout, no tensor or
-  sequence parallelism, RMSNorm, SwiGLU, grouped-query or latent attention, and FlashAttention
-  (Dao et al. 2022: the output and the log-sum-exp are kept, not the s x s scores).
-  This part is NOT measured by a test: it assumes fused kernels (FlashAttention, fused RoPE and
-  RMSNorm). transformers' own modules keep more: measured once on CPU with the allocator (two
-  layers, d_model 128, 512 tokens, fp32, MoE blocks swapped to tritonmoe by ``hf.apply``), a whole
-  Mixtral-shaped model with ``sdpa`` attention held 8% more than the three activation rows, a
-  Qwen3-MoE-shaped one (QK norms) 21% more, and with ``eager`` attention (the s x s probabilities
-  kept) 47% / 60% more.
+  (:func:`moe_layer_saved_bytes`); the test measures a layer stack with the allocator (glibc's
+  ``mallinfo2``) for every strategy on one rank, within 10%. The attention / dense part models
+  what transformers' own modules save for backward (:func:`attention_layer_saved_bytes`, read
+  from their code; Korthikanti et al. 2022, arXiv:2205.05198 §4.1, is the method, not the
+  numbers: their fused kernels keep less): each RMSNorm keeps its input upcast to fp32, a
+  reciprocal RMS and the normalized values (and its output, which the next linear saves); QK
+  norms (Qwen3, OLMoE) the same over q and k; the rotary embedding only cos and sin (per model);
+  ``attn_implementation="sdpa"`` (transformers' default: FlashAttention / memory-efficient
+  attention on a GPU) q, k and v (k and v not repeated for grouped-query attention), the output
+  and the fp32 log-sum-exp; ``"eager"`` the fp32 [heads, s, s] softmax probabilities too (and
+  their 16-bit copy), q, k and v repeated to every head; MLA its latent norms and the
+  up-projection's output; a dense MLP four [d_ffn] tensors; the model once: the ids, cos / sin,
+  the final norm; the LM head's logits (held by the model's output) and the loss's fp32
+  log-softmax. ``tests/test_plan_activation_memory.py`` builds tiny Mixtral-, Qwen3-MoE- and
+  DeepSeek-V3-shaped models (MoE blocks swapped to tritonmoe by ``hf.apply``), trains a step on
+  CPU in fp32 and checks the three activation rows against the allocator's bytes held between
+  forward and backward, within 10% (measured: 0.2-1.6% for Mixtral and Qwen3, sdpa and eager;
+  DeepSeek-V3 3-5% under with sdpa: torch's CPU attention keeps the query's [B, H, S, D] layout
+  for MLA's concatenated query, so the output projection's input is a second copy of the output,
+  which a GPU's kernels, whose output is [B, S, H, D], do not make), and the part outside the MoE
+  blocks in fp32 and bf16 against the storages autograd saves. Assumed: transformers' Python
+  modules (fused RMSNorm / RoPE from the kernels hub or Liger keep less: this is then an upper
+  bound), ``use_cache=False`` in training (with a cache and eager attention the output also
+  holds k and v), no padding mask (with one, sdpa repeats k and v to every head), no dropout.
 * **assumed**: what the estimate cannot know (routing balance: uniform unless told).
 
 Layout assumed (what tritonmoe's expert-parallel layer does): every rank holds every dense
@@ -57,13 +69,13 @@ MoE layers with "recompute" at pipeline degree 4::
     gradients                                  9.62  exact       2 B per parameter
     fp32 master weights                        7.11  exact       4 B per parameter, sharded over DP (dense / 16, experts / 2)
     optimizer state (adam)                    14.22  exact       Adam's two moments x 4 B + a 4 B step per tensor, sharded over DP (dense / 16, experts / 2)
-    activations: attention + dense MLPs        6.40  formula     Korthikanti et al. 2022 adapted: 17408 values/token/layer (FlashAttention, no dropout)
+    activations: attention + dense MLPs       14.55  formula     transformers' modules, attn_implementation='sdpa': 79128 B/token/layer (norms, q/k/v, output, log-sum-exp)
     activations: MoE layers                   16.36  formula     memory_strategy='recompute', pipeline_degree=4: 32768 rows per layer (tritonmoe's layer: router, combine, expert block)
     activations: logits + loss                 3.48  formula     [4096, 151936] logits and their fp32 log-softmax
-    total                                     66.81
+    total                                     74.96
     host (offloaded)                           6.00
     capacity                                  79.19
-    headroom                                  12.38  fits
+    headroom                                   4.23  fits
 """
 
 from __future__ import annotations
