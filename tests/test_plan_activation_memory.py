@@ -200,6 +200,20 @@ def test_attention_and_logits_rows_against_the_saved_storages(models, name, dtyp
     assert abs(measured - est) <= 0.10 * measured, (name, measured, rows)
 
 
+def test_attn_implementation_is_checked_and_eager_grows_with_seq_len():
+    kw = dict(world_size=16, ep_size=8, tokens_per_gpu=4096)
+    with pytest.raises(ValueError, match="attn_implementation='eagr'.*did you mean 'eager'.*use one of sdpa, eager"):
+        memory_per_gpu("qwen3-30b-a3b", seq_len=4096, attn_implementation="eagr", **kw)
+    row = "activations: attention + dense MLPs"
+    sdpa = [memory_per_gpu("qwen3-30b-a3b", seq_len=s, **kw).row(row).bytes for s in (1024, 4096)]
+    eager = [memory_per_gpu("qwen3-30b-a3b", seq_len=s, attn_implementation="eager", **kw).row(row).bytes
+             for s in (1024, 4096)]
+    m = get_model("qwen3-30b-a3b")
+    # eager: 48 layers x 4096 tokens x 32 heads x 3072 more keys x (4 B fp32 probabilities + their bf16 copy)
+    assert eager[1] - eager[0] == 48 * 4096 * 32 * 3072 * 6 + (sdpa[1] - sdpa[0])
+    assert 0 < sdpa[1] - sdpa[0] == 2 * 3072 * m.head_dim * 2  # cos and sin only
+
+
 if __name__ == "__main__":  # the measured-vs-estimate table: python tests/test_plan_activation_memory.py
     import sys
     import os
