@@ -1,7 +1,8 @@
 """The activation rows of tritonmoe.plan.memory_budget against bytes measured on CPU.
 
 Tiny transformers decoders built from the presets' configs (Mixtral: grouped-query attention;
-Qwen3-MoE: QK norms; DeepSeek-V3: MLA, a dense first layer and a shared expert), their MoE blocks
+Qwen3-MoE: QK norms; DeepSeek-V3: MLA, a dense first layer and a shared expert; Qwen2-MoE: a
+gated shared expert; GPT-OSS: attention sinks, eager attention only), their MoE blocks
 swapped for tritonmoe's by ``hf.apply``, one training step on CPU:
 
 * the whole model in fp32, the bytes glibc's allocator holds between forward and backward
@@ -29,7 +30,7 @@ from tritonmoe.plan.models import HF_PRESET_CONFIGS, get_model
 
 transformers = pytest.importorskip("transformers")
 
-ARCHS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
+ARCHS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen2-57b-a14b", "gpt-oss-20b")
 ROWS = ("activations: attention + dense MLPs", "activations: MoE layers", "activations: logits + loss")
 
 
@@ -108,7 +109,9 @@ CASES = [("mixtral-8x7b", "sdpa", ((1, 256), (4, 64))),
          ("qwen3-30b-a3b", "sdpa", ((1, 256), (4, 64))),
          ("deepseek-v3", "sdpa", ((1, 256), (4, 64))),
          ("qwen3-30b-a3b", "eager", ((1, 256), (4, 64))),
-         ("deepseek-v3", "eager", ((1, 256), (4, 64)))]
+         ("deepseek-v3", "eager", ((1, 256), (4, 64))),
+         ("qwen2-57b-a14b", "sdpa", ((1, 256), (4, 64))),  # the shared expert's sigmoid gate
+         ("gpt-oss-20b", "eager", ((1, 256), (4, 64)))]  # attention sinks, clamped SwiGLU; no sdpa in transformers
 
 
 @pytest.mark.parametrize("name,attn,points", CASES, ids=[f"{n}-{a}" for n, a, _ in CASES])
@@ -116,6 +119,7 @@ def test_activations_within_10_percent_of_the_allocator(models, name, attn, poin
     if allocated_bytes() is None:
         pytest.skip("no glibc mallinfo2 on this platform")
     hc, model, _ = models[name]
+    default = model.config._attn_implementation
     model.set_attn_implementation(attn)
     try:
         got = []
@@ -127,7 +131,7 @@ def test_activations_within_10_percent_of_the_allocator(models, name, attn, poin
             assert abs(measured - total) <= 0.10 * measured, (name, attn, B, S, measured, rows)
             got.append((measured, rows))
     finally:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(default)
     # the same tokens in longer sequences: the attention row moves as the measured bytes move
     # (eager: by the [heads, s, s] probabilities; sdpa: by cos / sin only)
     (m_long, r_long), (m_short, r_short) = got
@@ -177,7 +181,7 @@ def _saved_outside_moe(model, swapped, ids) -> int:
     return total
 
 
-SAVED_CASES = [(n, dt, "sdpa") for n in ARCHS for dt in (torch.float32, torch.bfloat16)] + [
+SAVED_CASES = [(n, dt, "sdpa") for n in ARCHS[:3] for dt in (torch.float32, torch.bfloat16)] + [("gpt-oss-20b", torch.bfloat16, "eager"),
     ("qwen3-30b-a3b", torch.bfloat16, "eager"), ("deepseek-v3", torch.float32, "eager")]
 
 
@@ -186,6 +190,7 @@ def test_attention_and_logits_rows_against_the_saved_storages(models, name, dtyp
     """The part outside the MoE blocks alone (so the MoE row cannot hide an error of the
     attention row), fp32 and bf16."""
     hc, model, swapped = models[name]
+    default = model.config._attn_implementation
     model.to(dtype)
     model.set_attn_implementation(attn)
     try:
@@ -194,7 +199,7 @@ def test_attention_and_logits_rows_against_the_saved_storages(models, name, dtyp
         measured = _saved_outside_moe(model, swapped, ids)
     finally:
         model.float()
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(default)
     rows = _estimate(hc, B, S, attn, dtype)
     est = rows[ROWS[0]] + rows[ROWS[2]]
     assert abs(measured - est) <= 0.10 * measured, (name, measured, rows)
@@ -223,7 +228,7 @@ if __name__ == "__main__":  # the measured-vs-estimate table: python tests/test_
     print(f"{'model':<15}{'attn':<7}{'B x S':>10}{'measured':>12}{'estimate':>12}{'error':>8}   attention / MoE / logits rows")
     for name in ARCHS:
         hc, model, swapped = _build(name)
-        for attn in ("sdpa", "eager"):
+        for attn in ("sdpa", "eager") if name != "gpt-oss-20b" else ("eager",):
             model.set_attn_implementation(attn)
             for B, S in ((1, 256), (4, 64), (1, 1024), (4, 256)):
                 held = _held(model, torch.randint(0, hc.vocab_size, (B, S)))

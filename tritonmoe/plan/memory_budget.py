@@ -24,10 +24,11 @@ its provenance:
   their 16-bit copy), q, k and v repeated to every head; MLA its latent norms and the
   up-projection's output; a dense MLP four [d_ffn] tensors; the model once: the ids, cos / sin,
   the final norm; the LM head's logits (held by the model's output) and the loss's fp32
-  log-softmax. ``tests/test_plan_activation_memory.py`` builds tiny Mixtral-, Qwen3-MoE- and
-  DeepSeek-V3-shaped models (MoE blocks swapped to tritonmoe by ``hf.apply``), trains a step on
-  CPU in fp32 and checks the three activation rows against the allocator's bytes held between
-  forward and backward, within 10% (measured: 0.2-1.6% for Mixtral and Qwen3, sdpa and eager;
+  log-softmax. ``tests/test_plan_activation_memory.py`` builds tiny Mixtral-, Qwen3-MoE-,
+  DeepSeek-V3-, Qwen2-MoE- and GPT-OSS-shaped models (MoE blocks swapped to tritonmoe by
+  ``hf.apply``), trains a step on CPU in fp32 and checks the three activation rows against the
+  allocator's bytes held between forward and backward, within 10% (measured: 0-1.6% under for
+  Mixtral, Qwen3, Qwen2 and GPT-OSS, sdpa and eager;
   DeepSeek-V3 3-5% under with sdpa: torch's CPU attention keeps the query's [B, H, S, D] layout
   for MLA's concatenated query, so the output projection's input is a second copy of the output,
   which a GPU's kernels, whose output is [B, S, H, D], do not make), and the part outside the MoE
@@ -371,7 +372,10 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
     router = 2 * T * E * 4 + T * K * (8 + 4) + T * 8
     combine = sum(t * K * (8 + 1 + 4 + d * es) for t in toks_i) + sum((r + 1) * 8 for r in rows_i)
     if memory_strategy is None:
-        per_row = d + m.n1 + (2 * m.d_ffn if m.gated else m.d_ffn)
+        # GPT-OSS's clamped SwiGLU keeps five [R_i, f] tensors: the clamped gate, its sigmoid,
+        # their product, the clamped up + 1 and the activation's output
+        act = 5 * m.d_ffn if m.activation == "swiglu_oai" else 2 * m.d_ffn if m.gated else m.d_ffn
+        per_row = d + m.n1 + act
         eb = {"device": rows * per_row * es, "host": 0}
     else:
         eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
@@ -409,7 +413,10 @@ def attention_layer_saved_bytes(m: ModelSpec, dtype: torch.dtype = torch.bfloat1
       (also the output projection's input: one storage) and the fp32 log-sum-exp per head;
     * ``eager``: q, k and v after ``repeat_kv`` (H heads each), the fp32 softmax probabilities
       [H x seq_len] per token (and, in a 16-bit dtype, their cast copy that the ``probs @ v``
-      matmul saves), and the output's contiguous copy the output projection saves;
+      matmul saves), and the output's contiguous copy the output projection saves; with
+      attention sinks (GPT-OSS, whose transformers model has no ``sdpa``: "sdpa" then stands
+      for a FlashAttention kernel with sinks) the softmax runs in the compute dtype over one
+      more column, and its row max keeps an int64 index;
     * MLA (DeepSeek): the query LoRA's norm (input, reciprocal RMS, normalized, output saved by
       ``q_b_proj``), the KV latent projection's output whole (in fp32 the norm saves a view of
       it; in 16-bit its fp32 upcast of the latent part), the latent norm, the up-projection's
@@ -448,7 +455,12 @@ def attention_layer_saved_bytes(m: ModelSpec, dtype: torch.dtype = torch.bfloat1
         rep = H // kv_heads if not m.mla else 1  # repeat_kv copies k and v to H heads
         k_e = k * rep
         v_e = (v * rep) if not m.mla else 0
-        probs = H * seq_len * (4 + (es if es != 4 else 0))
+        if m.attention_sinks:
+            # GPT-OSS: the softmax in the compute dtype over one more column (the sink), the
+            # probabilities' view saved by the matmul, and the row max's int64 index
+            probs = H * (seq_len + 1) * es + 8 * H
+        else:
+            probs = H * seq_len * (4 + (es if es != 4 else 0))
         b += (q + k_e + v_e + o) * es + probs
     return b
 
@@ -620,7 +632,10 @@ def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, 
     R = _routed_rows(m, T, capacity_factor, imbalance)
     moe = moe_layer_saved_bytes(m, T, R, memory_strategy=strategy, pipeline_degree=n, dtype=S.param_dtype,
                                 mi_buffers=mi_buffers, expert_parallel=ep > 1)
-    shared = T * 4 * m.n_shared_experts * m.shared_d_ffn * es if m.n_shared_experts else 0
+    # a shared expert: a dense gated MLP's four [F] tensors; Qwen2-MoE's sigmoid gate on it keeps
+    # the shared output [d] and the gate [1] (their product saves both)
+    shared = T * (4 * m.n_shared_experts * m.shared_d_ffn + (m.d_model + 1 if m.shared_expert_gate else 0)) * es \
+        if m.n_shared_experts else 0
     rows.append(MemoryRow("activations: MoE layers", m.moe_layers * (moe["total"] + shared), "formula",
                           f"memory_strategy={strategy!r}, pipeline_degree={n}: {R} rows per layer "
                           "(tritonmoe's layer: router, combine, expert block)"))
