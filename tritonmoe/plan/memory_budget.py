@@ -384,15 +384,23 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
             "total": router + combine + experts}
 
 
-def _rmsnorm_bytes(width: int, es: int, *, feeds_linear: bool = True, storage: Optional[int] = None) -> int:
+#: transformers models whose RMSNorm multiplies by its weight in fp32 and casts after
+#: (``(weight * x).to(dtype)``): the normalized values it keeps are fp32
+FP32_NORM_WEIGHT = ("gpt_oss",)
+
+
+def _rmsnorm_bytes(width: int, es: int, *, feeds_linear: bool = True, storage: Optional[int] = None,
+                   fp32_weight: bool = False) -> int:
     """Bytes one token keeps for transformers' RMSNorm over ``width`` values (``x.to(float32)``,
     ``x * rsqrt(mean(x^2) + eps)``, ``weight * normalized.to(dtype)``): its input in fp32 (the
     ``pow`` and the ``mul`` save it: in fp32 the input itself, the whole storage it is a view of,
     ``storage`` values; in a 16-bit dtype the fp32 upcast, ``width`` values), the fp32 reciprocal
     RMS (4 B), the normalized values in the compute dtype (the weight's ``mul`` saves them) and,
-    where the output feeds a linear layer (``feeds_linear``), the output the linear saves."""
+    where the output feeds a linear layer (``feeds_linear``), the output the linear saves.
+    ``fp32_weight`` (:data:`FP32_NORM_WEIGHT`): the weight multiplies in fp32, so the normalized
+    values are kept in fp32."""
     x = (storage if storage is not None else width) * 4 if es == 4 else width * 4
-    return x + 4 + width * es + (width * es if feeds_linear else 0)
+    return x + 4 + width * (4 if fp32_weight else es) + (width * es if feeds_linear else 0)
 
 
 def attention_layer_saved_bytes(m: ModelSpec, dtype: torch.dtype = torch.bfloat16, seq_len: int = 1,
@@ -431,7 +439,7 @@ def attention_layer_saved_bytes(m: ModelSpec, dtype: torch.dtype = torch.bfloat1
                          f"{', '.join(ATTN_IMPLEMENTATIONS)}")
     es = _itemsize(dtype)
     d, H = m.d_model, m.n_heads
-    b = 2 * _rmsnorm_bytes(d, es)
+    b = 2 * _rmsnorm_bytes(d, es, fp32_weight=m.model_type in FP32_NORM_WEIGHT)
     if m.mla:
         qk, vh = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
         r = m.kv_lora_rank
@@ -471,7 +479,8 @@ def model_saved_bytes(m: ModelSpec, tokens: int, seq_len: int, dtype: torch.dtyp
     over the batch) and the final RMSNorm (its output is the LM head's saved input)."""
     es = _itemsize(dtype)
     rope = m.qk_rope_head_dim if m.mla else m.head_dim
-    return tokens * 8 + 2 * seq_len * rope * es + tokens * _rmsnorm_bytes(m.d_model, es)
+    return tokens * 8 + 2 * seq_len * rope * es + tokens * _rmsnorm_bytes(m.d_model, es,
+                                                                          fp32_weight=m.model_type in FP32_NORM_WEIGHT)
 
 
 def dense_mlp_saved_elements(m: ModelSpec) -> int:
