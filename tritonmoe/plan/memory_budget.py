@@ -11,18 +11,31 @@ its provenance:
   backward: the managed expert block's DI and MI buffers by memory strategy are
   :func:`tritonmoe.sim.memory_model.expert_block_bytes` (MPMoE's accounting adapted to the real
   tensors), plus the router's and the combine's saved tensors read from the layer's code
-  (``_moe_saved_bytes``); the test measures a layer stack with the allocator (glibc's
-  ``mallinfo2``) for every strategy on one rank, within 10%. The attention / dense part is the
-  per-tensor accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models", arXiv:2205.05198, §4.1) adapted to these models: no dropout, no tensor or
-  sequence parallelism, RMSNorm, SwiGLU, grouped-query or latent attention, and FlashAttention
-  (Dao et al. 2022: the output and the log-sum-exp are kept, not the s x s scores).
-  This part is NOT measured by a test: it assumes fused kernels (FlashAttention, fused RoPE and
-  RMSNorm). transformers' own modules keep more: measured once on CPU with the allocator (two
-  layers, d_model 128, 512 tokens, fp32, MoE blocks swapped to tritonmoe by ``hf.apply``), a whole
-  Mixtral-shaped model with ``sdpa`` attention held 8% more than the three activation rows, a
-  Qwen3-MoE-shaped one (QK norms) 21% more, and with ``eager`` attention (the s x s probabilities
-  kept) 47% / 60% more.
+  (:func:`moe_layer_saved_bytes`); the test measures a layer stack with the allocator (glibc's
+  ``mallinfo2``) for every strategy on one rank, within 10%. The attention / dense part models
+  what transformers' own modules save for backward (:func:`attention_layer_saved_bytes`, read
+  from their code; Korthikanti et al. 2022, arXiv:2205.05198 §4.1, is the method, not the
+  numbers: their fused kernels keep less): each RMSNorm keeps its input upcast to fp32, a
+  reciprocal RMS and the normalized values (and its output, which the next linear saves); QK
+  norms (Qwen3, OLMoE) the same over q and k; the rotary embedding only cos and sin (per model);
+  ``attn_implementation="sdpa"`` (transformers' default: FlashAttention / memory-efficient
+  attention on a GPU) q, k and v (k and v not repeated for grouped-query attention), the output
+  and the fp32 log-sum-exp; ``"eager"`` the fp32 [heads, s, s] softmax probabilities too (and
+  their 16-bit copy), q, k and v repeated to every head; MLA its latent norms and the
+  up-projection's output; a dense MLP four [d_ffn] tensors; the model once: the ids, cos / sin,
+  the final norm; the LM head's logits (held by the model's output) and the loss's fp32
+  log-softmax. ``tests/test_plan_activation_memory.py`` builds tiny Mixtral-, Qwen3-MoE-,
+  DeepSeek-V3-, Qwen2-MoE- and GPT-OSS-shaped models (MoE blocks swapped to tritonmoe by
+  ``hf.apply``), trains a step on CPU in fp32 and checks the three activation rows against the
+  allocator's bytes held between forward and backward, within 10% (measured: 0-1.6% under for
+  Mixtral, Qwen3, Qwen2 and GPT-OSS, sdpa and eager;
+  DeepSeek-V3 3-5% under with sdpa: torch's CPU attention keeps the query's [B, H, S, D] layout
+  for MLA's concatenated query, so the output projection's input is a second copy of the output,
+  which a GPU's kernels, whose output is [B, S, H, D], do not make), and the part outside the MoE
+  blocks in fp32 and bf16 against the storages autograd saves. Assumed: transformers' Python
+  modules (fused RMSNorm / RoPE from the kernels hub or Liger keep less: this is then an upper
+  bound), ``use_cache=False`` in training (with a cache and eager attention the output also
+  holds k and v), no padding mask (with one, sdpa repeats k and v to every head), no dropout.
 * **assumed**: what the estimate cannot know (routing balance: uniform unless told).
 
 Layout assumed (what tritonmoe's expert-parallel layer does): every rank holds every dense
@@ -57,13 +70,13 @@ MoE layers with "recompute" at pipeline degree 4::
     gradients                                  9.62  exact       2 B per parameter
     fp32 master weights                        7.11  exact       4 B per parameter, sharded over DP (dense / 16, experts / 2)
     optimizer state (adam)                    14.22  exact       Adam's two moments x 4 B + a 4 B step per tensor, sharded over DP (dense / 16, experts / 2)
-    activations: attention + dense MLPs        6.40  formula     Korthikanti et al. 2022 adapted: 17408 values/token/layer (FlashAttention, no dropout)
+    activations: attention + dense MLPs       14.55  formula     transformers' modules, attn_implementation='sdpa': 79128 B/token/layer (norms, q/k/v, output, log-sum-exp)
     activations: MoE layers                   16.36  formula     memory_strategy='recompute', pipeline_degree=4: 32768 rows per layer (tritonmoe's layer: router, combine, expert block)
     activations: logits + loss                 3.48  formula     [4096, 151936] logits and their fp32 log-softmax
-    total                                     66.81
+    total                                     74.96
     host (offloaded)                           6.00
     capacity                                  79.19
-    headroom                                  12.38  fits
+    headroom                                   4.23  fits
 """
 
 from __future__ import annotations
@@ -82,12 +95,14 @@ from tritonmoe.sim.memory_model import expert_block_bytes
 
 from .models import ModelSpec, get_model
 
-__all__ = ["TrainingSetup", "MemoryRow", "MemoryEstimate", "memory_per_gpu", "device_memory_bytes",
+__all__ = ["ATTN_IMPLEMENTATIONS", "TrainingSetup", "MemoryRow", "MemoryEstimate", "memory_per_gpu", "device_memory_bytes",
            "PROVENANCES", "OPTIMIZERS", "GiB"]
 
 GiB = 2 ** 30
 PROVENANCES = ("exact", "measured", "formula", "assumed")
 OPTIMIZERS = ("adam", "sgd", "none")
+#: attention implementations the activation estimate models (transformers' ``attn_implementation``)
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 #: the usable device memory (``torch.cuda.get_device_properties(i).total_memory``, what torch's
 #: out-of-memory messages call "total capacity") of the GPUs the simulator describes, where
 #: known: an H100 SXM5 80GB (80 GB of HBM3) reports about 79.19 GiB (79.1-79.3 GiB by driver:
@@ -357,7 +372,10 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
     router = 2 * T * E * 4 + T * K * (8 + 4) + T * 8
     combine = sum(t * K * (8 + 1 + 4 + d * es) for t in toks_i) + sum((r + 1) * 8 for r in rows_i)
     if memory_strategy is None:
-        per_row = d + m.n1 + (2 * m.d_ffn if m.gated else m.d_ffn)
+        # GPT-OSS's clamped SwiGLU keeps five [R_i, f] tensors: the clamped gate, its sigmoid,
+        # their product, the clamped up + 1 and the activation's output
+        act = 5 * m.d_ffn if m.activation == "swiglu_oai" else 2 * m.d_ffn if m.gated else m.d_ffn
+        per_row = d + m.n1 + act
         eb = {"device": rows * per_row * es, "host": 0}
     else:
         eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
@@ -366,24 +384,103 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
             "total": router + combine + experts}
 
 
-def attention_saved_elements(m: ModelSpec) -> tuple:
-    """(elements in the activation dtype, fp32 bytes) one token keeps for backward in one layer's
-    attention block and norms (Korthikanti et al. 2022 §4.1 adapted; see the module docstring):
-    the input RMSNorm's input and output, q, k, v, the attention output (kept once: it is both
-    FlashAttention's output and the output projection's input), the post-attention norm's input
-    and output (the MoE / MLP input); MLA adds its latent projections. fp32: the log-sum-exp per
-    head and each RMSNorm's reciprocal RMS."""
+#: transformers models whose RMSNorm multiplies by its weight in fp32 and casts after
+#: (``(weight * x).to(dtype)``): the normalized values it keeps are fp32
+FP32_NORM_WEIGHT = ("gpt_oss",)
+
+
+def _rmsnorm_bytes(width: int, es: int, *, feeds_linear: bool = True, storage: Optional[int] = None,
+                   fp32_weight: bool = False) -> int:
+    """Bytes one token keeps for transformers' RMSNorm over ``width`` values (``x.to(float32)``,
+    ``x * rsqrt(mean(x^2) + eps)``, ``weight * normalized.to(dtype)``): its input in fp32 (the
+    ``pow`` and the ``mul`` save it: in fp32 the input itself, the whole storage it is a view of,
+    ``storage`` values; in a 16-bit dtype the fp32 upcast, ``width`` values), the fp32 reciprocal
+    RMS (4 B), the normalized values in the compute dtype (the weight's ``mul`` saves them) and,
+    where the output feeds a linear layer (``feeds_linear``), the output the linear saves.
+    ``fp32_weight`` (:data:`FP32_NORM_WEIGHT`): the weight multiplies in fp32, so the normalized
+    values are kept in fp32."""
+    x = (storage if storage is not None else width) * 4 if es == 4 else width * 4
+    return x + 4 + width * (4 if fp32_weight else es) + (width * es if feeds_linear else 0)
+
+
+def attention_layer_saved_bytes(m: ModelSpec, dtype: torch.dtype = torch.bfloat16, seq_len: int = 1,
+                                attn_implementation: str = "sdpa") -> int:
+    """Bytes one token keeps for backward in one decoder layer's attention half and norms, as
+    transformers' modules save them (read from their code, checked against the allocator by
+    ``tests/test_plan_activation_memory.py``):
+
+    * the input RMSNorm and the post-attention RMSNorm (:func:`_rmsnorm_bytes`: fp32 input,
+      reciprocal RMS, normalized values, and the output the q/k/v projections, or the router and
+      the MLP, save); the residual adds save nothing;
+    * QK norms (Qwen3's per head, OLMoE's over all heads): their fp32 input, one reciprocal RMS
+      per head (or per token) and the normalized values; their output goes to the rotary
+      embedding, whose multiplications save only cos and sin (per model, not per layer);
+    * ``sdpa`` (FlashAttention / memory-efficient attention on a GPU, the flash kernel on CPU):
+      the rotated q [H x head_dim], k and v [H_kv x head_dim] (grouped-query: ``enable_gqa``, no
+      repeated heads, as transformers calls it without a padding mask), the output [H x head_dim]
+      (also the output projection's input: one storage) and the fp32 log-sum-exp per head;
+    * ``eager``: q, k and v after ``repeat_kv`` (H heads each), the fp32 softmax probabilities
+      [H x seq_len] per token (and, in a 16-bit dtype, their cast copy that the ``probs @ v``
+      matmul saves), and the output's contiguous copy the output projection saves; with
+      attention sinks (GPT-OSS, whose transformers model has no ``sdpa``: "sdpa" then stands
+      for a FlashAttention kernel with sinks) the softmax runs in the compute dtype over one
+      more column, and its row max keeps an int64 index;
+    * MLA (DeepSeek): the query LoRA's norm (input, reciprocal RMS, normalized, output saved by
+      ``q_b_proj``), the KV latent projection's output whole (in fp32 the norm saves a view of
+      it; in 16-bit its fp32 upcast of the latent part), the latent norm, the up-projection's
+      output [H x (qk_nope + v)] (v is a view of it), q and k concatenated [H x (qk_nope +
+      qk_rope)] each, then attention as above.
+
+    Assumes transformers' own Python modules (no fused RMSNorm / RoPE kernels from the kernels
+    hub or Liger), ``use_cache=False``, no dropout, no padding mask."""
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={attn_implementation!r}"
+                         f"{did_you_mean(str(attn_implementation), ATTN_IMPLEMENTATIONS)}; use one of "
+                         f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+    es = _itemsize(dtype)
     d, H = m.d_model, m.n_heads
+    b = 2 * _rmsnorm_bytes(d, es, fp32_weight=m.model_type in FP32_NORM_WEIGHT)
     if m.mla:
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q, k, v, o = H * qk, H * qk, H * m.v_head_dim, H * m.v_head_dim
-        latent = (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + (2 * m.q_lora_rank if m.q_lora_rank else 0)
+        qk, vh = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        r = m.kv_lora_rank
+        if m.q_lora_rank:
+            b += _rmsnorm_bytes(m.q_lora_rank, es)
+        b += _rmsnorm_bytes(r, es, storage=r + m.qk_rope_head_dim)
+        b += H * (m.qk_nope_head_dim + vh) * es  # kv_b_proj's output: v is a view of it
+        q, k, o, kv_heads = H * qk, H * qk, H * vh, H
+        v = 0  # counted in kv_b_proj's output
     else:
-        q, k, v, o = H * m.head_dim, m.n_kv_heads * m.head_dim, m.n_kv_heads * m.head_dim, H * m.head_dim
-        latent = 0
-    elems = 2 * d + q + k + v + o + 2 * d + latent
-    fp32 = 4 * (H + 2)
-    return elems, fp32
+        hd, kv_heads = m.head_dim, m.n_kv_heads
+        q, k, v, o = H * hd, kv_heads * hd, kv_heads * hd, H * hd
+        if m.qk_norm == "head":
+            b += _rmsnorm_bytes(q, es, feeds_linear=False) + 4 * (H - 1)
+            b += _rmsnorm_bytes(k, es, feeds_linear=False) + 4 * (kv_heads - 1)
+        elif m.qk_norm == "full":
+            b += _rmsnorm_bytes(q, es, feeds_linear=False) + _rmsnorm_bytes(k, es, feeds_linear=False)
+    if attn_implementation == "sdpa":
+        b += (q + k + v + o) * es + 4 * H
+    else:
+        rep = H // kv_heads if not m.mla else 1  # repeat_kv copies k and v to H heads
+        k_e = k * rep
+        v_e = (v * rep) if not m.mla else 0
+        if m.attention_sinks:
+            # GPT-OSS: the softmax in the compute dtype over one more column (the sink), the
+            # probabilities' view saved by the matmul, and the row max's int64 index
+            probs = H * (seq_len + 1) * es + 8 * H
+        else:
+            probs = H * seq_len * (4 + (es if es != 4 else 0))
+        b += (q + k_e + v_e + o) * es + probs
+    return b
+
+
+def model_saved_bytes(m: ModelSpec, tokens: int, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes the model keeps once (not per layer): the embedding's int64 ids, the rotary
+    embedding's cos and sin ([seq_len, rope dims] each: the positions of one sequence, broadcast
+    over the batch) and the final RMSNorm (its output is the LM head's saved input)."""
+    es = _itemsize(dtype)
+    rope = m.qk_rope_head_dim if m.mla else m.head_dim
+    return tokens * 8 + 2 * seq_len * rope * es + tokens * _rmsnorm_bytes(m.d_model, es,
+                                                                          fp32_weight=m.model_type in FP32_NORM_WEIGHT)
 
 
 def dense_mlp_saved_elements(m: ModelSpec) -> int:
@@ -432,7 +529,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
                    setup: TrainingSetup = TrainingSetup(), memory_strategy: str = "keep", pipeline_degree: int = 1,
                    capacity_factor: Optional[float] = None, expert_replicas: Optional[int] = None,
                    routing_imbalance: float = 1.0, mi_buffers: int = 1, mp_size: int = 1,
-                   parm_schedule: str = "s1") -> MemoryEstimate:
+                   parm_schedule: str = "s1", attn_implementation: str = "sdpa") -> MemoryEstimate:
     """Device bytes per GPU of ``model`` (a :class:`ModelSpec` or anything
     :func:`~tritonmoe.plan.models.get_model` takes) on ``world_size`` GPUs with expert-parallel
     groups of ``ep_size`` (DP = world_size / ep_size), ``tokens_per_gpu`` tokens per micro-batch
@@ -464,12 +561,19 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
             shard's width d_ffn/MP; the baseline: every MP rank processes its copy, ``mp_size``
             times more). Parm's path runs the layer's default expert block (``memory_strategy``
             must be None, ``pipeline_degree`` 1).
+        attn_implementation: transformers' attention the activations assume: "sdpa" (its default:
+            FlashAttention-like, q, k, v, the output and the log-sum-exp kept) or "eager" (the
+            [heads, seq_len, seq_len] softmax probabilities kept too).
 
     Raises:
         ValueError / TypeError naming the value and the fix (unknown model, ep_size not dividing
         world_size or E, tokens <= 0, ...)."""
     m = _check_inputs(model, world_size, ep_size, tokens_per_gpu, seq_len, setup, memory_strategy, pipeline_degree,
                       capacity_factor, routing_imbalance)
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={attn_implementation!r}"
+                         f"{did_you_mean(str(attn_implementation), ATTN_IMPLEMENTATIONS)}; use one of "
+                         f"{', '.join(ATTN_IMPLEMENTATIONS)}")
     S = setup
     training = S.training
     mp = _check_mp(m, world_size, ep_size, mp_size, parm_schedule, memory_strategy, pipeline_degree)
@@ -511,7 +615,7 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
         rows.append(MemoryRow(f"optimizer state ({S.optimizer})", owned * k * se + steps, "exact",
                               f"{what} x {se} B" + (" + a 4 B step per tensor" if steps else "") + shard_note))
     rows.extend(_activation_rows(m, S, tokens_per_gpu, seq_len, memory_strategy, pipeline_degree, capacity_factor,
-                                 routing_imbalance, mi_buffers, ep_size, (mp, parm_schedule)))
+                                 routing_imbalance, mi_buffers, ep_size, (mp, parm_schedule), attn_implementation))
     host = rows.pop()  # _activation_rows returns the host bytes last
     R = _routed_rows(m, tokens_per_gpu, capacity_factor, routing_imbalance)
     assumptions.append(f"routing: the most loaded rank's experts receive {R} rows per MoE layer "
@@ -522,7 +626,8 @@ def memory_per_gpu(model: Any, *, world_size: int, ep_size: int, tokens_per_gpu:
                            f"+ sequence parallelism for the dense activations), schedule {parm_schedule!r}")
     params = dict(world_size=world_size, ep_size=ep_size, tokens_per_gpu=tokens_per_gpu, seq_len=seq_len,
                   memory_strategy=memory_strategy, pipeline_degree=pipeline_degree, capacity_factor=capacity_factor,
-                  expert_replicas=expert_replicas, routing_imbalance=routing_imbalance, mi_buffers=mi_buffers)
+                  expert_replicas=expert_replicas, routing_imbalance=routing_imbalance, mi_buffers=mi_buffers,
+                  attn_implementation=attn_implementation)
     if mp > 1:
         params.update(mp_size=mp, parm_schedule=parm_schedule)
     return MemoryEstimate(tuple(rows), m, S, params, host, tuple(a for a in assumptions if a))
@@ -557,7 +662,7 @@ def _parm_moe_bytes(m: ModelSpec, S, T: int, R: int, mp: int, schedule: str) -> 
 
 
 def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, mi_buffers, ep,
-                     parm: tuple = (1, "s1")) -> list:
+                     parm: tuple = (1, "s1"), attn: str = "sdpa") -> list:
     """The activation rows (and, last, the host bytes as a bare int)."""
     es = _itemsize(S.param_dtype)
     V = m.vocab_size
@@ -577,17 +682,18 @@ def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, 
                 MemoryRow("logits", T * V * es, "formula", f"[{T}, {V}]"),
                 0]
     rows = []
-    a_el, a_fp32 = attention_saved_elements(m)
-    dense_el = dense_mlp_saved_elements(m) if m.dense_layers else 0
-    per_layer_attn = T * (a_el * es + a_fp32)
+    per_layer_attn = T * attention_layer_saved_bytes(m, S.param_dtype, seq_len, attn)
+    dense = m.dense_layers and T * dense_mlp_saved_elements(m) * es
+    once = model_saved_bytes(m, T, seq_len, S.param_dtype)
     if S.activation_checkpointing:
         # each layer keeps its input; backward rebuilds one layer's attention block at a time
-        attn = m.num_layers * T * m.d_model * es + per_layer_attn + T * dense_el * es
+        attn_b = m.num_layers * T * m.d_model * es + per_layer_attn + dense + once
         note = "checkpointed: each layer's input + one layer rebuilt (Korthikanti et al. 2022)"
     else:
-        attn = m.num_layers * per_layer_attn + m.dense_layers * T * dense_el * es
-        note = f"Korthikanti et al. 2022 adapted: {a_el} values/token/layer (FlashAttention, no dropout)"
-    rows.append(MemoryRow("activations: attention + dense MLPs", attn, "formula", note))
+        attn_b = m.num_layers * per_layer_attn + m.dense_layers * dense + once
+        note = (f"transformers' modules, attn_implementation={attn!r}: {per_layer_attn // T} B/token/layer "
+                "(norms, q/k/v, output" + (", softmax probabilities" if attn == "eager" else ", log-sum-exp") + ")")
+    rows.append(MemoryRow("activations: attention + dense MLPs", attn_b, "formula", note))
     R = _routed_rows(m, T, capacity_factor, imbalance)
     mp, sched = parm
     if mp > 1:
@@ -599,10 +705,16 @@ def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, 
                                     mi_buffers=mi_buffers, expert_parallel=ep > 1)
         note = (f"memory_strategy={strategy!r}, pipeline_degree={n}: {R} rows per layer "
                 "(tritonmoe's layer: router, combine, expert block)")
-    shared = T * 4 * m.n_shared_experts * m.shared_d_ffn * es // mp if m.n_shared_experts else 0
+    # a shared expert: a dense gated MLP's four [F] tensors (tensor-parallel: 1/MP of them);
+    # Qwen2-MoE's sigmoid gate on it keeps the shared output [d] and the gate [1] (their product
+    # saves both)
+    shared = T * (4 * m.n_shared_experts * m.shared_d_ffn // mp + (m.d_model + 1 if m.shared_expert_gate else 0)) \
+        * es if m.n_shared_experts else 0
     rows.append(MemoryRow("activations: MoE layers", m.moe_layers * (moe["total"] + shared), "formula", note))
     # logits in the compute dtype and the fp32 log-softmax cross-entropy keeps
-    rows.append(MemoryRow("activations: logits + loss", T * V * (es + 4), "formula",
+    # the logits in the compute dtype (the model's output holds them), the fp32 log-softmax the
+    # cross-entropy saves, and its int64 labels
+    rows.append(MemoryRow("activations: logits + loss", T * V * (es + 4) + T * 8, "formula",
                           f"[{T}, {V}] logits and their fp32 log-softmax"))
     rows.append(m.moe_layers * moe["host"])
     return rows
