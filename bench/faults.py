@@ -546,11 +546,13 @@ def _grad_lane_cannot_start(ctx: RankCtx) -> dict:
     return _lina_step(ctx)
 
 
-def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: Optional[str] = None) -> dict:
+def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: Optional[str] = None,
+             fitted: bool = False) -> dict:
     """One forward of an expert-parallel layer (pipeline degree 2; Parm with MP = 2 and schedule
     ``parm`` when given) in which the victims call ``layer(*bad(rank, x))`` instead of ``layer(x)``: input
     that the layer refuses on those ranks only. Every rank must end in the same
-    ``RankInputError`` (raised at the counts exchange, which carries the refusal)."""
+    ``RankInputError`` (raised at the counts exchange, which carries the refusal). ``fitted``:
+    Parm "auto" is given a cost model first (as after its first fit)."""
     import tritonmoe as tm
 
     P = ctx.world_size
@@ -564,6 +566,12 @@ def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: Opti
         groups = lay.process_groups()
         layer = tm.MoELayer(cfg, parm_groups=groups, dtype=torch.float64)
         seed = SEED + lay.mp_group[groups.rank]  # the MP group's ranks hold the same tokens
+        if fitted:
+            from tritonmoe.policy.parm_schedule import COLLECTIVES, AlphaBeta, ParmCostModel
+
+            ab = AlphaBeta(1e-5, 1e-9)
+            layer.expert_path.cost_model = ParmCostModel(ag_mp=ab, a2a=ab, overlap=ab,
+                                                         collectives={k: ab for k in COLLECTIVES})
     else:
         layer, seed = tm.MoELayer(cfg, ep_group=ctx.group, dtype=torch.float64), SEED + ctx.rank
     x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
@@ -602,6 +610,11 @@ def _refused_parm_auto(ctx: RankCtx) -> dict:
     """Parm with ``parm_schedule="auto"`` before its first fit (no cost model): the schedule
     agreement's all-reduce carries the refusal, before the fit's probes."""
     return _refused(ctx, lambda r, x: (x.float(),), parm="auto")
+
+
+def _refused_parm_auto_fitted(ctx: RankCtx) -> dict:
+    """As :func:`_refused_parm_auto`, with a cost model set (as after the first fit)."""
+    return _refused(ctx, lambda r, x: (x.float(),), parm="auto", fitted=True)
 
 
 def _static_layer(ctx: RankCtx):
@@ -765,6 +778,7 @@ REFUSED_ROWS = {
     "static EP: input dtype differs": ("RankTypeError", "x is torch.float32 but the layer's parameters are "
                                                         "torch.float64"),
     "Parm auto (before its fit): input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "Parm auto (fitted): input dtype differs": ("RankTypeError", "x is torch.float32"),
     "replicated: weights differ": ("ValueError", "weights:w1: rank 0="),
     "replicated: activation differs": ("ValueError", "activation: rank 0='gelu', rank 1='relu'"),
 }
@@ -846,6 +860,8 @@ for _case in (
     FaultCase("Parm auto (before its fit): input dtype differs", "parm_schedule='auto' (MP = 2), no cost model yet: "
               "rank 1 feeds fp32 tokens (the schedule agreement carries the refusal, before the fit's probes)",
               _refused_parm_auto, victims=(1,), shared=True),
+    FaultCase("Parm auto (fitted): input dtype differs", "parm_schedule='auto' (MP = 2) with a cost model set (as "
+              "after its fit): rank 1 feeds fp32 tokens", _refused_parm_auto_fitted, victims=(1,), shared=True),
     FaultCase("step after refused inputs", "a healthy step on the group the refused-input rows left (shared): the "
               "refusals end symmetrically, so the group stays usable", _ragged, legal=True, shared=True),
     FaultCase("healthy step: collectives counted", "the status word adds no collective: a healthy step's calls, "
