@@ -24,10 +24,12 @@ class StaticExpertParallelExperts(ExpertPath):
     pad-to-capacity): rank r of P owns the experts [r*E/P, (r+1)*E/P) as in
     :class:`ExpertParallelExperts`, but every rank sends exactly C rows to every expert (its
     first C kept slots, then zero rows). The exchanges are equal-split all-to-alls of E*C rows
-    whose sizes are known on the host, so there is no counts exchange and no host
-    synchronization in the forward or the backward (capturable in a CUDA graph); the experts run
-    as one batched GEMM pair over [E/P, P*C] rows. The price is the padding: E*C rows per rank
-    per exchange whatever the routing.
+    whose sizes are known on the host (the dispatch adds one status row per peer), so there is
+    no counts exchange and no host synchronization in the forward or the backward with
+    validation off (with it on, one: the read of the P refused-input status words at the end of
+    the forward, skipped during a CUDA-graph capture; see below), capturable in a CUDA graph;
+    the experts run as one batched GEMM pair over [E/P, P*C] rows. The price is the padding:
+    E*C rows per rank per exchange whatever the routing.
 
     Semantics: routing keeps at most C slots per expert on each rank (``config.capacity`` is C;
     later slots are dropped, weight 0), so the layer equals a single-process layer with the same
