@@ -546,11 +546,13 @@ def _grad_lane_cannot_start(ctx: RankCtx) -> dict:
     return _lina_step(ctx)
 
 
-def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: Optional[str] = None) -> dict:
+def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: Optional[str] = None,
+             fitted: bool = False) -> dict:
     """One forward of an expert-parallel layer (pipeline degree 2; Parm with MP = 2 and schedule
     ``parm`` when given) in which the victims call ``layer(*bad(rank, x))`` instead of ``layer(x)``: input
     that the layer refuses on those ranks only. Every rank must end in the same
-    ``RankInputError`` (raised at the counts exchange, which carries the refusal)."""
+    ``RankInputError`` (raised at the counts exchange, which carries the refusal). ``fitted``:
+    Parm "auto" is given a cost model first (as after its first fit)."""
     import tritonmoe as tm
 
     P = ctx.world_size
@@ -564,6 +566,12 @@ def _refused(ctx: RankCtx, bad: Callable[[int, torch.Tensor], tuple], parm: Opti
         groups = lay.process_groups()
         layer = tm.MoELayer(cfg, parm_groups=groups, dtype=torch.float64)
         seed = SEED + lay.mp_group[groups.rank]  # the MP group's ranks hold the same tokens
+        if fitted:
+            from tritonmoe.policy.parm_schedule import COLLECTIVES, AlphaBeta, ParmCostModel
+
+            ab = AlphaBeta(1e-5, 1e-9)
+            layer.expert_path.cost_model = ParmCostModel(ag_mp=ab, a2a=ab, overlap=ab,
+                                                         collectives={k: ab for k in COLLECTIVES})
     else:
         layer, seed = tm.MoELayer(cfg, ep_group=ctx.group, dtype=torch.float64), SEED + ctx.rank
     x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
@@ -596,6 +604,72 @@ def _refused_parm(ctx: RankCtx) -> dict:
 
 def _refused_parm_baseline(ctx: RankCtx) -> dict:
     return _refused(ctx, lambda r, x: (x.float(),), parm="baseline")
+
+
+def _refused_parm_auto(ctx: RankCtx) -> dict:
+    """Parm with ``parm_schedule="auto"`` before its first fit (no cost model): the schedule
+    agreement's all-reduce carries the refusal, before the fit's probes."""
+    return _refused(ctx, lambda r, x: (x.float(),), parm="auto")
+
+
+def _refused_parm_auto_fitted(ctx: RankCtx) -> dict:
+    """As :func:`_refused_parm_auto`, with a cost model set (as after the first fit)."""
+    return _refused(ctx, lambda r, x: (x.float(),), parm="auto", fitted=True)
+
+
+def _static_layer(ctx: RankCtx):
+    """A static expert-parallel layer (``ep_capacity`` = :data:`STATIC_C`, fp64) and its
+    single-process reference with the same weights."""
+    import tritonmoe as tm
+
+    P, r = ctx.world_size, ctx.rank
+    E, L = 2 * P, 2
+    torch.manual_seed(SEED)
+    cfg = tm.MoEConfig(D_MODEL, D_FFN, E, TOP_K, ep_capacity=STATIC_C)
+    ref = tm.MoELayer(cfg, dtype=torch.float64)
+    layer = tm.MoELayer(cfg, ep_group=ctx.group, dtype=torch.float64)
+    with torch.no_grad():
+        layer.router.weight.copy_(ref.router.weight)
+        layer.w1.copy_(ref.w1[r * L:(r + 1) * L])
+        layer.w2.copy_(ref.w2[r * L:(r + 1) * L])
+    x = torch.randn(6, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + r))
+    return layer, ref, x
+
+
+def _static_refused(ctx: RankCtx) -> dict:
+    """Static expert parallelism (validation on, the default): the victim feeds fp32 tokens to
+    its fp64 layer; its stand-in batch's status rows tell every rank at the end of the forward."""
+    layer, _, x = _static_layer(ctx)
+    ctx.start_clock()
+    layer(x.float() if ctx.is_victim else x)
+    ctx.stop_clock()
+    return {"correct": False, "max_err": float("nan")}  # a refused input must never return
+
+
+def _static_refused_unchecked(ctx: RankCtx) -> dict:
+    """Static expert parallelism with validation off (no host sync in the forward): a healthy
+    inference step, then one in which the victim feeds fp32 tokens. The victim must raise its
+    own TypeError (the layer's message, no RankInputError); every peer's output must equal,
+    bitwise, its output of the healthy step (its tokens do not depend on the victim's) and the
+    single-process layer's on its tokens (fp64 tolerance)."""
+    import tritonmoe as tm
+    from tritonmoe.comm import RankInputError
+
+    layer, ref, x = _static_layer(ctx)
+    with tm.validation(False), torch.no_grad():
+        healthy = layer(x)
+        ctx.start_clock()
+        try:
+            out = layer(x.float() if ctx.is_victim else x)
+        except TypeError as e:
+            ctx.stop_clock()
+            ok = ctx.is_victim and not isinstance(e, RankInputError) and "x is torch.float32" in str(e)
+            return {"correct": ok, "max_err": 0.0, "raised": f"{type(e).__name__}: {e}"}
+        ctx.stop_clock()
+        want = ref(x)
+    err = float((out - want).abs().max())
+    ok = not ctx.is_victim and torch.equal(out, healthy) and torch.allclose(out, want, **TOL)
+    return {"correct": ok, "max_err": err}
 
 
 def _refused_counts(ctx: RankCtx, *, wrong_experts: bool) -> dict:
@@ -701,6 +775,10 @@ REFUSED_ROWS = {
     "counts exchange: float counts": ("RankValueError", "counts must be an integer tensor of shape"),
     "counts exchange: wrong expert count": ("RankValueError", "counts have "),
     "replicated: input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "static EP: input dtype differs": ("RankTypeError", "x is torch.float32 but the layer's parameters are "
+                                                        "torch.float64"),
+    "Parm auto (before its fit): input dtype differs": ("RankTypeError", "x is torch.float32"),
+    "Parm auto (fitted): input dtype differs": ("RankTypeError", "x is torch.float32"),
     "replicated: weights differ": ("ValueError", "weights:w1: rank 0="),
     "replicated: activation differs": ("ValueError", "activation: rank 0='gelu', rank 1='relu'"),
 }
@@ -773,6 +851,17 @@ for _case in (
               "(refused at construction)", _replicated_seed, victims=(1,), shared=True),
     FaultCase("replicated: activation differs", "ReplicatedMoELayer: rank 1's layer uses relu, the others gelu",
               _replicated_activation, victims=(1,), shared=True),
+    FaultCase("static EP: input dtype differs", "ep_capacity=4, validation on: rank 1 feeds fp32 tokens (its stand-in "
+              "batch's status rows in the dispatch tell every rank)", _static_refused, victims=(1,), shared=True),
+    FaultCase("static EP (validation off): input refused", "ep_capacity=4 under tm.validation(False) (no host sync): "
+              "rank 1 feeds fp32 tokens and raises its own TypeError; its peers' outputs are bitwise those of a "
+              "healthy step and the single-process layer's", _static_refused_unchecked, legal=True, victims=(1,),
+              shared=True),
+    FaultCase("Parm auto (before its fit): input dtype differs", "parm_schedule='auto' (MP = 2), no cost model yet: "
+              "rank 1 feeds fp32 tokens (the schedule agreement carries the refusal, before the fit's probes)",
+              _refused_parm_auto, victims=(1,), shared=True),
+    FaultCase("Parm auto (fitted): input dtype differs", "parm_schedule='auto' (MP = 2) with a cost model set (as "
+              "after its fit): rank 1 feeds fp32 tokens", _refused_parm_auto_fitted, victims=(1,), shared=True),
     FaultCase("step after refused inputs", "a healthy step on the group the refused-input rows left (shared): the "
               "refusals end symmetrically, so the group stays usable", _ragged, legal=True, shared=True),
     FaultCase("healthy step: collectives counted", "the status word adds no collective: a healthy step's calls, "

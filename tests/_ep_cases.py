@@ -346,13 +346,21 @@ def static_table(rank: int, P: int) -> dict:
             _close(failures, f"{label}: {name}.grad", getattr(ep, name).grad, getattr(ref, name).grad[mine], torch.float64)
         del tol
 
-        # Host syncs of the expert path (routing decided before), forward and backward.
+        # Host syncs of the expert path (routing decided before), forward and backward: none with
+        # validation off; with it on, exactly one (the read of the P status words at the end of
+        # the forward: docs/rank-input.md).
         x2 = xs[rank].clone().requires_grad_()
         _, routing = ep.route(x2)
-        with SyncCounter() as counter:
+        with tm.validation(False), SyncCounter() as counter:
             y = ep.expert_path(x2, routing, ep.expert_weights())
             y.sum().backward()
         syncs[f"static case {i}"] = list(counter.syncs)
+        x2 = xs[rank].clone().requires_grad_()
+        _, routing = ep.route(x2)
+        with tm.validation(True), SyncCounter() as counter:
+            y = ep.expert_path(x2, routing, ep.expert_weights())
+            y.sum().backward()
+        syncs[f"static case {i}, validation on"] = list(counter.syncs)
     # The dynamic path at pipeline degree 3: its permutes size their buffers from the slot count,
     # so none reads R back (its one sync, the counts exchange's tolist, is not a dispatched op).
     dyn = tm.MoELayer(tm.MoEConfig(D_MODEL, D_FFN, NUM_EXPERTS, 2, pipeline_degree=3, capacity_factor=1.0),

@@ -35,9 +35,14 @@ def layer_syncs(rank: int, P: int) -> dict:
         _layer_step(layer, 4, 1)  # warm-up (first-call caches)
         for i, T in enumerate(tokens):
             T = T if rank == 0 else tokens[::-1][i]
-            with HostSyncs() as s:
+            with tm.validation(False), HostSyncs() as s:  # the sync-free step (docs/rank-input.md)
                 _layer_step(layer, T, 10 + i)
             out[f"{name} T={T}"] = [(y.kind, y.where, y.source().strip(), y.commented()) for y in s.syncs]
+        # validation on: the refused-input status words' read, and nothing else
+        T = tokens[0] if rank == 0 else tokens[-1]
+        with tm.validation(True), HostSyncs() as s:
+            _layer_step(layer, T, 30)
+        out[f"{name} T={T} validation on"] = [(y.kind, y.where, y.source().strip(), y.commented()) for y in s.syncs]
     torch.manual_seed(0)
     dyn = tm.MoELayer(tm.MoEConfig(D, 6, 4, 2, aux_loss_coef=0.01), ep_group=dist.group.WORLD, dtype=torch.float64)
     _layer_step(dyn, 4, 1)

@@ -116,7 +116,8 @@ def test_bench_run_ep_contract():
 def test_static_mode_matches_single_process_without_host_sync(world_size):
     """MoEConfig(ep_capacity=C): equal to the single-process layer with the same config on each
     rank's batch (fp64, every gradient), and its expert path dispatches no host-synchronizing op
-    in the forward or the backward (counted by a TorchDispatchMode), nor does the dynamic path's
+    in the forward or the backward with validation off (counted by a TorchDispatchMode; with
+    validation on exactly one, the read of the refused-input status words), nor does the dynamic path's
     (pipelined, with capacity drops: its permutes size their buffers from the slot count; its one
     sync, the counts exchange's tolist, is not a dispatched op); a permute that reads R back is
     the control that shows the counter sees syncs."""
@@ -126,6 +127,8 @@ def test_static_mode_matches_single_process_without_host_sync(world_size):
         for case, found in v["syncs"].items():
             if case == "control":
                 assert "_local_scalar_dense" in found, (rank, found)
+            elif case.endswith("validation on"):  # the status words' read (docs/rank-input.md)
+                assert found == ["_local_scalar_dense"], (rank, case, found)
             else:
                 assert found == [], (rank, case, found)
         assert "dynamic" in v["syncs"] and "control" in v["syncs"]

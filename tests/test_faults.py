@@ -74,6 +74,18 @@ def test_refused_input_ends_every_rank_alike(table, case, world_size):
     assert all(o.seconds < PG_TIMEOUT_S for o in row.outcomes), row.describe()
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parm_auto_refuses_alike_before_and_after_its_fit(table, world_size):
+    """Parm "auto": one rank's refused input ends every rank in the same error (class and
+    message) before the first fit (no cost model: the fit's probes would run on the batch) as
+    after it: the schedule agreement carries the refusal in both."""
+    before = table[("Parm auto (before its fit): input dtype differs", world_size)]
+    after = table[("Parm auto (fitted): input dtype differs", world_size)]
+    assert [(o.exc, o.message) for o in before.outcomes] == [(o.exc, o.message) for o in after.outcomes], (
+        before.describe() + "\n" + after.describe())
+    assert "the Parm schedule agreement" in before.outcomes[0].message, before.describe()
+
+
 def _victim_never_returns(ctx: faults.RankCtx) -> dict:
     """The victim sleeps outside any collective; its peers wait for it in a barrier."""
     ctx.start_clock()

@@ -5,7 +5,9 @@ scalar reads and copies patched, data-dependent ATen ops seen by a dispatch mode
   is not counted.
 * The static expert-parallel mode (``MoEConfig(ep_capacity=C)``): a whole layer step (routing,
   auxiliary losses, expert path, shared expert, load statistics; forward and backward) makes no
-  host sync, on 2 gloo ranks, for two configurations and ragged batches (a rank with zero tokens).
+  host sync with validation off, on 2 gloo ranks, for two configurations and ragged batches (a
+  rank with zero tokens); with validation on exactly one, the commented read of the refused-input
+  status words (docs/rank-input.md).
 * The dynamic expert-parallel mode: its syncs are exactly the known, commented ones (each line
   carries a "host sync" comment): the counts exchange, and on the reference backend the
   reference's own row slicing and the exact weight-gradient flush; on the Triton kernels
@@ -90,6 +92,10 @@ def test_static_ep_layer_step_is_sync_free_and_dynamic_syncs_are_the_commented_o
                 # the kernels' path, pipelined (3 micro-ops) with capacity drops: the counts
                 # exchange only (no per-micro-op permute sizing, no W-step count read)
                 assert [w.split("(")[1].rstrip(")") for _, w, _, _ in syncs] == ["exchange_counts"], (rank, syncs)
+                continue
+            if case.endswith("validation on"):  # static, validation on: the status words' one read
+                assert [(w.split(":")[0].rsplit("/", 1)[-1], w.split("(")[1].rstrip(")"), c)
+                        for _, w, _, c in syncs] == [("static.py", "_check_words", True)], (rank, case, syncs)
                 continue
             if case != "dynamic":
                 assert syncs == [], (rank, case, syncs)

@@ -61,3 +61,47 @@ def test_refused_counts_and_layer_input(one_rank_group):
         with pytest.raises(cls):  # the expert-parallel path reports it through its counts exchange
             layer(bad)
     assert torch.equal(layer(x), want)
+
+
+def test_static_mode_carries_the_refusal_in_its_dispatch(one_rank_group):
+    """The static expert-parallel mode (no counts exchange): a refused input runs the step on an
+    empty stand-in batch whose status rows carry the word. With validation on it is read back
+    (RankTypeError naming the rank, chained to the layer's own error); with validation off the
+    rank raises its own TypeError, no host read. The status rows never touch a healthy result."""
+    torch.manual_seed(0)
+    cfg = tm.MoEConfig(8, 12, 2, 1, ep_capacity=3)
+    layer = tm.MoELayer(cfg, ep_group=one_rank_group, dtype=torch.float64)
+    ref = tm.MoELayer(cfg, dtype=torch.float64)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 8, dtype=torch.float64)
+    want = layer(x)
+    torch.testing.assert_close(want, ref(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(RankTypeError, match="rank 0 of the group refused its input") as e:
+        layer(x.float())
+    assert isinstance(e.value.__cause__, TypeError) and not isinstance(e.value.__cause__, RankInputError)
+    assert e.value.failing_ranks == (0,) and "x is torch.float32" in e.value.messages[0]
+    with tm.validation(False), pytest.raises(TypeError, match="x is torch.float32") as e:
+        layer(x.float())
+    assert not isinstance(e.value, RankInputError)
+    assert torch.equal(layer(x), want)
+    # what the stand-in rank sends: zero rows, and its word in each block's last row
+    path = layer.expert_path
+    sent = []
+    orig = tm.experts.static.AllToAllFunction.apply
+
+    def spy(t, *a):
+        sent.append(t.detach().clone())
+        return orig(t, *a)
+
+    tm.experts.static.AllToAllFunction.apply = spy
+    try:
+        path.input_error = TypeError("refused")
+        with tm.validation(False), torch.no_grad():
+            empty = torch.zeros(0, 8, dtype=torch.float64)
+            path(empty, layer.route(empty)[1], layer.expert_weights())
+    finally:
+        tm.experts.static.AllToAllFunction.apply = orig
+        path.input_error = None
+    dispatch = sent[0]  # [E*C + P, d]: expert 0's and 1's 3 rows, then the status row
+    assert dispatch.shape == (2 * 3 + 1, 8)
+    assert not dispatch[:6].any() and dispatch[6, 0] == input_status(TypeError()) and not dispatch[6, 1:].any()

@@ -299,7 +299,9 @@ class MoEConfig:
             at most this many slots per expert (later ones dropped, as ``capacity_factor``
             drops) and sends exactly this many rows to every expert, padded with zeros. Every
             exchange then has a static size, so the expert-parallel forward and backward run
-            without a host synchronization (capturable in a CUDA graph). None: dropless or
+            without a host synchronization (capturable in a CUDA graph; with validation on, the
+            forward reads the ranks' refused-input status words once, outside a capture:
+            docs/rank-input.md). None: dropless or
             ``capacity_factor`` (one host sync per forward: the counts exchange). Excludes
             ``capacity_factor`` and ``pipeline_degree`` > 1.
         parm_schedule: the schedule of a layer with model-parallel or expert-sharding groups

@@ -463,7 +463,8 @@ class ParmExperts(ExpertPath):
         every rank decides from the same agreed inputs). At the first "auto" forward the model is
         fitted (:meth:`fit_cost_model`; with the layer's ``router`` step and expert ``weights``,
         its per-schedule startup measured on the layer too)."""
-        return self.schedule_policy.choose(x_TD, fit=lambda x, T: self.fit_cost_model(x, T, router, weights))
+        return self.schedule_policy.choose(x_TD, fit=lambda x, T: self.fit_cost_model(x, T, router, weights),
+                                           refused=self.input_error)
 
     def fit_cost_model(self, x_TD: torch.Tensor, tokens: int, router=None, weights: Optional[ExpertWeights] = None,
                        *, reps: int = 9):
@@ -524,12 +525,12 @@ class ParmExperts(ExpertPath):
 
     # -- metadata ----------------------------------------------------------------------------------
 
-    @property
-    def reports_input_errors(self) -> bool:
-        """The counts all-gather (:meth:`_table`) carries a rank's refused input in every fixed
-        schedule (S1's MP exchanges before it have fixed sizes); not under ``"auto"`` before its
-        fit, whose probes run on the batch (docs/rank-input.md)."""
-        return self.config.parm_schedule != "auto" or self.schedule_policy.cost_model is not None
+    #: The counts all-gather (:meth:`_table`) carries a rank's refused input in every fixed
+    #: schedule (S1's MP exchanges before it have fixed sizes); under ``"auto"`` the schedule
+    #: agreement's all-reduce carries it, before the first forward's fit and its probes
+    #: (:meth:`ParmSchedulePolicy.agreed_tokens
+    #: <tritonmoe.policy.parm_schedule.ParmSchedulePolicy.agreed_tokens>`; docs/rank-input.md).
+    reports_input_errors = True
 
     def _table(self, tokens: int, counts_E: torch.Tensor) -> list[list[int]]:
         """Every rank's [tokens, rows per expert] (:func:`_counts_table`): one all-gather over

@@ -10,9 +10,10 @@ from tritonmoe import reference
 from tritonmoe.comm import check_agreement
 from tritonmoe.comm.all_to_all import AllToAllFunction
 from tritonmoe.comm.compat import all_gather_single
-from tritonmoe.comm.errors import ScheduleError, backend_errors, new_group
+from tritonmoe.comm.errors import ScheduleError, backend_errors, input_status, new_group, raise_rank_input_error
 from tritonmoe.comm.splits import comm_device, group_rank_size
 from tritonmoe.config import MoEConfig
+from tritonmoe.core.settings import validation_enabled
 from tritonmoe.core.types import Routing
 
 from .base import DTYPE_CODES, ExpertPath, ExpertWeights, dtype_code
@@ -23,10 +24,12 @@ class StaticExpertParallelExperts(ExpertPath):
     pad-to-capacity): rank r of P owns the experts [r*E/P, (r+1)*E/P) as in
     :class:`ExpertParallelExperts`, but every rank sends exactly C rows to every expert (its
     first C kept slots, then zero rows). The exchanges are equal-split all-to-alls of E*C rows
-    whose sizes are known on the host, so there is no counts exchange and no host
-    synchronization in the forward or the backward (capturable in a CUDA graph); the experts run
-    as one batched GEMM pair over [E/P, P*C] rows. The price is the padding: E*C rows per rank
-    per exchange whatever the routing.
+    whose sizes are known on the host (the dispatch adds one status row per peer), so there is
+    no counts exchange and no host synchronization in the forward or the backward with
+    validation off (with it on, one: the read of the P refused-input status words at the end of
+    the forward, skipped during a CUDA-graph capture; see below), capturable in a CUDA graph;
+    the experts run as one batched GEMM pair over [E/P, P*C] rows. The price is the padding:
+    E*C rows per rank per exchange whatever the routing.
 
     Semantics: routing keeps at most C slots per expert on each rank (``config.capacity`` is C;
     later slots are dropped, weight 0), so the layer equals a single-process layer with the same
@@ -43,7 +46,22 @@ class StaticExpertParallelExperts(ExpertPath):
     naming every rank's dtype, the others in :class:`~tritonmoe.comm.ScheduleError` (their
     exchange's peer never joined) within the group's timeout. The forward whose dtype is the
     agreed one costs nothing more (a host-side dtype comparison).
+
+    A rank that refused its input (docs/rank-input.md) runs the step on an empty stand-in batch
+    (every slot of its send buffer empty), so its peers' exchanges complete and their outputs are
+    exactly those of their own tokens, and carries its status word in the dispatch: each
+    destination's block of the first exchange has one more row, whose first element is the
+    sender's :func:`~tritonmoe.comm.errors.input_status` (0 on a healthy rank; written on the
+    device from a host int, no sync). With validation on (:func:`tritonmoe.validation`) and
+    outside a CUDA-graph capture, every rank reads the P words it received at the end of the
+    forward (one host read of P values) and, when any is set, every rank raises the same
+    :class:`~tritonmoe.comm.errors.RankInputError` (the failing ranks' messages gathered on the
+    control group). With validation off the forward has no host sync: the peers return their
+    (right) outputs and only the failing rank raises, its own error.
     """
+
+    #: a refused input on this rank runs the step on an empty batch (see the class docstring)
+    reports_input_errors = True
 
     def __init__(self, config: MoEConfig, group: Any, dtype: torch.dtype) -> None:
         super().__init__(config)
@@ -96,6 +114,20 @@ class StaticExpertParallelExperts(ExpertPath):
             raise TypeError(f"static expert parallelism exchanges rows of {DTYPE_CODES}, got {dtype}")
         self.wire_dtype = dtype
 
+    def _check_words(self, words: torch.Tensor) -> None:
+        """Raise the same RankInputError on every rank when a rank's status word (received in the
+        dispatch) is set: with validation on and outside a CUDA-graph capture only (a host read of
+        the P words). A rank that refused its input and does not check returns; the layer then
+        raises its own error."""
+        capturing = words.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not validation_enabled() or capturing:
+            return
+        # host sync (validation on only): the P status words, read at the end of the forward
+        if not bool(words.any()) and self.input_error is None:
+            return
+        raise_rank_input_error([int(w) for w in words.tolist()], self.input_error, self._control,
+                               "the static expert-parallel dispatch (its status rows)")
+
     def send_rows(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dest [T*k], valid [T*k])``: the row of the [E*C] send buffer each slot goes to
         (expert e's block [e*C, (e+1)*C), its kept slots in slot order) and whether it is sent;
@@ -125,10 +157,20 @@ class StaticExpertParallelExperts(ExpertPath):
         k = routing.topk_ids.shape[1]
         dest, valid = self.send_rows(routing)
         x_slots = x_TD.unsqueeze(1).expand(T, k, d).reshape(T * k, d)
-        send = x_TD.new_zeros(E * C + 1, d).index_add(0, dest, x_slots)[: E * C]  # row E*C: the unsent slots
-        splits = [L * C] * P
-        recv = AllToAllFunction.apply(send, splits, splits, self.group)  # [P (source), L, C, d]
-        x_LRD = recv.view(P, L, C, d).transpose(0, 1).reshape(L, P * C, d)
+        # The send buffer: per destination, its L*C rows then one status row (element 0: this
+        # rank's status word); the last row takes the unsent slots. dest (the combine's layout,
+        # L*C rows per peer) shifts by one row per block before it.
+        B = L * C + 1
+        base = x_TD.new_zeros(P * B + 1, d)
+        status = input_status(self.input_error)
+        if status:  # a host int written on the device: no sync (a healthy rank's words are the zeros)
+            base[L * C: P * B: B, 0] = status
+        send = base.index_add(0, dest + torch.div(dest, L * C, rounding_mode="floor"), x_slots)[: P * B]
+        splits = [B] * P
+        recv = AllToAllFunction.apply(send, splits, splits, self.group).view(P, B, d)  # [P (source), L*C + 1, d]
+        words = recv[:, L * C, 0].detach()  # each source's status word
+        recv = recv[:, : L * C]
+        x_LRD = recv.reshape(P, L, C, d).transpose(0, 1).reshape(L, P * C, d)
         h = torch.bmm(x_LRD, weights.w1)
         if weights.b1 is not None:
             h = h + weights.b1.unsqueeze(1)
@@ -137,7 +179,9 @@ class StaticExpertParallelExperts(ExpertPath):
         if weights.b2 is not None:
             y = y + weights.b2.unsqueeze(1)
         y = y.view(L, P, C, d).transpose(0, 1).reshape(P * L * C, d)
+        splits = [L * C] * P
         back = AllToAllFunction.apply(y, splits, splits, self.group)  # [E*C, d]: this rank's rows, back
+        self._check_words(words)
         acc = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
         back = torch.cat([back, back.new_zeros(1, d)], dim=0)
         w = torch.where(valid.view(T, k), routing.topk_weights.to(acc), torch.zeros((), dtype=acc, device=x_TD.device))

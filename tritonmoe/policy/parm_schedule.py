@@ -55,7 +55,7 @@ import torch.distributed as dist
 from tritonmoe.core.validation import GLU_ACTIVATIONS
 from tritonmoe.comm.splits import comm_device
 from tritonmoe.comm.compat import all_gather_single, reduce_scatter_single
-from tritonmoe.comm.errors import backend_errors
+from tritonmoe.comm.errors import backend_errors, input_status, raise_rank_input_error
 from tritonmoe.comm.executor import RealExecutor
 from tritonmoe.comm.programs.saa import saa_schedule
 from tritonmoe.backends import implementation
@@ -591,27 +591,44 @@ class ParmSchedulePolicy:
         self.layout = groups.layout
         self.cost_model: Optional[ParmCostModel] = None
 
-    def agreed_tokens(self, tokens: int) -> int:
+    def agreed_tokens(self, tokens: int, refused: Optional[BaseException] = None) -> int:
         """The batch size every rank decides for: the maximum of ``tokens`` over the P ranks
-        (ragged batches differ in T; one all-reduce over ``groups.ep_esp``)."""
+        (ragged batches differ in T; one all-reduce over ``groups.ep_esp``).
+
+        The same all-reduce carries every rank's status word (docs/rank-input.md): the vector is
+        ``[tokens, s_0, ..., s_{P-1}]`` with this rank's :func:`~tritonmoe.comm.errors.input_status`
+        of ``refused`` in its own slot and zeros elsewhere, so the MAX gives every rank every
+        rank's word. When any word is set every rank raises the same
+        :class:`~tritonmoe.comm.errors.RankInputError` here, before the fit's probes or any
+        schedule's exchange (the healthy path: P more int64 in a message already sent)."""
         g = self.groups.ep_esp
         if g is None:
+            if refused is not None:
+                raise refused
             return int(tokens)
+        P, me = self.layout.P, dist.get_rank(g)
+        vec = [0] * (1 + P)
+        vec[0], vec[1 + me] = int(tokens), input_status(refused)
         # host sync: the decision must be the same on every rank (ragged batches differ in T)
-        t = torch.tensor([int(tokens)], dtype=torch.int64, device=comm_device(g))
+        t = torch.tensor(vec, dtype=torch.int64, device=comm_device(g))
         with backend_errors("the Parm schedule agreement (allreduce MAX of the token count)", g):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
-        return int(t)
+        agreed = t.tolist()
+        raise_rank_input_error(agreed[1:], refused, g, "the Parm schedule agreement (parm_schedule='auto')")
+        return int(agreed[0])
 
-    def choose(self, x_TD: torch.Tensor, fit: Optional[Callable[[torch.Tensor, int], ParmCostModel]] = None) -> str:
+    def choose(self, x_TD: torch.Tensor, fit: Optional[Callable[[torch.Tensor, int], ParmCostModel]] = None,
+               refused: Optional[BaseException] = None) -> str:
         """The schedule of this forward ("baseline", "s1" or "s2"). For ``"auto"``: the tokens
-        agreed over the ranks (:meth:`agreed_tokens`), the cost model fitted at the first call
-        (``fit(x_TD, tokens)``, default :meth:`fit` without a probe), then
-        :func:`choose_schedule` (every rank decides from the same agreed inputs)."""
+        agreed over the ranks (:meth:`agreed_tokens`, which raises every rank's
+        :class:`~tritonmoe.comm.errors.RankInputError` when a rank ``refused`` its input, before
+        the fit), the cost model fitted at the first call (``fit(x_TD, tokens)``, default
+        :meth:`fit` without a probe), then :func:`choose_schedule` (every rank decides from the
+        same agreed inputs)."""
         c = self.config
         if c.parm_schedule != "auto":
             return c.parm_schedule
-        T = self.agreed_tokens(x_TD.shape[0])
+        T = self.agreed_tokens(x_TD.shape[0], refused)
         if self.cost_model is None:
             self.cost_model = (fit or self.fit)(x_TD, T)
         return choose_schedule(self.cost_model, c, self.layout, T, dtype=x_TD.dtype)
