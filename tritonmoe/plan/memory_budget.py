@@ -344,9 +344,9 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
     * per micro-op, the combine (unpermute): each slot's ids (int64), kept mask (bool), fp32
       weight and expert output row ([T_i, k, d] in the layer's dtype), and the expert block's
       int64 row index of R_i + 1 entries;
-    * the expert block: DI and MI by strategy, :func:`tritonmoe.sim.memory_model.expert_block_bytes`,
-      and each micro-op's expert output [R_i, d] in expert-major order, which the block holds
-      until backward differentiates it (``_MemoryPipelinedExperts``' micro-op graphs);
+    * the expert block: DI and MI by strategy, :func:`tritonmoe.sim.memory_model.expert_block_bytes`
+      (``held``: the buffers every micro-op of which is restored anyway are freed until the
+      backward starts), and an expert output [R_i, d] per micro-op until the backward;
     * ``host``: the DI / MI copies an offloading strategy keeps in host memory.
 
     ``memory_strategy=None`` is the layer's default, unmanaged path (the unfused grouped FFN
@@ -359,7 +359,9 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
     Not counted: the CPU reference routing's top-k ids are a view of its [T, E] int64 sort
     (T*(E-k)*8 more bytes on CPU than the GPU kernels' [T, k] ids).
 
-    Returns ``{"router", "combine", "experts", "host", "total"}`` (device bytes but host)."""
+    Returns ``{"router", "combine", "experts", "host", "revive", "total"}`` (device bytes but
+    host): ``total`` is what the layer holds between its forward and its backward; ``revive`` the
+    buffers a managed block re-allocates when its backward starts (one layer at a time)."""
     n = _pos_int("pipeline_degree", pipeline_degree)
     es = _itemsize(dtype)
     T, E, K, d = tokens, m.num_experts, m.top_k, m.d_model
@@ -376,12 +378,15 @@ def moe_layer_saved_bytes(m: ModelSpec, tokens: int, rows: int, *, memory_strate
         # their product, the clamped up + 1 and the activation's output
         act = 5 * m.d_ffn if m.activation == "swiglu_oai" else 2 * m.d_ffn if m.gated else m.d_ffn
         per_row = d + m.n1 + act
-        eb = {"device": rows * per_row * es, "host": 0}
+        eb = {"device": rows * per_row * es, "held": rows * per_row * es, "host": 0}
     else:
         eb = expert_block_bytes(rows_i, d, m.n1, memory_strategy, es, mi_buffers)
-    experts = eb["device"] + (rows * d * es if expert_parallel or memory_strategy is not None else 0)
+    # the expert-parallel path and the managed block hold an expert output [R_i, d] per micro-op
+    # until the backward (measured by the allocator test: the rows the combine reads); a managed
+    # block frees the shared buffers it restores anyway until its backward starts ("held")
+    experts = eb["held"] + (rows * d * es if expert_parallel or memory_strategy is not None else 0)
     return {"router": router, "combine": combine, "experts": experts, "host": eb["host"],
-            "total": router + combine + experts}
+            "revive": eb["device"] - eb["held"], "total": router + combine + experts}
 
 
 #: transformers models whose RMSNorm multiplies by its weight in fp32 and casts after
@@ -711,6 +716,10 @@ def _activation_rows(m, S, T, seq_len, strategy, n, capacity_factor, imbalance, 
     shared = T * (4 * m.n_shared_experts * m.shared_d_ffn // mp + (m.d_model + 1 if m.shared_expert_gate else 0)) \
         * es if m.n_shared_experts else 0
     rows.append(MemoryRow("activations: MoE layers", m.moe_layers * (moe["total"] + shared), "formula", note))
+    if moe.get("revive"):
+        rows.append(MemoryRow("activations: one MoE block's backward", moe["revive"], "formula",
+                              "the shared DI/MI buffers a memory strategy frees between forward and backward, "
+                              "re-allocated while one layer's backward runs"))
     # logits in the compute dtype and the fp32 log-softmax cross-entropy keeps
     # the logits in the compute dtype (the model's output holds them), the fp32 log-softmax the
     # cross-entropy saves, and its int64 labels
