@@ -253,6 +253,8 @@ def _size_parser(sub) -> None:
     sz.add_argument("--mp-sizes", type=_ints_or_none, default=None,
                     help="Parm's MP sizes to try (EP x MP x DP, experts sharded over MP; default: MP > 1 within a "
                     "node where E < GPUs; '' for none)")
+    sz.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"),
+                    help="the attention the activation memory assumes (transformers' sdpa by default)")
     sz.add_argument("--no-lina", action="store_true",
                     help="do not simulate Lina's priority of the all-to-all over the gradient all-reduce for the top "
                     "candidates")
@@ -268,7 +270,8 @@ def _size(args) -> int:
                   tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, memory_budget_bytes=args.memory_budget,
                   setup=setup, ep_sizes=args.ep_sizes, capacity_factors=args.capacity_factors,
                   pipeline_degrees=args.degrees, memory_strategies=args.memory_strategies, routing=args.routing,
-                  mp_sizes=args.mp_sizes, lina=not args.no_lina)
+                  mp_sizes=args.mp_sizes, lina=not args.no_lina,
+                  attn_implementation=args.attn_implementation)
     if args.json == "-":
         json.dump(report.to_dict(), sys.stdout, indent=1)
         print()

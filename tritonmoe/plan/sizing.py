@@ -727,6 +727,7 @@ def size(
     routing: Any = "uniform",
     mp_sizes: Optional[Sequence[int]] = None,
     lina: bool = True,
+    attn_implementation: str = "sdpa",
 ) -> SizingReport:
     """Size ``model`` (a preset name, a :class:`~tritonmoe.plan.models.ModelSpec`, a transformers
     config, its dict or path) for training on ``gpus`` GPUs of ``cluster`` (see the module
@@ -749,6 +750,8 @@ def size(
             ``()`` for none).
         lina: simulate Lina's priority of the all-to-all over the gradient all-reduce for the
             top candidates (those within the tie tolerance plus one) and rank the variants.
+        attn_implementation: the attention the activation memory assumes ("sdpa", transformers'
+            default, or "eager"; :func:`~tritonmoe.plan.memory_budget.memory_per_gpu`).
 
     Raises:
         ValueError / TypeError naming the value and the fix; :class:`SizingError` (a ValueError)
@@ -782,7 +785,7 @@ def size(
         _pos_int("pipeline_degree", n)
     degrees = [n for n in pipeline_degrees if n <= T]
     sim = _Sim(m, T, cost, routing, seq_len)
-    mem_kw = dict(tokens_per_gpu=T, seq_len=seq_len)
+    mem_kw = dict(tokens_per_gpu=T, seq_len=seq_len, attn_implementation=attn_implementation)
     layouts = _mp_layouts(m, gpus, cl.gpus_per_node, eps, mp_sizes, notes)
     out = [_parm_candidate(sim, m, cost, gpus, ep, mp, cf, setup, mem_kw, capacity)
            for ep, mp in layouts for cf in capacity_factors]
