@@ -69,21 +69,36 @@ def _selected(filters: list[str]) -> list:
     return [variants[n] for n in NAMES if not filters or any(f in n for f in filters)]
 
 
+_TO_COMPILE: dict = {}  # name -> Variant, filled by main() before its workers fork
+
+
+def _compile_one(name: str) -> dict:
+    v = _TO_COMPILE[name]
+    rec: dict = {"name": v.name}
+    try:
+        facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
+                                   name=v.name)
+        rec.update(ok=True, **facts.as_dict())
+    except Exception as exc:  # report every variant, then fail
+        rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
+    return rec
+
+
 def main(filters: list[str]) -> int:
+    """Compile the selected variants in test_aot_compile's number of forked workers."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
     t0 = time.perf_counter()
-    failed = 0
-    for v in _selected(filters):
-        rec: dict = {"name": v.name}
-        try:
-            facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
-                                       name=v.name)
-            rec.update(ok=True, **facts.as_dict())
-        except Exception as exc:  # report every variant, then fail
-            rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
-            failed += 1
+    _TO_COMPILE.clear()
+    _TO_COMPILE.update({v.name: v for v in _selected(filters)})
+    jobs = min(sm90.compile_jobs(), max(1, len(_TO_COMPILE)))
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as pool:
+        records = list(pool.map(_compile_one, list(_TO_COMPILE)))
+    for rec in records:
         print(json.dumps(rec), flush=True)
-    print(json.dumps({"done": True, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    return 1 if failed else 0
+    print(json.dumps({"done": True, "jobs": jobs, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    return 1 if any(not r["ok"] for r in records) else 0
 
 
 @pytest.fixture(scope="module")
