@@ -37,13 +37,16 @@ __all__ = [
     "GluonDesc",
     "KernelFacts",
     "Ptr",
+    "compile_jobs",
     "compile_kernel",
+    "compile_many",
     "find_tool",
     "main_loop_barriers",
     "main_loop_facts",
     "mma_shapes",
     "pipeline_buffers",
     "ptx_loops",
+    "run_compile_script",
     "specialize",
     "unavailable_reason",
 ]
@@ -488,3 +491,76 @@ def compile_kernel(fn, args: Mapping[str, Any], *, num_warps: int = 4, num_stage
         tcgen05_kinds=tuple(sorted({".".join(m) for m in _TCGEN05_MMA.findall(ptx)})),
         setmaxnreg=tuple(f"{d} {n}" for d, n in _SETMAXNREG.findall(ptx)),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Many kernels at once: forked workers, one JSON line each, and the subprocess that runs them
+# ---------------------------------------------------------------------------------------------
+
+_TO_COMPILE: dict = {}  # name -> (fn, args, compile_kernel keywords), filled before the workers fork
+
+
+def _compile_one(name: str) -> dict:
+    fn, args, kw = _TO_COMPILE[name]
+    rec: dict = {"name": name}
+    try:
+        rec.update(ok=True, **compile_kernel(fn, args, name=name, **kw).as_dict())
+    except Exception as exc:  # report every kernel, then fail
+        rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
+    return rec
+
+
+def compile_jobs() -> int:
+    """Worker processes for :func:`compile_many`: ``TRITONMOE_AOT_JOBS``, else one per CPU this
+    process may use (Triton compiles one kernel on one core; the kernels are independent)."""
+    env = os.environ.get("TRITONMOE_AOT_JOBS")
+    if env:
+        return max(1, int(env))
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def compile_many(kernels: Mapping[str, tuple]) -> int:
+    """Compile ``kernels`` (name -> ``(fn, args, compile_kernel keywords)``) in
+    :func:`compile_jobs` forked workers and print one JSON line per kernel as it finishes (its
+    :class:`KernelFacts`, or ``ok: false`` and the error), then a ``done`` line. Returns the exit
+    status: 1 if any failed. The process must not run the interpreter (see :func:`compile_kernel`)."""
+    import concurrent.futures as cf
+    import json
+    import multiprocessing as mp
+
+    t0 = time.perf_counter()
+    _TO_COMPILE.clear()
+    _TO_COMPILE.update(kernels)
+    names = list(_TO_COMPILE)
+    jobs = min(compile_jobs(), max(1, len(names)))
+    failed = 0
+    pool = cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) if jobs > 1 else None
+    records = map(_compile_one, names) if pool is None else \
+        (f.result() for f in cf.as_completed([pool.submit(_compile_one, n) for n in names]))
+    for rec in records:
+        failed += not rec["ok"]
+        print(json.dumps(rec), flush=True)
+    if pool is not None:
+        pool.shutdown()
+    print(json.dumps({"done": True, "jobs": jobs, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    return 1 if failed else 0
+
+
+def run_compile_script(path: str, timeout: float) -> dict:
+    """Run the script at ``path`` (whose main prints :func:`compile_many`'s lines) in a process
+    without ``TRITON_INTERPRET``; name -> JSON record, plus ``"__done__"`` when it finished.
+    Raises RuntimeError with the end of its stderr when the subprocess died before its done line."""
+    import json
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.abspath(path)], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    records = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            records[rec.get("name", "__done__")] = rec
+    if "__done__" not in records:
+        raise RuntimeError(f"the compile subprocess died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return records

@@ -30,12 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import pkgutil
-import subprocess
 import sys
-import time
 from types import SimpleNamespace
 from typing import Any, Iterator, Optional
 from unittest import mock
@@ -759,55 +756,14 @@ def all_variants() -> list[Variant]:
 # ---------------------------------------------------------------------------------------------
 
 
-_TO_COMPILE: dict = {}  # name -> Variant, filled by main() before its workers fork
-
-
-def _compile_one(name: str) -> dict:
-    v = _TO_COMPILE[name]
-    rec: dict = {"name": v.name}
-    try:
-        facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
-                                   name=v.name, loop_facts=v.fn is PGK._grouped_mm_persistent_kernel)
-        rec.update(ok=True, **facts.as_dict())
-    except Exception as exc:  # report every variant, then fail
-        rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
-    return rec
-
-
-def compile_jobs() -> int:
-    """Worker processes for the compile: ``TRITONMOE_AOT_JOBS``, else one per CPU this process
-    may use (Triton compiles one kernel on one core; the variants are independent)."""
-    env = os.environ.get("TRITONMOE_AOT_JOBS")
-    if env:
-        return max(1, int(env))
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
 def main(filters: list[str]) -> int:
-    """Compile the variants (those whose name contains one of ``filters``, or all) in
-    :func:`compile_jobs` forked workers; one JSON line per variant as each finishes, then a
-    ``done`` line."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
-    t0 = time.perf_counter()
-    _TO_COMPILE.clear()
-    _TO_COMPILE.update({v.name: v for v in all_variants() if not filters or any(f in v.name for f in filters)})
-    names = list(_TO_COMPILE)
-    jobs = min(compile_jobs(), max(1, len(names)))
-    failed = 0
-    if jobs == 1:
-        records = map(_compile_one, names)
-    else:
-        pool = cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
-        records = (f.result() for f in cf.as_completed([pool.submit(_compile_one, n) for n in names]))
-    for rec in records:
-        failed += not rec["ok"]
-        print(json.dumps(rec), flush=True)
-    if jobs > 1:
-        pool.shutdown()
-    print(json.dumps({"done": True, "jobs": jobs, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    return 1 if failed else 0
+    """Compile the variants (those whose name contains one of ``filters``, or all) in forked
+    workers (:func:`aot_compile.compile_many`); one JSON line per variant, then a ``done`` line."""
+    return aot.compile_many({
+        v.name: (v.fn, v.args, dict(num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
+                                    loop_facts=v.fn is PGK._grouped_mm_persistent_kernel))
+        for v in all_variants() if not filters or any(f in v.name for f in filters)
+    })
 
 
 # ---------------------------------------------------------------------------------------------
@@ -824,17 +780,10 @@ def compiled() -> dict:
     reason = aot.unavailable_reason()
     if reason is not None:
         pytest.skip(f"cannot compile for sm_{ARCH} here: {reason}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    records = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            records[rec.get("name", "__done__")] = rec
-    if "__done__" not in records:
-        pytest.fail(f"the compile subprocess died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return records
+    try:
+        return aot.run_compile_script(__file__, timeout=900)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.slow

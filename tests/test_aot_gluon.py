@@ -20,9 +20,7 @@ Run by hand: ``python tests/test_aot_gluon.py``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -48,19 +46,8 @@ def _args(K: int, N: int) -> dict:
 
 
 def main() -> int:
-    failed = 0
-    for name, (K, N) in PRESETS.items():
-        rec: dict = {"name": name}
-        try:
-            facts = aot.compile_kernel(G._gluon_grouped_mm_ws_kernel, _args(K, N), num_warps=8, num_stages=1,
-                                       arch=90, name=name)
-            rec.update(ok=True, **facts.as_dict())
-        except Exception as exc:
-            rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
-            failed += 1
-        print(json.dumps(rec), flush=True)
-    print(json.dumps({"done": True}), flush=True)
-    return 1 if failed else 0
+    return aot.compile_many({name: (G._gluon_grouped_mm_ws_kernel, _args(K, N), dict(num_warps=8, num_stages=1, arch=90))
+                             for name, (K, N) in PRESETS.items()})
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +57,10 @@ def compiled() -> dict:
     reason = aot.unavailable_reason()
     if reason is not None:
         pytest.skip(f"cannot compile for sm_90a here: {reason}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
-                          timeout=600)
-    records = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            records[rec.get("name", "__done__")] = rec
-    if "__done__" not in records:
-        pytest.fail(f"the compile subprocess died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return records
+    try:
+        return aot.run_compile_script(__file__, timeout=600)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -21,11 +21,8 @@ Run by hand (one JSON line per variant)::
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -69,36 +66,10 @@ def _selected(filters: list[str]) -> list:
     return [variants[n] for n in NAMES if not filters or any(f in n for f in filters)]
 
 
-_TO_COMPILE: dict = {}  # name -> Variant, filled by main() before its workers fork
-
-
-def _compile_one(name: str) -> dict:
-    v = _TO_COMPILE[name]
-    rec: dict = {"name": v.name}
-    try:
-        facts = aot.compile_kernel(v.fn, v.args, num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH,
-                                   name=v.name)
-        rec.update(ok=True, **facts.as_dict())
-    except Exception as exc:  # report every variant, then fail
-        rec.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
-    return rec
-
-
 def main(filters: list[str]) -> int:
-    """Compile the selected variants in test_aot_compile's number of forked workers."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
-    t0 = time.perf_counter()
-    _TO_COMPILE.clear()
-    _TO_COMPILE.update({v.name: v for v in _selected(filters)})
-    jobs = min(sm90.compile_jobs(), max(1, len(_TO_COMPILE)))
-    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as pool:
-        records = list(pool.map(_compile_one, list(_TO_COMPILE)))
-    for rec in records:
-        print(json.dumps(rec), flush=True)
-    print(json.dumps({"done": True, "jobs": jobs, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    return 1 if any(not r["ok"] for r in records) else 0
+    """Compile the selected variants for sm_100a in forked workers (:func:`aot_compile.compile_many`)."""
+    return aot.compile_many({v.name: (v.fn, v.args, dict(num_warps=v.num_warps, num_stages=v.num_stages, arch=ARCH))
+                             for v in _selected(filters)})
 
 
 @pytest.fixture(scope="module")
@@ -106,17 +77,10 @@ def compiled() -> dict:
     reason = aot.unavailable_reason()
     if reason is not None:
         pytest.skip(f"cannot compile for sm_{ARCH}a here: {reason}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    records = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            records[rec.get("name", "__done__")] = rec
-    if "__done__" not in records:
-        pytest.fail(f"the compile subprocess died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return records
+    try:
+        return aot.run_compile_script(__file__, timeout=900)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.slow
